@@ -1,0 +1,23 @@
+"""nanwatch: numerical-health monitoring for PyTorch training.
+
+``nanwatch.attach`` is the trainer-side entry point; it is imported lazily so that the collector, which
+imports ``nanwatch.wire``, never pulls in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["attach", "__version__"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nanwatch.hooks import attach
+
+
+def __getattr__(name: str) -> Any:
+    if name == "attach":
+        from nanwatch.hooks import attach
+
+        return attach
+    raise AttributeError(f"module 'nanwatch' has no attribute {name!r}")

@@ -1,0 +1,200 @@
+"""The wire schema: the one module the trainer (nanwatch.hooks) and the collector (nanwatch.monitor) share.
+
+It imports pydantic and nothing else, so the collector never pulls in torch and the trainer never pulls in
+the web stack.
+
+Non-finite floats are the data being monitored, so they must survive the trip exactly: models serialise
+NaN/+Inf/-Inf as the JSON constants ``NaN``/``Infinity``/``-Infinity`` (what Python's ``json`` module
+reads and writes) and never as ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+__all__ = [
+    "SCHEMA_MAJOR",
+    "SCHEMA_VERSION",
+    "Backend",
+    "Directive",
+    "DirectiveSpec",
+    "Fingerprint",
+    "LogitStat",
+    "Mode",
+    "Phase",
+    "ReportBatch",
+    "RlhfStat",
+    "SdpaCall",
+    "SiteKind",
+    "SiteStat",
+    "StepReport",
+    "schema_major",
+]
+
+SCHEMA_MAJOR = 1
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.0"
+
+#: Where a tensor was seen: the forward output, or the gradient flowing back into it.
+Phase = Literal["forward", "backward"]
+#: What a site is; backward stats of any site count as ``grad`` in the headroom metric.
+SiteKind = Literal["attention", "logits", "logprob", "tensor"]
+#: The attention path a rank applies: ``none`` is the model's own path, untouched.
+Mode = Literal["none", "fp32", "fused", "eager_to_sdpa", "skip_step"]
+#: The SDPA backend that ran. ``compiled``: inside a torch.compile graph, where the eager probes are off.
+Backend = Literal[
+    "flash", "efficient", "cudnn", "math", "cpu_flash", "overrideable", "compiled", "eager", "unknown"
+]
+
+# Run ids travel in URL paths and Prometheus labels: keep them to a safe, bounded alphabet.
+RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")]
+# Site names are module FQNs or user-given watch names: printable, bounded, no control characters.
+SiteName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+ShortText = Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x08\x0b-\x1f\x7f]*$")]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Wire(BaseModel):
+    # Unknown fields are rejected (a typo must not vanish silently); NaN/Inf are serialised as constants.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", frozen=False)
+
+
+class SiteStat(_Wire):
+    """Finiteness of one site (module output, logits, watched tensor or its gradient) over one step."""
+
+    site: SiteName
+    kind: SiteKind
+    phase: Phase
+    dtype: Annotated[str, StringConstraints(max_length=32)]
+    calls: Count = 1
+    numel: Count
+    nan: Count
+    inf: Count
+    amax: float = Field(description="largest finite |x| seen at this site in the step")
+    headroom: float = Field(description="amax / finfo(dtype).max: 1.0 means at the overflow edge")
+
+
+class SdpaCall(_Wire):
+    """One SDPA signature at one site: which backend ran, and why not a fused one."""
+
+    site: SiteName
+    backend: Backend = Field(description="the backend that ran (confirmed from grad_fn when grad is on)")
+    predicted: Backend = Field(description="what torch._fused_sdp_choice predicted")
+    confirmed: bool = Field(description="backend was read from the output's grad_fn, not only predicted")
+    dtype: Annotated[str, StringConstraints(max_length=32)]
+    shape: Annotated[str, StringConstraints(max_length=256)]
+    reason: ShortText | None = Field(None, description="why no fused backend ran (None when one did)")
+    calls: Annotated[int, Field(ge=1)] = 1
+
+
+class LogitStat(_Wire):
+    """Max scaled QK logit of one attention layer in the step (max over calls, heads and ranks' rows)."""
+
+    layer: SiteName
+    bound: float = Field(description="upper bound on the max logit: max saved log-sum-exp, or the exact max")
+    source: Literal["lse", "exact", "scores"]
+    exact: float | None = Field(None, description="exact max, on sampled steps")
+    per_head: Annotated[list[float], Field(max_length=4096)] | None = None
+
+
+class RlhfStat(_Wire):
+    """Policy-gradient health: computed over masked tokens; non-finite values are counted, never dropped."""
+
+    nonfinite: dict[Annotated[str, StringConstraints(max_length=32)], Count] = Field(
+        default_factory=dict, max_length=16
+    )
+    tokens: Count = 0
+    logprob_min: float | None = None
+    ratio_max: float | None = None
+    clip_fraction: float | None = None
+    kl_k1_mean: float | None = None
+    kl_k1_max: float | None = None
+    kl_k3_mean: float | None = None
+    kl_k3_max: float | None = None
+    advantage_std: float | None = None
+
+
+class Fingerprint(_Wire):
+    """What one forward was fed: the first things a user checks after a NaN."""
+
+    forward: Count = Field(description="index of the forward within the step")
+    position_ids: Literal["none", "2d", "3d_mrope", "4d", "other"]
+    mask: Literal["none", "padding_2d", "4d", "packed_block", "other"]
+    fully_masked_rows: Count
+    packed: bool = Field(description="position_ids restart inside a row: several documents in one sequence")
+    plain_causal: bool = Field(description="attention ran with is_causal and no mask")
+    cross_doc_leak: bool = Field(description="packed and plain causal: documents attend to each other")
+
+
+def schema_major(version: str) -> int | None:
+    """The major number of a ``"MAJOR.MINOR"`` version string, or None if it is not one."""
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+class StepReport(_Wire):
+    """Everything one rank measured in one step. ``step`` and ``first_offender`` are public API."""
+
+    v: Annotated[str, StringConstraints(max_length=16)] = SCHEMA_VERSION
+    run_id: RunId
+    rank: Count = 0
+    world_size: Annotated[int, Field(ge=1)] = 1
+    incarnation: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    seq: Count = Field(description="per (rank, incarnation) report sequence number; the idempotency key")
+    step: Count
+    time: float = Field(description="unix time the step ended")
+    sites: Annotated[list[SiteStat], Field(max_length=4096)] = Field(default_factory=list)
+    sdpa: Annotated[list[SdpaCall], Field(max_length=4096)] = Field(default_factory=list)
+    logits: Annotated[list[LogitStat], Field(max_length=4096)] = Field(default_factory=list)
+    rlhf: RlhfStat | None = None
+    fingerprints: Annotated[list[Fingerprint], Field(max_length=256)] = Field(default_factory=list)
+    attention_mode: Mode = "none"
+    directive_version: Count = 0
+    first_offender: SiteName | None = None
+    first_offender_phase: Phase | None = None
+    dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
+    warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
+
+    @field_validator("v")
+    @classmethod
+    def _known_major(cls, v: str) -> str:
+        if schema_major(v) != SCHEMA_MAJOR:
+            raise ValueError(f"unsupported schema version {v!r}: this side speaks {SCHEMA_MAJOR}.x")
+        return v
+
+    @property
+    def nonfinite_total(self) -> int:
+        return sum(s.nan + s.inf for s in self.sites)
+
+
+class ReportBatch(_Wire):
+    """What the trainer POSTs: one or more reports, oldest first."""
+
+    reports: Annotated[list[StepReport], Field(min_length=1, max_length=256)]
+
+
+class DirectiveSpec(_Wire):
+    """What an operator (or a rule) asks for; the collector turns it into a versioned Directive."""
+
+    mode: Mode
+    apply_at_step: Count | None = Field(
+        None, description="step from which ranks apply it; default: latest step seen plus the margin"
+    )
+    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="go back to mode 'none' after this many clean steps (None: stay)"
+    )
+    reason: ShortText = ""
+
+
+class Directive(_Wire):
+    """A versioned instruction to every rank of a run. Version 0 with mode 'none' means no directive yet."""
+
+    run_id: RunId
+    version: Count
+    mode: Mode
+    apply_at_step: Count
+    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = None
+    reason: ShortText = ""
+    set_by: ShortText = ""
+    created_at: float = 0.0

@@ -1,0 +1,3 @@
+"""nanwatch.monitor: the collector service. Never imports torch."""
+
+__all__: list[str] = []

@@ -1,0 +1,50 @@
+"""The wire schema: shared by both sides, lossless for non-finite floats, strict about versions."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from nanwatch.wire import SCHEMA_VERSION, ReportBatch, RlhfStat, SiteStat, StepReport
+from pydantic import ValidationError
+
+
+def _report(**kw) -> StepReport:
+    base = dict(run_id="run-1", incarnation="abc", seq=0, step=7, time=1.5)
+    base.update(kw)
+    return StepReport(**base)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0.0, 1e308])
+def test_non_finite_floats_round_trip_exactly(value):
+    site = SiteStat(site="model.layers.0.self_attn", kind="attention", phase="forward", dtype="float16",
+                    numel=4, nan=1, inf=0, amax=value, headroom=value)
+    r = _report(sites=[site], rlhf=RlhfStat(logprob_min=value, kl_k3_max=value))
+    text = ReportBatch(reports=[r]).model_dump_json()
+    assert "null" not in text.split('"ratio_max"')[0]
+    for back in (ReportBatch.model_validate_json(text), ReportBatch.model_validate(json.loads(text))):
+        got = back.reports[0]
+        for x in (got.sites[0].amax, got.sites[0].headroom, got.rlhf.logprob_min, got.rlhf.kl_k3_max):
+            assert (math.isnan(x) and math.isnan(value)) or x == value
+
+
+def test_unknown_major_version_is_rejected_and_named():
+    with pytest.raises(ValidationError, match="'2.0'"):
+        _report(v="2.0")
+    assert _report(v="1.7").v == "1.7"
+    assert _report().v == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("bad", [{"run_id": "a\nb"}, {"run_id": "x" * 200}, {"step": -1},
+                                 {"incarnation": ""}, {"rank": -2}, {"surprise": 1}])
+def test_bad_fields_are_rejected(bad):
+    with pytest.raises(ValidationError):
+        _report(**bad)
+
+
+def test_wire_imports_neither_torch_nor_web_stack():
+    code = ("import sys, nanwatch.wire; bad = [m for m in ('torch', 'fastapi', 'starlette', 'uvicorn', "
+            "'prometheus_client') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,3 +1,9 @@
-"""nanwatch.hooks: trainer-side instrumentation. Never imports the web stack."""
+"""nanwatch.hooks: trainer-side instrumentation. Never imports the web stack.
 
-__all__: list[str] = []
+``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
+"""
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.monitor import Monitor, attach
+
+__all__ = ["Monitor", "MonitorConfig", "attach"]

@@ -1,0 +1,89 @@
+"""Monitor configuration: small, typed, validated at construction."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanwatch.wire import StepReport
+
+__all__ = ["MonitorConfig", "default_is_attention"]
+
+_ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
+
+
+def default_is_attention(name: str, module: torch.nn.Module) -> bool:
+    """Attention-like modules by class name: HF's ``*Attention``, ``*Attn``, and linear-attention layers
+    such as Qwen3.5's ``*GatedDeltaNet``. Only the innermost match is instrumented."""
+    return bool(_ATTENTION_NAME.search(type(module).__name__))
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """What to measure and where to send it. Defaults are the cheap, always-on set."""
+
+    run_id: str
+    """Names the run in every report and metric label; letters, digits and ``._:@+=-``, at most 128."""
+
+    collector: str | None = None
+    """Base URL of the collector (``http://host:port``); None keeps reports in-process only."""
+
+    token: str | None = None
+    """Ingest bearer token for the collector; default: the ``NANWATCH_TOKEN`` environment variable."""
+
+    rank: int | None = None
+    """This process's rank; default: torch.distributed's rank if initialised, else ``$RANK``, else 0."""
+
+    world_size: int | None = None
+    """Number of ranks; default: torch.distributed's world size, else ``$WORLD_SIZE``, else 1."""
+
+    grads: bool = True
+    """Also measure the gradient flowing back into every site (the backward pass)."""
+
+    logits: bool = True
+    """Measure the output-embedding (``lm_head``) output, i.e. the logits."""
+
+    fingerprint: bool = True
+    """Record each forward's input layout (position_ids, mask kind, packing, fully masked rows)."""
+
+    exact_logit_every: int = 100
+    """Compute the exact per-head max attention logit every N steps (about one attention forward of
+    extra work on those steps); 0 turns it off. Other steps use the saved log-sum-exp bound."""
+
+    exact_logit_chunk_elems: int = 1 << 24
+    """Upper bound on the score elements held at once by the exact computation (memory stays bounded)."""
+
+    is_attention: Callable[[str, torch.nn.Module], bool] = default_is_attention
+    """Which modules are attention sites (given FQN and module)."""
+
+    max_pending_reports: int = 8
+    """Steps whose stats may wait for the reporter thread; beyond that a step's report is dropped and
+    counted rather than stalling training."""
+
+    on_report: Callable[[StepReport], None] | None = None
+    """Called on the reporter thread with every finished StepReport (exceptions are logged, not raised)."""
+
+    directive_check_every: int = 10
+    """Under torch.distributed, ranks agree on the active directive every K steps (one small broadcast)."""
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID.match(self.run_id or ""):
+            raise ValueError(f"run_id {self.run_id!r} is not valid: use 1-128 of letters, digits and ._:@+=- "
+                             "(it becomes a URL path segment and a Prometheus label)")
+        if self.exact_logit_every < 0:
+            raise ValueError(f"exact_logit_every must be >= 0 (0 disables), got {self.exact_logit_every}")
+        if self.exact_logit_chunk_elems < 1:
+            raise ValueError(f"exact_logit_chunk_elems must be >= 1, got {self.exact_logit_chunk_elems}")
+        if self.max_pending_reports < 1:
+            raise ValueError(f"max_pending_reports must be >= 1, got {self.max_pending_reports}")
+        if self.directive_check_every < 1:
+            raise ValueError(f"directive_check_every must be >= 1, got {self.directive_check_every}")
+        if self.collector is not None and not re.match(r"^https?://", self.collector):
+            raise ValueError(f"collector must be an http(s) URL, got {self.collector!r}")
+        if self.token is None:
+            self.token = os.environ.get("NANWATCH_TOKEN") or None

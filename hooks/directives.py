@@ -1,0 +1,141 @@
+"""Directives on the trainer side: which attention path this rank applies, switched only at step
+boundaries, and at the same step on every rank.
+
+Rank 0 long-polls the collector on a background thread. Under torch.distributed, every K steps all ranks
+agree on (version, mode, apply_at_step, revert) through one small int64 broadcast from rank 0, then apply
+once ``step >= apply_at_step``; since every rank evaluates the same rule on the same numbers, they switch
+together. Outside those K-step points nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from nanwatch.wire import Directive
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nanwatch.hooks.monitor import Monitor
+
+__all__ = ["DirectiveState", "MODES"]
+
+log = logging.getLogger("nanwatch")
+MODES = ("none", "fp32", "fused", "eager_to_sdpa", "skip_step")
+_FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def _dist_group_size() -> int:
+    d = torch.distributed
+    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
+
+
+class DirectiveState:
+    """The active directive of one Monitor. ``mode`` and ``version`` go into every report (the ack)."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self._mon = monitor
+        self.mode: str = "none"
+        self.version = 0
+        self.revert_after: int | None = None
+        self.clean_streak = 0
+        self._offered: Directive | None = None
+        self._agreed: tuple[int, int, int, int] | None = None
+        self._poller = None
+        self._prev_impl: str | None = None
+        self.fallbacks = 0
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def start_polling(self, url: str, token: str | None) -> None:
+        if self._mon.rank != 0:
+            return  # rank 0 polls; the others learn through the broadcast
+        from nanwatch.hooks.transport import DirectivePoller
+
+        self._poller = DirectivePoller(url, self._mon.config.run_id, token=token)
+
+    def offer(self, directive: Directive) -> None:
+        """Hand a directive over in-process (tests, the demo, or a trainer's own logic)."""
+        self._offered = directive
+
+    def note_report(self, clean: bool) -> None:
+        """Reporter thread: count consecutive clean steps for auto-revert."""
+        self.clean_streak = self.clean_streak + 1 if clean else 0
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.close()
+        self._set_mode("none", self.version)
+
+    # ---- step boundary -------------------------------------------------------------------------------
+    def _local_candidate(self) -> tuple[int, int, int, int]:
+        """(version, mode index, apply_at_step, revert_flag) as rank 0 sees it now."""
+        newest = self._offered
+        polled = self._poller.latest if self._poller is not None else None
+        if polled is not None and (newest is None or polled.version > newest.version):
+            newest = polled
+        if newest is not None and newest.version > self.version:
+            self._revert_next = newest.revert_after_clean_steps
+            return newest.version, MODES.index(newest.mode), newest.apply_at_step, 0
+        revert = int(self.mode != "none" and self.revert_after is not None
+                     and self.clean_streak >= self.revert_after)
+        return self.version, MODES.index(self.mode), 0, revert
+
+    def at_step_boundary(self, step: int) -> None:
+        world = _dist_group_size()
+        if world == 1:
+            cand = self._local_candidate()
+        elif step % self._mon.config.directive_check_every == 0:
+            cand = self._agree()
+        else:
+            cand = self._agreed
+        if cand is None:
+            return
+        version, mode_idx, apply_at, revert = cand
+        if version > self.version and step >= apply_at:
+            self.revert_after = getattr(self, "_revert_next", None)
+            self.clean_streak = 0
+            self._set_mode(MODES[mode_idx], version)
+            log.warning("nanwatch: step %d: applying directive v%d mode=%s", step, version, self.mode)
+        elif revert and self.mode != "none":
+            log.warning("nanwatch: step %d: %d clean steps, reverting mode %s", step, self.clean_streak,
+                        self.mode)
+            self._set_mode("none", self.version)
+        if world > 1:
+            self._agreed = None if (version, revert) == (self.version, 0) else cand
+
+    def _agree(self) -> tuple[int, int, int, int]:
+        """One int64 broadcast from rank 0 (gloo: CPU tensor; nccl: on this rank's device). This is the
+        only collective nanwatch issues, once every K steps."""
+        d = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if d.get_backend() == "nccl" \
+            else torch.device("cpu")
+        local = self._local_candidate() if self._mon.rank == 0 else (0, 0, 0, 0)
+        t = torch.tensor(local, dtype=torch.int64, device=device)
+        d.broadcast(t, src=0)
+        return tuple(int(x) for x in t.tolist())  # sync-ok: once every K steps, by design
+
+    # ---- effects -----------------------------------------------------------------------------------
+    def _set_mode(self, mode: str, version: int) -> None:
+        model = self._mon._model()
+        if self.mode == "eager_to_sdpa" and mode != "eager_to_sdpa" and self._prev_impl and model is not None:
+            model.set_attn_implementation(self._prev_impl)
+            self._prev_impl = None
+        if mode == "eager_to_sdpa" and self.mode != mode and model is not None:
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            if impl == "eager" and hasattr(model, "set_attn_implementation"):
+                self._prev_impl = impl
+                model.set_attn_implementation("sdpa")
+        self.mode, self.version = mode, version
+
+    def fused_call(self, call, upcast):
+        """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""
+        try:
+            with sdpa_kernel(_FUSED):
+                return call()
+        except RuntimeError as exc:
+            self.fallbacks += 1
+            log.warning("nanwatch: directive 'fused': no fused kernel fits (%s); ran fp32 instead", exc)
+            upcast()
+            return call()

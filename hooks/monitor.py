@@ -1,0 +1,403 @@
+"""The Monitor: attaches the probes to a model, marks steps, and owns every handle it registered."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+
+from nanwatch.hooks import attention
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.directives import DirectiveState
+from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
+from nanwatch.hooks.logit import exact_max_logit
+from nanwatch.hooks.recorder import Recorder
+from nanwatch.hooks.reporter import Pending, Reporter
+from nanwatch.hooks.rlhf import decode_rlhf, record_rlhf
+from nanwatch.hooks.sdpa_backend import confirmed_backend, lse_of, predict
+from nanwatch.wire import StepReport
+
+__all__ = ["Monitor", "attach"]
+
+log = logging.getLogger("nanwatch")
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, Monitor] = weakref.WeakKeyDictionary()
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _first_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+class Monitor:
+    """Numerical-health probes on one model. Registers hooks on ``__enter__`` (or ``attach``), removes
+    every one of them on ``__exit__``/``close``, leaving the model exactly as it was.
+
+    Example usage::
+
+        model = Qwen3ForCausalLM(config)
+        with nanwatch.attach(model, run_id="grpo-0412", collector="http://127.0.0.1:9464") as mon:
+            for n, batch in enumerate(loader):
+                with mon.step(n):
+                    out = model(**batch)
+                    mon.rlhf(logprobs=lp, old_logprobs=old_lp, ref_logprobs=ref_lp, mask=mask)
+                    loss.backward()
+                    opt.step()
+                report = mon.last_report()   # optional: waits for that step's async copy
+                print(report.step, report.first_offender)
+    """
+
+    def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
+        self.config = config
+        self._model = weakref.ref(model)
+        rank, world = _dist_rank_world()
+        self.rank = config.rank if config.rank is not None else rank
+        self.world_size = config.world_size if config.world_size is not None else world
+        self.incarnation = uuid.uuid4().hex[:12]
+        try:
+            device = next(model.parameters()).device
+        except StopIteration:
+            device = torch.device("cpu")
+        self._device = device
+        self.rec = Recorder(device)
+        self._handles: list = []
+        self._fqns: dict[int, str] = {}
+        self._active = False
+        self._step: int | None = None
+        self._seq = 0
+        self._sampled = False
+        self._masks_seen: set[tuple[int, int]] = set()
+        self._warned: set[str] = set()
+        self.directives = DirectiveState(self)
+        self._sender = None
+        self._reporter = Reporter(self._build_report, on_report=self._deliver,
+                                  max_pending=config.max_pending_reports)
+
+    # ---- attach / detach -------------------------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        if not self._active:
+            self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def attach(self) -> Monitor:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("nanwatch: the model was garbage-collected before attach")
+        if model in _attached:
+            raise RuntimeError("nanwatch: this model already has a Monitor attached; close() it first "
+                               "(two monitors would double-count every site)")
+        self._fqns = {id(m): name for name, m in model.named_modules()}
+        attn = self._attention_modules(model)
+        if not attn:
+            warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, "
+                          "*DeltaNet); SDPA calls are still caught, eager attention is not. Pass "
+                          "is_attention= to name your attention modules.", RuntimeWarning, stacklevel=3)
+        for name, mod in attn:
+            self._handles.append(mod.register_forward_pre_hook(partial(self._attn_pre, name)))
+            self._handles.append(mod.register_forward_hook(self._attn_post, always_call=True))
+        if self.config.logits:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            if isinstance(head, torch.nn.Module) and id(head) in self._fqns:
+                self._handles.append(head.register_forward_hook(
+                    partial(self._output_hook, self._fqns[id(head)], "logits"), always_call=True))
+        if self.config.fingerprint:
+            self._sig = inspect.signature(model.forward)
+            self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+            for mod in model.modules():
+                if type(mod).__name__.endswith("RotaryEmbedding"):
+                    self._handles.append(mod.register_forward_pre_hook(self._rotary_pre))
+        _attached[model] = self
+        attention.install(self)
+        self._active = True
+        if self.config.collector:
+            from nanwatch.hooks.transport import ReportSender
+
+            self._sender = ReportSender(self.config.collector, token=self.config.token)
+            self.directives.start_polling(self.config.collector, self.config.token)
+        return self
+
+    def _attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        hits = [(n, m) for n, m in model.named_modules() if n and self.config.is_attention(n, m)]
+        names = [n for n, _ in hits]
+        # innermost only: drop a match that contains another match
+        return [(n, m) for n, m in hits if not any(o.startswith(n + ".") for o in names)]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Remove every hook, restore the patched functions, flush the last reports (bounded wait)."""
+        if not self._active:
+            return
+        self._active = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        attention.uninstall(self)
+        model = self._model()
+        if model is not None:
+            _attached.pop(model, None)
+        self.directives.close()
+        self._reporter.close(timeout)
+        if self._sender is not None:
+            self._sender.close(timeout_s=timeout)
+
+    def _fqn_of(self, module: torch.nn.Module) -> str | None:
+        return self._fqns.get(id(module)) if self._active else None
+
+    # ---- steps -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, n: int) -> Iterator[Monitor]:
+        """Mark one training step; stats of everything inside are reported under step ``n``."""
+        self._begin(n)
+        try:
+            yield self
+        finally:
+            self._end(n)
+
+    def _begin(self, n: int) -> None:
+        self._step = n
+        every = self.config.exact_logit_every
+        self._sampled = bool(every) and n % every == 0
+        self._masks_seen.clear()
+        try:
+            self.directives.at_step_boundary(n)
+        except Exception as exc:
+            attention._warn(exc)
+
+    def _end(self, n: int) -> None:
+        if not self._active:
+            return
+        state = self.rec.swap()
+        buf = self.rec.buf
+        host = self._reporter.host_buffer(buf.data.numel(), buf.device)
+        if host is None:
+            log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
+                        self.config.max_pending_reports, n)
+        else:
+            buf.snapshot_into(host)
+            event = None
+            if buf.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            ctx = (state, self.directives.mode, self.directives.version, time.time())
+            self._reporter.submit(Pending(self._seq, n, host, buf.size, event, ctx))
+            self._seq += 1
+        buf.reset()
+        self._step = None
+
+    def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
+        """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""
+        return self._reporter.last_report(timeout)
+
+    @property
+    def dropped_reports(self) -> int:
+        return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
+
+    # ---- public probes ---------------------------------------------------------------------------
+    def watch(self, name: str, tensor: torch.Tensor, *, kind: str = "tensor") -> torch.Tensor:
+        """Measure any tensor (and its gradient, if it requires grad); returns it unchanged."""
+        if self._active and not torch.compiler.is_compiling():
+            self._guarded(self._site, name, kind, tensor)
+        return tensor
+
+    def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+             old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None, clip_eps: float = 0.2) -> None:
+        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device."""
+        if not self._active or torch.compiler.is_compiling():
+            return
+        self._guarded(self._site, "rlhf.logprobs", "logprob", logprobs)
+        self._guarded(record_rlhf, self.rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                      old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps)
+
+    # ---- hook bodies -----------------------------------------------------------------------------
+    def _guarded(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # monitoring never breaks training
+            attention._warn(exc)
+
+    def _site(self, site: str, kind: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+            return
+        self.rec.tensor(site, kind, "forward", x)
+        if self.config.grads and x.requires_grad and torch.is_grad_enabled():
+            x.register_hook(partial(self._grad_hook, site, kind))
+
+    def _grad_hook(self, site: str, kind: str, grad: torch.Tensor) -> None:
+        if self._active and grad is not None:
+            self._guarded(self.rec.tensor, site, kind, "backward", grad)
+
+    def _attn_pre(self, name: str, module, args) -> None:
+        if self._active and not torch.compiler.is_compiling():
+            attention.push(attention.Frame(self, name, attention=True))
+
+    def _attn_post(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        fr = attention.pop()
+        if fr is None or fr.monitor is not self or not self._active or fr.sdpa_calls:
+            return  # SDPA already measured this module's attention output
+        self._guarded(self._site, fr.site, "attention", _first_tensor(output))
+
+    def _output_hook(self, name: str, kind: str, module, args, output) -> None:
+        if self._active and not torch.compiler.is_compiling():
+            self._guarded(self._site, name, kind, _first_tensor(output))
+
+    def _root_pre(self, module, args, kwargs) -> None:
+        if self._active and not torch.compiler.is_compiling():
+            self._guarded(record_forward_inputs, self.rec, self._sig, args, kwargs)
+
+    def _rotary_pre(self, module, args) -> None:
+        fwd = self.rec.current_forward()
+        if not self._active or torch.compiler.is_compiling() or fwd is None or fwd.position_ids != "none":
+            return
+        pos = args[1] if len(args) > 1 else None
+        if isinstance(pos, torch.Tensor):
+            self._guarded(position_layout, self.rec, fwd, pos)
+
+    def _sdpa_call(self, frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
+        dtype = q.dtype
+        mode = self.directives.mode
+        args = [q, k, v, mask]
+
+        def upcast() -> None:  # directive 'fp32': upcast q/k/v (and a float mask), cast the output back
+            if args[0].dtype in _HALF:
+                args[:3] = [t.float() for t in args[:3]]
+                if args[3] is not None and args[3].is_floating_point():
+                    args[3] = args[3].float()
+
+        def call():
+            return orig(*args, dropout, is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
+
+        if mode == "fp32":
+            upcast()
+        try:
+            predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
+        except Exception as exc:
+            attention._warn(exc)
+            predicted, reason = "unknown", None
+        out = self.directives.fused_call(call, upcast) if mode == "fused" else call()
+        self._guarded(self._after_sdpa, frame.site, out, args[0], args[1], args[3], is_causal, scale,
+                      predicted, reason)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def _after_sdpa(self, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
+        confirmed = confirmed_backend(out)
+        backend = confirmed or predicted
+        sig = f"q{list(q.shape)} k{list(k.shape)}"
+        if mask is not None:
+            sig += f" mask:{str(mask.dtype).removeprefix('torch.')}{list(mask.shape)}"
+        elif is_causal:
+            sig += " causal"
+        self.rec.sdpa(site, backend, predicted, confirmed is not None, q.dtype, sig,
+                      None if backend not in ("math", "unknown") else reason)
+        self._site(site, "attention", out)
+        lse = lse_of(out)
+        if lse is not None:
+            lse = lse[..., : q.shape[-2]]  # mem-efficient pads its lse to a multiple of 32 rows
+            self.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
+        if self._sampled:
+            self.rec.logit_heads(site, "exact", exact_max_logit(
+                q, k, attn_mask=mask, is_causal=is_causal, scale=scale,
+                chunk_elems=self.config.exact_logit_chunk_elems))
+        fwd = self.rec.current_forward()
+        if fwd is not None:
+            if mask is None:
+                fwd.plain_causal |= bool(is_causal) and q.shape[-2] > 1
+            else:
+                fwd.mask_4d_seen |= mask.dim() == 4
+                self._count_masked_rows(fwd, mask)
+
+    def _count_masked_rows(self, fwd, mask: torch.Tensor) -> None:
+        key = (mask.data_ptr(), mask._version)
+        if key in self._masks_seen:  # every layer gets the same mask: count it once per forward
+            return
+        self._masks_seen.add(key)
+        if mask.dtype == torch.bool:
+            rows = ~mask.any(dim=-1)
+        else:
+            rows = mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
+        self.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=self.rec.buf.dtype), how="max")
+
+    def _scores(self, frame, scores: torch.Tensor) -> None:
+        """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
+        s = scores.detach()
+        rowmax = s.amax(dim=-1)
+        self.rec.logit_heads(frame.site, "scores", rowmax.amax(dim=(0, 2)))
+        fwd = self.rec.current_forward()
+        if fwd is not None and s.is_floating_point():
+            dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
+            self.rec.forward_count(fwd, "masked_rows", dead.sum(dtype=self.rec.buf.dtype), how="max")
+
+    # ---- reporting (reporter thread) ---------------------------------------------------------------
+    def _build_report(self, pending: Pending, values: list[float]) -> StepReport:
+        state, mode, version, t = pending.context
+        sites, sdpa, logits, prints, first = self.rec.decode(state, values)
+        warns = list(state.warnings)
+        for f in prints:
+            if f.cross_doc_leak:
+                warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
+                             "causal attention: documents attend across boundaries (HF builds a cache when "
+                             "use_cache is left True in training; pass use_cache=False)")
+        if not state.sdpa and not any(s.kind == "attention" for s in sites) and (sites or state.forwards):
+            warns.append("no attention ran in this step: check is_attention= and that the model calls "
+                         "torch.nn.functional.scaled_dot_product_attention at call time")
+        for w in warns:
+            self._warn_once(w)
+        self.directives.note_report(first is None)
+
+        def get(kind, key, default=0.0):
+            i = self.rec.buf.index(kind, key)
+            return default if i is None or i >= len(values) else values[i]
+
+        return StepReport(
+            run_id=self.config.run_id, rank=self.rank, world_size=self.world_size,
+            incarnation=self.incarnation, seq=pending.seq, step=pending.step, time=t,
+            sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints,
+            rlhf=decode_rlhf(get) if state.rlhf else None,
+            attention_mode=mode, directive_version=version,
+            first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
+            dropped_reports=self.dropped_reports, warnings=warns[:64])
+
+    def _warn_once(self, message: str) -> None:
+        head = message.split(":", 1)[-1]
+        if head not in self._warned:
+            self._warned.add(head)
+            log.warning("nanwatch: %s", message)
+            warnings.warn(f"nanwatch: {message}", RuntimeWarning, stacklevel=2)
+
+    def _deliver(self, report: StepReport) -> None:
+        if self._sender is not None:
+            self._sender.submit(report)
+
+
+def attach(model: torch.nn.Module, *, run_id: str, collector: str | None = None,
+           config: MonitorConfig | None = None, **options) -> Monitor:
+    """Attach nanwatch to ``model`` and return the Monitor (a context manager that detaches on exit).
+
+    ``options`` are MonitorConfig fields (``grads=``, ``exact_logit_every=``, ``rank=``, ...).
+    """
+    if config is None:
+        config = MonitorConfig(run_id=run_id, collector=collector, **options)
+    return Monitor(model, config).attach()

@@ -1,0 +1,172 @@
+"""One step's measurements: host-side bookkeeping (names, order, shapes) plus device-side values.
+
+The hot path (``tensor``, ``sdpa``, ``logit_*``, ``forward_*``) only launches device ops into the
+StatBuffer and appends to host dicts. ``decode`` turns a host copy of the buffer back into wire objects;
+it runs on the reporter thread, never in a hook.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from nanwatch.hooks.stats import StatBuffer, finite_stats
+from nanwatch.wire import Fingerprint, LogitStat, SdpaCall, SiteStat
+
+__all__ = ["ForwardMeta", "StepState", "Recorder"]
+
+_FINFO_MAX: dict[str, float] = {}
+#: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
+MAX_FORWARDS = 64
+
+
+def _finfo_max(dtype: torch.dtype) -> float:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _FINFO_MAX:
+        fp = dtype.is_floating_point or dtype.is_complex
+        _FINFO_MAX[name] = float(torch.finfo(dtype).max if fp else torch.iinfo(dtype).max)
+    return _FINFO_MAX[name]
+
+
+@dataclass(slots=True)
+class _SiteMeta:
+    kind: str
+    dtype: torch.dtype
+    calls: int = 0
+    numel: int = 0
+
+
+@dataclass(slots=True)
+class ForwardMeta:
+    """What one model forward was fed; counts live in the buffer under ``("fwd", index, name)``."""
+
+    index: int
+    position_ids: str = "none"
+    mask: str = "none"
+    packed_checked: bool = False
+    plain_causal: bool = False
+    mask_4d_seen: bool = False
+
+
+@dataclass(slots=True)
+class StepState:
+    """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
+
+    order: list[tuple[str, str]] = field(default_factory=list)
+    sites: dict[tuple[str, str], _SiteMeta] = field(default_factory=dict)
+    sdpa: dict[tuple, int] = field(default_factory=dict)
+    logits: dict[str, tuple[str, int]] = field(default_factory=dict)
+    forwards: list[ForwardMeta] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    rlhf: bool = False
+
+
+class Recorder:
+    """Writes one step's stats; ``swap()`` hands the finished step over and starts the next."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.buf = StatBuffer(device)
+        self.state = StepState()
+
+    # ---- hot path -------------------------------------------------------------------------------
+    def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor) -> None:
+        key = (site, phase)
+        meta = self.state.sites.get(key)
+        if meta is None:
+            meta = self.state.sites[key] = _SiteMeta(kind, x.dtype)
+            self.state.order.append(key)
+        meta.calls += 1
+        meta.numel += x.numel()
+        nan, inf, amax = finite_stats(self._local(x))
+        self.buf.add(("nan", key), nan)
+        self.buf.add(("inf", key), inf)
+        self.buf.maximize(("amax", key), amax)
+
+    def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype,
+             shape: str, reason: str | None) -> None:
+        key = (site, backend, predicted, confirmed, str(dtype).removeprefix("torch."), shape, reason)
+        self.state.sdpa[key] = self.state.sdpa.get(key, 0) + 1
+
+    def logit_heads(self, layer: str, source: str, per_head: torch.Tensor) -> None:
+        """Max a per-head logit figure (bound or exact) into the layer's slots."""
+        n = per_head.numel()
+        prev = self.state.logits.get((layer, source))
+        self.state.logits[(layer, source)] = (source, n) if prev is None or prev[1] == n else prev
+        self.buf.maximize_many((source, layer, n), self._local(per_head))
+
+    def forward_begin(self, position_ids: str, mask: str) -> ForwardMeta:
+        forwards = self.state.forwards
+        if len(forwards) >= MAX_FORWARDS:  # e.g. generate(): later forwards share the last record
+            return forwards[-1]
+        meta = ForwardMeta(len(forwards), position_ids, mask)
+        forwards.append(meta)
+        return meta
+
+    def forward_count(self, meta: ForwardMeta, name: str, value: torch.Tensor, *, how: str = "sum") -> None:
+        key = ("fwd", meta.index, name)
+        if how == "sum":
+            self.buf.add(key, self._local(value))
+        else:
+            self.buf.maximize(key, self._local(value))
+
+    def current_forward(self) -> ForwardMeta | None:
+        return self.state.forwards[-1] if self.state.forwards else None
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.device == self.buf.device else x.to(self.buf.device, non_blocking=True)
+
+    # ---- step boundary ---------------------------------------------------------------------------
+    def swap(self) -> StepState:
+        state, self.state = self.state, StepState()
+        return state
+
+    # ---- decoding (reporter thread) --------------------------------------------------------------
+    def decode(self, state: StepState, values: list[float]):
+        """Turn a host copy of the buffer into (sites, sdpa, logits, fingerprints, first offender)."""
+        buf = self.buf
+
+        def get(kind: str, key, default: float = 0.0) -> float:
+            i = buf.index(kind, key)
+            return default if i is None or i >= len(values) else values[i]
+
+        sites, first = [], None
+        for key in state.order:
+            meta = state.sites[key]
+            nan, inf = int(get("sum", ("nan", key))), int(get("sum", ("inf", key)))
+            amax = get("max", ("amax", key), math.nan)
+            if first is None and nan + inf:
+                first = key
+            sites.append(SiteStat(
+                site=key[0], kind=meta.kind, phase=key[1], dtype=str(meta.dtype).removeprefix("torch."),
+                calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax,
+                headroom=amax / _finfo_max(meta.dtype)))
+        sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
+                         reason=k[6], calls=n) for k, n in state.sdpa.items()]
+        logits = self._decode_logits(state, get)
+        prints = []
+        for f in state.forwards:
+            resets = get("sum", ("fwd", f.index, "resets"))
+            packed = f.packed_checked and resets > 0
+            mask = "packed_block" if packed and f.mask_4d_seen and f.mask in ("none", "4d") else f.mask
+            prints.append(Fingerprint(
+                forward=f.index, position_ids=f.position_ids, mask=mask,
+                fully_masked_rows=max(0, int(get("max", ("fwd", f.index, "masked_rows"), 0.0))),
+                packed=packed, plain_causal=f.plain_causal, cross_doc_leak=packed and f.plain_causal))
+        return sites, sdpa, logits, prints, first
+
+    @staticmethod
+    def _decode_logits(state: StepState, get) -> list[LogitStat]:
+        by_layer: dict[str, dict[str, list[float]]] = {}
+        for (layer, source), (_, n) in state.logits.items():
+            by_layer.setdefault(layer, {})[source] = [get("max", ((source, layer, n), j), -math.inf)
+                                                      for j in range(n)]
+        out = []
+        for layer, srcs in by_layer.items():
+            exact = srcs.get("exact") or srcs.get("scores")
+            heads = srcs.get("lse") or exact
+            source = "lse" if "lse" in srcs else ("scores" if "scores" in srcs else "exact")
+            out.append(LogitStat(layer=layer, bound=max(heads), source=source,
+                                 exact=max(exact) if exact else None, per_head=heads))
+        return out

@@ -1,0 +1,113 @@
+"""Step end without a host sync: one asynchronous device-to-host copy plus an event; a background thread
+waits on the event and builds the StepReport.
+
+Host buffers are a small pool (pinned on CUDA) so the copy never blocks the training thread; if the
+thread falls behind by more than the pool, that step's report is dropped and counted instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanwatch.wire import StepReport
+
+__all__ = ["Pending", "Reporter"]
+
+log = logging.getLogger("nanwatch")
+
+
+@dataclass(slots=True)
+class Pending:
+    """A finished step waiting for its copy: everything the report needs except the device values."""
+
+    seq: int
+    step: int
+    host: torch.Tensor
+    size: int
+    event: Any  # torch.cuda.Event | None
+    context: Any  # opaque: handed back to ``build``
+
+
+class Reporter:
+    """Owns the host-buffer pool and the thread that turns ``Pending`` steps into ``StepReport``s."""
+
+    def __init__(self, build: Callable[[Pending, list[float]], StepReport], *,
+                 on_report: Callable[[StepReport], None] | None = None, max_pending: int = 8) -> None:
+        self._build = build
+        self._on_report = on_report
+        self._queue: queue.Queue[Pending | None] = queue.Queue()
+        self._free: list[torch.Tensor] = []
+        self._outstanding = 0
+        self._max_pending = max_pending
+        self._cond = threading.Condition()
+        self._last: StepReport | None = None
+        self._submitted = -1
+        self._done = -1
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
+        self._thread.start()
+
+    def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """A free host buffer of at least ``numel`` floats, or None when the pool is exhausted."""
+        with self._cond:
+            while self._free:
+                buf = self._free.pop()
+                if buf.numel() >= numel:
+                    self._outstanding += 1
+                    return buf
+            if self._outstanding >= self._max_pending:
+                self.dropped += 1
+                return None
+            self._outstanding += 1
+        pin = device.type == "cuda"
+        return torch.empty(numel, dtype=torch.float64 if device.type != "mps" else torch.float32,
+                           pin_memory=pin)
+
+    def submit(self, pending: Pending) -> None:
+        with self._cond:
+            self._submitted = pending.seq
+        self._queue.put(pending)
+
+    def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
+        """The newest finished report, after waiting for every step already submitted."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= self._submitted, timeout=timeout)
+            return self._last
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            report = None
+            try:
+                if item.event is not None:
+                    item.event.synchronize()  # off the training thread, by design
+                values = item.host[: item.size].tolist()  # sync-ok: a host tensor, on the reporter thread
+                report = self._build(item, values)
+            except Exception:
+                log.exception("nanwatch: could not build the report for step %s", item.step)
+            finally:
+                with self._cond:
+                    self._free.append(item.host)
+                    self._outstanding -= 1
+                    if report is not None:
+                        self._last = report
+                    self._done = item.seq
+                    self._cond.notify_all()
+            if report is not None and self._on_report is not None:
+                try:
+                    self._on_report(report)
+                except Exception:
+                    log.exception("nanwatch: on_report callback failed for step %s", item.step)

@@ -1,0 +1,118 @@
+"""Device-side statistics: a preallocated buffer that hooks write into without ever syncing with the host.
+
+Every scalar nanwatch measures has a named slot, either a *sum* slot (counts, sums) or a *max* slot
+(amax, logit bounds; a minimum is stored as the max of its negation). Hooks only launch small device
+ops that add into or max into a slot; the host reads the whole buffer once per step, asynchronously.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+
+import torch
+
+__all__ = ["StatBuffer", "finite_stats"]
+
+_F64 = torch.float64
+
+
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    # float64 counts stay exact far beyond 2**24 elements; MPS has no float64.
+    return torch.float32 if device.type == "mps" else _F64
+
+
+def finite_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN count, Inf count and the largest finite |x|, as 0-d device tensors (no host sync).
+
+    Four passes over ``x``, all bandwidth-bound; ``amax`` comes from ``vector_norm(ord=inf)`` over the
+    tensor with non-finite entries zeroed, so a single Inf cannot hide the finite range.
+    """
+    x = x.detach()
+    acc = _acc_dtype(x.device)
+    nan = torch.isnan(x).sum(dtype=acc)
+    inf = torch.isinf(x).sum(dtype=acc)
+    amax = torch.linalg.vector_norm(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), ord=math.inf)
+    return nan, inf, amax
+
+
+class StatBuffer:
+    """Named sum/max slots in one preallocated device tensor.
+
+    Slots are assigned on the host the first time a key is seen and keep their index for the life of the
+    buffer, so a step's snapshot is decoded by position. When the capacity runs out the buffer doubles
+    (a device-side copy, no sync).
+    """
+
+    def __init__(self, device: torch.device | str, *, capacity: int = 512) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        self.device = torch.device(device)
+        self.dtype = _acc_dtype(self.device)
+        self._slots: dict[tuple[str, Hashable], int] = {}
+        self._kinds: list[str] = []  # "sum" or "max", by slot index
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        data = torch.zeros(capacity, dtype=self.dtype, device=self.device)
+        max_mask = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        if hasattr(self, "data"):
+            n = self.data.numel()
+            data[:n].copy_(self.data)
+            max_mask[:n].copy_(self._max_mask)
+        self.data, self._max_mask = data, max_mask
+
+    @property
+    def size(self) -> int:
+        """Slots in use; a snapshot's first ``size`` values are meaningful."""
+        return len(self._kinds)
+
+    def slot(self, kind: str, key: Hashable) -> int:
+        """Index of the slot for ``key`` (allocated on first use). ``kind`` is "sum" or "max"."""
+        k = (kind, key)
+        idx = self._slots.get(k)
+        if idx is None:
+            idx = len(self._kinds)
+            if idx >= self.data.numel():
+                self._alloc(2 * self.data.numel())
+            self._slots[k] = idx
+            self._kinds.append(kind)
+            if kind == "max":
+                self.data[idx] = -math.inf
+                self._max_mask[idx] = True
+        return idx
+
+    def add(self, key: Hashable, value: torch.Tensor) -> None:
+        i = self.slot("sum", key)
+        self.data[i : i + 1].add_(value.reshape(1))
+
+    def maximize(self, key: Hashable, value: torch.Tensor) -> None:
+        i = self.slot("max", key)
+        cell = self.data[i : i + 1]
+        torch.maximum(cell, value.reshape(1).to(self.dtype), out=cell)
+
+    def maximize_many(self, key: Hashable, values: torch.Tensor) -> int:
+        """Max ``values`` (1-D) into ``len(values)`` consecutive slots; returns the first index."""
+        n = values.numel()
+        first = self.slot("max", (key, 0))
+        for j in range(1, n):
+            if self.slot("max", (key, j)) != first + j:
+                raise RuntimeError("nanwatch: per-head slots must be allocated together")
+        cells = self.data[first : first + n]
+        torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
+        return first
+
+    def index(self, kind: str, key: Hashable) -> int | None:
+        """Slot index of an existing key, or None (host-only lookup, used when decoding)."""
+        return self._slots.get((kind, key))
+
+    def reset(self) -> None:
+        """Zero the sums and set the maxes to -inf for a new step (two device ops, no sync)."""
+        n = self.size
+        self.data[:n].zero_()
+        self.data[:n].masked_fill_(self._max_mask[:n], -math.inf)
+
+    def snapshot_into(self, host: torch.Tensor) -> None:
+        """Enqueue the copy of the used slots into ``host`` (pinned on CUDA, so it does not block)."""
+        n = self.size
+        host[:n].copy_(self.data[:n], non_blocking=host.is_pinned())

@@ -360,7 +360,7 @@ class Monitor:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
-        if not state.sdpa and not any(s.kind == "attention" for s in sites) and (sites or state.forwards):
+        if state.forwards and not state.sdpa and not any(s.kind == "attention" for s in sites):
             warns.append("no attention ran in this step: check is_attention= and that the model calls "
                          "torch.nn.functional.scaled_dot_product_attention at call time")
         for w in warns:
@@ -390,6 +390,8 @@ class Monitor:
     def _deliver(self, report: StepReport) -> None:
         if self._sender is not None:
             self._sender.submit(report)
+        if self.config.on_report is not None:
+            self.config.on_report(report)
 
 
 def attach(model: torch.nn.Module, *, run_id: str, collector: str | None = None,

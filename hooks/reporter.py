@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,10 @@ class Reporter:
             report = None
             try:
                 if item.event is not None:
-                    item.event.synchronize()  # off the training thread, by design
+                    # Poll rather than synchronize: a sync-debug mode set by the trainer is global and
+                    # would flag an event sync even on this thread.
+                    while not item.event.query():
+                        time.sleep(0.0005)
                 values = item.host[: item.size].tolist()  # sync-ok: a host tensor, on the reporter thread
                 report = self._build(item, values)
             except Exception:

@@ -1,0 +1,96 @@
+"""No host sync in the hot path: proven on a CUDA device with torch.cuda.set_sync_debug_mode."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanwatch
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Block(torch.nn.Module):
+    """A sync-free attention block, so any sync under error mode is nanwatch's own."""
+
+    def __init__(self, d=128, h=4):
+        super().__init__()
+        self.h = h
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, d))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_monitored_step_makes_zero_host_syncs(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block()).cuda().to(dtype)
+    x = torch.randn(2, 64, 128, device="cuda", dtype=dtype, requires_grad=True)
+    lp = -torch.rand(2, 64, device="cuda")
+    mask = torch.rand(2, 64, device="cuda") > 0.2
+    with nanwatch.attach(model, run_id="gpu", exact_logit_every=2,
+                         is_attention=lambda n, m: isinstance(m, Block)) as mon:
+        for n in range(3):  # step 0 allocates slots and host buffers; steps 1-2 are the steady state
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with mon.step(n):
+                    y = mon.watch("block.out", model(x))
+                    mon.rlhf(logprobs=lp, old_logprobs=lp * 0.9, ref_logprobs=lp * 1.1, mask=mask)
+                    y.float().square().mean().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            r = mon.last_report()
+            assert r.step == n and r.first_offender is None
+    assert {c.backend for c in r.sdpa} <= {"flash", "efficient", "cudnn"}
+    assert all(c.confirmed for c in r.sdpa)
+    assert all(lg.source == "lse" for lg in r.logits)
+
+
+@cuda
+def test_hf_model_syncs_no_more_with_nanwatch_than_without():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=32, attn_implementation="sdpa")
+    model = transformers.Qwen3ForCausalLM(cfg).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+
+    def count_syncs(step):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(x.message) for x in w)
+
+    def bare():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    bare()
+    baseline = count_syncs(bare)
+    with nanwatch.attach(model, run_id="gpu-hf") as mon:
+        with mon.step(0):
+            bare()
+
+        steps = iter(range(1, 10))
+
+        def monitored():
+            with mon.step(next(steps)):
+                bare()
+
+        monitored()
+        added = count_syncs(monitored)
+        assert mon.last_report().first_offender is None
+    assert added == baseline, f"HF step synced {baseline}x bare, {added}x with nanwatch"

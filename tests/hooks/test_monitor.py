@@ -1,0 +1,322 @@
+"""The Monitor on a real (tiny) HF Qwen3: injected and real failures, first offender, detach, packing."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import nanwatch
+from nanwatch.hooks import attention
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3(impl: str = "sdpa", *, layers: int = 2, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        attn_implementation=impl)
+    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
+
+
+def _ids(b=2, s=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (b, s), generator=g)
+
+
+def _train_step(model, ids, **kw):
+    out = model(input_ids=ids, labels=ids, **kw)
+    out.loss.backward()
+    return out
+
+
+def _nonfinite(report):
+    return sum(s.nan + s.inf for s in report.sites)
+
+
+# ---- injected failures: exactly the right step and site ----------------------------------------------
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_nan_in_one_attention_output_names_that_site_at_that_step(impl):
+    model = _qwen3(impl, layers=3)
+    target = model.model.layers[1].self_attn
+    state = {"step": None}
+
+    def inject(mod, args, out):
+        if state["step"] == 3:
+            o = out[0].clone()
+            o[0, 0, 0] = math.nan
+            return (o, *out[1:])
+        return None
+
+    if impl == "eager":  # our post-hook measures the module output: inject before it runs
+        handle = target.register_forward_hook(inject)
+    else:  # SDPA is measured inside the module: poison its input so its output is NaN
+        handle = target.q_proj.register_forward_hook(
+            lambda m, a, o: o.index_fill(0, torch.tensor([0]), math.nan) if state["step"] == 3 else None)
+    reports = []
+    with nanwatch.attach(model, run_id="inject") as mon:
+        for n in range(5):
+            state["step"] = n
+            with mon.step(n):
+                _train_step(model, _ids())
+            reports.append(mon.last_report())
+    handle.remove()
+    assert [r.step for r in reports] == list(range(5))
+    assert [r.first_offender for r in reports] == [None, None, None, "model.layers.1.self_attn", None]
+    assert reports[3].first_offender_phase == "forward"
+    bad = {(s.site, s.phase): s for s in reports[3].sites}
+    assert bad[("model.layers.1.self_attn", "forward")].nan > 0
+    assert bad[("model.layers.0.self_attn", "forward")].nan == 0
+
+
+def test_inf_in_logits_names_lm_head():
+    model = _qwen3()
+    state = {"step": None}
+
+    def inject(mod, args, out):
+        if state["step"] == 2:
+            out = out.clone()
+            out[0, 0, 0] = math.inf
+            return out
+        return None
+
+    model.lm_head.register_forward_hook(inject)
+    with nanwatch.attach(model, run_id="logits") as mon:
+        for n in range(3):
+            state["step"] = n
+            with mon.step(n):
+                model(input_ids=_ids())
+            r = mon.last_report()
+    assert r.step == 2 and r.first_offender == "lm_head" and r.first_offender_phase == "forward"
+    lm = next(s for s in r.sites if s.site == "lm_head")
+    assert (lm.inf, lm.nan, lm.kind) == (1, 0, "logits")
+    assert math.isfinite(lm.amax)  # finite amax ignores the Inf
+
+
+def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
+    model = _qwen3(layers=3)
+    state = {"step": None}
+
+    def poison_grad(mod, args, out):
+        if state["step"] == 1:
+            out.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.nan))
+        return None
+
+    # the MLP of layer 1 runs after its attention: a NaN gradient entering it reaches
+    # model.layers.1.self_attn first among the sites in backward order (lm_head, layers.2 are upstream).
+    model.model.layers[1].mlp.register_forward_hook(poison_grad)
+    with nanwatch.attach(model, run_id="grad") as mon:
+        for n in range(2):
+            state["step"] = n
+            with mon.step(n):
+                _train_step(model, _ids())
+            r = mon.last_report()
+    assert r.step == 1
+    assert (r.first_offender, r.first_offender_phase) == ("model.layers.1.self_attn", "backward")
+    forward_bad = [s for s in r.sites if s.phase == "forward" and s.nan + s.inf]
+    assert forward_bad == []
+    back = {s.site: s for s in r.sites if s.phase == "backward"}
+    assert back["lm_head"].nan == 0 and back["model.layers.2.self_attn"].nan == 0
+    assert back["model.layers.0.self_attn"].nan > 0
+
+
+def test_healthy_run_of_200_steps_reports_nothing():
+    model = _qwen3(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+    with nanwatch.attach(model, run_id="healthy", on_report=seen.append, exact_logit_every=50) as mon:
+        for n in range(200):
+            with mon.step(n):
+                _train_step(model, _ids(seed=n))
+                opt.step()
+                opt.zero_grad()
+        mon.last_report()
+    assert [r.step for r in seen] == list(range(200))
+    assert all(r.first_offender is None for r in seen)
+    assert sum(_nonfinite(r) for r in seen) == 0
+    assert all(len(r.sites) == 6 for r in seen)  # 2 attention + lm_head, forward and backward
+    assert [r.step for r in seen if any(lg.exact is not None for lg in r.logits)] == [0, 50, 100, 150]
+    assert mon.dropped_reports == 0
+
+
+# ---- real failures, reproduced ---------------------------------------------------------------------
+
+def test_fp16_eager_qk_overflow_is_caught_at_the_layer():
+    model = _qwen3("eager", dtype=torch.float16)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # large q/k norms: the unscaled q.k passes fp16's 65504 and becomes inf
+        attn.q_norm.weight.fill_(100.0)
+        attn.k_norm.weight.fill_(100.0)
+    with nanwatch.attach(model, run_id="fp16") as mon:
+        with mon.step(0):
+            model(input_ids=_ids())
+        r = mon.last_report()
+    assert r.first_offender == "model.layers.0.self_attn"
+    layer0 = next(lg for lg in r.logits if lg.layer == "model.layers.0.self_attn")
+    assert layer0.source == "scores" and layer0.bound == math.inf
+
+
+def test_fully_masked_row_with_minus_inf_mask_in_eager_attention():
+    model = _qwen3("eager")
+    s = 8
+    mask = torch.zeros(2, 1, s, s)
+    mask.masked_fill_(~torch.ones(s, s, dtype=torch.bool).tril(), -math.inf)
+    mask[1, 0, 3, :] = -math.inf  # one query row sees nothing
+    with nanwatch.attach(model, run_id="mask") as mon:
+        with mon.step(0):
+            model(input_ids=_ids(s=s), attention_mask=mask)
+        r = mon.last_report()
+    assert r.first_offender == "model.layers.0.self_attn"
+    assert r.fingerprints[0].mask == "4d" and r.fingerprints[0].fully_masked_rows == 1
+    # with finfo.min instead of -inf the same row is silently the mean of V: finite, but still counted
+    mask[mask == -math.inf] = torch.finfo(torch.float32).min
+    with nanwatch.attach(model, run_id="mask") as mon:
+        with mon.step(1):
+            model(input_ids=_ids(s=s), attention_mask=mask)
+        r = mon.last_report()
+    assert r.first_offender is None and r.fingerprints[0].fully_masked_rows == 1
+
+
+# ---- backend, logit bound ----------------------------------------------------------------------------
+
+def test_backend_cpu_fused_and_forced_math_with_reason():
+    model = _qwen3()
+    with nanwatch.attach(model, run_id="backend") as mon:
+        with mon.step(0):
+            _train_step(model, _ids())
+        fused = mon.last_report()
+        with mon.step(1), sdpa_kernel([SDPBackend.MATH]):
+            _train_step(model, _ids())
+        math_r = mon.last_report()
+    assert {(c.backend, c.predicted, c.confirmed, c.reason) for c in fused.sdpa} == {
+        ("cpu_flash", "cpu_flash", True, None)}
+    assert {(c.backend, c.predicted, c.confirmed) for c in math_r.sdpa} == {("math", "math", True)}
+    assert all(c.reason and "disabled by sdpa_kernel" in c.reason for c in math_r.sdpa)
+    assert all(c.dtype == "float32" and c.calls == 1 for c in math_r.sdpa)
+
+
+@pytest.mark.parametrize("seq", [16, 64])
+def test_lse_bound_brackets_the_exact_max(seq):
+    model = _qwen3(layers=2)
+    with torch.no_grad():  # make attention peaky so the bound is tight on some heads
+        model.model.layers[1].self_attn.q_norm.weight.mul_(4.0)
+    with nanwatch.attach(model, run_id="bound", exact_logit_every=1) as mon:
+        with mon.step(0):
+            _train_step(model, _ids(s=seq))
+        r = mon.last_report()
+    assert len(r.logits) == 2
+    for lg in r.logits:
+        assert lg.source == "lse" and lg.exact is not None
+        assert lg.exact <= lg.bound + 1e-4 <= lg.exact + math.log(seq) + 2e-4
+        assert len(lg.per_head) == 4
+
+
+# ---- fingerprint: packing ----------------------------------------------------------------------------
+
+def test_packed_batch_leaks_with_default_use_cache_and_not_without():
+    model = _qwen3()
+    ids = _ids(b=1, s=32)
+    pos = torch.cat([torch.arange(10), torch.arange(22)]).unsqueeze(0)
+    results = {}
+    for use_cache in (None, False):
+        kw = {} if use_cache is None else {"use_cache": use_cache}
+        with nanwatch.attach(model, run_id="pack") as mon, warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            with mon.step(0):
+                model(input_ids=ids, position_ids=pos, **kw)
+            results[use_cache] = mon.last_report()
+    leak, fixed = results[None].fingerprints[0], results[False].fingerprints[0]
+    assert (leak.packed, leak.plain_causal, leak.cross_doc_leak) == (True, True, True)
+    assert any("packed" in w for w in results[None].warnings)
+    assert (fixed.packed, fixed.cross_doc_leak, fixed.mask) == (True, False, "packed_block")
+    assert not any("packed" in w for w in results[False].warnings)
+
+
+def test_unpacked_and_left_padded_batches_are_not_packed():
+    model = _qwen3()
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with nanwatch.attach(model, run_id="pad") as mon:
+        with mon.step(0):
+            model(input_ids=_ids(), attention_mask=mask, position_ids=pos)
+        r = mon.last_report()
+    fp = r.fingerprints[0]
+    assert (fp.position_ids, fp.mask, fp.packed, fp.cross_doc_leak) == ("2d", "padding_2d", False, False)
+
+
+# ---- attach / detach ----------------------------------------------------------------------------------
+
+def _hook_dicts(model):
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+    return {(n, d): len(getattr(m, d)) for n, m in model.named_modules() for d in names if getattr(m, d)}
+
+
+def test_detach_leaves_no_hook_and_outputs_bit_identical():
+    model = _qwen3("sdpa")
+    ids = _ids()
+    before = model(input_ids=ids).logits.detach().clone()
+    assert _hook_dicts(model) == {}
+    with nanwatch.attach(model, run_id="detach") as mon:
+        assert _hook_dicts(model) != {}
+        assert attention.is_installed()
+        with mon.step(0):
+            during = model(input_ids=ids).logits.detach().clone()
+    after = model(input_ids=ids).logits.detach()
+    assert _hook_dicts(model) == {}
+    assert not attention.is_installed()
+    assert F.softmax is attention._ORIG_SOFTMAX
+    assert torch.equal(before, during) and torch.equal(before, after)
+
+
+def test_attach_twice_is_an_error_and_no_attention_is_a_warning():
+    model = _qwen3()
+    with nanwatch.attach(model, run_id="twice"):
+        with pytest.raises(RuntimeError, match="already has a Monitor"):
+            nanwatch.attach(model, run_id="twice")
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.warns(RuntimeWarning, match="no attention module"):
+        mon = nanwatch.attach(mlp, run_id="mlp")
+    mon.close()
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="run_id"):
+        nanwatch.attach(_qwen3(), run_id="has space")
+    with pytest.raises(ValueError, match="exact_logit_every"):
+        nanwatch.attach(_qwen3(), run_id="ok", exact_logit_every=-1)
+
+
+def test_watch_covers_any_tensor_and_its_gradient():
+    x = torch.randn(8, requires_grad=True)
+    model = _qwen3()
+    with nanwatch.attach(model, run_id="watch") as mon:
+        with mon.step(0):
+            y = mon.watch("my.tensor", x * 2)
+            (y * torch.tensor([math.nan] + [1.0] * 7)).sum().backward()
+        r = mon.last_report()
+    sites = {(s.site, s.phase): s for s in r.sites}
+    assert sites[("my.tensor", "forward")].nan == 0
+    assert sites[("my.tensor", "backward")].nan == 1
+    assert (r.first_offender, r.first_offender_phase) == ("my.tensor", "backward")
+
+
+def test_a_probe_failure_warns_and_training_goes_on(monkeypatch):
+    model = _qwen3()
+
+    def boom(*a, **k):
+        raise RuntimeError("probe exploded")
+
+    with nanwatch.attach(model, run_id="boom") as mon:
+        monkeypatch.setattr(mon.rec, "tensor", boom)
+        with pytest.warns(RuntimeWarning, match="probe exploded"), mon.step(0):
+            out = _train_step(model, _ids())
+    assert torch.isfinite(out.loss)

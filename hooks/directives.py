@@ -118,24 +118,45 @@ class DirectiveState:
 
     # ---- effects -----------------------------------------------------------------------------------
     def _set_mode(self, mode: str, version: int) -> None:
+        # fp32/fused act inside the SDPA wrapper, so an HF model running eager attention is routed
+        # through SDPA for them too; the previous implementation comes back when the mode ends.
         model = self._mon._model()
-        if self.mode == "eager_to_sdpa" and mode != "eager_to_sdpa" and self._prev_impl and model is not None:
+        wants_sdpa = mode in ("fp32", "fused", "eager_to_sdpa")
+        if not wants_sdpa and self._prev_impl is not None and model is not None:
             model.set_attn_implementation(self._prev_impl)
             self._prev_impl = None
-        if mode == "eager_to_sdpa" and self.mode != mode and model is not None:
+        if wants_sdpa and self._prev_impl is None and model is not None:
             impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
             if impl == "eager" and hasattr(model, "set_attn_implementation"):
                 self._prev_impl = impl
                 model.set_attn_implementation("sdpa")
         self.mode, self.version = mode, version
 
-    def fused_call(self, call, upcast):
+    def should_skip_step(self) -> bool:
+        """Directive 'skip_step': True when the current step has seen a non-finite value so far.
+
+        This reads the device buffer, i.e. one host sync, as GradScaler does; it is only paid while that
+        directive is active (opt-in). Without the directive it returns False at no cost."""
+        if self.mode != "skip_step":
+            return False
+        rec = self._mon.rec
+        idx = [i for key in rec.state.order for k in ("nan", "inf")
+               if (i := rec.buf.index("sum", (k, key))) is not None]
+        if not idx:
+            return False
+        return bool(rec.buf.data[idx].sum() > 0)  # sync-ok: opt-in skip_step directive, once per step
+
+    def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""
         try:
             with sdpa_kernel(_FUSED):
                 return call()
         except RuntimeError as exc:
             self.fallbacks += 1
-            log.warning("nanwatch: directive 'fused': no fused kernel fits (%s); ran fp32 instead", exc)
+            msg = f"directive 'fused': no fused kernel fits at {site}; ran fp32 instead"
+            warns = self._mon.rec.state.warnings
+            if msg not in warns:
+                warns.append(msg)
+                log.warning("nanwatch: %s (%s)", msg, str(exc).splitlines()[0] if str(exc) else exc)
             upcast()
             return call()

@@ -108,7 +108,8 @@ class Monitor:
         if model in _attached:
             raise RuntimeError("nanwatch: this model already has a Monitor attached; close() it first "
                                "(two monitors would double-count every site)")
-        self._fqns = {id(m): name for name, m in model.named_modules()}
+        # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
+        self._fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         attn = self._attention_modules(model)
         if not attn:
             warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, "
@@ -127,7 +128,7 @@ class Monitor:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             for mod in model.modules():
                 if type(mod).__name__.endswith("RotaryEmbedding"):
-                    self._handles.append(mod.register_forward_pre_hook(self._rotary_pre))
+                    self._handles.append(mod.register_forward_pre_hook(self._rotary_pre, with_kwargs=True))
         _attached[model] = self
         attention.install(self)
         self._active = True
@@ -139,7 +140,7 @@ class Monitor:
         return self
 
     def _attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        hits = [(n, m) for n, m in model.named_modules() if n and self.config.is_attention(n, m)]
+        hits = [(self._fqns[id(m)], m) for n, m in model.named_modules() if self.config.is_attention(n, m)]
         names = [n for n, _ in hits]
         # innermost only: drop a match that contains another match
         return [(n, m) for n, m in hits if not any(o.startswith(n + ".") for o in names)]
@@ -209,6 +210,11 @@ class Monitor:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""
         return self._reporter.last_report(timeout)
 
+    def should_skip_step(self) -> bool:
+        """With the opt-in ``skip_step`` directive active: True if this step saw a non-finite value, so
+        the trainer can skip ``optimizer.step()``. Costs one host sync then; free otherwise."""
+        return self.directives.should_skip_step()
+
     @property
     def dropped_reports(self) -> int:
         return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
@@ -268,11 +274,12 @@ class Monitor:
         if self._active and not torch.compiler.is_compiling():
             self._guarded(record_forward_inputs, self.rec, self._sig, args, kwargs)
 
-    def _rotary_pre(self, module, args) -> None:
+    def _rotary_pre(self, module, args, kwargs) -> None:
+        """HF rotary embeddings see the position ids actually used, also when the model built them."""
         fwd = self.rec.current_forward()
         if not self._active or torch.compiler.is_compiling() or fwd is None or fwd.position_ids != "none":
             return
-        pos = args[1] if len(args) > 1 else None
+        pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor):
             self._guarded(position_layout, self.rec, fwd, pos)
 
@@ -297,7 +304,7 @@ class Monitor:
         except Exception as exc:
             attention._warn(exc)
             predicted, reason = "unknown", None
-        out = self.directives.fused_call(call, upcast) if mode == "fused" else call()
+        out = self.directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
         self._guarded(self._after_sdpa, frame.site, out, args[0], args[1], args[3], is_causal, scale,
                       predicted, reason)
         return out if out.dtype == dtype else out.to(dtype)
@@ -361,8 +368,9 @@ class Monitor:
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
         if state.forwards and not state.sdpa and not any(s.kind == "attention" for s in sites):
-            warns.append("no attention ran in this step: check is_attention= and that the model calls "
-                         "torch.nn.functional.scaled_dot_product_attention at call time")
+            warns.append("no attention was measured in this step: attention inside torch.compile'd code "
+                         "is not probed (see README); otherwise check is_attention= and that the model "
+                         "calls torch.nn.functional.scaled_dot_product_attention at call time")
         for w in warns:
             self._warn_once(w)
         self.directives.note_report(first is None)

@@ -150,9 +150,10 @@ class Recorder:
             resets = get("sum", ("fwd", f.index, "resets"))
             packed = f.packed_checked and resets > 0
             mask = "packed_block" if packed and f.mask_4d_seen and f.mask in ("none", "4d") else f.mask
+            rows = get("max", ("fwd", f.index, "masked_rows"), 0.0)  # -inf: no mask seen this forward
             prints.append(Fingerprint(
                 forward=f.index, position_ids=f.position_ids, mask=mask,
-                fully_masked_rows=max(0, int(get("max", ("fwd", f.index, "masked_rows"), 0.0))),
+                fully_masked_rows=int(rows) if math.isfinite(rows) and rows > 0 else 0,
                 packed=packed, plain_causal=f.plain_causal, cross_doc_leak=packed and f.plain_causal))
         return sites, sdpa, logits, prints, first
 

@@ -1,0 +1,139 @@
+"""Directives on the trainer: applied at a step boundary, at the same step on every rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanwatch
+from nanwatch.wire import Directive
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3(impl, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, attn_implementation=impl)
+    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
+
+
+def _ids(seed=1):
+    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp32_directive_rescues_fp16_eager_overflow_from_apply_at_step():
+    model = _qwen3("eager", torch.float16)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.fill_(100.0)
+        attn.k_norm.weight.fill_(100.0)
+    rows = []
+    with nanwatch.attach(model, run_id="rescue") as mon:
+        for n in range(6):
+            if n == 1:
+                mon.directives.offer(Directive(run_id="rescue", version=1, mode="fp32", apply_at_step=3))
+            with mon.step(n):
+                out = model(input_ids=_ids())
+            r = mon.last_report()
+            rows.append((r.step, r.attention_mode, r.directive_version, r.first_offender,
+                         model.config._attn_implementation))
+            assert bool(torch.isfinite(out.logits).all()) == (n >= 3)
+        fp32_calls = {c.dtype for c in r.sdpa}
+    assert rows == [
+        (0, "none", 0, "model.layers.0.self_attn", "eager"),
+        (1, "none", 0, "model.layers.0.self_attn", "eager"),
+        (2, "none", 0, "model.layers.0.self_attn", "eager"),
+        (3, "fp32", 1, None, "sdpa"),
+        (4, "fp32", 1, None, "sdpa"),
+        (5, "fp32", 1, None, "sdpa"),
+    ]
+    assert fp32_calls == {"float32"}
+    assert model.config._attn_implementation == "eager"  # restored on detach
+
+
+def test_auto_revert_after_clean_steps():
+    model = _qwen3("sdpa")
+    modes = []
+    with nanwatch.attach(model, run_id="revert") as mon:
+        mon.directives.offer(Directive(run_id="revert", version=1, mode="fp32", apply_at_step=1,
+                                       revert_after_clean_steps=3))
+        for n in range(8):
+            with mon.step(n):
+                model(input_ids=_ids())
+            mon.last_report()  # the clean streak is counted from finished reports
+            modes.append(mon.directives.mode)
+    assert modes[0] == "none" and modes[1] == "fp32"
+    first_none = modes.index("none", 1)
+    assert modes[1:first_none] == ["fp32"] * (first_none - 1) and 4 <= first_none <= 5
+    assert set(modes[first_none:]) == {"none"}
+
+
+def test_fused_directive_falls_back_to_fp32_when_no_fused_kernel_fits():
+    model = _qwen3("sdpa")
+    with nanwatch.attach(model, run_id="fused") as mon:
+        mon.directives.offer(Directive(run_id="fused", version=1, mode="fused", apply_at_step=0))
+        with mon.step(0):
+            model(input_ids=_ids())  # causal, no mask: the CPU flash kernel fits
+        ok = mon.last_report()
+        for layer in model.model.layers:  # attention dropout in training: CPU flash refuses it
+            layer.self_attn.attention_dropout = 0.5
+        model.train()
+        with mon.step(1):
+            out = model(input_ids=_ids())
+        r = mon.last_report()
+    assert {c.backend for c in ok.sdpa} == {"cpu_flash"} and ok.warnings == []
+    assert mon.directives.fallbacks == 2
+    assert sorted(w for w in r.warnings if "no fused kernel fits" in w) == [
+        f"directive 'fused': no fused kernel fits at model.layers.{i}.self_attn; ran fp32 instead" for i in (0, 1)]
+    assert {(c.backend, c.dtype) for c in r.sdpa} == {("math", "float32")}
+    assert torch.isfinite(out.logits).all()
+
+
+def test_skip_step_costs_nothing_unless_active_and_then_sees_nan():
+    model = _qwen3("sdpa")
+    with nanwatch.attach(model, run_id="skip") as mon:
+        with mon.step(0):
+            model(input_ids=_ids())
+            assert mon.should_skip_step() is False  # no directive: free, always False
+        mon.directives.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=1))
+        with mon.step(1):
+            model(input_ids=_ids())
+            clean = mon.should_skip_step()
+            mon.watch("loss", torch.tensor([math.nan]))
+            dirty = mon.should_skip_step()
+    assert (clean, dirty) == (False, True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_every_rank_switches_at_the_same_step_gloo(tmp_path: Path):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1")
+    worker = Path(__file__).with_name("dist_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / f"r{r}.json")],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    assert r0["modes"] == r1["modes"]  # identical (step, mode, version) on both ranks, every step
+    by_step = {n: (m, v) for n, m, v in r0["modes"]}
+    assert by_step[6] == ("none", 0) and by_step[7] == ("fp32", 1)  # offered at 3, agreed at 4, applied at 7
+    assert by_step[9] == ("fp32", 1) and by_step[10] == ("fused", 2)  # offered late at 9: next agreement, 10
+    assert r0["reported"] == r1["reported"] == "fused"

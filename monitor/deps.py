@@ -1,0 +1,106 @@
+"""Dependencies and their ``Annotated`` aliases: resources owned by the lifespan, and bearer-token auth.
+
+Tokens are compared with ``secrets.compare_digest`` against every configured token (no early exit), and
+the matching token's name is what the audit log records. A scope with no token configured is open; that
+is only allowed on loopback (``Settings.check_exposure``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
+
+from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.rules import Policy
+from nanwatch.monitor.settings import Settings
+from nanwatch.monitor.state import CollectorState
+from nanwatch.monitor.store import Store
+
+__all__ = ["AdminToken", "IngestToken", "ReaderToken", "Resources", "ResourcesDep", "SettingsDep"]
+
+bearer = HTTPBearer(
+    auto_error=False, scheme_name="bearer",
+    description="Ingest token (NANWATCH_TOKEN) for reports and directive polls; admin token "
+                "(NANWATCH_ADMIN_TOKEN) for directive changes; either one for reading runs.")
+
+
+@dataclass(slots=True)
+class Resources:
+    """What the lifespan opens and closes."""
+
+    store: Store
+    state: CollectorState
+    hub: DirectiveHub
+    policy: Policy
+    registry: CollectorRegistry
+    ingest_tokens: dict[str, bytes]
+    admin_tokens: dict[str, bytes]
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def _resources(request: Request) -> Resources:
+    res = getattr(request.app.state, "resources", None)
+    if res is None:
+        raise HTTPException(503, "the collector is starting or stopping; retry shortly",
+                            headers={"Retry-After": "1"})
+    return res
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+ResourcesDep = Annotated[Resources, Depends(_resources)]
+_Creds = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+
+def _match(presented: bytes, tokens: dict[str, bytes]) -> str | None:
+    found = None
+    for name, token in tokens.items():
+        if secrets.compare_digest(presented, token):
+            found = name
+    return found
+
+
+def _check(res: Resources, creds: HTTPAuthorizationCredentials | None, *, scope: str) -> str:
+    ingest, admin = res.ingest_tokens, res.admin_tokens
+    wanted = {"ingest": (ingest,), "admin": (admin,), "reader": (ingest, admin)}[scope]
+    if not any(wanted):  # a scope without tokens is open (loopback only)
+        return "anonymous"
+    if creds is None:
+        res.state.rejected["unauthorized"] += 1
+        env = "NANWATCH_ADMIN_TOKEN" if scope == "admin" else "NANWATCH_TOKEN"
+        raise HTTPException(401, f"missing bearer token: send 'Authorization: Bearer <token>' ({env})",
+                            headers={"WWW-Authenticate": "Bearer"})
+    presented = creds.credentials.encode()
+    for tokens in wanted:
+        name = _match(presented, tokens)
+        if name is not None:
+            return name
+    res.state.rejected["unauthorized"] += 1
+    if scope != "reader" and _match(presented, admin if scope == "ingest" else ingest) is not None:
+        raise HTTPException(403, f"this token is not an {scope} token", headers={"WWW-Authenticate": "Bearer"})
+    raise HTTPException(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _ingest(res: ResourcesDep, creds: _Creds) -> str:
+    return _check(res, creds, scope="ingest")
+
+
+def _admin(res: ResourcesDep, creds: _Creds) -> str:
+    return _check(res, creds, scope="admin")
+
+
+def _reader(res: ResourcesDep, creds: _Creds) -> str:
+    return _check(res, creds, scope="reader")
+
+
+#: The name of the token that authenticated the request ("anonymous" where the scope is open).
+IngestToken = Annotated[str, Depends(_ingest)]
+AdminToken = Annotated[str, Depends(_admin)]
+ReaderToken = Annotated[str, Depends(_reader)]

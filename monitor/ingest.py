@@ -1,0 +1,119 @@
+"""The ingest path: parse a raw body once, drop replays, fold new reports into the state, apply the
+policy, and persist it all in one transaction before acknowledging.
+
+The body is validated straight from bytes (``model_validate_json``, one pass in Rust). Only when that fails
+is it parsed again, to tell malformed JSON (400) and an unknown schema major (400, named) from ordinary
+field errors (422) -- so a bad version gets a 400 naming it, not pydantic's 422.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.rules import Policy
+from nanwatch.monitor.state import CollectorState
+from nanwatch.monitor.store import Store
+from nanwatch.wire import SCHEMA_MAJOR, DirectiveSpec, ReportBatch, schema_major
+
+__all__ = ["MAX_INT", "BadBatch", "IngestResult", "ingest", "parse_batch", "parse_spec", "parse_strict"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class IngestResult(BaseModel):
+    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+
+    accepted: int
+    duplicates: int
+
+
+class BadBatch(Exception):
+    """A body the collector refuses: ``status`` 400 or 422, ``reason`` for the rejection counter."""
+
+    def __init__(self, status: int, reason: str, detail: object) -> None:
+        super().__init__(detail)
+        self.status, self.reason, self.detail = status, reason, detail
+
+
+def parse_strict(model: type[M], raw: bytes) -> M:
+    """Validate JSON bytes in strict mode (JSON types exactly: ``false`` is not 0, ``"5"`` not 5)."""
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadBatch(400, "malformed_json", f"request body is not valid JSON: {e}") from None
+    raise BadBatch(422, "invalid", errors)
+
+
+#: Integers the collector stores (SQLite INTEGER is 64-bit) stay within what JSON readers hold exactly.
+MAX_INT = 2**53 - 1
+#: the fields bounded by MAX_INT, per model (the OpenAPI document states the bound too)
+BOUNDED = {"StepReport": ("rank", "world_size", "seq", "step", "directive_version", "dropped_reports"),
+           "DirectiveSpec": ("apply_at_step", "revert_after_clean_steps")}
+
+
+def _bounds(loc: tuple, obj: BaseModel) -> list[dict]:
+    return [{"loc": [*loc, name], "msg": f"Input should be less than or equal to {MAX_INT}",
+             "type": "less_than_equal"}
+            for name in BOUNDED[type(obj).__name__] if (getattr(obj, name) or 0) > MAX_INT]
+
+
+def parse_spec(raw: bytes) -> DirectiveSpec:
+    spec = parse_strict(DirectiveSpec, raw)
+    if errors := _bounds((), spec):
+        raise BadBatch(422, "invalid", errors)
+    return spec
+
+
+def parse_batch(raw: bytes) -> ReportBatch:
+    try:
+        batch = parse_strict(ReportBatch, raw)
+        errors = [e for i, r in enumerate(batch.reports) for e in _bounds(("reports", i), r)]
+        if not errors:
+            return batch
+        raise BadBatch(422, "invalid", errors)
+    except BadBatch as e:
+        if e.status != 422:
+            raise
+        errors = e.detail
+    doc = json.loads(raw)
+    reports = doc.get("reports") if isinstance(doc, dict) else None
+    for i, r in enumerate(reports if isinstance(reports, list) else ()):
+        v = r.get("v") if isinstance(r, dict) else None
+        if isinstance(v, str) and schema_major(v) != SCHEMA_MAJOR:
+            raise BadBatch(400, "unsupported_version",
+                           f"reports[{i}].v: unsupported schema version {v!r}; this collector speaks "
+                           f"{SCHEMA_MAJOR}.x")
+    raise BadBatch(422, "invalid", errors)
+
+
+def ingest(batch: ReportBatch, *, state: CollectorState, hub: DirectiveHub, policy: Policy,
+           store: Store) -> IngestResult:
+    now, mono = time.time(), time.monotonic()
+    accepted = dupes = 0
+    hwm_rows: list[tuple[str, int, str, int, int]] = []
+    counter_rows: dict[tuple[str, str, tuple], float] = {}
+    with store.transaction():
+        for r in batch.reports:
+            if not state.is_new(r):
+                dupes += 1
+                continue
+            rank, previous_mode, changed = state.apply(r, received=now, seen=mono)
+            for fam, labels, value in changed:
+                counter_rows[(r.run_id, fam, labels)] = value
+            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
+            policy.observe(r, rank, previous_mode, now)
+            accepted += 1
+        store.put_hwm(hwm_rows)
+        store.put_counters([(*k, v) for k, v in counter_rows.items()])
+    state.accepted += accepted
+    state.duplicates += dupes
+    return IngestResult(accepted=accepted, duplicates=dupes)

@@ -1,0 +1,66 @@
+"""The one table of metric names, types, labels and help. The exporter is driven by it; dashboards, alert
+rules and tests are checked against it. Names marked "design" are public API (design.md): keep them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["METRICS", "MetricSpec", "family"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    """Exposed name; counters end in ``_total``."""
+    type: Literal["counter", "gauge"]
+    labels: tuple[str, ...]
+    help: str
+
+
+_SPECS = (
+    # design.md's public names
+    MetricSpec("nanwatch_nonfinite_values_total", "counter", ("run_id", "rank", "pass", "kind"),
+               "Non-finite elements seen at all sites (kind: nan or inf, pass: forward or backward)."),
+    MetricSpec("nanwatch_site_nonfinite_values_total", "counter", ("run_id", "site", "pass"),
+               "Non-finite elements seen per site, summed over ranks."),
+    MetricSpec("nanwatch_sdpa_calls_total", "counter", ("run_id", "backend", "dtype"),
+               "Attention calls by the SDPA backend that ran."),
+    MetricSpec("nanwatch_attention_logit_max", "gauge", ("run_id", "layer"),
+               "Upper bound on the max scaled QK logit in the latest step, max over live ranks and heads."),
+    MetricSpec("nanwatch_tensor_headroom_ratio", "gauge", ("run_id", "site_kind"),
+               "Max amax/finfo.max in the latest step over sites and live ranks (1 is the overflow edge)."),
+    MetricSpec("nanwatch_attention_mode", "gauge", ("run_id", "rank", "mode"),
+               "The attention path each rank applies now (always 1)."),
+    MetricSpec("nanwatch_directive_info", "gauge", ("run_id", "mode", "version"),
+               "The run's active directive (always 1)."),
+    MetricSpec("nanwatch_last_report_timestamp_seconds", "gauge", ("run_id", "rank"),
+               "Unix time the collector last received a report from the rank."),
+    MetricSpec("nanwatch_reports_dropped_total", "counter", ("run_id", "rank"),
+               "Reports the trainer could not deliver (cumulative per trainer incarnation)."),
+    # added by the collector (not in design.md's table)
+    MetricSpec("nanwatch_events_total", "counter", ("run_id", "kind"),
+               "Events recorded in the run's event log (first non-finite, math fallback, directive changes...)."),
+    MetricSpec("nanwatch_live_ranks", "gauge", ("run_id",),
+               "Ranks that reported within the TTL."),
+    MetricSpec("nanwatch_collector_reports_accepted_total", "counter", (),
+               "Step reports applied to the state."),
+    MetricSpec("nanwatch_collector_reports_duplicate_total", "counter", (),
+               "Step reports already applied (replays), acknowledged and ignored."),
+    MetricSpec("nanwatch_collector_requests_rejected_total", "counter", ("reason",),
+               "Requests refused with a 4xx or 503, by reason."),
+    MetricSpec("nanwatch_collector_series_dropped_total", "counter", ("run_id",),
+               "Series not created because the run hit the per-run series cap."),
+)
+
+METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
+
+
+def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """A fresh, empty family for ``name``, typed and labelled from the table."""
+    spec = METRICS[name]
+    cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
+    return cls(spec.name, spec.help, labels=spec.labels)

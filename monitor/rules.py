@@ -1,0 +1,74 @@
+"""The declarative policy (``Settings.rules``) applied to each new report: events, and directives.
+
+Always recorded, whatever the policy: the run's first non-finite value, and each attention-mode change
+that ranks report (fallback applied or reverted). Events are deduplicated per run by a key, so a
+condition that persists for hours is one event, not one per step and rank.
+"""
+
+from __future__ import annotations
+
+from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.settings import Rule
+from nanwatch.monitor.state import RankState, is_half
+from nanwatch.monitor.store import EventRow
+from nanwatch.wire import DirectiveSpec, StepReport
+
+__all__ = ["Policy"]
+
+
+class Policy:
+    def __init__(self, rules: list[Rule], *, logit_tau: float, hub: DirectiveHub) -> None:
+        self._rules = rules
+        self._tau = logit_tau
+        self._hub = hub
+
+    def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float) -> None:
+        """Record what ``r`` shows (call inside the ingest transaction)."""
+        hub = self._hub
+        run_id = r.run_id
+
+        def event(kind: str, key: str, *, site: str | None = None, actor: str = "", **detail) -> None:
+            hub.record(EventRow(run_id, now, kind, key, r.rank, r.step, site, actor, detail))
+
+        n = rank.nonfinite if rank is not None else r.nonfinite_total
+        if (n or r.first_offender) and "first_nonfinite" not in hub.event_keys(run_id):
+            site, phase = r.first_offender, r.first_offender_phase
+            if site is None:
+                hit = next(s for s in r.sites if s.nan or s.inf)
+                site, phase = hit.site, hit.phase
+            event("first_nonfinite", "first_nonfinite", site=site, phase=phase, nonfinite=n)
+        if previous_mode is not None and rank is not None and rank.mode != previous_mode:
+            if rank.mode == "none":
+                event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
+                      directive_version=r.directive_version)
+            else:
+                event("mode_applied", f"applied:{rank.mode}:{r.directive_version}", mode=rank.mode,
+                      previous_mode=previous_mode, directive_version=r.directive_version)
+        for rule in self._rules:
+            for key, site, detail in self._matches(rule, r):
+                event(rule.when, f"{rule.when}:{key}", site=site, rule=rule.name, **detail)
+                if rule.directive is not None and hub.current(run_id).mode == "none":
+                    hub.set(run_id, DirectiveSpec(mode=rule.directive,
+                                                  revert_after_clean_steps=rule.revert_after_clean_steps,
+                                                  reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})"),
+                            actor=f"rule:{rule.name}")
+
+    def _matches(self, rule: Rule, r: StepReport):
+        if rule.when == "half_attention_nonfinite":
+            for s in r.sites:
+                if (s.nan or s.inf) and s.kind == "attention" and s.phase == "forward" and is_half(s.dtype):
+                    yield s.site, s.site, {"dtype": s.dtype, "nan": s.nan, "inf": s.inf}
+        elif rule.when == "math_backend_half":
+            for c in r.sdpa:
+                if c.backend == "math" and is_half(c.dtype):
+                    yield f"{c.site}:{c.dtype}", c.site, {"dtype": c.dtype, "reason": c.reason,
+                                                          "shape": c.shape}
+        elif rule.when == "logit_over_tau":
+            for lg in r.logits:
+                bound = lg.bound if lg.exact is None else lg.exact
+                if bound > self._tau:
+                    yield lg.layer, lg.layer, {"bound": lg.bound, "exact": lg.exact, "tau": self._tau,
+                                               "source": lg.source}
+        elif rule.when == "cross_doc_leak":
+            if any(f.cross_doc_leak for f in r.fingerprints):
+                yield "run", None, {}

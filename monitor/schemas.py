@@ -1,0 +1,119 @@
+"""Response bodies of the collector's HTTP API (requests use the wire models).
+
+Like the wire models they serialise NaN/Inf as JSON constants, and routes return them through
+``WireJSON`` (``model_dump_json``): Starlette's ``JSONResponse`` refuses NaN, and report content is
+exactly where NaN lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse
+
+from nanwatch.monitor.ingest import IngestResult
+from nanwatch.wire import Directive
+
+__all__ = ["EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
+           "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "WireJSON"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
+
+class Problem(_Out):
+    """Every error: ``detail`` says what was wrong and what to do."""
+
+    detail: str
+
+
+class FieldError(_Out):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationProblem(_Out):
+    """A body or parameter that failed validation: one entry per offending field, located by ``loc``."""
+
+    detail: list[FieldError]
+
+
+class Health(_Out):
+    status: str
+
+
+class FirstOffender(_Out):
+    """Where the run's first non-finite value was reported (in arrival order)."""
+
+    site: str | None
+    phase: str | None
+    rank: int | None
+    step: int | None
+    time: float
+
+
+class RankView(_Out):
+    """The latest report of one live rank, summarised."""
+
+    rank: int
+    incarnation: str
+    seq: int
+    step: int
+    time: float
+    received: float
+    world_size: int
+    attention_mode: str
+    directive_version: int
+    dropped_reports: int
+    nonfinite: int
+    first_offender: str | None
+    first_offender_phase: str | None
+    headroom: dict[str, float]
+    logit_max: float | None
+
+
+class EventView(_Out):
+    time: float
+    kind: str
+    rank: int | None
+    step: int | None
+    site: str | None
+    actor: str
+    detail: dict[str, Any]
+
+
+class SdpaView(_Out):
+    backend: str
+    dtype: str
+    calls: float
+
+
+class RunSummary(_Out):
+    run_id: str
+    live_ranks: int
+    latest_step: int
+    last_report_time: float | None
+    nonfinite_total: float
+    directive: Directive
+    first_offender: FirstOffender | None
+
+
+class RunList(_Out):
+    runs: list[RunSummary]
+
+
+class RunDetail(RunSummary):
+    ranks: list[RankView]
+    sdpa: list[SdpaView]
+    event_counts: dict[str, int]
+    events: list[EventView]
+
+
+class WireJSON(JSONResponse):
+    """JSON rendered by pydantic, keeping NaN/Infinity (routes still declare ``response_model``)."""
+
+    def render(self, content: Any) -> bytes:
+        return content.model_dump_json().encode() if isinstance(content, BaseModel) else super().render(content)

@@ -1,0 +1,147 @@
+"""Collector settings: every knob in one typed, validated place, read from ``NANWATCH_*`` env variables.
+
+Tests build ``Settings(...)`` directly and pass it to ``create_app``; the server and ``uvicorn --factory``
+use the cached ``get_settings()``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, SecretStr, StringConstraints, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from nanwatch.wire import Mode
+
+__all__ = ["Rule", "RuleTrigger", "Settings", "get_settings", "is_loopback"]
+
+#: What a rule watches for in a report.
+RuleTrigger = Literal["half_attention_nonfinite", "math_backend_half", "logit_over_tau", "cross_doc_leak"]
+_Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Rule(BaseModel):
+    """One line of the declarative policy: an observation, and what the collector does about it."""
+
+    name: _Name
+    """Recorded in events, and in ``set_by`` as ``rule:<name>`` when the rule issues a directive."""
+    when: RuleTrigger
+    """``half_attention_nonfinite``: a fp16/bf16 attention output held NaN/Inf. ``math_backend_half``: the
+    math SDPA backend ran on half-precision inputs. ``logit_over_tau``: a layer's logit bound exceeded
+    ``logit_tau``. ``cross_doc_leak``: packed sequences ran under plain causal attention."""
+    directive: Mode | None = None
+    """Directive to issue when the run has none active; ``None`` records an event only."""
+    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = None
+    """Passed on to the directive: trainers go back to ``none`` after this many clean steps."""
+
+
+def _default_rules() -> list[Rule]:
+    return [
+        Rule(name="half_attention_nonfinite", when="half_attention_nonfinite", directive="fp32"),
+        Rule(name="math_backend_half", when="math_backend_half"),
+        Rule(name="logit_over_tau", when="logit_over_tau"),
+        Rule(name="cross_doc_leak", when="cross_doc_leak"),
+    ]
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """The collector's configuration. Env: ``NANWATCH_<FIELD>`` (maps and lists as JSON)."""
+
+    model_config = SettingsConfigDict(env_prefix="NANWATCH_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    """Where ``nanwatch serve`` listens. Anything beyond loopback requires both token kinds."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    db_path: str = "nanwatch.db"
+    """SQLite file (WAL) holding events, directives, ingest high-water marks and counter totals."""
+    token: SecretStr | None = None
+    """Ingest token (``NANWATCH_TOKEN``), audit name ``ingest``; trainers send it as a bearer token."""
+    admin_token: SecretStr | None = None
+    """Admin token (``NANWATCH_ADMIN_TOKEN``), audit name ``admin``; needed to change directives."""
+    token_file: Path | None = None
+    """File holding the ingest token (e.g. a mounted secret), audit name ``ingest-file``."""
+    admin_token_file: Path | None = None
+    tokens: dict[_Name, SecretStr] = {}
+    """More ingest tokens by name: ``{"team-a": "..."}``."""
+    admin_tokens: dict[_Name, SecretStr] = {}
+    """More admin tokens by name; the name is written to the audit log of every directive change."""
+    rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
+    """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
+    """Request bodies beyond this get 413 before they are buffered."""
+    max_inflight_ingest: Annotated[int, Field(ge=1)] = 256
+    """Concurrent ingest requests beyond this get 503 with Retry-After (load shedding)."""
+    retry_after_s: Annotated[int, Field(ge=1)] = 1
+    max_series_per_run: Annotated[int, Field(ge=10)] = 50_000
+    """New series of a run beyond this are dropped and counted."""
+    directive_margin_steps: Annotated[int, Field(ge=0)] = 10
+    """A directive without ``apply_at_step`` applies at the run's latest step seen plus this."""
+    max_wait_s: Annotated[float, Field(ge=0)] = 60.0
+    """Longest long-poll the collector holds open; longer ``wait`` values are clamped."""
+    logit_tau: float = 100.0
+    """Attention-logit bound above which ``logit_over_tau`` fires (Kimi K2 clips at 100)."""
+    rules: list[Rule] = Field(default_factory=_default_rules)
+    events_shown: Annotated[int, Field(ge=1, le=10_000)] = 200
+    """How many recent events ``GET /v1/runs/{run_id}`` returns."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        names = [r.name for r in self.rules]
+        if len(names) != len(set(names)):
+            raise ValueError(f"rule names must be unique, got {names}")
+        return self
+
+    def ingest_tokens(self) -> dict[str, str]:
+        """Every accepted ingest token, by audit name."""
+        return _collect("ingest", self.token, self.token_file, self.tokens)
+
+    def admin_token_map(self) -> dict[str, str]:
+        """Every accepted admin token, by audit name."""
+        return _collect("admin", self.admin_token, self.admin_token_file, self.admin_tokens)
+
+    def check_exposure(self) -> None:
+        """Refuse an unauthenticated server that others can reach."""
+        if is_loopback(self.host):
+            return
+        missing = [env for env, toks in (("NANWATCH_TOKEN", self.ingest_tokens()),
+                                         ("NANWATCH_ADMIN_TOKEN", self.admin_token_map())) if not toks]
+        if missing:
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without authentication: set {' and '.join(missing)} "
+                "(or the *_TOKEN_FILE / *_TOKENS settings), or listen on 127.0.0.1"
+            )
+
+
+def _collect(name: str, token: SecretStr | None, path: Path | None, named: dict[str, SecretStr]) -> dict[str, str]:
+    out = {k: v.get_secret_value() for k, v in named.items()}
+    if token is not None and token.get_secret_value():
+        out[name] = token.get_secret_value()
+    if path is not None:
+        try:
+            text = path.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the {name} token file {str(path)!r}: {e}") from e
+        if not text:
+            raise ValueError(f"the {name} token file {str(path)!r} is empty")
+        out[f"{name}-file"] = text
+    return out
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()

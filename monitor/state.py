@@ -1,0 +1,183 @@
+"""The collector's in-memory state: latest view per (run_id, rank), counter totals, and what a scrape or
+``GET /v1/runs`` needs. Only the event-loop thread touches it (one uvicorn worker), so it takes no lock.
+
+Counters are kept whole (not per TTL window): a rank that goes silent loses its series from the scrape
+but keeps its total, so if it comes back its counter resumes instead of resetting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nanwatch.monitor.store import EventRow, Loaded
+from nanwatch.wire import StepReport
+
+__all__ = ["CollectorState", "RankState", "RunState", "is_half"]
+
+_HALF = frozenset({"float16", "bfloat16", "half", "fp16", "bf16"})
+#: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped
+_RANK_SERIES = 7
+
+
+def is_half(dtype: str) -> bool:
+    """fp16/bf16 under any of the spellings trainers use (``torch.float16``, ``bf16``...)."""
+    return dtype.removeprefix("torch.") in _HALF
+
+
+@dataclass(slots=True)
+class RankState:
+    rank: int
+    incarnation: str
+    seq: int
+    step: int
+    time: float
+    received: float
+    seen: float
+    world_size: int = 1
+    mode: str = "none"
+    directive_version: int = 0
+    dropped: int = 0
+    nonfinite: int = 0
+    first_offender: str | None = None
+    first_offender_phase: str | None = None
+    headroom: dict[str, float] = field(default_factory=dict)
+    logits: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: str
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    latest_step: int = 0
+    counters: dict[tuple[str, tuple], float] = field(default_factory=dict)
+    admitted: set[tuple] = field(default_factory=set)
+    series: int = 0
+    series_dropped: int = 0
+    last_seen: float = -math.inf
+    first_offender: EventRow | None = None
+    event_keys: set[str] = field(default_factory=set)
+    event_counts: Counter[str] = field(default_factory=Counter)
+
+    def admit(self, key: tuple, cost: int, cap: int) -> bool:
+        """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
+        if key in self.admitted:
+            return True
+        if self.series + cost > cap:
+            self.series_dropped += cost
+            return False
+        self.admitted.add(key)
+        self.series += cost
+        return True
+
+
+class CollectorState:
+    """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
+
+    def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None) -> None:
+        self.ttl_s = ttl_s
+        self.series_cap = series_cap
+        self.runs: dict[str, RunState] = {}
+        self.hwm: dict[tuple[str, int, str], int] = {}
+        self.accepted = 0
+        self.duplicates = 0
+        self.rejected: Counter[str] = Counter()
+        if loaded is not None:
+            self._restore(loaded)
+
+    def _restore(self, loaded: Loaded) -> None:
+        self.hwm = dict(loaded.hwm)
+        for run_id, step in loaded.latest_step.items():
+            self.run(run_id).latest_step = step
+        for run_id, fam, labels, value in loaded.counters:
+            run = self.run(run_id)
+            run.counters[(fam, labels)] = value
+            key = ("rank", int(labels[0])) if fam == "nonfinite" else (fam, *labels)
+            run.admit(key, _RANK_SERIES if fam == "nonfinite" else 1, self.series_cap)
+        for run_id, keys in loaded.event_keys.items():
+            self.run(run_id).event_keys.update(keys)
+        for (run_id, kind), n in loaded.event_counts.items():
+            self.run(run_id).event_counts[kind] = n
+        for run_id, ev in loaded.first_offenders.items():
+            self.run(run_id).first_offender = ev
+
+    def run(self, run_id: str) -> RunState:
+        run = self.runs.get(run_id)
+        if run is None:
+            run = self.runs[run_id] = RunState(run_id)
+        return run
+
+    def is_new(self, r: StepReport) -> bool:
+        """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
+        return r.seq > self.hwm.get((r.run_id, r.rank, r.incarnation), -1)
+
+    def apply(self, r: StepReport, *, received: float, seen: float) -> tuple[RankState | None, str | None,
+                                                                          list[tuple[str, tuple, float]]]:
+        """Fold one new report into the state. Returns the rank's state (None if capped), the rank's
+        previous attention mode (None if unknown) and the counter rows that changed (for the store)."""
+        self.hwm[(r.run_id, r.rank, r.incarnation)] = r.seq
+        run = self.run(r.run_id)
+        cap = self.series_cap
+        run.latest_step = max(run.latest_step, r.step)
+        run.last_seen = seen
+        changed: list[tuple[str, tuple, float]] = []
+        counters = run.counters
+
+        def bump(fam: str, labels: tuple, n: float) -> None:
+            value = counters.get((fam, labels), 0.0) + n
+            counters[(fam, labels)] = value
+            changed.append((fam, labels, value))
+
+        rank_ok = run.admit(("rank", r.rank), _RANK_SERIES, cap)
+        rank_label = str(r.rank)
+        headroom: dict[str, float] = {}
+        nonfinite = 0
+        for s in r.sites:
+            kind = "grad" if s.phase == "backward" else s.kind
+            h = s.headroom
+            if not (headroom.get(kind, -math.inf) >= h):  # also lets NaN through: it must show
+                headroom[kind] = h
+            if s.nan or s.inf:
+                nonfinite += s.nan + s.inf
+                if run.admit(("site", s.site, s.phase), 1, cap):
+                    bump("site", (s.site, s.phase), s.nan + s.inf)
+                if rank_ok:
+                    if s.nan:
+                        bump("nonfinite", (rank_label, s.phase, "nan"), s.nan)
+                    if s.inf:
+                        bump("nonfinite", (rank_label, s.phase, "inf"), s.inf)
+        for c in r.sdpa:
+            dtype = c.dtype.removeprefix("torch.")
+            if run.admit(("sdpa", c.backend, dtype), 1, cap):
+                bump("sdpa", (c.backend, dtype), c.calls)
+        if not rank_ok:
+            return None, None, changed
+        for kind in headroom:
+            run.admit(("headroom", kind), 1, cap)
+        logits = {lg.layer: lg.bound if lg.exact is None else max(lg.bound, lg.exact) for lg in r.logits
+                  if run.admit(("layer", lg.layer), 1, cap)}
+        prev = run.ranks.get(r.rank)
+        previous_mode = prev.mode if prev is not None else None
+        run.ranks[r.rank] = st = RankState(
+            rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
+            seen=seen, world_size=r.world_size, mode=r.attention_mode, directive_version=r.directive_version,
+            dropped=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
+            first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits)
+        return st, previous_mode, changed
+
+    def live_ranks(self, run: RunState, now: float) -> list[RankState]:
+        horizon = now - self.ttl_s
+        return [st for st in run.ranks.values() if st.seen >= horizon]
+
+    def is_live(self, run: RunState, now: float) -> bool:
+        return run.last_seen >= now - self.ttl_s
+
+    def sweep(self, now: float) -> int:
+        """Forget the latest view of ranks silent past the TTL (totals stay). Returns how many went."""
+        gone = 0
+        for run in self.runs.values():
+            for rank in [k for k, st in run.ranks.items() if st.seen < now - self.ttl_s]:
+                del run.ranks[rank]
+                gone += 1
+        return gone

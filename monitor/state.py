@@ -135,8 +135,8 @@ class CollectorState:
         nonfinite = 0
         for s in r.sites:
             kind = "grad" if s.phase == "backward" else s.kind
-            h = s.headroom
-            if not (headroom.get(kind, -math.inf) >= h):  # also lets NaN through: it must show
+            h, cur = s.headroom, headroom.get(kind)
+            if cur is None or h > cur or h != h:  # a NaN wins and stays: it must show
                 headroom[kind] = h
             if s.nan or s.inf:
                 nonfinite += s.nan + s.inf

@@ -1,0 +1,40 @@
+"""A rank that stops reporting loses its series after the TTL; its totals come back with it."""
+
+import time
+
+import httpx
+import pytest
+
+from nanwatch.monitor.testing import CollectorProcess, scrape, step_report
+from nanwatch.wire import ReportBatch
+
+pytestmark = pytest.mark.slow
+
+
+def _post(url, *reports):
+    assert httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json()
+                      ).status_code == 200
+
+
+def _ranks(s) -> set[str]:
+    return {dict(labels)["rank"] for name, labels in s if name == "nanwatch_last_report_timestamp_seconds"}
+
+
+def test_silent_rank_series_disappear_after_ttl(tmp_path):
+    with CollectorProcess(db_path=tmp_path / "ttl.db", env={"NANWATCH_RANK_TTL_S": "0.5"}) as c:
+        _post(c.url, step_report(run_id="ttl", rank=0, seq=0),
+              step_report(run_id="ttl", rank=1, seq=0, nan_at="model.layers.0.self_attn", nan=4))
+        assert _ranks(scrape(c.url)) == {"0", "1"}
+        seq, deadline = 1, time.monotonic() + 30
+        while "1" in _ranks(s := scrape(c.url)):  # rank 0 keeps reporting, rank 1 is silent
+            assert time.monotonic() < deadline, "rank 1's series never expired"
+            _post(c.url, step_report(run_id="ttl", rank=0, seq=seq))
+            seq += 1
+            time.sleep(0.1)
+        assert not any(dict(labels).get("rank") == "1" for _, labels in s)
+        assert ("nanwatch_attention_mode", frozenset({("run_id", "ttl"), ("rank", "0"), ("mode", "none")})) in s
+        # rank 1 comes back: its counter resumes from its total instead of resetting
+        _post(c.url, step_report(run_id="ttl", rank=1, seq=1))
+        key = ("nanwatch_nonfinite_values_total",
+               frozenset({("run_id", "ttl"), ("rank", "1"), ("pass", "forward"), ("kind", "nan")}))
+        assert scrape(c.url)[key] == 4

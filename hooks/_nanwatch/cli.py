@@ -1,2 +1,166 @@
-def main() -> None:
-    raise SystemExit("not yet")
+"""The ``nanwatch`` command. Imports nothing heavy at import time: torch, fastapi and uvicorn are imported
+inside the subcommand that needs them, so ``nanwatch status`` starts fast anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nanwatch.monitor import Settings, create_app
+
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db_path", args.db)) if v is not None}
+    try:
+        settings = Settings(**overrides)
+        app = create_app(settings)
+    except ValueError as e:
+        print(f"nanwatch serve: {e}", file=sys.stderr)
+        return 2
+    # One worker: the state lives in this process. A short graceful shutdown: long-polls just retry.
+    uvicorn.run(app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,
+                timeout_graceful_shutdown=3)
+    return 0
+
+
+def _call(method: str, url: str, token: str | None, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode())
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode("utf-8", "replace")
+        raise SystemExit(f"nanwatch: {method} {url} -> HTTP {e.code}: {detail}") from None
+    except OSError as e:
+        raise SystemExit(f"nanwatch: cannot reach the collector at {url}: {e}") from None
+
+
+def _status(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get("NANWATCH_TOKEN") or os.environ.get("NANWATCH_ADMIN_TOKEN")
+    base = args.url.rstrip("/")
+    if args.run is None:
+        runs = _call("GET", f"{base}/v1/runs", token)["runs"]
+        if not runs:
+            print("no runs yet")
+        for r in runs:
+            d = r["directive"]
+            print(f"{r['run_id']}: {r['live_ranks']} live ranks, step {r['latest_step']}, "
+                  f"{r['nonfinite_total']:g} non-finite, directive v{d['version']} {d['mode']}")
+        return 0
+    r = _call("GET", f"{base}/v1/runs/{args.run}", token)
+    d, fo = r["directive"], r["first_offender"]
+    print(f"run {r['run_id']}: {r['live_ranks']} live ranks, latest step {r['latest_step']}")
+    print(f"  directive: v{d['version']} {d['mode']} from step {d['apply_at_step']} "
+          f"(set by {d['set_by'] or '-'}: {d['reason'] or '-'})")
+    if fo:
+        print(f"  first non-finite: {fo['site']} ({fo['phase']}) on rank {fo['rank']} at step {fo['step']}")
+    else:
+        print("  no non-finite value seen")
+    print(f"  non-finite values: {r['nonfinite_total']:g}")
+    for s in r["sdpa"]:
+        print(f"  sdpa {s['backend']:<10} {s['dtype']:<10} {s['calls']:g} calls")
+    for st in r["ranks"]:
+        print(f"  rank {st['rank']}: step {st['step']} mode {st['attention_mode']} nonfinite {st['nonfinite']} "
+              f"logit_max {st['logit_max']} dropped {st['dropped_reports']}")
+    for e in r["events"][-args.events:]:
+        print(f"  event {e['kind']:<24} step {e['step']} rank {e['rank']} {e['site'] or ''} "
+              f"{e['actor'] or ''} {json.dumps(e['detail'])}")
+    return 0
+
+
+def _directive(args: argparse.Namespace) -> int:
+    token = args.admin_token or os.environ.get("NANWATCH_ADMIN_TOKEN")
+    url = f"{args.url.rstrip('/')}/v1/directives/{args.run}"
+    if args.action == "set":
+        spec = {"mode": args.mode, "reason": args.reason or "set from the CLI"}
+        if args.apply_at_step is not None:
+            spec["apply_at_step"] = args.apply_at_step
+        if args.revert_after is not None:
+            spec["revert_after_clean_steps"] = args.revert_after
+        d = _call("PUT", url, token, spec)
+    else:
+        d = _call("DELETE", url, token)
+    print(f"run {d['run_id']}: directive v{d['version']} {d['mode']} from step {d['apply_at_step']}")
+    return 0
+
+
+#: subcommands owned by the trainer side: ``main(argv)`` gets the arguments after the subcommand name
+_DELEGATES = {"demo": ("nanwatch.hooks.demo", "train a tiny model into a NaN and back through a directive"),
+              "bench": ("nanwatch.hooks.bench", "measure the hooks' overhead")}
+
+
+def _delegate(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module = _DELEGATES[name][0]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        print(f"nanwatch {name}: {module} is not available in this build", file=sys.stderr)
+        return 2
+    return int(mod.main(argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanwatch", description="Numerical-health monitoring for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the collector (settings also from NANWATCH_* env)")
+    s.add_argument("--host", help="listen address (default 127.0.0.1; beyond loopback tokens are required)")
+    s.add_argument("--port", type=int, help="listen port (default 8000)")
+    s.add_argument("--db", help="SQLite file for events, directives and counters (default nanwatch.db)")
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("status", help="summarise runs, or one run")
+    s.add_argument("run", nargs="?", help="run id (omit to list runs)")
+    s.add_argument("--url", default=os.environ.get("NANWATCH_URL", _DEFAULT_URL))
+    s.add_argument("--token", help="ingest or admin token (default: NANWATCH_TOKEN)")
+    s.add_argument("--events", type=int, default=20, help="how many recent events to show")
+    s.set_defaults(func=_status)
+
+    s = sub.add_parser("directive", help="set or clear a run's directive (admin token)")
+    dsub = s.add_subparsers(dest="action", required=True)
+    for name, help_ in (("set", "issue a directive"), ("clear", "go back to mode none")):
+        d = dsub.add_parser(name, help=help_)
+        d.add_argument("run", help="run id")
+        if name == "set":
+            d.add_argument("mode", choices=["none", "fp32", "fused", "eager_to_sdpa", "skip_step"])
+            d.add_argument("--apply-at-step", type=int)
+            d.add_argument("--revert-after", type=int, help="revert after this many clean steps")
+            d.add_argument("--reason")
+        d.add_argument("--url", default=os.environ.get("NANWATCH_URL", _DEFAULT_URL))
+        d.add_argument("--admin-token", help="default: NANWATCH_ADMIN_TOKEN")
+        d.set_defaults(func=_directive)
+
+    for name, (_, help_) in _DELEGATES.items():
+        sub.add_parser(name, help=f"{help_} (arguments are passed on: nanwatch {name} --help)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATES:  # their own parser handles the rest, --help included
+        return _delegate(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

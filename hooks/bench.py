@@ -1,0 +1,311 @@
+"""``nanwatch bench``: what nanwatch costs a training step, side by side with the alternatives.
+
+One process, one model, one optimizer; four variants of the same step, interleaved round-robin so
+that drift (thermal, allocator, other load) hits every variant alike:
+
+* ``bare``: forward, backward, AdamW step;
+* ``nanwatch``: the same inside ``with mon.step(n):`` with ``nanwatch.attach(model, run_id="bench")``
+  at its defaults (step numbers keep counting across rounds, so the exact-logit sampling happens at
+  its real 1-in-``exact_logit_every`` rate);
+* ``debug_underflow_overflow``: transformers' ``DebugUnderflowOverflow(model)`` (a fresh one per
+  round; it keeps no handles, so its hooks are removed from the modules' hook dicts afterwards);
+* ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
+
+Medians of per-step times are reported as a ratio to bare and as added milliseconds. The number that
+matters is nanwatch's added time against DebugUnderflowOverflow's. transformers is imported lazily:
+``nanwatch.hooks`` itself never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["BenchConfig", "VARIANTS", "main", "run"]
+
+VARIANTS = ("bare", "nanwatch", "debug_underflow_overflow", "detect_anomaly")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """One benchmark run: the model shape, the batch, and how many steps each variant gets."""
+
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (on CUDA every timed step is bracketed by ``torch.cuda.synchronize()``)."""
+
+    dtype: str = "bf16"
+    """Parameter and activation dtype: bf16, fp16 or fp32."""
+
+    layers: int = 4
+    """Decoder layers of the tiny Qwen3."""
+
+    batch: int = 4
+    """Sequences per step."""
+
+    seq: int = 256
+    """Tokens per sequence."""
+
+    hidden: int = 256
+    """Hidden size; heads x head_dim need not equal it (Qwen3 projects)."""
+
+    heads: int = 4
+    """Query heads."""
+
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+
+    head_dim: int = 64
+    """Per-head width."""
+
+    intermediate: int = 768
+    """MLP width."""
+
+    vocab: int = 4096
+    """Vocabulary size (the lm_head output is batch x seq x vocab)."""
+
+    steps: int = 5
+    """Timed steps per variant per round."""
+
+    repeats: int = 6
+    """Rounds; every round runs every variant once, in a rotated order."""
+
+    warmup: int = 2
+    """Untimed steps per variant before the first round."""
+
+    threads: int | None = 2
+    """``torch.set_num_threads`` for the run (None: leave torch's default)."""
+
+    variants: tuple[str, ...] = VARIANTS
+    """Which variants to run; ``bare`` is always included (everything is relative to it)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("layers", "batch", "seq", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                     "vocab", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        self.variants = ("bare",) + tuple(v for v in VARIANTS[1:] if v in self.variants)
+
+
+@dataclass(slots=True)
+class _Variant:
+    name: str
+    round_: Callable[[], contextlib.AbstractContextManager]  # set up / tear down around one round
+    step: Callable[[int], contextlib.AbstractContextManager]  # around forward+backward (+opt step)
+    times_ms: list[float] = field(default_factory=list)
+
+
+def _build(cfg: BenchConfig):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    mcfg = Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                       max_position_embeddings=max(cfg.seq, 64), attn_implementation="sdpa", use_cache=False)
+    model = Qwen3ForCausalLM(mcfg).to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).train()
+    # A tiny learning rate keeps the weights (and so the work per step) steady across variants.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0))
+    return model, opt, ids.to(cfg.device)
+
+
+def _remove_debug_hooks(model: torch.nn.Module, debugger) -> int:
+    """DebugUnderflowOverflow registers ``forward_hook`` on every module and keeps no handle."""
+    removed = 0
+    for module in model.modules():
+        for hid, hook in list(module._forward_hooks.items()):
+            if hook == debugger.forward_hook:
+                del module._forward_hooks[hid]
+                module._forward_hooks_with_kwargs.pop(hid, None)
+                module._forward_hooks_always_called.pop(hid, None)
+                removed += 1
+    return removed
+
+
+def _variants(cfg: BenchConfig, model: torch.nn.Module) -> list[_Variant]:
+    null = contextlib.nullcontext
+    state: dict = {}
+
+    @contextlib.contextmanager
+    def nanwatch_round() -> Iterator[None]:
+        from nanwatch.hooks import attach
+
+        mon = attach(model, run_id="bench")
+        state["mon"] = mon
+        try:
+            yield
+        finally:
+            mon.last_report()  # drain the reporter thread outside the timed steps
+            mon.close()
+            state.pop("mon", None)
+
+    counter = iter(range(1 << 62))
+
+    def nanwatch_step(_: int):
+        return state["mon"].step(next(counter))
+
+    @contextlib.contextmanager
+    def debug_round() -> Iterator[None]:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        dbg = DebugUnderflowOverflow(model)
+        try:
+            yield
+        finally:
+            if _remove_debug_hooks(model, dbg) == 0:
+                raise RuntimeError("bench: could not find DebugUnderflowOverflow's hooks to remove")
+
+    @contextlib.contextmanager
+    def anomaly_step(_: int) -> Iterator[None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..." on every enter
+            with torch.autograd.detect_anomaly():
+                yield
+
+    table = {
+        "bare": _Variant("bare", null, lambda n: null()),
+        "nanwatch": _Variant("nanwatch", nanwatch_round, nanwatch_step),
+        "debug_underflow_overflow": _Variant("debug_underflow_overflow", debug_round, lambda n: null()),
+        "detect_anomaly": _Variant("detect_anomaly", null, anomaly_step),
+    }
+    return [table[name] for name in cfg.variants]
+
+
+def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *, record: bool) -> None:
+    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
+    with variant.round_():
+        for i in range(n):
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t0 = time.perf_counter()
+            with variant.step(i):
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                out.loss.backward()
+            opt.step()
+            sync()
+            if record:
+                variant.times_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
+    """Run the benchmark; returns the results as a JSON-ready dict."""
+    prev_threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        model, opt, ids = _build(cfg)
+        variants = _variants(cfg, model)
+        log(_describe(cfg, model))
+        for v in variants:
+            _timed_steps(cfg, model, opt, ids, v, cfg.warmup, record=False)
+        for r in range(cfg.repeats):
+            k = r % len(variants)  # rotate which variant goes first
+            for v in variants[k:] + variants[:k]:
+                _timed_steps(cfg, model, opt, ids, v, cfg.steps, record=True)
+    finally:
+        torch.set_num_threads(prev_threads)
+    return _results(cfg, model, variants)
+
+
+def _describe(cfg: BenchConfig, model: torch.nn.Module) -> str:
+    params = sum(p.numel() for p in model.parameters())
+    return (f"nanwatch bench: tiny Qwen3 (sdpa) {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads / "
+            f"{cfg.kv_heads} kv heads x head_dim {cfg.head_dim}, intermediate {cfg.intermediate}, vocab "
+            f"{cfg.vocab}, {params / 1e6:.2f}M params; batch {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}, "
+            f"AdamW; {cfg.device}, torch threads {torch.get_num_threads()}; {cfg.repeats} rounds x "
+            f"{cfg.steps} steps per variant (+{cfg.warmup} warmup)")
+
+
+def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant]) -> dict:
+    med = {v.name: statistics.median(v.times_ms) for v in variants}
+    bare = med["bare"]
+    best = {v.name: min(v.times_ms) for v in variants}
+    rows = {v.name: {"median_ms": med[v.name], "ratio": med[v.name] / bare, "added_ms": med[v.name] - bare,
+                     "ratio_of_min": best[v.name] / best["bare"], "min_ms": best[v.name], "max_ms": max(v.times_ms), "n": len(v.times_ms),
+                     "times_ms": v.times_ms} for v in variants}
+    key = None
+    if "nanwatch" in rows and "debug_underflow_overflow" in rows:
+        dbg_added = rows["debug_underflow_overflow"]["added_ms"]
+        key = rows["nanwatch"]["added_ms"] / dbg_added if dbg_added > 0 else None
+    return {
+        "config": asdict(cfg),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "cuda_device": torch.cuda.get_device_name()
+                    if cfg.device == "cuda" else None},
+        "params": sum(p.numel() for p in model.parameters()),
+        "variants": rows,
+        "nanwatch_added_vs_debug_added": key,
+    }
+
+
+def format_table(results: dict) -> str:
+    # min-based ratios are shown too: on a shared box, load from other processes inflates some steps
+    lines = [f"{'variant':<26} {'median ms':>10} {'x bare':>7} {'added ms':>9} {'min ms':>8} {'x bare(min)':>11} "
+             f"{'max ms':>8} {'n':>4}"]
+    for name, row in results["variants"].items():
+        lines.append(f"{name:<26} {row['median_ms']:>10.1f} {row['ratio']:>7.3f} {row['added_ms']:>+9.1f} "
+                     f"{row['min_ms']:>8.1f} {row['ratio_of_min']:>11.3f} {row['max_ms']:>8.1f} {row['n']:>4}")
+    key = results["nanwatch_added_vs_debug_added"]
+    if key is not None:
+        inv = f" (DebugUnderflowOverflow adds {1 / key:.1f}x more)" if key > 0 else ""
+        lines.append(f"nanwatch added time / DebugUnderflowOverflow added time = {key:.3f}{inv}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(prog="nanwatch bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(_DTYPES))
+    for name in ("layers", "batch", "seq", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                 "steps", "repeats", "warmup"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), dest=name)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads (0: leave as is)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (bare always runs)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    opts = {k: v for k, v in vars(args).items() if k not in ("json_path", "variants", "threads")}
+    try:
+        cfg = BenchConfig(**opts, threads=args.threads or None,
+                          variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()))
+    except ValueError as exc:
+        print(f"nanwatch bench: {exc}")
+        return 2
+    results = run(cfg)
+    print(format_table(results))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""The benchmark harness works end to end on a very small model. Structure only: speed is never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanwatch.hooks import bench
+
+pytest.importorskip("transformers")
+
+TINY = ["--layers", "1", "--batch", "1", "--seq", "16", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+        "--head-dim", "16", "--intermediate", "64", "--vocab", "128", "--steps", "2", "--repeats", "1",
+        "--warmup", "1"]
+
+
+def test_main_runs_every_variant_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert list(results["variants"]) == list(bench.VARIANTS)
+    for name, row in results["variants"].items():
+        assert row["n"] == 2 and len(row["times_ms"]) == 2, name
+        assert all(t > 0 for t in row["times_ms"]), name
+        assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"], name
+        assert row["ratio"] == pytest.approx(row["median_ms"] / results["variants"]["bare"]["median_ms"])
+        assert name in printed
+    assert results["variants"]["bare"]["ratio"] == 1.0 and results["variants"]["bare"]["added_ms"] == 0.0
+    assert "nanwatch_added_vs_debug_added" in results
+    assert "DebugUnderflowOverflow added time" in printed or results["nanwatch_added_vs_debug_added"] is None
+    assert results["config"]["layers"] == 1 and results["config"]["dtype"] == "bf16"
+    assert "tiny Qwen3 (sdpa) 1 layers, hidden 32" in printed
+    # the harness leaves nothing attached behind
+    from nanwatch.hooks import attention
+
+    assert not attention.is_installed() and F.scaled_dot_product_attention is attention._ORIG_SDPA
+
+
+def test_variant_subset_always_keeps_bare(tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, "--variants", "nanwatch", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["variants"]) == ["bare", "nanwatch"]
+
+
+_BAD = [["--layers", "0"], ["--heads", "3", "--kv-heads", "2"], ["--variants", "nope"]]
+if not torch.cuda.is_available():
+    _BAD.append(["--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv", _BAD)
+def test_bad_options_exit_2(argv, capsys):
+    assert bench.main([*TINY, *argv]) == 2
+    assert "nanwatch bench:" in capsys.readouterr().out
+
+
+def test_debug_underflow_overflow_hooks_are_removed():
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    dbg = DebugUnderflowOverflow(model)
+    assert all(len(m._forward_hooks) == 1 for m in model.modules())
+    assert bench._remove_debug_hooks(model, dbg) == 4
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())

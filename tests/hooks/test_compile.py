@@ -1,0 +1,183 @@
+"""nanwatch under torch.compile: attaching must not crash, change results, or add graph breaks.
+
+``backend="aot_eager"`` traces with dynamo and AOTAutograd exactly as inductor would, without the C++
+codegen that is too slow for a 2-core CI box. Inside a compiled region the probes step aside
+(``torch.compiler.is_compiling()``): eager-only work (backend prediction, grad_fn, saved lse, Python
+bookkeeping) would break the graph. Modules that stay eager are still measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanwatch
+
+transformers = pytest.importorskip("transformers")
+
+B, S, V = 2, 16, 128
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _qwen3(impl: str = "sdpa") -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, attn_implementation=impl)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+class Mixer(nn.Module):
+    """Calls SDPA itself; no 'Attention' in the class name."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, 32)
+        self.blocks = nn.ModuleList([Mixer(), Mixer()])
+        self.head = nn.Linear(32, V)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _logits(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))
+
+
+def _train_step(fn, model: nn.Module, ids: torch.Tensor):
+    logits = _logits(fn(input_ids=ids))
+    _loss(logits, ids).backward()
+    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b) -> None:
+    (logits_a, grads_a), (logits_b, grads_b) = a, b
+    torch.testing.assert_close(logits_a, logits_b, **TOL)
+    assert sorted(grads_a) == sorted(grads_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _monitored(model: nn.Module, fn, ids: torch.Tensor, steps: int = 2):
+    """Train ``steps`` steps (recompiles happen on the first) under a monitor; last result + report."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.attach(model, run_id="compile", exact_logit_every=1) as mon:
+            for n in range(steps):
+                model.zero_grad(set_to_none=True)
+                with mon.step(n):
+                    result = _train_step(fn, model, ids)
+            report = mon.last_report()
+    failed = [str(w.message) for w in caught if "probe failed" in str(w.message)]
+    assert failed == [], failed
+    assert report is not None and report.step == steps - 1
+    return result, report, [str(w.message) for w in caught]
+
+
+MODELS = {"qwen3_sdpa": lambda: _qwen3("sdpa"), "qwen3_eager": lambda: _qwen3("eager"), "plain": TinyNet}
+
+
+@pytest.mark.parametrize("name", ["qwen3_sdpa", "plain"])
+def test_full_compile_with_monitor_matches_eager_without(name):
+    model = MODELS[name]()
+    reference = copy.deepcopy(model)
+    ids = _ids()
+    expected = _train_step(reference, reference, ids)
+    compiled = torch.compile(model, backend="aot_eager")
+    got, report, _ = _monitored(model, compiled, ids)
+    _assert_same(got, expected)
+    # Everything ran inside the graph, so the eager probes stood aside: no SDPA record, no NaN.
+    assert report.nonfinite_total == 0 and report.first_offender is None
+    assert all(c.backend == "compiled" for c in report.sdpa)
+
+
+def _graph_breaks(model: nn.Module, ids: torch.Tensor, *, attached: bool):
+    torch._dynamo.reset()
+    if not attached:
+        out = torch._dynamo.explain(model)(input_ids=ids)
+    else:
+        with nanwatch.attach(model, run_id="explain") as mon, mon.step(0):
+            out = torch._dynamo.explain(model)(input_ids=ids)
+    torch._dynamo.reset()
+    return out.graph_break_count, out.graph_count, [str(b.reason) for b in out.break_reasons]
+
+
+@pytest.mark.filterwarnings("ignore:nanwatch. no attention module found:RuntimeWarning")
+@pytest.mark.parametrize("name", ["qwen3_sdpa", "qwen3_eager", "plain"])
+def test_attaching_adds_no_graph_break(name):
+    model = MODELS[name]()
+    ids = _ids(1)
+    bare = _graph_breaks(model, ids, attached=False)
+    watched = _graph_breaks(model, ids, attached=True)
+    assert watched == bare
+    assert bare[0] == 0, bare  # these models compile to a single graph; the monitor keeps it that way
+
+
+def test_compiled_layers_eager_head_still_measured():
+    model = _qwen3("sdpa")
+    reference = copy.deepcopy(model)
+    ids = _ids(2)
+    expected = _train_step(reference, reference, ids)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    got, r, _ = _monitored(model, model, ids)
+    _assert_same(got, expected)
+    head = {s.phase: s for s in r.sites if s.site == "lm_head"}
+    assert sorted(head) == ["backward", "forward"]
+    assert head["forward"].numel == B * S * V and head["forward"].kind == "logits"
+    assert head["forward"].nan == head["forward"].inf == head["backward"].nan == 0
+    assert head["forward"].amax > 0 and head["backward"].amax > 0
+    # the fingerprint runs in the eager root and rotary modules
+    assert [fp.position_ids for fp in r.fingerprints] == ["2d"]
+    # attention ran inside the compiled layers, where the probes are off
+    assert not any(s.kind == "attention" for s in r.sites)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product gap: when attention runs inside compiled layers the report warns 'no attention ran in this "
+    "step: check is_attention= ...', which blames the wrong thing; the wire has Backend 'compiled' for "
+    "exactly this case but the SDPA wrapper returns before recording anything under is_compiling()"))
+def test_compiled_layers_are_not_misreported_as_no_attention():
+    model = _qwen3("sdpa")
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    _, r, warned = _monitored(model, model, _ids(3), steps=1)
+    assert not any("check is_attention" in w for w in r.warnings + warned)

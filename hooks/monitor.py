@@ -244,7 +244,7 @@ class Monitor:
             attention._warn(exc)
 
     def _site(self, site: str, kind: str, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         self.rec.tensor(site, kind, "forward", x)
         if self.config.grads and x.requires_grad and torch.is_grad_enabled():
@@ -368,9 +368,12 @@ class Monitor:
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
         if state.forwards and not state.sdpa and not any(s.kind == "attention" for s in sites):
-            warns.append("no attention was measured in this step: attention inside torch.compile'd code "
-                         "is not probed (see README); otherwise check is_attention= and that the model "
-                         "calls torch.nn.functional.scaled_dot_product_attention at call time")
+            if self._compiled():
+                warns.append("no attention was measured in this step: it ran inside torch.compile'd code, "
+                             "where nanwatch's eager probes are off (see README, 'torch.compile')")
+            else:
+                warns.append("no attention ran in this step: check is_attention= and that the model calls "
+                             "torch.nn.functional.scaled_dot_product_attention at call time")
         for w in warns:
             self._warn_once(w)
         self.directives.note_report(first is None)
@@ -387,6 +390,18 @@ class Monitor:
             attention_mode=mode, directive_version=version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             dropped_reports=self.dropped_reports, warnings=warns[:64])
+
+    def _compiled(self) -> bool:
+        """Whether compiled code may have run the attention: a submodule compiled in place
+        (``module.compile()``), or any graph compiled by dynamo in this process (``torch.compile(model)``
+        wraps the model, so the module itself carries no mark)."""
+        model = self._model()
+        if model is not None and any(getattr(m, "_compiled_call_impl", None) is not None
+                                     for m in model.modules()):
+            return True
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"] > 0
 
     def _warn_once(self, message: str) -> None:
         head = message.split(":", 1)[-1]

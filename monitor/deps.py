@@ -21,6 +21,9 @@ from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
 
+# Dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in a worker thread,
+# and at 1000 reports/s those thread hops were the largest cost of the ingest path (see loadgen.py).
+
 __all__ = ["AdminToken", "IngestToken", "ReaderToken", "Resources", "ResourcesDep", "SettingsDep"]
 
 bearer = HTTPBearer(
@@ -42,11 +45,11 @@ class Resources:
     admin_tokens: dict[str, bytes]
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def _resources(request: Request) -> Resources:
+async def _resources(request: Request) -> Resources:
     res = getattr(request.app.state, "resources", None)
     if res is None:
         raise HTTPException(503, "the collector is starting or stopping; retry shortly",
@@ -88,15 +91,15 @@ def _check(res: Resources, creds: HTTPAuthorizationCredentials | None, *, scope:
     raise HTTPException(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _ingest(res: ResourcesDep, creds: _Creds) -> str:
+async def _ingest(res: ResourcesDep, creds: _Creds) -> str:
     return _check(res, creds, scope="ingest")
 
 
-def _admin(res: ResourcesDep, creds: _Creds) -> str:
+async def _admin(res: ResourcesDep, creds: _Creds) -> str:
     return _check(res, creds, scope="admin")
 
 
-def _reader(res: ResourcesDep, creds: _Creds) -> str:
+async def _reader(res: ResourcesDep, creds: _Creds) -> str:
     return _check(res, creds, scope="reader")
 
 

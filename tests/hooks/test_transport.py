@@ -1,0 +1,136 @@
+"""The trainer-side transport: never blocks, never raises, counts what it loses, honours Retry-After."""
+
+import http.server
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from nanwatch.hooks.transport import DirectivePoller, ReportSender, _Backoff, _retry_after
+from nanwatch.monitor.testing import CollectorProcess, free_port, scrape, step_report
+from nanwatch.wire import ReportBatch
+
+
+class _Script(http.server.BaseHTTPRequestHandler):
+    """A fake collector answering from a script of (status, headers) and recording what it got."""
+
+    script: list = []
+    got: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).got.append((self.headers.get("Authorization"), ReportBatch.model_validate_json(body)))
+        status, headers = type(self).script.pop(0) if type(self).script else (200, {})
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        payload = b'{"accepted": 1, "duplicates": 0}'
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake():
+    _Script.script, _Script.got = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Script)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_retries_after_503_and_sends_the_token_from_env(fake, monkeypatch):
+    server, url = fake
+    monkeypatch.setenv("NANWATCH_TOKEN", "from-env")
+    _Script.script = [(503, {"Retry-After": "0"}), (500, {}), (200, {})]
+    sender = ReportSender(url, backoff_base_s=0.01)
+    assert sender.submit(step_report(seq=0))
+    assert sender.close(timeout_s=10)
+    assert len(_Script.got) == 3 and sender.delivered == 1 and sender.dropped == 0
+    assert {auth for auth, _ in _Script.got} == {"Bearer from-env"}
+
+
+def test_refused_batch_is_given_up_counted_and_warned(fake, caplog):
+    _, url = fake
+    _Script.script = [(422, {})]
+    sender = ReportSender(url, token="t")
+    with caplog.at_level(logging.WARNING, logger="nanwatch.transport"):
+        sender.submit(step_report(seq=0))
+        assert sender.close(timeout_s=10) is False  # not everything was delivered
+    assert sender.dropped == 1 and sender.delivered == 0
+    assert "HTTP 422" in caplog.text
+
+
+def test_drops_are_reported_once_the_collector_is_back(fake):
+    _, url = fake
+    _Script.script = [(503, {"Retry-After": "0"})] * 3
+    sender = ReportSender(url, max_queue=2, batch_max=1, backoff_base_s=0.05)
+    results = [sender.submit(step_report(seq=i)) for i in range(6)]
+    assert results.count(False) == sender.dropped >= 1
+    assert sender.close(timeout_s=10)
+    assert max(b.reports[-1].dropped_reports for _, b in _Script.got) == sender.dropped
+
+
+def test_retry_after_is_a_floor_for_the_backoff():
+    b = _Backoff(0.1, 10.0)
+    assert all(b.next(2.5) >= 2.5 for _ in range(50))
+    assert _retry_after("3") == 3.0 and _retry_after("junk") is None and _retry_after(None) is None
+    assert 0 <= _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") <= 300
+
+
+def test_submit_never_blocks_or_raises_when_no_collector_listens():
+    sender = ReportSender(f"http://127.0.0.1:{free_port()}", max_queue=8, batch_max=4, timeout_s=1)
+    results = [sender.submit(step_report(seq=i)) for i in range(100)]
+    assert results[:8] == [True] * 8 and results.count(False) >= 100 - 8 - 4  # the thread may hold one batch
+    assert sender.close(timeout_s=0.2) is False
+    assert sender.dropped == 100 - sender.delivered and sender.delivered == 0
+
+
+def test_submit_after_close_is_a_counted_drop(fake):
+    _, url = fake
+    sender = ReportSender(url)
+    sender.close(timeout_s=1)
+    assert sender.submit(step_report(seq=0)) is False and sender.dropped == 1
+
+
+def test_poller_sees_directives_and_closes_mid_poll(tmp_path):
+    import httpx
+
+    with CollectorProcess(db_path=tmp_path / "p.db") as c:
+        got = []
+        poller = DirectivePoller(c.url, "poll-run", wait_s=30, on_directive=got.append)
+        httpx.put(f"{c.url}/v1/directives/poll-run", json={"mode": "fp32"})
+        deadline = time.monotonic() + 20
+        while poller.latest is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert poller.latest is not None and poller.latest.mode == "fp32" and got == [poller.latest]
+        poller.close()  # while a 30 s long-poll is in flight
+        assert not poller._thread.is_alive()
+
+
+def test_sender_against_a_real_collector_reports_its_drops(tmp_path):
+    with CollectorProcess(db_path=tmp_path / "s.db") as c:
+        sender = ReportSender(c.url, max_queue=4, batch_max=1)
+        sender._dropped = 3  # as if three reports had been lost earlier
+        assert sender.submit(step_report(run_id="drops", seq=0, dropped=3))
+        assert sender.close(timeout_s=10)
+        assert scrape(c.url)[("nanwatch_reports_dropped_total",
+                              frozenset({("run_id", "drops"), ("rank", "0")}))] == 3
+
+
+def test_transport_imports_neither_torch_nor_the_web_stack():
+    # Loaded by path: the nanwatch.hooks package itself imports torch, the module must not need it.
+    code = ("import importlib.util as u, sys, nanwatch.hooks.transport as t; "
+            "spec = u.spec_from_file_location('lone_transport', t.__file__); "
+            "[sys.modules.pop(m) for m in list(sys.modules) if m.split('.')[0] in ('torch', 'nanwatch')]; "
+            "u.module_from_spec(spec); spec.loader.exec_module(u.module_from_spec(spec)); "
+            "bad = [m for m in ('torch', 'fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'httpx', "
+            "'requests') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,68 @@
+"""The CLI against a real collector, exposure rules, and what each side may import."""
+
+import subprocess
+import sys
+
+import pytest
+
+from nanwatch.cli import main
+from nanwatch.monitor import Settings, create_app
+from nanwatch.monitor.testing import step_report
+from nanwatch.wire import ReportBatch
+
+
+def test_status_and_directive_commands(collector, capsys):
+    import httpx
+
+    body = ReportBatch(reports=[step_report(run_id="cli", seq=0, nan_at="model.layers.1.self_attn", nan=2,
+                                            dtype="float32")]).model_dump_json()
+    assert httpx.post(f"{collector.url}/v1/reports", content=body,
+                      headers={"Authorization": f"Bearer {collector.token}"}).status_code == 200
+    assert main(["directive", "set", "cli", "fp32", "--apply-at-step", "7", "--url", collector.url,
+                 "--admin-token", collector.admin_token]) == 0
+    assert "directive v1 fp32 from step 7" in capsys.readouterr().out
+    assert main(["status", "cli", "--url", collector.url, "--token", collector.token]) == 0
+    out = capsys.readouterr().out
+    assert "first non-finite: model.layers.1.self_attn (forward) on rank 0 at step 0" in out
+    assert "set by alice" in out
+    assert main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", collector.admin_token]) == 0
+    assert main(["status", "--url", collector.url, "--token", collector.token]) == 0
+    assert "cli: 1 live ranks, step 0, 2 non-finite, directive v2 none" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="HTTP 401"):
+        main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", "wrong"])
+
+
+def test_exposed_host_without_tokens_is_refused():
+    with pytest.raises(ValueError, match="NANWATCH_TOKEN and NANWATCH_ADMIN_TOKEN"):
+        create_app(Settings(host="0.0.0.0", db_path=":memory:"))
+    create_app(Settings(host="0.0.0.0", db_path=":memory:", token="a", admin_token="b"))
+    out = subprocess.run([sys.executable, "-m", "nanwatch.cli", "serve", "--host", "0.0.0.0", "--db", ":memory:"],
+                         capture_output=True, text=True, env={"PATH": ""}, timeout=60)
+    assert out.returncode == 2 and "refusing to listen on '0.0.0.0'" in out.stderr
+
+
+def test_token_file_is_read_and_named(tmp_path):
+    f = tmp_path / "tok"
+    f.write_text("s3cret\n")
+    assert Settings(token_file=f).ingest_tokens() == {"ingest-file": "s3cret"}
+    with pytest.raises(ValueError, match="cannot read"):
+        Settings(admin_token_file=tmp_path / "missing").admin_token_map()
+
+
+def test_missing_delegate_is_an_error_not_a_crash(capsys, monkeypatch):
+    import nanwatch.cli as cli
+
+    monkeypatch.setitem(cli._DELEGATES, "bench", ("nanwatch.hooks.no_such_module", "absent"))
+    assert main(["bench", "--help"]) == 2
+    assert "nanwatch.hooks.no_such_module is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,banned", [
+    ("nanwatch.monitor", ("torch",)),
+    ("nanwatch.monitor.loadgen", ("torch",)),
+    ("nanwatch.cli", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
+])
+def test_import_boundaries(module, banned):
+    code = f"import sys, {module}; bad = [m for m in {banned!r} if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -25,17 +25,26 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
 def finite_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NaN count, Inf count and the largest finite |x|, as 0-d device tensors (no host sync).
 
-    ``count_nonzero`` on the boolean masks (not ``sum(dtype=...)``, which first converts the whole mask:
-    5x slower on CPU), and ``aminmax`` over the tensor with non-finite entries zeroed, so a single Inf
-    cannot hide the finite range. Measured on [4, 256, 4096] bf16 logits (2-core CPU): 6 ms instead of 33.
+    The finite range comes from ``aminmax`` over a copy with non-finite entries zeroed, so one Inf cannot
+    hide it. The counts avoid ``sum(dtype=...)`` over a bool mask (it first converts the whole mask: 5x
+    slower on CPU). For bf16 they come from ``e = x - finite_copy`` (0, NaN or +-inf), counting non-zeros
+    before and after dropping the NaNs, since CPU's isnan/isinf take a slow path for bf16. Measured on
+    [4, 256, 4096] logits, 2-core CPU, best of 5: bf16 4.0 ms (isnan/isinf: 5.8); fp16 4.8, fp32 5.0.
     """
     x = x.detach()
     if x.numel() == 0:
-        zero = torch.zeros((), dtype=_acc_dtype(x.device), device=x.device)
-        return zero, zero, zero
-    nan = torch.count_nonzero(torch.isnan(x))
-    inf = torch.count_nonzero(torch.isinf(x))
-    lo, hi = torch.aminmax(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        return zero, zero, zero.to(_acc_dtype(x.device))
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = torch.aminmax(finite)
+    if x.dtype == torch.bfloat16:
+        e = x - finite
+        bad = torch.count_nonzero(e)
+        inf = torch.count_nonzero(torch.nan_to_num(e, nan=0.0))
+        nan = bad - inf
+    else:
+        nan = torch.count_nonzero(torch.isnan(x))
+        inf = torch.count_nonzero(torch.isinf(x))
     return nan, inf, torch.maximum(hi, -lo)
 
 

@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from nanwatch.wire import SCHEMA_VERSION, ReportBatch, RlhfStat, SiteStat, StepReport
 from pydantic import ValidationError
+
+from nanwatch.wire import SCHEMA_VERSION, ReportBatch, RlhfStat, SiteStat, StepReport
 
 
 def _report(**kw) -> StepReport:

@@ -27,6 +27,7 @@ class DirectiveHub:
         self._current: dict[str, Directive] = dict(current or {})
         self._wakers: dict[str, asyncio.Event] = {}
         self._waiting: dict[str, int] = {}
+        self._closing = False
 
     def current(self, run_id: str) -> Directive:
         """The active directive; version 0, mode ``none`` when the run never had one."""
@@ -71,6 +72,13 @@ class DirectiveHub:
         run.event_keys.add(ev.dedupe)
         return True
 
+    def close(self) -> None:
+        """Server shutdown: answer every long-poll now (with the current directive) instead of letting
+        uvicorn cancel them mid-wait once its graceful-shutdown timeout runs out."""
+        self._closing = True
+        for waker in self._wakers.values():
+            waker.set()
+
     async def wait(self, run_id: str, *, index: int, wait_s: float) -> Directive:
         """Return as soon as the run's directive version exceeds ``index``, else after ``wait_s``."""
         loop = asyncio.get_running_loop()
@@ -78,7 +86,7 @@ class DirectiveHub:
         while True:
             d = self.current(run_id)
             remaining = deadline - loop.time()
-            if d.version > index or remaining <= 0:
+            if d.version > index or remaining <= 0 or self._closing:
                 return d
             waker = self._wakers.get(run_id)
             if waker is None:

@@ -15,16 +15,25 @@ from nanwatch.monitor.settings import Settings
 __all__ = ["BackgroundServer", "serve"]
 
 
-def _config(settings: Settings, port: int) -> uvicorn.Config:
-    # One worker: the live state is in this process. Short graceful shutdown: long-polls simply retry.
-    return uvicorn.Config(create_app(settings), host=settings.host, port=port, workers=1,
-                          log_level=settings.log_level, timeout_graceful_shutdown=3)
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on shutdown, answer the long-polls first so none is cancelled mid-wait."""
+
+    def __init__(self, settings: Settings, port: int) -> None:
+        self.app = create_app(settings)
+        # One worker: the live state is in this process. Short graceful shutdown: long-polls just retry.
+        super().__init__(uvicorn.Config(self.app, host=settings.host, port=port, workers=1,
+                                        log_level=settings.log_level, timeout_graceful_shutdown=3))
+
+    async def shutdown(self, sockets=None) -> None:
+        res = getattr(self.app.state, "resources", None)
+        if res is not None:
+            res.hub.close()
+        await super().shutdown(sockets=sockets)
 
 
 def serve(settings: Settings) -> None:
     """Run the collector in the foreground until interrupted."""
-    settings.check_exposure()
-    uvicorn.Server(_config(settings, settings.port)).run()
+    _Server(settings, settings.port).run()
 
 
 class BackgroundServer:
@@ -37,9 +46,8 @@ class BackgroundServer:
     """
 
     def __init__(self, settings: Settings) -> None:
-        settings.check_exposure()
         self.settings = settings
-        self._server = uvicorn.Server(_config(settings, settings.port))
+        self._server = _Server(settings, settings.port)
         self._thread = threading.Thread(target=self._server.run, name="nanwatch-collector", daemon=True)
         self.url = ""
 

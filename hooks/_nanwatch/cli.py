@@ -1,5 +1,6 @@
 """The ``nanwatch`` command. Imports nothing heavy at import time: torch, fastapi and uvicorn are imported
-inside the subcommand that needs them, so ``nanwatch status`` starts fast anywhere.
+inside the subcommand that needs them (through nanwatch.monitor.server, nanwatch.demo, nanwatch.hooks.bench),
+so ``nanwatch status`` starts fast anywhere.
 """
 
 from __future__ import annotations
@@ -18,20 +19,16 @@ _DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from nanwatch.monitor import Settings, create_app
+    from nanwatch.monitor import Settings
+    from nanwatch.monitor.server import serve
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db_path", args.db)) if v is not None}
     try:
         settings = Settings(**overrides)
-        app = create_app(settings)
+        serve(settings)
     except ValueError as e:
         print(f"nanwatch serve: {e}", file=sys.stderr)
         return 2
-    # One worker: the state lives in this process. A short graceful shutdown: long-polls just retry.
-    uvicorn.run(app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level,
-                timeout_graceful_shutdown=3)
     return 0
 
 
@@ -100,7 +97,7 @@ def _directive(args: argparse.Namespace) -> int:
 
 
 #: subcommands owned by the trainer side: ``main(argv)`` gets the arguments after the subcommand name
-_DELEGATES = {"demo": ("nanwatch.hooks.demo", "train a tiny model into a NaN and back through a directive"),
+_DELEGATES = {"demo": ("nanwatch.demo", "train a tiny model into a NaN and back through a directive"),
               "bench": ("nanwatch.hooks.bench", "measure the hooks' overhead")}
 
 

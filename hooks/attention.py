@@ -12,22 +12,21 @@ Under ``torch.compile`` both wrappers are a plain call to the original: the eage
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from nanwatch.hooks.guard import probe_failed
+from nanwatch.hooks.sdpa_probe import scores_probe, sdpa_call
+
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.monitor import Monitor
 
 __all__ = ["Frame", "install", "uninstall", "push", "pop", "top", "owner_of_caller", "is_installed"]
-
-log = logging.getLogger("nanwatch")
 
 _ORIG_SDPA = F.scaled_dot_product_attention
 _ORIG_SOFTMAX = F.softmax
@@ -105,11 +104,6 @@ def _frame_for_call() -> tuple[Monitor, Frame] | None:
     return None
 
 
-def _warn(exc: BaseException) -> None:
-    log.warning("nanwatch: probe failed and was skipped: %r", exc, exc_info=exc)
-    warnings.warn(f"nanwatch: probe failed and was skipped: {exc!r}", RuntimeWarning, stacklevel=3)
-
-
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False, **kwargs):
     if torch.compiler.is_compiling() or not _monitors:
@@ -118,14 +112,14 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     try:
         found = _frame_for_call()
     except Exception as exc:  # monitoring must never break the step
-        _warn(exc)
+        probe_failed(exc)
         found = None
     if found is None:
         return _ORIG_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                           enable_gqa=enable_gqa, **kwargs)
     mon, frame = found
     frame.sdpa_calls += 1
-    return mon._sdpa_call(frame, _ORIG_SDPA, query, key, value, attn_mask, dropout_p, is_causal, scale,
+    return sdpa_call(mon, frame, _ORIG_SDPA, query, key, value, attn_mask, dropout_p, is_causal, scale,
                           enable_gqa, kwargs)
 
 
@@ -136,9 +130,9 @@ def _softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002 - F.soft
     fr = top()
     if fr is not None and fr.attention and input.dim() == 4 and dim in (-1, 3):
         try:
-            fr.monitor._scores(fr, input)
+            scores_probe(fr.monitor, fr, input)
         except Exception as exc:
-            _warn(exc)
+            probe_failed(exc)
     return out
 
 

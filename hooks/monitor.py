@@ -19,18 +19,16 @@ from nanwatch.hooks import attention
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives import DirectiveState
 from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
-from nanwatch.hooks.logit import exact_max_logit
+from nanwatch.hooks.guard import guarded, probe_failed
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.hooks.reporter import Pending, Reporter
 from nanwatch.hooks.rlhf import decode_rlhf, record_rlhf
-from nanwatch.hooks.sdpa_backend import confirmed_backend, lse_of, predict
 from nanwatch.wire import StepReport
 
 __all__ = ["Monitor", "attach"]
 
 log = logging.getLogger("nanwatch")
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, Monitor] = weakref.WeakKeyDictionary()
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -183,7 +181,7 @@ class Monitor:
         try:
             self.directives.at_step_boundary(n)
         except Exception as exc:
-            attention._warn(exc)
+            probe_failed(exc)
 
     def _end(self, n: int) -> None:
         if not self._active:
@@ -223,7 +221,7 @@ class Monitor:
     def watch(self, name: str, tensor: torch.Tensor, *, kind: str = "tensor") -> torch.Tensor:
         """Measure any tensor (and its gradient, if it requires grad); returns it unchanged."""
         if self._active and not torch.compiler.is_compiling():
-            self._guarded(self._site, name, kind, tensor)
+            guarded(self._site, name, kind, tensor)
         return tensor
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
@@ -232,17 +230,11 @@ class Monitor:
         """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device."""
         if not self._active or torch.compiler.is_compiling():
             return
-        self._guarded(self._site, "rlhf.logprobs", "logprob", logprobs)
-        self._guarded(record_rlhf, self.rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
+        guarded(self._site, "rlhf.logprobs", "logprob", logprobs)
+        guarded(record_rlhf, self.rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
                       old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps)
 
     # ---- hook bodies -----------------------------------------------------------------------------
-    def _guarded(self, fn, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:  # monitoring never breaks training
-            attention._warn(exc)
-
     def _site(self, site: str, kind: str, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
@@ -252,7 +244,7 @@ class Monitor:
 
     def _grad_hook(self, site: str, kind: str, grad: torch.Tensor) -> None:
         if self._active and grad is not None:
-            self._guarded(self.rec.tensor, site, kind, "backward", grad)
+            guarded(self.rec.tensor, site, kind, "backward", grad)
 
     def _attn_pre(self, name: str, module, args) -> None:
         if self._active and not torch.compiler.is_compiling():
@@ -264,15 +256,15 @@ class Monitor:
         fr = attention.pop()
         if fr is None or fr.monitor is not self or not self._active or fr.sdpa_calls:
             return  # SDPA already measured this module's attention output
-        self._guarded(self._site, fr.site, "attention", _first_tensor(output))
+        guarded(self._site, fr.site, "attention", _first_tensor(output))
 
     def _output_hook(self, name: str, kind: str, module, args, output) -> None:
         if self._active and not torch.compiler.is_compiling():
-            self._guarded(self._site, name, kind, _first_tensor(output))
+            guarded(self._site, name, kind, _first_tensor(output))
 
     def _root_pre(self, module, args, kwargs) -> None:
         if self._active and not torch.compiler.is_compiling():
-            self._guarded(record_forward_inputs, self.rec, self._sig, args, kwargs)
+            guarded(record_forward_inputs, self.rec, self._sig, args, kwargs)
 
     def _rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
@@ -281,81 +273,7 @@ class Monitor:
             return
         pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor):
-            self._guarded(position_layout, self.rec, fwd, pos)
-
-    def _sdpa_call(self, frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
-        dtype = q.dtype
-        mode = self.directives.mode
-        args = [q, k, v, mask]
-
-        def upcast() -> None:  # directive 'fp32': upcast q/k/v (and a float mask), cast the output back
-            if args[0].dtype in _HALF:
-                args[:3] = [t.float() for t in args[:3]]
-                if args[3] is not None and args[3].is_floating_point():
-                    args[3] = args[3].float()
-
-        def call():
-            return orig(*args, dropout, is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
-
-        if mode == "fp32":
-            upcast()
-        try:
-            predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
-        except Exception as exc:
-            attention._warn(exc)
-            predicted, reason = "unknown", None
-        out = self.directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
-        self._guarded(self._after_sdpa, frame.site, out, args[0], args[1], args[3], is_causal, scale,
-                      predicted, reason)
-        return out if out.dtype == dtype else out.to(dtype)
-
-    def _after_sdpa(self, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
-        confirmed = confirmed_backend(out)
-        backend = confirmed or predicted
-        sig = f"q{list(q.shape)} k{list(k.shape)}"
-        if mask is not None:
-            sig += f" mask:{str(mask.dtype).removeprefix('torch.')}{list(mask.shape)}"
-        elif is_causal:
-            sig += " causal"
-        self.rec.sdpa(site, backend, predicted, confirmed is not None, q.dtype, sig,
-                      None if backend not in ("math", "unknown") else reason)
-        self._site(site, "attention", out)
-        lse = lse_of(out)
-        if lse is not None:
-            lse = lse[..., : q.shape[-2]]  # mem-efficient pads its lse to a multiple of 32 rows
-            self.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
-        if self._sampled:
-            self.rec.logit_heads(site, "exact", exact_max_logit(
-                q, k, attn_mask=mask, is_causal=is_causal, scale=scale,
-                chunk_elems=self.config.exact_logit_chunk_elems))
-        fwd = self.rec.current_forward()
-        if fwd is not None:
-            if mask is None:
-                fwd.plain_causal |= bool(is_causal) and q.shape[-2] > 1
-            else:
-                fwd.mask_4d_seen |= mask.dim() == 4
-                self._count_masked_rows(fwd, mask)
-
-    def _count_masked_rows(self, fwd, mask: torch.Tensor) -> None:
-        key = (mask.data_ptr(), mask._version)
-        if key in self._masks_seen:  # every layer gets the same mask: count it once per forward
-            return
-        self._masks_seen.add(key)
-        if mask.dtype == torch.bool:
-            rows = ~mask.any(dim=-1)
-        else:
-            rows = mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
-        self.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=self.rec.buf.dtype), how="max")
-
-    def _scores(self, frame, scores: torch.Tensor) -> None:
-        """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
-        s = scores.detach()
-        rowmax = s.amax(dim=-1)
-        self.rec.logit_heads(frame.site, "scores", rowmax.amax(dim=(0, 2)))
-        fwd = self.rec.current_forward()
-        if fwd is not None and s.is_floating_point():
-            dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
-            self.rec.forward_count(fwd, "masked_rows", dead.sum(dtype=self.rec.buf.dtype), how="max")
+            guarded(position_layout, self.rec, fwd, pos)
 
     # ---- reporting (reporter thread) ---------------------------------------------------------------
     def _build_report(self, pending: Pending, values: list[float]) -> StepReport:
@@ -378,15 +296,11 @@ class Monitor:
             self._warn_once(w)
         self.directives.note_report(first is None)
 
-        def get(kind, key, default=0.0):
-            i = self.rec.buf.index(kind, key)
-            return default if i is None or i >= len(values) else values[i]
-
         return StepReport(
             run_id=self.config.run_id, rank=self.rank, world_size=self.world_size,
             incarnation=self.incarnation, seq=pending.seq, step=pending.step, time=t,
             sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints,
-            rlhf=decode_rlhf(get) if state.rlhf else None,
+            rlhf=decode_rlhf(self.rec.getter(values)) if state.rlhf else None,
             attention_mode=mode, directive_version=version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             dropped_reports=self.dropped_reports, warnings=warns[:64])

@@ -123,14 +123,20 @@ class Recorder:
         return state
 
     # ---- decoding (reporter thread) --------------------------------------------------------------
-    def decode(self, state: StepState, values: list[float]):
-        """Turn a host copy of the buffer into (sites, sdpa, logits, fingerprints, first offender)."""
+    def getter(self, values: list[float]):
+        """``get(kind, key, default)``: a slot's value in a host copy, or ``default`` if the slot is not
+        in that copy (never written, or allocated after the copy was taken)."""
         buf = self.buf
 
         def get(kind: str, key, default: float = 0.0) -> float:
             i = buf.index(kind, key)
             return default if i is None or i >= len(values) else values[i]
 
+        return get
+
+    def decode(self, state: StepState, values: list[float]):
+        """Turn a host copy of the buffer into (sites, sdpa, logits, fingerprints, first offender)."""
+        get = self.getter(values)
         sites, first = [], None
         for key in state.order:
             meta = state.sites[key]

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanwatch
+from nanwatch.hooks.testing import TinyNet
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,35 +44,6 @@ def _qwen3(impl: str = "sdpa") -> nn.Module:
     return transformers.Qwen3ForCausalLM(cfg)
 
 
-class Mixer(nn.Module):
-    """Calls SDPA itself; no 'Attention' in the class name."""
-
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(V, 32)
-        self.blocks = nn.ModuleList([Mixer(), Mixer()])
-        self.head = nn.Linear(32, V)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 def _logits(out) -> torch.Tensor:
@@ -112,7 +84,12 @@ def _monitored(model: nn.Module, fn, ids: torch.Tensor, steps: int = 2):
     return result, report, [str(w.message) for w in caught]
 
 
-MODELS = {"qwen3_sdpa": lambda: _qwen3("sdpa"), "qwen3_eager": lambda: _qwen3("eager"), "plain": TinyNet}
+def _tiny_net() -> TinyNet:
+    torch.manual_seed(0)
+    return TinyNet(vocab=V)
+
+
+MODELS = {"qwen3_sdpa": lambda: _qwen3("sdpa"), "qwen3_eager": lambda: _qwen3("eager"), "plain": _tiny_net}
 
 
 @pytest.mark.parametrize("name", ["qwen3_sdpa", "plain"])

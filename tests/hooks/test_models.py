@@ -14,9 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import nanwatch
+from nanwatch.hooks.testing import Mixer, TinyNet
 
 transformers = pytest.importorskip("transformers")
 
@@ -290,35 +290,7 @@ def test_qwen2_vl_text_path_mrope(qwen2_vl, how):
     assert fp.plain_causal
 
 
-# ---- a plain module calling F.scaled_dot_product_attention itself -------------------------------------
-class Mixer(nn.Module):
-    """Self-attention by another name: the class name matches none of nanwatch's attention patterns."""
-
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, 32)
-        self.blocks = nn.ModuleList([Mixer(), Mixer()])
-        self.head = nn.Linear(32, V)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
+# ---- a plain module calling F.scaled_dot_product_attention itself (nanwatch.hooks.testing) ------------
 
 
 def _mean_square(out: torch.Tensor) -> torch.Tensor:
@@ -327,7 +299,7 @@ def _mean_square(out: torch.Tensor) -> torch.Tensor:
 
 def test_plain_module_sdpa_site_is_the_callers_fqn():
     torch.manual_seed(0)
-    r, warned = _step(TinyNet(), loss=_mean_square, ids=_ids(5))
+    r, warned = _step(TinyNet(vocab=V), loss=_mean_square, input_ids=_ids(5))
     assert any("no attention module found by class name" in w for w in warned)
     assert _order(r) == [("blocks.0", "forward"), ("blocks.1", "forward"),
                          ("blocks.1", "backward"), ("blocks.0", "backward")]

@@ -26,7 +26,7 @@ from nanwatch.hooks.sdpa_probe import scores_probe, sdpa_call
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.monitor import Monitor
 
-__all__ = ["Frame", "install", "uninstall", "push", "pop", "top", "owner_of_caller", "is_installed"]
+__all__ = ["Frame", "drain_compiled_calls", "install", "uninstall", "push", "pop", "top", "owner_of_caller", "is_installed"]
 
 _ORIG_SDPA = F.scaled_dot_product_attention
 _ORIG_SOFTMAX = F.softmax
@@ -104,9 +104,27 @@ def _frame_for_call() -> tuple[Monitor, Frame] | None:
     return None
 
 
+#: SDPA calls that ran inside compiled graphs, by dtype. Dynamo replays this dict update as a side effect
+#: after each run of the graph (no graph break), so compiled attention is counted though not probed.
+_compiled_calls: dict[str, int] = {}
+
+
+def drain_compiled_calls() -> dict[str, int]:
+    """SDPA calls made inside compiled graphs since the last drain, by dtype (process-wide)."""
+    calls = dict(_compiled_calls)
+    _compiled_calls.clear()
+    return calls
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False, **kwargs):
-    if torch.compiler.is_compiling() or not _monitors:
+    if torch.compiler.is_compiling():
+        if _monitors:
+            dtype = str(query.dtype).removeprefix("torch.")
+            _compiled_calls[dtype] = _compiled_calls.get(dtype, 0) + 1
+        return _ORIG_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                          enable_gqa=enable_gqa, **kwargs)
+    if not _monitors:
         return _ORIG_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                           enable_gqa=enable_gqa, **kwargs)
     try:

@@ -186,6 +186,9 @@ class Monitor:
     def _end(self, n: int) -> None:
         if not self._active:
             return
+        for dtype, calls in attention.drain_compiled_calls().items():
+            # compiled attention: counted, not probed (no site, backend or finiteness inside the graph)
+            self.rec.sdpa("<compiled>", "compiled", "compiled", False, dtype, "", None, calls=calls)
         state = self.rec.swap()
         buf = self.rec.buf
         host = self._reporter.host_buffer(buf.data.numel(), buf.device)

@@ -84,10 +84,10 @@ class Recorder:
         self.buf.add(("inf", key), inf)
         self.buf.maximize(("amax", key), amax)
 
-    def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype,
-             shape: str, reason: str | None) -> None:
+    def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype | str,
+             shape: str, reason: str | None, *, calls: int = 1) -> None:
         key = (site, backend, predicted, confirmed, str(dtype).removeprefix("torch."), shape, reason)
-        self.state.sdpa[key] = self.state.sdpa.get(key, 0) + 1
+        self.state.sdpa[key] = self.state.sdpa.get(key, 0) + calls
 
     def logit_heads(self, layer: str, source: str, per_head: torch.Tensor) -> None:
         """Max a per-head logit figure (bound or exact) into the layer's slots."""

@@ -101,9 +101,10 @@ def test_full_compile_with_monitor_matches_eager_without(name):
     compiled = torch.compile(model, backend="aot_eager")
     got, report, _ = _monitored(model, compiled, ids)
     _assert_same(got, expected)
-    # Everything ran inside the graph, so the eager probes stood aside: no SDPA record, no NaN.
+    # Everything ran inside the graph, so the eager probes stood aside; the attention calls are counted.
     assert report.nonfinite_total == 0 and report.first_offender is None
-    assert all(c.backend == "compiled" for c in report.sdpa)
+    assert {(c.site, c.backend, c.dtype, c.calls) for c in report.sdpa} == {
+        ("<compiled>", "compiled", "float32", 2)}  # two attention layers, one forward
 
 
 def _graph_breaks(model: nn.Module, ids: torch.Tensor, *, attached: bool):
@@ -150,6 +151,15 @@ def test_compiled_layers_eager_head_still_measured():
 
 def test_compiled_layers_are_not_misreported_as_no_attention():
     model = _qwen3("sdpa")
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    _, r, warned = _monitored(model, model, _ids(3), steps=1)
+    assert not any("attention" in w for w in r.warnings + warned)
+    assert [(c.backend, c.calls) for c in r.sdpa] == [("compiled", 2)]
+
+
+def test_compiled_eager_attention_is_said_to_be_compiled():
+    model = _qwen3("eager")  # no SDPA call to count: the report must still not blame is_attention=
     for layer in model.model.layers:
         layer.compile(backend="aot_eager")
     _, r, warned = _monitored(model, model, _ids(3), steps=1)

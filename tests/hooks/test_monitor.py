@@ -331,6 +331,10 @@ def test_finite_stats_counts_exactly_in_every_dtype(dtype):
     x[1, 1, 1] = math.inf
     x[2, 2, 2] = -math.inf
     x[2, 3, 3] = -2048.0
+    for view in (x, x.transpose(0, 2), x[:, ::2].transpose(1, 2)):  # contiguous and strided
+        expect = (int(torch.isnan(view).sum()), int(torch.isinf(view).sum()))
+        nan, inf, amax = finite_stats(view)
+        assert (int(nan), int(inf)) == expect
     nan, inf, amax = finite_stats(x)
     assert (int(nan), int(inf), float(amax)) == (4, 2, 2048.0)
     nan, inf, amax = finite_stats(torch.zeros(0, dtype=dtype))

@@ -64,7 +64,7 @@ def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, 
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         attn = model.model.layers[0].self_attn
         say(f"model: Qwen3 2 layers, fp16, eager attention; logit growth injected at step {spike_at}\n")
-        say(f"{'step':>4}  {'loss':>7}  {'non-finite':>10}  {'first offender':<32} {'mode':<6} note")
+        say(f"{'step':>4}  {'loss':>7}  {'non-finite':>10}  {'first offender':<36} {'mode':<6} note")
         with nanwatch.attach(model, run_id="demo", collector=srv.url) as mon:
             for n in range(steps):
                 note = ""
@@ -89,8 +89,8 @@ def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, 
                 if not note and rows and rows[-1]["mode"] != row["mode"]:
                     note = f"directive v{r.directive_version} applied"
                 rows.append(row)
-                fo = f"{r.first_offender} ({r.first_offender_phase[:3]})" if r.first_offender else "-"
-                say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<32} {row['mode']:<6} {note}")
+                fo = f"{r.first_offender} ({r.first_offender_phase})" if r.first_offender else "-"
+                say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<36} {row['mode']:<6} {note}")
         state = _get(f"{srv.url}/v1/runs/demo")
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
             metrics = [ln for ln in r.read().decode().splitlines()

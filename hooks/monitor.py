@@ -75,12 +75,10 @@ class Monitor:
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
-        self._device = device
         self.rec = Recorder(device)
         self._handles: list = []
         self._fqns: dict[int, str] = {}
         self._active = False
-        self._step: int | None = None
         self._seq = 0
         self._sampled = False
         self._masks_seen: set[tuple[int, int]] = set()
@@ -104,6 +102,7 @@ class Monitor:
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
         if model in _attached:
+            self._reporter.close()
             raise RuntimeError("nanwatch: this model already has a Monitor attached; close() it first "
                                "(two monitors would double-count every site)")
         # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
@@ -174,7 +173,6 @@ class Monitor:
             self._end(n)
 
     def _begin(self, n: int) -> None:
-        self._step = n
         every = self.config.exact_logit_every
         self._sampled = bool(every) and n % every == 0
         self._masks_seen.clear()
@@ -205,7 +203,6 @@ class Monitor:
             self._reporter.submit(Pending(self._seq, n, host, buf.size, event, ctx))
             self._seq += 1
         buf.reset()
-        self._step = None
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""

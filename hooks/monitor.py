@@ -170,7 +170,7 @@ class Monitor:
         try:
             yield self
         finally:
-            self._end(n)
+            guarded(self._end, n)
 
     def _begin(self, n: int) -> None:
         every = self.config.exact_logit_every

@@ -8,6 +8,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -120,20 +123,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_every_rank_switches_at_the_same_step_gloo(tmp_path: Path):
+def _run_ranks(tmp_path: Path, env_extra: dict[str, str] | None = None, on_start=None) -> list[dict]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **(env_extra or {}))
     worker = Path(__file__).with_name("dist_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / f"r{r}.json")],
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out.decode()[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    try:
+        if on_start is not None:
+            on_start()
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            assert p.returncode == 0, out.decode()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_every_rank_switches_at_the_same_step_gloo(tmp_path: Path):
+    r0, r1 = _run_ranks(tmp_path)
     assert r0["modes"] == r1["modes"]  # identical (step, mode, version) on both ranks, every step
     by_step = {n: (m, v) for n, m, v in r0["modes"]}
     assert by_step[6] == ("none", 0) and by_step[7] == ("fp32", 1)  # offered at 3, agreed at 4, applied at 7
     assert by_step[9] == ("fp32", 1) and by_step[10] == ("fused", 2)  # offered late at 9: next agreement, 10
     assert r0["reported"] == r1["reported"] == "fused"
+
+
+@pytest.mark.slow
+def test_directive_set_over_http_reaches_both_ranks_at_the_same_step(tmp_path: Path):
+    from nanwatch.monitor.testing import CollectorProcess, scrape
+
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        def set_directive_once_running():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # wait until both ranks report, then act like an operator
+                try:
+                    with urllib.request.urlopen(c.url + "/v1/runs/dist", timeout=5) as resp:
+                        run = json.loads(resp.read())
+                    if run["live_ranks"] == 2 and run["latest_step"] >= 3:
+                        break
+                except urllib.error.HTTPError as e:  # 404 until the first report arrives
+                    assert e.code == 404
+                time.sleep(0.05)
+            req = urllib.request.Request(c.url + "/v1/directives/dist", method="PUT",
+                                         data=json.dumps({"mode": "fp32", "reason": "test"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                set_directive_once_running.directive = json.loads(resp.read())
+
+        r0, r1 = _run_ranks(tmp_path, {"NANWATCH_COLLECTOR": c.url}, set_directive_once_running)
+        metrics = scrape(c.url)
+    d = set_directive_once_running.directive
+    assert d["version"] == 1 and d["mode"] == "fp32"
+    assert r0["modes"] == r1["modes"]
+    switched = [n for n, m, v in r0["modes"] if (m, v) == ("fp32", 1)]
+    assert switched and switched[0] >= d["apply_at_step"]  # apply_at_step = latest step seen + margin
+    assert all(m == "none" for n, m, v in r0["modes"] if n < switched[0])
+    assert r0["reported"] == r1["reported"] == "fp32"
+    for rank in ("0", "1"):  # the ack: every rank reports the mode it applies
+        key = ("nanwatch_attention_mode", frozenset({("run_id", "dist"), ("rank", rank), ("mode", "fp32")}))
+        assert metrics.get(key) == 1.0

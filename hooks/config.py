@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,7 +84,14 @@ class MonitorConfig:
             raise ValueError(f"max_pending_reports must be >= 1, got {self.max_pending_reports}")
         if self.directive_check_every < 1:
             raise ValueError(f"directive_check_every must be >= 1, got {self.directive_check_every}")
-        if self.collector is not None and not re.match(r"^https?://", self.collector):
-            raise ValueError(f"collector must be an http(s) URL, got {self.collector!r}")
+        if self.collector is not None:
+            try:
+                u = urllib.parse.urlsplit(self.collector)
+                ok = u.scheme in ("http", "https") and bool(u.hostname)
+                u.port  # noqa: B018 - raises ValueError for a port that is not a number
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"collector must be an http(s)://host[:port] URL, got {self.collector!r}")
         if self.token is None:
             self.token = os.environ.get("NANWATCH_TOKEN") or None

@@ -6,7 +6,9 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import time
+import typing
 import uuid
 import warnings
 import weakref
@@ -23,11 +25,13 @@ from nanwatch.hooks.guard import guarded, probe_failed
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.hooks.reporter import Pending, Reporter
 from nanwatch.hooks.rlhf import decode_rlhf, record_rlhf
-from nanwatch.wire import StepReport
+from nanwatch.wire import SiteKind, StepReport
 
 __all__ = ["Monitor", "attach"]
 
 log = logging.getLogger("nanwatch")
+_SITE_KINDS = frozenset(typing.get_args(SiteKind))
+_SITE_NAME = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, Monitor] = weakref.WeakKeyDictionary()
 
 
@@ -35,6 +39,10 @@ def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def _first_tensor(output) -> torch.Tensor | None:
@@ -81,7 +89,7 @@ class Monitor:
         self._active = False
         self._seq = 0
         self._sampled = False
-        self._masks_seen: set[tuple[int, int]] = set()
+        self._masks_seen: set[tuple[int, int, int]] = set()
         self._warned: set[str] = set()
         self.directives = DirectiveState(self)
         self._sender = None
@@ -98,20 +106,38 @@ class Monitor:
         self.close()
 
     def attach(self) -> Monitor:
+        """Register every probe; on any failure, undo what was done and re-raise (the model is left as
+        it was)."""
         model = self._model()
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
-        if model in _attached:
-            self._reporter.close()
-            raise RuntimeError("nanwatch: this model already has a Monitor attached; close() it first "
-                               "(two monitors would double-count every site)")
+        for other in list(_attached):
+            if other is model or _contains(other, model) or _contains(model, other):
+                self._reporter.close()
+                raise RuntimeError("nanwatch: this model (or a module inside it, or one containing it) "
+                                   "already has a Monitor attached; close() it first (two monitors would "
+                                   "double-count every site)")
+        try:
+            self._register(model)
+            if self.config.collector:
+                from nanwatch.hooks.transport import ReportSender
+
+                self._sender = ReportSender(self.config.collector, token=self.config.token)
+                self.directives.start_polling(self.config.collector, self.config.token)
+        except BaseException:
+            self._active = True
+            self.close(timeout=1.0)
+            raise
+        return self
+
+    def _register(self, model: torch.nn.Module) -> None:
         # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
         self._fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         attn = self._attention_modules(model)
         if not attn:
             warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, "
                           "*DeltaNet); SDPA calls are still caught, eager attention is not. Pass "
-                          "is_attention= to name your attention modules.", RuntimeWarning, stacklevel=3)
+                          "is_attention= to name your attention modules.", RuntimeWarning, stacklevel=4)
         for name, mod in attn:
             self._handles.append(mod.register_forward_pre_hook(partial(self._attn_pre, name)))
             self._handles.append(mod.register_forward_hook(self._attn_post, always_call=True))
@@ -127,14 +153,8 @@ class Monitor:
                 if type(mod).__name__.endswith("RotaryEmbedding"):
                     self._handles.append(mod.register_forward_pre_hook(self._rotary_pre, with_kwargs=True))
         _attached[model] = self
-        attention.install(self)
         self._active = True
-        if self.config.collector:
-            from nanwatch.hooks.transport import ReportSender
-
-            self._sender = ReportSender(self.config.collector, token=self.config.token)
-            self.directives.start_polling(self.config.collector, self.config.token)
-        return self
+        attention.install(self)
 
     def _attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         hits = [(self._fqns[id(m)], m) for n, m in model.named_modules() if self.config.is_attention(n, m)]
@@ -145,6 +165,7 @@ class Monitor:
     def close(self, timeout: float = 10.0) -> None:
         """Remove every hook, restore the patched functions, flush the last reports (bounded wait)."""
         if not self._active:
+            self._reporter.close(timeout)  # never attached (or already closed): just the thread
             return
         self._active = False
         for h in self._handles:
@@ -152,7 +173,7 @@ class Monitor:
         self._handles.clear()
         attention.uninstall(self)
         model = self._model()
-        if model is not None:
+        if model is not None and _attached.get(model) is self:
             _attached.pop(model, None)
         self.directives.close()
         self._reporter.close(timeout)
@@ -173,6 +194,8 @@ class Monitor:
             guarded(self._end, n)
 
     def _begin(self, n: int) -> None:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"nanwatch: step numbers are integers >= 0, got {n!r}")
         every = self.config.exact_logit_every
         self._sampled = bool(every) and n % every == 0
         self._masks_seen.clear()
@@ -198,7 +221,7 @@ class Monitor:
             event = None
             if buf.device.type == "cuda":
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(buf.device))
             ctx = (state, self.directives.mode, self.directives.version, time.time())
             self._reporter.submit(Pending(self._seq, n, host, buf.size, event, ctx))
             self._seq += 1
@@ -219,9 +242,18 @@ class Monitor:
 
     # ---- public probes ---------------------------------------------------------------------------
     def watch(self, name: str, tensor: torch.Tensor, *, kind: str = "tensor") -> torch.Tensor:
-        """Measure any tensor (and its gradient, if it requires grad); returns it unchanged."""
-        if self._active and not torch.compiler.is_compiling():
-            guarded(self._site, name, kind, tensor)
+        """Measure any tensor (and its gradient, if it requires grad); returns it unchanged.
+
+        ``name`` becomes the site (1-256 printable characters); ``kind`` is one of attention, logits,
+        logprob, tensor. A bad name or kind is a warning and the tensor is not measured: it must not
+        cost the whole step's report."""
+        if not self._active or torch.compiler.is_compiling():
+            return tensor
+        if kind not in _SITE_KINDS or not _SITE_NAME.match(name or ""):
+            self._warn_once(f"watch({name!r}, kind={kind!r}) ignored: the name must be 1-256 printable "
+                            f"characters and kind one of {sorted(_SITE_KINDS)}")
+            return tensor
+        guarded(self._site, name, kind, tensor)
         return tensor
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,

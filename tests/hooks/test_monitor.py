@@ -339,3 +339,75 @@ def test_finite_stats_counts_exactly_in_every_dtype(dtype):
     assert (int(nan), int(inf), float(amax)) == (4, 2, 2048.0)
     nan, inf, amax = finite_stats(torch.zeros(0, dtype=dtype))
     assert (int(nan), int(inf), float(amax)) == (0, 0, 0.0)
+
+
+def test_first_offender_follows_execution_order_across_micro_batches():
+    from nanwatch.hooks.testing import TinyNet
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TinyNet's attention class is not named *Attention
+        mon = nanwatch.attach(model, run_id="order")
+    with mon, mon.step(0):
+        # micro-batch 1: clean forward, its backward turns NaN (reaching blocks.1 first)
+        (model(ids).float().square().mean() * math.nan).backward()
+        # micro-batch 2: a NaN in the forward of blocks.0, a site that was registered earlier
+        with torch.no_grad():
+            model.emb.weight[ids[0, 0]] = math.nan
+        model(ids)
+    r = mon.last_report()
+    assert (r.first_offender, r.first_offender_phase) == ("blocks.1", "backward")
+    forward0 = next(s for s in r.sites if (s.site, s.phase) == ("blocks.0", "forward"))
+    assert forward0.nan > 0 and forward0.calls == 2
+
+
+def test_fully_masked_rows_are_counted_in_every_forward_that_sees_the_mask():
+    model = _qwen3("sdpa")
+    s = 8
+    keep = torch.ones(2, 1, s, s, dtype=torch.bool).tril()
+    keep[0, 0, 2] = False
+    keep[1, 0, 5] = False
+    with nanwatch.attach(model, run_id="rows") as mon:
+        with mon.step(0), torch.no_grad():
+            model(input_ids=_ids(s=s), attention_mask=keep)
+            model(input_ids=_ids(s=s), attention_mask=keep)  # same mask object, second forward
+        r = mon.last_report()
+    assert [(f.forward, f.mask, f.fully_masked_rows) for f in r.fingerprints] == [(0, "4d", 2), (1, "4d", 2)]
+
+
+@pytest.mark.parametrize("collector", ["http://", "http://host:notaport", "ftp://host"])
+def test_a_refused_attach_leaves_the_model_untouched(collector):
+    model = _qwen3()
+    with pytest.raises(ValueError, match="collector"):
+        nanwatch.attach(model, run_id="bad", collector=collector)
+    assert _hook_dicts(model) == {} and not attention.is_installed()
+    with nanwatch.attach(model, run_id="good") as mon, mon.step(0):  # and it can be attached again
+        model(input_ids=_ids())
+    assert mon.last_report().first_offender is None
+
+
+def test_attaching_inside_or_around_an_attached_model_is_refused():
+    model = _qwen3()
+    with nanwatch.attach(model, run_id="outer"):
+        with pytest.raises(RuntimeError, match="already has a Monitor"):
+            nanwatch.attach(model.model.layers[0], run_id="inner")
+    with nanwatch.attach(model.model, run_id="inner"):
+        with pytest.raises(RuntimeError, match="already has a Monitor"):
+            nanwatch.attach(model, run_id="outer")
+    assert _hook_dicts(model) == {}
+
+
+def test_bad_watch_arguments_warn_and_keep_the_step_report():
+    model = _qwen3()
+    with nanwatch.attach(model, run_id="watch-bad") as mon:
+        with pytest.warns(RuntimeWarning, match="ignored"), mon.step(0):
+            mon.watch("loss", torch.tensor([1.0]), kind="loss")  # not a site kind
+            mon.watch("", torch.tensor([math.nan]))  # no name
+            mon.watch("ok", torch.tensor([math.nan]))
+        r = mon.last_report()
+        with pytest.raises(ValueError, match="step numbers"), mon.step(-1):
+            pass
+    assert r is not None and r.first_offender == "ok"
+    assert [s.site for s in r.sites] == ["ok"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,6 @@ class Frame:
     site: str
     attention: bool
     sdpa_calls: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _stack() -> list[Frame]:

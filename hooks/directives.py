@@ -109,8 +109,11 @@ class DirectiveState:
         """One int64 broadcast from rank 0 (gloo: CPU tensor; nccl: on this rank's device). This is the
         only collective nanwatch issues, once every K steps."""
         d = torch.distributed
-        device = torch.device("cuda", torch.cuda.current_device()) if d.get_backend() == "nccl" \
-            else torch.device("cpu")
+        buf_device = self._mon.rec.buf.device
+        if d.get_backend() == "nccl":  # NCCL needs this rank's GPU: the one the model (and buffer) is on
+            device = buf_device if buf_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
         local = self._local_candidate() if self._mon.rank == 0 else (0, 0, 0, 0)
         t = torch.tensor(local, dtype=torch.int64, device=device)
         d.broadcast(t, src=0)

@@ -55,6 +55,7 @@ class StepState:
     """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
 
     order: list[tuple[str, str]] = field(default_factory=list)
+    calls: int = 0
     sites: dict[tuple[str, str], _SiteMeta] = field(default_factory=dict)
     sdpa: dict[tuple, int] = field(default_factory=dict)
     logits: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -79,10 +80,16 @@ class Recorder:
             self.state.order.append(key)
         meta.calls += 1
         meta.numel += x.numel()
-        nan, inf, amax = finite_stats(self._local(x))
-        self.buf.add(("nan", key), nan)
-        self.buf.add(("inf", key), inf)
-        self.buf.maximize(("amax", key), amax)
+        nan, inf, amax = finite_stats(x)  # reduce where x lives; only the scalars travel
+        self.buf.add(("nan", key), self._local(nan))
+        self.buf.add(("inf", key), self._local(inf))
+        self.buf.maximize(("amax", key), self._local(amax))
+        # Execution order of the first bad call, on the device: -ordinal where this call held a
+        # non-finite value, else -inf; the max over calls is the earliest bad one (grad accumulation
+        # revisits sites, so first registration is not first in time).
+        self.state.calls += 1
+        first = torch.where((nan + inf) > 0, -float(self.state.calls), -math.inf)
+        self.buf.maximize(("first", key), self._local(first))
 
     def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype | str,
              shape: str, reason: str | None, *, calls: int = 1) -> None:
@@ -115,7 +122,12 @@ class Recorder:
         return self.state.forwards[-1] if self.state.forwards else None
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.device == self.buf.device else x.to(self.buf.device, non_blocking=True)
+        """Bring a small result to the buffer's device. Asynchronous towards a GPU; towards a CPU buffer
+        (a CUDA tensor in a model whose parameters are on the CPU) it must be blocking, or CPU ops
+        would read it before the copy lands."""
+        if x.device == self.buf.device:
+            return x
+        return x.to(self.buf.device, non_blocking=self.buf.device.type == "cuda")
 
     # ---- step boundary ---------------------------------------------------------------------------
     def swap(self) -> StepState:
@@ -137,13 +149,14 @@ class Recorder:
     def decode(self, state: StepState, values: list[float]):
         """Turn a host copy of the buffer into (sites, sdpa, logits, fingerprints, first offender)."""
         get = self.getter(values)
-        sites, first = [], None
+        sites, first, earliest = [], None, -math.inf
         for key in state.order:
             meta = state.sites[key]
             nan, inf = int(get("sum", ("nan", key))), int(get("sum", ("inf", key)))
             amax = get("max", ("amax", key), math.nan)
-            if first is None and nan + inf:
-                first = key
+            mark = get("max", ("first", key), -math.inf)
+            if nan + inf and mark > earliest:
+                first, earliest = key, mark
             sites.append(SiteStat(
                 site=key[0], kind=meta.kind, phase=key[1], dtype=str(meta.dtype).removeprefix("torch."),
                 calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax,

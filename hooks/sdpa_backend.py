@@ -38,7 +38,8 @@ from nanwatch.hooks.sdpa_rules import (
     flash_refusal,
 )
 
-__all__ = ["CACHE_SIZE", "cache_clear", "confirmed_backend", "device_profile", "explain", "lse_of", "predict"]
+__all__ = ["CACHE_SIZE", "cache_clear", "confirmed_backend", "device_profile", "explain", "lse_of",
+           "normalize_lse", "predict"]
 
 #: Reasons kept by :func:`predict`. A model has a handful of signatures (layers share one); 4096 bounds the rare
 #: workload whose shapes never repeat (e.g. unpadded variable-length batches) to a few hundred KiB.
@@ -241,8 +242,16 @@ def lse_of(out: torch.Tensor) -> torch.Tensor | None:
     raw = getattr(fn, "_raw_saved_" + field, None)
     if raw is None or raw.unpack_hook is not None:
         return None
-    lse = getattr(fn, "_saved_" + field)
-    if backend == "efficient" and out.dim() == 4:
-        # The CUTLASS kernel rounds the query axis of its lse up to a multiple of 32: keep real rows.
+    return normalize_lse(getattr(fn, "_saved_" + field), out)
+
+
+def normalize_lse(lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A saved log-sum-exp as ``[..., H, L]`` with exactly the output's L query rows.
+
+    cuDNN saves its softmax statistics as ``[B, H, L, 1]``; the CUTLASS (efficient) kernel rounds the
+    query axis up to a multiple of 32. Flash and CPU flash already save ``[B, H, L]``."""
+    if lse.dim() == out.dim() and lse.shape[-1] == 1:
+        lse = lse.squeeze(-1)
+    if out.dim() >= 2 and lse.shape[-1] > out.shape[-2]:
         lse = lse[..., : out.shape[-2]]
     return lse

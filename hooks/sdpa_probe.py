@@ -63,7 +63,6 @@ def _after_sdpa(mon: Monitor, site, out, q, k, mask, is_causal, scale, predicted
     mon._site(site, "attention", out)
     lse = lse_of(out)
     if lse is not None:
-        lse = lse[..., : q.shape[-2]]  # mem-efficient pads its lse to a multiple of 32 rows
         mon.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
     if mon._sampled:
         mon.rec.logit_heads(site, "exact", exact_max_logit(
@@ -78,7 +77,7 @@ def _after_sdpa(mon: Monitor, site, out, q, k, mask, is_causal, scale, predicted
             _count_masked_rows(mon, fwd, mask)
 
 def _count_masked_rows(mon: Monitor, fwd, mask: torch.Tensor) -> None:
-    key = (mask.data_ptr(), mask._version)
+    key = (fwd.index, mask.data_ptr(), mask._version)
     if key in mon._masks_seen:  # every layer gets the same mask: count it once per forward
         return
     mon._masks_seen.add(key)

@@ -8,6 +8,7 @@ ops that add into or max into a slot; the host reads the whole buffer once per s
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Hashable
 
 import torch
@@ -63,6 +64,7 @@ class StatBuffer:
         self.device = torch.device(device)
         self.dtype = _acc_dtype(self.device)
         self._slots: dict[tuple[str, Hashable], int] = {}
+        self._lock = threading.Lock()
         self._kinds: list[str] = []  # "sum" or "max", by slot index
         self._alloc(capacity)
 
@@ -81,18 +83,29 @@ class StatBuffer:
         return len(self._kinds)
 
     def slot(self, kind: str, key: Hashable) -> int:
-        """Index of the slot for ``key`` (allocated on first use). ``kind`` is "sum" or "max"."""
+        """Index of the slot for ``key`` (allocated on first use). ``kind`` is "sum" or "max".
+
+        The lookup is lock-free; allocation takes a lock, since autograd runs gradient hooks on one
+        thread per device when a process drives several GPUs."""
         k = (kind, key)
         idx = self._slots.get(k)
         if idx is None:
-            idx = len(self._kinds)
-            if idx >= self.data.numel():
-                self._alloc(2 * self.data.numel())
-            self._slots[k] = idx
-            self._kinds.append(kind)
-            if kind == "max":
-                self.data[idx] = -math.inf
-                self._max_mask[idx] = True
+            with self._lock:
+                idx = self._slots.get(k)
+                if idx is None:
+                    idx = self._new_slot(k, kind)
+        return idx
+
+    def _new_slot(self, k: tuple[str, Hashable], kind: str) -> int:
+        idx = len(self._kinds)
+        if idx >= self.data.numel():
+            self._alloc(2 * self.data.numel())
+        if kind == "max":
+            # slice fills, not ``data[idx] = x``: a scalar item assignment on CUDA is a blocking H2D copy
+            self.data[idx : idx + 1].fill_(-math.inf)
+            self._max_mask[idx : idx + 1].fill_(True)
+        self._kinds.append(kind)
+        self._slots[k] = idx
         return idx
 
     def add(self, key: Hashable, value: torch.Tensor) -> None:
@@ -105,12 +118,17 @@ class StatBuffer:
         torch.maximum(cell, value.reshape(1).to(self.dtype), out=cell)
 
     def maximize_many(self, key: Hashable, values: torch.Tensor) -> int:
-        """Max ``values`` (1-D) into ``len(values)`` consecutive slots; returns the first index."""
+        """Max ``values`` (1-D) into ``len(values)`` consecutive slots, allocated together on first use;
+        returns the first index."""
         n = values.numel()
-        first = self.slot("max", (key, 0))
-        for j in range(1, n):
-            if self.slot("max", (key, j)) != first + j:
-                raise RuntimeError("nanwatch: per-head slots must be allocated together")
+        first = self._slots.get(("max", (key, 0)))
+        if first is None:
+            with self._lock:
+                first = self._slots.get(("max", (key, 0)))
+                if first is None:
+                    first = len(self._kinds)
+                    for j in range(n):
+                        self._new_slot(("max", (key, j)), "max")
         cells = self.data[first : first + n]
         torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
         return first

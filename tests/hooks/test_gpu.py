@@ -41,19 +41,25 @@ def test_a_monitored_step_makes_zero_host_syncs(dtype):
     with nanwatch.attach(model, run_id="gpu", exact_logit_every=2,
                          is_attention=lambda n, m: isinstance(m, Block)) as mon:
         for n in range(3):  # step 0 allocates slots and host buffers; steps 1-2 are the steady state
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with mon.step(n):
-                    y = mon.watch("block.out", model(x))
-                    mon.rlhf(logprobs=lp, old_logprobs=lp * 0.9, ref_logprobs=lp * 1.1, mask=mask)
-                    y.float().square().mean().backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            # Probes are guarded (a failure becomes a warning), so a sync error would surface as a
+            # "probe failed" warning: make those errors here, so the test can fail.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*probe failed.*")
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with mon.step(n):
+                        y = mon.watch("block.out", model(x))
+                        mon.rlhf(logprobs=lp, old_logprobs=lp * 0.9, ref_logprobs=lp * 1.1, mask=mask)
+                        y.float().square().mean().backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             r = mon.last_report()
             assert r.step == n and r.first_offender is None
-    assert {c.backend for c in r.sdpa} <= {"flash", "efficient", "cudnn"}
+    assert len(r.sdpa) == 2 and {c.backend for c in r.sdpa} <= {"flash", "efficient", "cudnn"}
     assert all(c.confirmed for c in r.sdpa)
-    assert all(lg.source == "lse" for lg in r.logits)
+    assert len(r.logits) == 2 and all(lg.source == "lse" and len(lg.per_head) == 4 for lg in r.logits)
+    assert {(s.site, s.phase) for s in r.sites} >= {("0", "forward"), ("1", "backward"), ("block.out", "forward")}
+    assert r.rlhf is not None and r.rlhf.tokens > 0
 
 
 @cuda

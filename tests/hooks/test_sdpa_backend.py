@@ -388,3 +388,17 @@ def test_gpu_prediction_confirmation_and_port_agree():
             if bound is not None:
                 exact = ((q @ k.transpose(-1, -2)) / math.sqrt(d)).float().amax()
                 assert exact - 1e-2 <= bound.float() <= exact + math.log(128) + 1e-2
+
+
+def test_saved_lse_is_normalised_to_heads_by_rows():
+    from nanwatch.hooks.sdpa_backend import normalize_lse
+
+    out = torch.zeros(2, 4, 5, 8)  # [B, H, L, E]
+    cudnn = torch.arange(40.0).view(2, 4, 5, 1)  # cuDNN's softmax stats: [B, H, L, 1]
+    assert normalize_lse(cudnn, out).shape == (2, 4, 5)
+    padded = torch.zeros(2, 4, 32)  # CUTLASS pads the query axis to a multiple of 32
+    padded[..., 5:] = math.inf
+    got = normalize_lse(padded, out)
+    assert got.shape == (2, 4, 5) and torch.isfinite(got).all()
+    flash = torch.zeros(2, 4, 5)
+    assert normalize_lse(flash, out) is flash

@@ -34,9 +34,6 @@ class DirectiveHub:
         d = self._current.get(run_id)
         return d if d is not None else Directive(run_id=run_id, version=0, mode="none", apply_at_step=0)
 
-    def has_directive(self, run_id: str) -> bool:
-        return run_id in self._current
-
     def set(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """Record a new version (call inside a store transaction) and wake the run's pollers."""
         cur = self.current(run_id)

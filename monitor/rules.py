@@ -41,6 +41,12 @@ class Policy:
             if rank.mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
                       directive_version=r.directive_version)
+                if hub.current(run_id).mode != "none" and hub.current(run_id).version == r.directive_version:
+                    # The trainers reverted on their own (clean steps): record it as a new version so the
+                    # directive metric matches what ranks apply, and a rule can issue a fresh directive.
+                    hub.set(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
+                                                  reason=f"rank {r.rank} reverted after clean steps"),
+                            actor="trainer:auto-revert")
             else:
                 event("mode_applied", f"applied:{rank.mode}:{r.directive_version}", mode=rank.mode,
                       previous_mode=previous_mode, directive_version=r.directive_version)

@@ -1,5 +1,6 @@
 """The trainer-side transport: never blocks, never raises, counts what it loses, honours Retry-After."""
 
+import email.utils
 import http.server
 import logging
 import subprocess
@@ -81,7 +82,10 @@ def test_retry_after_is_a_floor_for_the_backoff():
     b = _Backoff(0.1, 10.0)
     assert all(b.next(2.5) >= 2.5 for _ in range(50))
     assert _retry_after("3") == 3.0 and _retry_after("junk") is None and _retry_after(None) is None
-    assert 0 <= _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") <= 300
+    assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: no wait
+    soon = email.utils.formatdate(time.time() + 120, usegmt=True)
+    assert 100 <= _retry_after(soon) <= 121  # an HTTP-date ahead: wait until then
+    assert _retry_after(email.utils.formatdate(time.time() + 86400, usegmt=True)) == 300.0  # capped
 
 
 def test_submit_never_blocks_or_raises_when_no_collector_listens():

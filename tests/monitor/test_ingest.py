@@ -139,3 +139,24 @@ def test_long_poll_returns_at_once_when_behind_and_current_after_wait(collector,
     d = httpx.get(f"{collector.url}/v1/directives/lp-{index}", params={"index": index, "wait": 0.2},
                   headers=AUTH, timeout=10).json()
     assert d["version"] == expect_version and d["mode"] == "fp32"
+
+
+def test_a_trainer_revert_is_recorded_and_the_rule_can_fire_again(collector):
+    def post(seq, *, mode, version, nan=0):
+        r = step_report(run_id="revert", seq=seq, mode=mode, nan=nan, dtype="float16",
+                        nan_at="model.layers.1.self_attn" if nan else None)
+        body = ReportBatch(reports=[r.model_copy(update={"directive_version": version})]).model_dump_json()
+        resp = httpx.post(collector.url + "/v1/reports", content=body, headers=AUTH, timeout=10)
+        assert resp.status_code == 200, resp.text
+
+    def directive():
+        return httpx.get(collector.url + "/v1/directives/revert", headers=AUTH, timeout=10).json()
+
+    post(0, mode="none", version=0, nan=5)  # half-precision NaN in attention: the rule issues fp32
+    assert (directive()["version"], directive()["mode"]) == (1, "fp32")
+    post(1, mode="fp32", version=1)  # applied
+    post(2, mode="none", version=1)  # the trainer reverted by itself after clean steps
+    d = directive()
+    assert (d["version"], d["mode"], d["set_by"]) == (2, "none", "trainer:auto-revert")
+    post(3, mode="none", version=2, nan=5)  # the NaN comes back: a fresh directive, not silence
+    assert (directive()["version"], directive()["mode"]) == (3, "fp32")

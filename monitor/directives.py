@@ -29,6 +29,10 @@ class DirectiveHub:
         self._waiting: dict[str, int] = {}
         self._closing = False
 
+    def reload(self, current: dict[str, Directive]) -> None:
+        """Take the store's directives (after a failed commit)."""
+        self._current = dict(current)
+
     def current(self, run_id: str) -> Directive:
         """The active directive; version 0, mode ``none`` when the run never had one."""
         d = self._current.get(run_id)

@@ -9,6 +9,7 @@ field errors (422) -- so a bad version gets a 400 naming it, not pydantic's 422.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from typing import TypeVar
 
@@ -20,7 +21,7 @@ from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
 from nanwatch.wire import SCHEMA_MAJOR, DirectiveSpec, ReportBatch, schema_major
 
-__all__ = ["MAX_INT", "BadBatch", "IngestResult", "ingest", "parse_batch", "parse_spec", "parse_strict"]
+__all__ = ["MAX_INT", "BadBatch", "StoreUnavailable", "IngestResult", "ingest", "parse_batch", "parse_spec", "parse_strict"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,6 +31,10 @@ class IngestResult(BaseModel):
 
     accepted: int
     duplicates: int
+
+
+class StoreUnavailable(Exception):
+    """The batch could not be persisted; memory was rolled back to the store. The sender should retry."""
 
 
 class BadBatch(Exception):
@@ -97,23 +102,40 @@ def parse_batch(raw: bytes) -> ReportBatch:
 
 def ingest(batch: ReportBatch, *, state: CollectorState, hub: DirectiveHub, policy: Policy,
            store: Store) -> IngestResult:
+    try:
+        with store.transaction():
+            accepted, dupes = _apply(batch, state=state, policy=policy, store=store)
+    except sqlite3.Error as e:
+        # Nothing was acknowledged: roll memory back to the database so the sender's retry is applied
+        # once, neither lost as a "duplicate" nor counted twice.
+        try:
+            loaded = store.load()
+            state.reload(loaded)
+            hub.reload(loaded.directives)
+        except sqlite3.Error:
+            pass
+        raise StoreUnavailable(f"could not persist the batch ({e}); retry") from e
+    state.accepted += accepted
+    state.duplicates += dupes
+    return IngestResult(accepted=accepted, duplicates=dupes)
+
+
+def _apply(batch: ReportBatch, *, state: CollectorState, policy: Policy, store: Store) -> tuple[int, int]:
+    """Fold the new reports into memory and write them (inside the caller's transaction)."""
     now, mono = time.time(), time.monotonic()
     accepted = dupes = 0
     hwm_rows: list[tuple[str, int, str, int, int]] = []
     counter_rows: dict[tuple[str, str, tuple], float] = {}
-    with store.transaction():
-        for r in batch.reports:
-            if not state.is_new(r):
-                dupes += 1
-                continue
-            rank, previous_mode, changed = state.apply(r, received=now, seen=mono)
-            for fam, labels, value in changed:
-                counter_rows[(r.run_id, fam, labels)] = value
-            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
-            policy.observe(r, rank, previous_mode, now)
-            accepted += 1
-        store.put_hwm(hwm_rows)
-        store.put_counters([(*k, v) for k, v in counter_rows.items()])
-    state.accepted += accepted
-    state.duplicates += dupes
-    return IngestResult(accepted=accepted, duplicates=dupes)
+    for r in batch.reports:
+        if not state.is_new(r):
+            dupes += 1
+            continue
+        rank, previous_mode, changed = state.apply(r, received=now, seen=mono)
+        for fam, labels, value in changed:
+            counter_rows[(r.run_id, fam, labels)] = value
+        hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
+        policy.observe(r, rank, previous_mode, now)
+        accepted += 1
+    store.put_hwm(hwm_rows)
+    store.put_counters([(*k, v) for k, v in counter_rows.items()])
+    return accepted, dupes

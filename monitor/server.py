@@ -48,6 +48,7 @@ class BackgroundServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._server = _Server(settings, settings.port)
+        self.app = self._server.app
         self._thread = threading.Thread(target=self._server.run, name="nanwatch-collector", daemon=True)
         self.url = ""
 

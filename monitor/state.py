@@ -86,6 +86,12 @@ class CollectorState:
         if loaded is not None:
             self._restore(loaded)
 
+    def reload(self, loaded: Loaded) -> None:
+        """Forget everything in memory and take the store's view: after a failed commit, memory may hold
+        changes the database does not. Per-rank latest views come back with the next reports."""
+        self.runs = {}
+        self._restore(loaded)
+
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
         for run_id, step in loaded.latest_step.items():

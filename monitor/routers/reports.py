@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from nanwatch.monitor.deps import IngestToken, ResourcesDep
-from nanwatch.monitor.ingest import BadBatch, IngestResult, ingest, parse_batch
+from nanwatch.monitor.ingest import BadBatch, IngestResult, StoreUnavailable, ingest, parse_batch
 from nanwatch.monitor.routers._errors import AUTH, INVALID, NOT_READY
 from nanwatch.monitor.schemas import Problem, ValidationProblem, WireJSON
 from nanwatch.wire import ReportBatch
@@ -34,4 +34,9 @@ async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken)
         res.state.rejected[e.reason] += 1
         body = ValidationProblem(detail=e.detail) if e.status == 422 else Problem(detail=str(e.detail))
         return WireJSON(body, status_code=e.status)
-    return WireJSON(ingest(batch, state=res.state, hub=res.hub, policy=res.policy, store=res.store))
+    try:
+        result = ingest(batch, state=res.state, hub=res.hub, policy=res.policy, store=res.store)
+    except StoreUnavailable as e:
+        res.state.rejected["store_error"] += 1
+        return WireJSON(Problem(detail=str(e)), status_code=503, headers={"Retry-After": "1"})
+    return WireJSON(result)

@@ -116,6 +116,7 @@ class _Variant:
     round_: Callable[[], contextlib.AbstractContextManager]  # set up / tear down around one round
     step: Callable[[int], contextlib.AbstractContextManager]  # around forward+backward (+opt step)
     times_ms: list[float] = field(default_factory=list)
+    round_medians_ms: list[float] = field(default_factory=list)  # one per round, paired with bare's
 
 
 def _build(cfg: BenchConfig):
@@ -197,6 +198,7 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module) -> list[_Variant]:
 
 def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *, record: bool) -> None:
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
+    times: list[float] = []
     with variant.round_():
         for i in range(n):
             opt.zero_grad(set_to_none=True)
@@ -207,8 +209,10 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
                 out.loss.backward()
             opt.step()
             sync()
-            if record:
-                variant.times_ms.append((time.perf_counter() - t0) * 1e3)
+            times.append((time.perf_counter() - t0) * 1e3)
+    if record:
+        variant.times_ms.extend(times)
+        variant.round_medians_ms.append(statistics.median(times))
 
 
 def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
@@ -244,7 +248,13 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant])
     med = {v.name: statistics.median(v.times_ms) for v in variants}
     bare = med["bare"]
     best = {v.name: min(v.times_ms) for v in variants}
+    # Paired: each round of a variant runs next to a round of bare, so the ratio of the two round medians
+    # cancels the slow drifts of a shared machine; the median over rounds is the steadiest figure.
+    bare_rounds = next(v.round_medians_ms for v in variants if v.name == "bare")
+    paired = {v.name: statistics.median(a / b for a, b in zip(v.round_medians_ms, bare_rounds, strict=True))
+              for v in variants}
     rows = {v.name: {"median_ms": med[v.name], "ratio": med[v.name] / bare, "added_ms": med[v.name] - bare,
+                     "paired_ratio": paired[v.name],
                      "ratio_of_min": best[v.name] / best["bare"], "min_ms": best[v.name], "max_ms": max(v.times_ms), "n": len(v.times_ms),
                      "times_ms": v.times_ms} for v in variants}
     key = None
@@ -264,11 +274,12 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant])
 
 def format_table(results: dict) -> str:
     # min-based ratios are shown too: on a shared box, load from other processes inflates some steps
-    lines = [f"{'variant':<26} {'median ms':>10} {'x bare':>7} {'added ms':>9} {'min ms':>8} {'x bare(min)':>11} "
-             f"{'max ms':>8} {'n':>4}"]
+    lines = [f"{'variant':<26} {'median ms':>10} {'x bare':>7} {'x paired':>9} {'added ms':>9} {'min ms':>8} "
+             f"{'x bare(min)':>11} {'max ms':>8} {'n':>4}"]
     for name, row in results["variants"].items():
-        lines.append(f"{name:<26} {row['median_ms']:>10.1f} {row['ratio']:>7.3f} {row['added_ms']:>+9.1f} "
-                     f"{row['min_ms']:>8.1f} {row['ratio_of_min']:>11.3f} {row['max_ms']:>8.1f} {row['n']:>4}")
+        lines.append(f"{name:<26} {row['median_ms']:>10.1f} {row['ratio']:>7.3f} {row['paired_ratio']:>9.3f} "
+                     f"{row['added_ms']:>+9.1f} {row['min_ms']:>8.1f} {row['ratio_of_min']:>11.3f} "
+                     f"{row['max_ms']:>8.1f} {row['n']:>4}")
     key = results["nanwatch_added_vs_debug_added"]
     if key is not None:
         inv = f" (DebugUnderflowOverflow adds {1 / key:.1f}x more)" if key > 0 else ""

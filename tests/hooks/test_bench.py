@@ -30,6 +30,8 @@ def test_main_runs_every_variant_and_writes_json(tmp_path, capsys):
         assert row["ratio"] == pytest.approx(row["median_ms"] / results["variants"]["bare"]["median_ms"])
         assert name in printed
     assert results["variants"]["bare"]["ratio"] == 1.0 and results["variants"]["bare"]["added_ms"] == 0.0
+    assert results["variants"]["bare"]["paired_ratio"] == 1.0  # each bare round against itself
+    assert all(row["paired_ratio"] > 0 for row in results["variants"].values())
     assert "nanwatch_added_vs_debug_added" in results
     assert "DebugUnderflowOverflow added time" in printed or results["nanwatch_added_vs_debug_added"] is None
     assert results["config"]["layers"] == 1 and results["config"]["dtype"] == "bf16"

@@ -46,9 +46,9 @@ def sdpa_call(mon: Monitor, frame: Frame, orig, q, k, v, mask, dropout, is_causa
         probe_failed(exc)
         predicted, reason = "unknown", None
     out = mon.directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
-    guarded(_after_sdpa, mon, frame.site, out, args[0], args[1], args[3], is_causal, scale,
-                  predicted, reason)
+    guarded(_after_sdpa, mon, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted, reason)
     return out if out.dtype == dtype else out.to(dtype)
+
 
 def _after_sdpa(mon: Monitor, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
     confirmed = confirmed_backend(out)
@@ -59,7 +59,7 @@ def _after_sdpa(mon: Monitor, site, out, q, k, mask, is_causal, scale, predicted
     elif is_causal:
         sig += " causal"
     mon.rec.sdpa(site, backend, predicted, confirmed is not None, q.dtype, sig,
-                  None if backend not in ("math", "unknown") else reason)
+                 None if backend not in ("math", "unknown") else reason)
     mon._site(site, "attention", out)
     lse = lse_of(out)
     if lse is not None:
@@ -76,6 +76,7 @@ def _after_sdpa(mon: Monitor, site, out, q, k, mask, is_causal, scale, predicted
             fwd.mask_4d_seen |= mask.dim() == 4
             _count_masked_rows(mon, fwd, mask)
 
+
 def _count_masked_rows(mon: Monitor, fwd, mask: torch.Tensor) -> None:
     key = (fwd.index, mask.data_ptr(), mask._version)
     if key in mon._masks_seen:  # every layer gets the same mask: count it once per forward
@@ -86,6 +87,7 @@ def _count_masked_rows(mon: Monitor, fwd, mask: torch.Tensor) -> None:
     else:
         rows = mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
     mon.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=mon.rec.buf.dtype), how="max")
+
 
 def scores_probe(mon: Monitor, frame: Frame, scores: torch.Tensor) -> None:
     """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""

@@ -90,11 +90,15 @@ def _fingerprint(report, position_ids: str):
 
 
 # ---- Qwen3 -----------------------------------------------------------------------------------------
-def _qwen3(impl: str) -> nn.Module:
+def _tiny(model_cls, config_cls, impl: str) -> nn.Module:
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_TINY, attn_implementation=impl))
+    model = model_cls(config_cls(**_TINY, attn_implementation=impl))
     assert model.config._attn_implementation == impl
     return model
+
+
+def _qwen3(impl: str) -> nn.Module:
+    return _tiny(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, impl)
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +175,7 @@ def test_qwen3_nan_weight_names_the_first_offender():
 
 # ---- Llama -----------------------------------------------------------------------------------------
 def _llama(impl: str) -> nn.Module:
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TINY, attn_implementation=impl))
-    assert model.config._attn_implementation == impl
-    return model
+    return _tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig, impl)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,6 @@
 """
 
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.monitor import Monitor, attach
+from nanwatch.hooks.facade import Monitor, attach
 
 __all__ = ["Monitor", "MonitorConfig", "attach"]

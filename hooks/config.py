@@ -9,13 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.wire import StepReport
+from nanwatch.wire import RunId, StepReport
 
 __all__ = ["MonitorConfig", "default_is_attention"]
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
+_RUN_ID = TypeAdapter(RunId)
 
 
 def default_is_attention(name: str, module: torch.nn.Module) -> bool:
@@ -73,9 +74,11 @@ class MonitorConfig:
     """Under torch.distributed, ranks agree on the active directive every K steps (one small broadcast)."""
 
     def __post_init__(self) -> None:
-        if not _RUN_ID.match(self.run_id or ""):
+        try:
+            _RUN_ID.validate_python(self.run_id, strict=True)
+        except ValidationError:
             raise ValueError(f"run_id {self.run_id!r} is not valid: use 1-128 of letters, digits and ._:@+=- "
-                             "(it becomes a URL path segment and a Prometheus label)")
+                             "(it becomes a URL path segment and a Prometheus label)") from None
         if self.exact_logit_every < 0:
             raise ValueError(f"exact_logit_every must be >= 0 (0 disables), got {self.exact_logit_every}")
         if self.exact_logit_chunk_elems < 1:

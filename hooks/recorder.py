@@ -1,7 +1,7 @@
 """One step's measurements: host-side bookkeeping (names, order, shapes) plus device-side values.
 
 The hot path (``tensor``, ``sdpa``, ``logit_*``, ``forward_*``) only launches device ops into the
-StatBuffer and appends to host dicts. ``decode`` turns a host copy of the buffer back into wire objects;
+SlotBuffer and appends to host dicts. ``decode`` turns a host copy of the buffer back into wire objects;
 it runs on the reporter thread, never in a hook.
 """
 
@@ -12,22 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanwatch.hooks.stats import StatBuffer, finite_stats
-from nanwatch.wire import Fingerprint, LogitStat, SdpaCall, SiteStat
+from nanwatch.hooks.dtypes import finfo_max
+from nanwatch.hooks.finite import finite_stats
+from nanwatch.hooks.slot_buffer import SlotBuffer
+from nanwatch.wire import Fingerprint, LogitStat, SdpaCall, SiteStat, dtype_name
 
 __all__ = ["ForwardMeta", "StepState", "Recorder"]
 
-_FINFO_MAX: dict[str, float] = {}
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
-
-
-def _finfo_max(dtype: torch.dtype) -> float:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _FINFO_MAX:
-        fp = dtype.is_floating_point or dtype.is_complex
-        _FINFO_MAX[name] = float(torch.finfo(dtype).max if fp else torch.iinfo(dtype).max)
-    return _FINFO_MAX[name]
 
 
 @dataclass(slots=True)
@@ -68,7 +61,7 @@ class Recorder:
     """Writes one step's stats; ``swap()`` hands the finished step over and starts the next."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.buf = StatBuffer(device)
+        self.buf = SlotBuffer(device)
         self.state = StepState()
 
     # ---- hot path -------------------------------------------------------------------------------
@@ -93,7 +86,7 @@ class Recorder:
 
     def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype | str,
              shape: str, reason: str | None, *, calls: int = 1) -> None:
-        key = (site, backend, predicted, confirmed, str(dtype).removeprefix("torch."), shape, reason)
+        key = (site, backend, predicted, confirmed, dtype_name(dtype), shape, reason)
         self.state.sdpa[key] = self.state.sdpa.get(key, 0) + calls
 
     def logit_heads(self, layer: str, source: str, per_head: torch.Tensor) -> None:
@@ -120,6 +113,20 @@ class Recorder:
 
     def current_forward(self) -> ForwardMeta | None:
         return self.state.forwards[-1] if self.state.forwards else None
+
+    def warn(self, message: str) -> bool:
+        """Put ``message`` into this step's report, once per step; True if it was not there yet."""
+        if message in self.state.warnings:
+            return False
+        self.state.warnings.append(message)
+        return True
+
+    def nonfinite_so_far(self) -> torch.Tensor | None:
+        """Non-finite values seen so far this step, summed on the device (a 1-element tensor), or None
+        when no site was measured yet. Reading it is a host sync: callers pay that knowingly."""
+        idx = [i for key in self.state.order for k in ("nan", "inf")
+               if (i := self.buf.index("sum", (k, key))) is not None]
+        return self.buf.data[idx].sum() if idx else None
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Bring a small result to the buffer's device. Asynchronous towards a GPU; towards a CPU buffer
@@ -158,9 +165,9 @@ class Recorder:
             if nan + inf and mark > earliest:
                 first, earliest = key, mark
             sites.append(SiteStat(
-                site=key[0], kind=meta.kind, phase=key[1], dtype=str(meta.dtype).removeprefix("torch."),
+                site=key[0], kind=meta.kind, phase=key[1], dtype=dtype_name(meta.dtype),
                 calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax,
-                headroom=amax / _finfo_max(meta.dtype)))
+                headroom=amax / finfo_max(meta.dtype)))
         sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
                          reason=k[6], calls=n) for k, n in state.sdpa.items()]
         logits = self._decode_logits(state, get)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import StepReport
 
 __all__ = ["Pending", "Reporter"]
@@ -49,14 +50,35 @@ class Reporter:
         self._max_pending = max_pending
         self._cond = threading.Condition()
         self._last: StepReport | None = None
+        self._seq = 0
         self._submitted = -1
         self._done = -1
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
         self._thread.start()
 
-    def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor | None:
-        """A free host buffer of at least ``numel`` floats, or None when the pool is exhausted."""
+    def capture(self, buf: SlotBuffer, step: int, context: Any) -> bool:
+        """Step end: enqueue the copy of ``buf``'s used slots into a free host buffer (asynchronous
+        towards pinned memory, plus an event on a CUDA buffer's stream) and hand it to the thread, with
+        ``context`` for ``build``. False, and counted as dropped, when the thread is ``max_pending``
+        steps behind: training never waits for reporting."""
+        host = self._host_buffer(buf.data.numel(), buf.dtype, buf.device)
+        if host is None:
+            return False
+        buf.snapshot_into(host)
+        event = None
+        if buf.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(buf.device))
+        pending = Pending(self._seq, step, host, buf.size, event, context)
+        self._seq += 1
+        with self._cond:
+            self._submitted = pending.seq
+        self._queue.put(pending)
+        return True
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A free host buffer of at least ``numel`` values, or None when the pool is exhausted."""
         with self._cond:
             while self._free:
                 buf = self._free.pop()
@@ -67,14 +89,7 @@ class Reporter:
                 self.dropped += 1
                 return None
             self._outstanding += 1
-        pin = device.type == "cuda"
-        return torch.empty(numel, dtype=torch.float64 if device.type != "mps" else torch.float32,
-                           pin_memory=pin)
-
-    def submit(self, pending: Pending) -> None:
-        with self._cond:
-            self._submitted = pending.seq
-        self._queue.put(pending)
+        return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The newest finished report, after waiting for every step already submitted."""

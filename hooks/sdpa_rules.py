@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanwatch.hooks.dtypes import HALF
+from nanwatch.wire import dtype_name
+
 __all__ = [
     "DeviceProfile",
     "Flags",
@@ -29,7 +32,6 @@ __all__ = [
     "flash_refusal",
 ]
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +206,8 @@ def _dtypes(m: SdpaMeta, allowed: tuple[torch.dtype, ...]) -> str | None:
     if not (d == m.k.dtype == m.v.dtype):
         return f"q/k/v dtypes differ ({d}, {m.k.dtype}, {m.v.dtype})"
     if d not in allowed:
-        return f"dtype {_short(d)} not in {{{', '.join(_short(a) for a in allowed)}}}"
+        return f"dtype {dtype_name(d)} not in {{{', '.join(dtype_name(a) for a in allowed)}}}"
     return None
-
-
-def _short(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
 
 
 def _first(*checks) -> str | None:
@@ -257,7 +255,7 @@ def _sm_in(p: DeviceProfile, lo: tuple[int, int], hi: tuple[int, int], what: str
 
 def _gemm_alignment(m: SdpaMeta, p: DeviceProfile) -> int:
     # minimum_gemm_alignment: tensor cores on sm80+, or sm70+ in half precision, want 128-bit rows.
-    half = m.q.dtype in _HALF
+    half = m.q.dtype in HALF
     use_tc = p.sm[0] >= 8 or (p.sm[0] >= 7 and half)
     align = 4 if p.sm[0] >= 8 else 1
     return max(align, 128 // (16 if half else 32)) if use_tc else align

@@ -15,7 +15,9 @@ from fastapi import Depends, HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 
-from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.directive_log import DirectiveLog
+from nanwatch.monitor.event_log import EventLog
+from nanwatch.monitor.long_poll import LongPoll
 from nanwatch.monitor.rules import Policy
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
@@ -38,7 +40,9 @@ class Resources:
 
     store: Store
     state: CollectorState
-    hub: DirectiveHub
+    events: EventLog
+    polls: LongPoll
+    directives: DirectiveLog
     policy: Policy
     registry: CollectorRegistry
     ingest_tokens: dict[str, bytes]

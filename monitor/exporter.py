@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.metric_names import METRICS, family
 from nanwatch.monitor.state import CollectorState
 
@@ -34,9 +34,9 @@ def _max(values: Iterable[float]) -> float:
 
 
 class StateCollector(Collector):
-    def __init__(self, state: CollectorState, hub: DirectiveHub) -> None:
+    def __init__(self, state: CollectorState, directives: DirectiveLog) -> None:
         self._state = state
-        self._hub = hub
+        self._directives = directives
 
     def describe(self) -> Iterator[Metric]:
         # Families are dynamic; describing them empty keeps registration from calling collect().
@@ -55,7 +55,7 @@ class StateCollector(Collector):
                 continue
             live = state.live_ranks(run, now)
             f["nanwatch_live_ranks"].add_metric([run_id], len(live))
-            d = self._hub.current(run_id)
+            d = self._directives.current(run_id)
             f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
             counters = run.counters
             layers: dict[str, list[float]] = {}

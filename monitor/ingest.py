@@ -15,13 +15,13 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.rules import Policy
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
 from nanwatch.wire import SCHEMA_MAJOR, DirectiveSpec, ReportBatch, schema_major
 
-__all__ = ["MAX_INT", "BadBatch", "StoreUnavailable", "IngestResult", "ingest", "parse_batch", "parse_spec", "parse_strict"]
+__all__ = ["BadBody", "IngestResult", "StoreUnavailable", "ingest", "parse_batch", "parse_spec", "parse_strict"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,8 +37,9 @@ class StoreUnavailable(Exception):
     """The batch could not be persisted; memory was rolled back to the store. The sender should retry."""
 
 
-class BadBatch(Exception):
-    """A body the collector refuses: ``status`` 400 or 422, ``reason`` for the rejection counter."""
+class BadBody(Exception):
+    """A request body the collector refuses (a report batch or a directive spec): ``status`` 400 or 422,
+    ``reason`` for the rejection counter."""
 
     def __init__(self, status: int, reason: str, detail: object) -> None:
         super().__init__(detail)
@@ -54,38 +55,18 @@ def parse_strict(model: type[M], raw: bytes) -> M:
     try:
         json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise BadBatch(400, "malformed_json", f"request body is not valid JSON: {e}") from None
-    raise BadBatch(422, "invalid", errors)
-
-
-#: Integers the collector stores (SQLite INTEGER is 64-bit) stay within what JSON readers hold exactly.
-MAX_INT = 2**53 - 1
-#: the fields bounded by MAX_INT, per model (the OpenAPI document states the bound too)
-BOUNDED = {"StepReport": ("rank", "world_size", "seq", "step", "directive_version", "dropped_reports"),
-           "DirectiveSpec": ("apply_at_step", "revert_after_clean_steps")}
-
-
-def _bounds(loc: tuple, obj: BaseModel) -> list[dict]:
-    return [{"loc": [*loc, name], "msg": f"Input should be less than or equal to {MAX_INT}",
-             "type": "less_than_equal"}
-            for name in BOUNDED[type(obj).__name__] if (getattr(obj, name) or 0) > MAX_INT]
+        raise BadBody(400, "malformed_json", f"request body is not valid JSON: {e}") from None
+    raise BadBody(422, "invalid", errors)
 
 
 def parse_spec(raw: bytes) -> DirectiveSpec:
-    spec = parse_strict(DirectiveSpec, raw)
-    if errors := _bounds((), spec):
-        raise BadBatch(422, "invalid", errors)
-    return spec
+    return parse_strict(DirectiveSpec, raw)
 
 
 def parse_batch(raw: bytes) -> ReportBatch:
     try:
-        batch = parse_strict(ReportBatch, raw)
-        errors = [e for i, r in enumerate(batch.reports) for e in _bounds(("reports", i), r)]
-        if not errors:
-            return batch
-        raise BadBatch(422, "invalid", errors)
-    except BadBatch as e:
+        return parse_strict(ReportBatch, raw)
+    except BadBody as e:
         if e.status != 422:
             raise
         errors = e.detail
@@ -94,13 +75,13 @@ def parse_batch(raw: bytes) -> ReportBatch:
     for i, r in enumerate(reports if isinstance(reports, list) else ()):
         v = r.get("v") if isinstance(r, dict) else None
         if isinstance(v, str) and schema_major(v) != SCHEMA_MAJOR:
-            raise BadBatch(400, "unsupported_version",
+            raise BadBody(400, "unsupported_version",
                            f"reports[{i}].v: unsupported schema version {v!r}; this collector speaks "
                            f"{SCHEMA_MAJOR}.x")
-    raise BadBatch(422, "invalid", errors)
+    raise BadBody(422, "invalid", errors)
 
 
-def ingest(batch: ReportBatch, *, state: CollectorState, hub: DirectiveHub, policy: Policy,
+def ingest(batch: ReportBatch, *, state: CollectorState, directives: DirectiveLog, policy: Policy,
            store: Store) -> IngestResult:
     try:
         with store.transaction():
@@ -111,7 +92,7 @@ def ingest(batch: ReportBatch, *, state: CollectorState, hub: DirectiveHub, poli
         try:
             loaded = store.load()
             state.reload(loaded)
-            hub.reload(loaded.directives)
+            directives.reload(loaded.directives)
         except sqlite3.Error:
             pass
         raise StoreUnavailable(f"could not persist the batch ({e}); retry") from e

@@ -7,31 +7,33 @@ condition that persists for hours is one event, not one per step and rank.
 
 from __future__ import annotations
 
-from nanwatch.monitor.directives import DirectiveHub
+from nanwatch.monitor.directive_log import DirectiveLog
+from nanwatch.monitor.event_log import EventLog
 from nanwatch.monitor.settings import Rule
-from nanwatch.monitor.state import RankState, is_half
+from nanwatch.monitor.state import RankState
 from nanwatch.monitor.store import EventRow
-from nanwatch.wire import DirectiveSpec, StepReport
+from nanwatch.wire import DirectiveSpec, StepReport, is_half
 
 __all__ = ["Policy"]
 
 
 class Policy:
-    def __init__(self, rules: list[Rule], *, logit_tau: float, hub: DirectiveHub) -> None:
+    def __init__(self, rules: list[Rule], *, logit_tau: float, directives: DirectiveLog, events: EventLog) -> None:
         self._rules = rules
         self._tau = logit_tau
-        self._hub = hub
+        self._directives = directives
+        self._events = events
 
     def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float) -> None:
         """Record what ``r`` shows (call inside the ingest transaction)."""
-        hub = self._hub
+        directives = self._directives
         run_id = r.run_id
 
         def event(kind: str, key: str, *, site: str | None = None, actor: str = "", **detail) -> None:
-            hub.record(EventRow(run_id, now, kind, key, r.rank, r.step, site, actor, detail))
+            self._events.record(EventRow(run_id, now, kind, key, r.rank, r.step, site, actor, detail))
 
         n = rank.nonfinite if rank is not None else r.nonfinite_total
-        if (n or r.first_offender) and "first_nonfinite" not in hub.event_keys(run_id):
+        if (n or r.first_offender) and not self._events.has(run_id, "first_nonfinite"):
             site, phase = r.first_offender, r.first_offender_phase
             if site is None:
                 hit = next(s for s in r.sites if s.nan or s.inf)
@@ -41,23 +43,23 @@ class Policy:
             if rank.mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
                       directive_version=r.directive_version)
-                if hub.current(run_id).mode != "none" and hub.current(run_id).version == r.directive_version:
+                cur = directives.current(run_id)
+                if cur.mode != "none" and cur.version == r.directive_version:
                     # The trainers reverted on their own (clean steps): record it as a new version so the
                     # directive metric matches what ranks apply, and a rule can issue a fresh directive.
-                    hub.set(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
-                                                  reason=f"rank {r.rank} reverted after clean steps"),
-                            actor="trainer:auto-revert")
+                    directives.set(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
+                                                         reason=f"rank {r.rank} reverted after clean steps"),
+                                   actor="trainer:auto-revert")
             else:
                 event("mode_applied", f"applied:{rank.mode}:{r.directive_version}", mode=rank.mode,
                       previous_mode=previous_mode, directive_version=r.directive_version)
         for rule in self._rules:
             for key, site, detail in self._matches(rule, r):
                 event(rule.when, f"{rule.when}:{key}", site=site, rule=rule.name, **detail)
-                if rule.directive is not None and hub.current(run_id).mode == "none":
-                    hub.set(run_id, DirectiveSpec(mode=rule.directive,
-                                                  revert_after_clean_steps=rule.revert_after_clean_steps,
-                                                  reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})"),
-                            actor=f"rule:{rule.name}")
+                if rule.directive is not None and directives.current(run_id).mode == "none":
+                    spec = DirectiveSpec(mode=rule.directive, revert_after_clean_steps=rule.revert_after_clean_steps,
+                                         reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})")
+                    directives.set(run_id, spec, actor=f"rule:{rule.name}")
 
     def _matches(self, rule: Rule, r: StepReport):
         if rule.when == "half_attention_nonfinite":
@@ -71,8 +73,7 @@ class Policy:
                                                           "shape": c.shape}
         elif rule.when == "logit_over_tau":
             for lg in r.logits:
-                bound = lg.bound if lg.exact is None else lg.exact
-                if bound > self._tau:
+                if lg.bound > self._tau:  # the same figure as nanwatch_attention_logit_max
                     yield lg.layer, lg.layer, {"bound": lg.bound, "exact": lg.exact, "tau": self._tau,
                                                "source": lg.source}
         elif rule.when == "cross_doc_leak":

@@ -12,18 +12,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nanwatch.monitor.store import EventRow, Loaded
-from nanwatch.wire import StepReport
+from nanwatch.wire import StepReport, dtype_name
 
-__all__ = ["CollectorState", "RankState", "RunState", "is_half"]
+__all__ = ["CollectorState", "RankState", "RunState"]
 
-_HALF = frozenset({"float16", "bfloat16", "half", "fp16", "bf16"})
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped
 _RANK_SERIES = 7
-
-
-def is_half(dtype: str) -> bool:
-    """fp16/bf16 under any of the spellings trainers use (``torch.float16``, ``bf16``...)."""
-    return dtype.removeprefix("torch.") in _HALF
 
 
 @dataclass(slots=True)
@@ -95,24 +89,30 @@ class CollectorState:
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
         for run_id, step in loaded.latest_step.items():
-            self.run(run_id).latest_step = step
+            self.ensure_run(run_id).latest_step = step
         for run_id, fam, labels, value in loaded.counters:
-            run = self.run(run_id)
+            run = self.ensure_run(run_id)
             run.counters[(fam, labels)] = value
             key = ("rank", int(labels[0])) if fam == "nonfinite" else (fam, *labels)
             run.admit(key, _RANK_SERIES if fam == "nonfinite" else 1, self.series_cap)
         for run_id, keys in loaded.event_keys.items():
-            self.run(run_id).event_keys.update(keys)
+            self.ensure_run(run_id).event_keys.update(keys)
         for (run_id, kind), n in loaded.event_counts.items():
-            self.run(run_id).event_counts[kind] = n
+            self.ensure_run(run_id).event_counts[kind] = n
         for run_id, ev in loaded.first_offenders.items():
-            self.run(run_id).first_offender = ev
+            self.ensure_run(run_id).first_offender = ev
 
-    def run(self, run_id: str) -> RunState:
+    def ensure_run(self, run_id: str) -> RunState:
+        """The run's state, created empty if the run is new (write paths only: ingest, events)."""
         run = self.runs.get(run_id)
         if run is None:
             run = self.runs[run_id] = RunState(run_id)
         return run
+
+    def latest_step(self, run_id: str) -> int:
+        """The highest step any rank of the run reported (0 for a run never seen)."""
+        run = self.runs.get(run_id)
+        return run.latest_step if run is not None else 0
 
     def is_new(self, r: StepReport) -> bool:
         """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
@@ -123,7 +123,7 @@ class CollectorState:
         """Fold one new report into the state. Returns the rank's state (None if capped), the rank's
         previous attention mode (None if unknown) and the counter rows that changed (for the store)."""
         self.hwm[(r.run_id, r.rank, r.incarnation)] = r.seq
-        run = self.run(r.run_id)
+        run = self.ensure_run(r.run_id)
         cap = self.series_cap
         run.latest_step = max(run.latest_step, r.step)
         run.last_seen = seen
@@ -154,15 +154,14 @@ class CollectorState:
                     if s.inf:
                         bump("nonfinite", (rank_label, s.phase, "inf"), s.inf)
         for c in r.sdpa:
-            dtype = c.dtype.removeprefix("torch.")
+            dtype = dtype_name(c.dtype)
             if run.admit(("sdpa", c.backend, dtype), 1, cap):
                 bump("sdpa", (c.backend, dtype), c.calls)
         if not rank_ok:
             return None, None, changed
         for kind in headroom:
             run.admit(("headroom", kind), 1, cap)
-        logits = {lg.layer: lg.bound if lg.exact is None else max(lg.bound, lg.exact) for lg in r.logits
-                  if run.admit(("layer", lg.layer), 1, cap)}
+        logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
         prev = run.ranks.get(r.rank)
         previous_mode = prev.mode if prev is not None else None
         run.ranks[r.rank] = st = RankState(

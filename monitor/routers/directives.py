@@ -7,14 +7,14 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request
 
 from nanwatch.monitor.deps import AdminToken, IngestToken, ResourcesDep, SettingsDep
-from nanwatch.monitor.ingest import BadBatch, parse_spec
+from nanwatch.monitor.ingest import BadBody, parse_spec
 from nanwatch.monitor.routers._errors import AUTH, INVALID, NOT_READY
 from nanwatch.monitor.schemas import Problem, ValidationProblem, WireJSON
-from nanwatch.wire import Directive, DirectiveSpec
+from nanwatch.wire import RUN_ID_PATTERN, Directive, DirectiveSpec
 
 router = APIRouter(tags=["directives"])
 
-RunIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$", description="run id")]
+RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="run id")]
 _RESPONSES = {**AUTH, **INVALID, **NOT_READY}
 
 
@@ -28,7 +28,7 @@ async def poll_directive(
 ) -> WireJSON:
     """Long-poll: answers as soon as the run's directive version exceeds ``index``, else after ``wait``
     seconds with the current directive (version 0, mode ``none`` if the run has none)."""
-    d = await res.hub.wait(run_id, index=index, wait_s=min(wait, settings.max_wait_s))
+    d = await res.directives.wait(run_id, index=index, wait_s=min(wait, settings.max_wait_s))
     return WireJSON(d)
 
 
@@ -47,12 +47,12 @@ async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, 
     The change is audit-logged as an event naming the admin token that made it."""
     try:
         spec = parse_spec(await request.body())
-    except BadBatch as e:
+    except BadBody as e:
         res.state.rejected[e.reason] += 1
         body = ValidationProblem(detail=e.detail) if e.status == 422 else Problem(detail=str(e.detail))
         return WireJSON(body, status_code=e.status)
     with res.store.transaction():
-        d = res.hub.set(run_id, spec, actor=token)
+        d = res.directives.set(run_id, spec, actor=token)
     return WireJSON(d)
 
 
@@ -61,5 +61,5 @@ async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, 
 async def clear_directive(run_id: RunIdPath, res: ResourcesDep, token: AdminToken) -> WireJSON:
     """Go back to the model's own attention path: a new version with mode ``none``."""
     with res.store.transaction():
-        d = res.hub.set(run_id, DirectiveSpec(mode="none", reason="cleared"), actor=token)
+        d = res.directives.set(run_id, DirectiveSpec(mode="none", reason="cleared"), actor=token)
     return WireJSON(d)

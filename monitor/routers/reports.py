@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from nanwatch.monitor.deps import IngestToken, ResourcesDep
-from nanwatch.monitor.ingest import BadBatch, IngestResult, StoreUnavailable, ingest, parse_batch
+from nanwatch.monitor.ingest import BadBody, IngestResult, StoreUnavailable, ingest, parse_batch
 from nanwatch.monitor.routers._errors import AUTH, INVALID, NOT_READY
 from nanwatch.monitor.schemas import Problem, ValidationProblem, WireJSON
 from nanwatch.wire import ReportBatch
@@ -30,12 +30,12 @@ async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken)
     raw = await request.body()
     try:
         batch = parse_batch(raw)
-    except BadBatch as e:
+    except BadBody as e:
         res.state.rejected[e.reason] += 1
         body = ValidationProblem(detail=e.detail) if e.status == 422 else Problem(detail=str(e.detail))
         return WireJSON(body, status_code=e.status)
     try:
-        result = ingest(batch, state=res.state, hub=res.hub, policy=res.policy, store=res.store)
+        result = ingest(batch, state=res.state, directives=res.directives, policy=res.policy, store=res.store)
     except StoreUnavailable as e:
         res.state.rejected["store_error"] += 1
         return WireJSON(Problem(detail=str(e)), status_code=503, headers={"Retry-After": "1"})

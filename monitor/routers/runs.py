@@ -26,16 +26,23 @@ router = APIRouter(tags=["runs"])
 
 
 def _summary(res: Resources, run: RunState, now: float) -> dict:
+    """What a run's list entry says; ``run`` may be a stand-in for a run known only to the store."""
     live = res.state.live_ranks(run, now)
     fo = run.first_offender
     return dict(
         run_id=run.run_id, live_ranks=len(live), latest_step=run.latest_step,
         last_report_time=max((st.received for st in live), default=None),
         nonfinite_total=sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite"),
-        directive=res.hub.current(run.run_id),
+        directive=res.directives.current(run.run_id),
         first_offender=None if fo is None else FirstOffender(
             site=fo.site, phase=fo.detail.get("phase"), rank=fo.rank, step=fo.step, time=fo.time),
     )
+
+
+def _run(res: Resources, run_id: str) -> RunState:
+    """The run's state; a run known only to the store (its ranks long gone) reads as an empty one, which
+    is built for the answer and not kept: a GET never adds state."""
+    return res.state.runs.get(run_id) or RunState(run_id)
 
 
 @router.get("/v1/runs", response_model=RunList, response_class=WireJSON, responses={**AUTH, **NOT_READY})
@@ -43,17 +50,16 @@ async def list_runs(res: ResourcesDep, _token: ReaderToken) -> WireJSON:
     """Every run the collector knows: live ones and those with persisted history."""
     now = time.monotonic()
     ids = sorted(set(res.state.runs) | res.store.run_ids())
-    return WireJSON(RunList(runs=[RunSummary(**_summary(res, res.state.run(i), now)) for i in ids]))
+    return WireJSON(RunList(runs=[RunSummary(**_summary(res, _run(res, i), now)) for i in ids]))
 
 
 @router.get("/v1/runs/{run_id}", response_model=RunDetail, response_class=WireJSON,
             responses={404: {"model": Problem, "description": "no such run"}, **AUTH, **INVALID, **NOT_READY})
 async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _token: ReaderToken) -> WireJSON:
     """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history."""
-    run = res.state.runs.get(run_id)
-    if run is None and run_id not in res.store.run_ids():
+    if run_id not in res.state.runs and run_id not in res.store.run_ids():
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
-    run = res.state.run(run_id)
+    run = _run(res, run_id)
     now = time.monotonic()
     ranks = [RankView(
         rank=st.rank, incarnation=st.incarnation, seq=st.seq, step=st.step, time=st.time, received=st.received,

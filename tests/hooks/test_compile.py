@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import SMALL, TinyNet, tiny_qwen3, token_ids
 
 import nanwatch
-from nanwatch.hooks.testing import TinyNet
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 B, S, V = 2, 16, 128
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -33,17 +33,11 @@ def _fresh_dynamo():
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+    return token_ids(B, S, seed=seed, vocab=V)
 
 
 def _qwen3(impl: str = "sdpa") -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=64, attn_implementation=impl)
-    return transformers.Qwen3ForCausalLM(cfg)
-
-
+    return tiny_qwen3(impl, **SMALL)
 
 
 def _logits(out) -> torch.Tensor:

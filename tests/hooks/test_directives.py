@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,27 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import CollectorProcess, free_port, scrape, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.wire import Directive
 
-transformers = pytest.importorskip("transformers")
-
-
-def _qwen3(impl, dtype=torch.float32):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, attn_implementation=impl)
-    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
-
-
-def _ids(seed=1):
-    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+pytest.importorskip("transformers")
 
 
 def test_fp32_directive_rescues_fp16_eager_overflow_from_apply_at_step():
-    model = _qwen3("eager", torch.float16)
+    model = tiny_qwen3("eager", dtype=torch.float16)
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
         attn.q_norm.weight.fill_(100.0)
@@ -46,7 +34,7 @@ def test_fp32_directive_rescues_fp16_eager_overflow_from_apply_at_step():
             if n == 1:
                 mon.directives.offer(Directive(run_id="rescue", version=1, mode="fp32", apply_at_step=3))
             with mon.step(n):
-                out = model(input_ids=_ids())
+                out = model(input_ids=token_ids(seed=1))
             r = mon.last_report()
             rows.append((r.step, r.attention_mode, r.directive_version, r.first_offender,
                          model.config._attn_implementation))
@@ -65,14 +53,14 @@ def test_fp32_directive_rescues_fp16_eager_overflow_from_apply_at_step():
 
 
 def test_auto_revert_after_clean_steps():
-    model = _qwen3("sdpa")
+    model = tiny_qwen3("sdpa")
     modes = []
     with nanwatch.attach(model, run_id="revert") as mon:
         mon.directives.offer(Directive(run_id="revert", version=1, mode="fp32", apply_at_step=1,
                                        revert_after_clean_steps=3))
         for n in range(8):
             with mon.step(n):
-                model(input_ids=_ids())
+                model(input_ids=token_ids(seed=1))
             mon.last_report()  # the clean streak is counted from finished reports
             modes.append(mon.directives.mode)
     assert modes[0] == "none" and modes[1] == "fp32"
@@ -82,17 +70,17 @@ def test_auto_revert_after_clean_steps():
 
 
 def test_fused_directive_falls_back_to_fp32_when_no_fused_kernel_fits():
-    model = _qwen3("sdpa")
+    model = tiny_qwen3("sdpa")
     with nanwatch.attach(model, run_id="fused") as mon:
         mon.directives.offer(Directive(run_id="fused", version=1, mode="fused", apply_at_step=0))
         with mon.step(0):
-            model(input_ids=_ids())  # causal, no mask: the CPU flash kernel fits
+            model(input_ids=token_ids(seed=1))  # causal, no mask: the CPU flash kernel fits
         ok = mon.last_report()
         for layer in model.model.layers:  # attention dropout in training: CPU flash refuses it
             layer.self_attn.attention_dropout = 0.5
         model.train()
         with mon.step(1):
-            out = model(input_ids=_ids())
+            out = model(input_ids=token_ids(seed=1))
         r = mon.last_report()
     assert {c.backend for c in ok.sdpa} == {"cpu_flash"} and ok.warnings == []
     assert mon.directives.fallbacks == 2
@@ -103,28 +91,22 @@ def test_fused_directive_falls_back_to_fp32_when_no_fused_kernel_fits():
 
 
 def test_skip_step_costs_nothing_unless_active_and_then_sees_nan():
-    model = _qwen3("sdpa")
+    model = tiny_qwen3("sdpa")
     with nanwatch.attach(model, run_id="skip") as mon:
         with mon.step(0):
-            model(input_ids=_ids())
+            model(input_ids=token_ids(seed=1))
             assert mon.should_skip_step() is False  # no directive: free, always False
         mon.directives.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=1))
         with mon.step(1):
-            model(input_ids=_ids())
+            model(input_ids=token_ids(seed=1))
             clean = mon.should_skip_step()
             mon.watch("loss", torch.tensor([math.nan]))
             dirty = mon.should_skip_step()
     assert (clean, dirty) == (False, True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(tmp_path: Path, env_extra: dict[str, str] | None = None, on_start=None) -> list[dict]:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                OMP_NUM_THREADS="1", **(env_extra or {}))
     worker = Path(__file__).with_name("dist_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / f"r{r}.json")],
@@ -154,8 +136,6 @@ def test_every_rank_switches_at_the_same_step_gloo(tmp_path: Path):
 
 @pytest.mark.slow
 def test_directive_set_over_http_reaches_both_ranks_at_the_same_step(tmp_path: Path):
-    from nanwatch.monitor.testing import CollectorProcess, scrape
-
     with CollectorProcess(db_path=tmp_path / "c.db") as c:
         def set_directive_once_running():
             deadline = time.monotonic() + 120

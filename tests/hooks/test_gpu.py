@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from support import Mixer, tiny_qwen3
 
 import nanwatch
 
@@ -14,32 +14,16 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-class Block(torch.nn.Module):
-    """A sync-free attention block, so any sync under error mode is nanwatch's own."""
-
-    def __init__(self, d=128, h=4):
-        super().__init__()
-        self.h = h
-        self.qkv = torch.nn.Linear(d, 3 * d)
-        self.out = torch.nn.Linear(d, d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, s, d))
-
-
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_monitored_step_makes_zero_host_syncs(dtype):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Block(), Block()).cuda().to(dtype)
+    model = torch.nn.Sequential(Mixer(128), Mixer(128)).cuda().to(dtype)
     x = torch.randn(2, 64, 128, device="cuda", dtype=dtype, requires_grad=True)
     lp = -torch.rand(2, 64, device="cuda")
     mask = torch.rand(2, 64, device="cuda") > 0.2
     with nanwatch.attach(model, run_id="gpu", exact_logit_every=2,
-                         is_attention=lambda n, m: isinstance(m, Block)) as mon:
+                         is_attention=lambda n, m: isinstance(m, Mixer)) as mon:
         for n in range(3):  # step 0 allocates slots and host buffers; steps 1-2 are the steady state
             # Probes are guarded (a failure becomes a warning), so a sync error would surface as a
             # "probe failed" warning: make those errors here, so the test can fail.
@@ -64,11 +48,9 @@ def test_a_monitored_step_makes_zero_host_syncs(dtype):
 
 @cuda
 def test_hf_model_syncs_no_more_with_nanwatch_than_without():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=32, attn_implementation="sdpa")
-    model = transformers.Qwen3ForCausalLM(cfg).cuda().to(torch.bfloat16)
+    pytest.importorskip("transformers")
+    model = tiny_qwen3("sdpa", vocab_size=256, hidden_size=128, intermediate_size=256, head_dim=32,
+                       max_position_embeddings=4096).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 64), device="cuda")
 
     def count_syncs(step):

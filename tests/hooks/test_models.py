@@ -14,20 +14,19 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from support import SMALL, Mixer, TinyNet, tiny_causal_lm, token_ids
 
 import nanwatch
-from nanwatch.hooks.testing import Mixer, TinyNet
 
 transformers = pytest.importorskip("transformers")
 
 B, S, V = 2, 16, 128
-_TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+_TINY = dict(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **SMALL)
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+    return token_ids(B, S, seed=seed, vocab=V)
 
 
 def _step(model: nn.Module, loss=None, **inputs):
@@ -91,8 +90,7 @@ def _fingerprint(report, position_ids: str):
 
 # ---- Qwen3 -----------------------------------------------------------------------------------------
 def _tiny(model_cls, config_cls, impl: str) -> nn.Module:
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**_TINY, attn_implementation=impl))
+    model = tiny_causal_lm(config_cls, model_cls, impl=impl, **_TINY)
     assert model.config._attn_implementation == impl
     return model
 
@@ -291,7 +289,7 @@ def test_qwen2_vl_text_path_mrope(qwen2_vl, how):
     assert fp.plain_causal
 
 
-# ---- a plain module calling F.scaled_dot_product_attention itself (nanwatch.hooks.testing) ------------
+# ---- a plain module calling F.scaled_dot_product_attention itself (support.Mixer) ------------
 
 
 def _mean_square(out: torch.Tensor) -> torch.Tensor:

@@ -8,26 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support import TinyNet, tiny_qwen3, token_ids
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
-from nanwatch.hooks import attention
+from nanwatch.hooks import patching
 
-transformers = pytest.importorskip("transformers")
-
-
-def _qwen3(impl: str = "sdpa", *, layers: int = 2, dtype=torch.float32, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        attn_implementation=impl)
-    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
-
-
-def _ids(b=2, s=16, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 128, (b, s), generator=g)
+pytest.importorskip("transformers")
 
 
 def _train_step(model, ids, **kw):
@@ -44,7 +31,7 @@ def _nonfinite(report):
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_nan_in_one_attention_output_names_that_site_at_that_step(impl):
-    model = _qwen3(impl, layers=3)
+    model = tiny_qwen3(impl, num_hidden_layers=3)
     target = model.model.layers[1].self_attn
     state = {"step": None}
 
@@ -65,7 +52,7 @@ def test_nan_in_one_attention_output_names_that_site_at_that_step(impl):
         for n in range(5):
             state["step"] = n
             with mon.step(n):
-                _train_step(model, _ids())
+                _train_step(model, token_ids(seed=1))
             reports.append(mon.last_report())
     handle.remove()
     assert [r.step for r in reports] == list(range(5))
@@ -77,7 +64,7 @@ def test_nan_in_one_attention_output_names_that_site_at_that_step(impl):
 
 
 def test_inf_in_logits_names_lm_head():
-    model = _qwen3()
+    model = tiny_qwen3()
     state = {"step": None}
 
     def inject(mod, args, out):
@@ -92,7 +79,7 @@ def test_inf_in_logits_names_lm_head():
         for n in range(3):
             state["step"] = n
             with mon.step(n):
-                model(input_ids=_ids())
+                model(input_ids=token_ids(seed=1))
             r = mon.last_report()
     assert r.step == 2 and r.first_offender == "lm_head" and r.first_offender_phase == "forward"
     lm = next(s for s in r.sites if s.site == "lm_head")
@@ -101,7 +88,7 @@ def test_inf_in_logits_names_lm_head():
 
 
 def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
-    model = _qwen3(layers=3)
+    model = tiny_qwen3(num_hidden_layers=3)
     state = {"step": None}
 
     def poison_grad(mod, args, out):
@@ -116,7 +103,7 @@ def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
         for n in range(2):
             state["step"] = n
             with mon.step(n):
-                _train_step(model, _ids())
+                _train_step(model, token_ids(seed=1))
             r = mon.last_report()
     assert r.step == 1
     assert (r.first_offender, r.first_offender_phase) == ("model.layers.1.self_attn", "backward")
@@ -128,13 +115,13 @@ def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
 
 
 def test_healthy_run_of_200_steps_reports_nothing():
-    model = _qwen3(layers=2)
+    model = tiny_qwen3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = []
     with nanwatch.attach(model, run_id="healthy", on_report=seen.append, exact_logit_every=50) as mon:
         for n in range(200):
             with mon.step(n):
-                _train_step(model, _ids(seed=n))
+                _train_step(model, token_ids(seed=n))
                 opt.step()
                 opt.zero_grad()
         mon.last_report()
@@ -149,14 +136,14 @@ def test_healthy_run_of_200_steps_reports_nothing():
 # ---- real failures, reproduced ---------------------------------------------------------------------
 
 def test_fp16_eager_qk_overflow_is_caught_at_the_layer():
-    model = _qwen3("eager", dtype=torch.float16)
+    model = tiny_qwen3("eager", dtype=torch.float16)
     attn = model.model.layers[0].self_attn
     with torch.no_grad():  # large q/k norms: the unscaled q.k passes fp16's 65504 and becomes inf
         attn.q_norm.weight.fill_(100.0)
         attn.k_norm.weight.fill_(100.0)
     with nanwatch.attach(model, run_id="fp16") as mon:
         with mon.step(0):
-            model(input_ids=_ids())
+            model(input_ids=token_ids(seed=1))
         r = mon.last_report()
     assert r.first_offender == "model.layers.0.self_attn"
     layer0 = next(lg for lg in r.logits if lg.layer == "model.layers.0.self_attn")
@@ -164,14 +151,14 @@ def test_fp16_eager_qk_overflow_is_caught_at_the_layer():
 
 
 def test_fully_masked_row_with_minus_inf_mask_in_eager_attention():
-    model = _qwen3("eager")
+    model = tiny_qwen3("eager")
     s = 8
     mask = torch.zeros(2, 1, s, s)
     mask.masked_fill_(~torch.ones(s, s, dtype=torch.bool).tril(), -math.inf)
     mask[1, 0, 3, :] = -math.inf  # one query row sees nothing
     with nanwatch.attach(model, run_id="mask") as mon:
         with mon.step(0):
-            model(input_ids=_ids(s=s), attention_mask=mask)
+            model(input_ids=token_ids(s=s, seed=1), attention_mask=mask)
         r = mon.last_report()
     assert r.first_offender == "model.layers.0.self_attn"
     assert r.fingerprints[0].mask == "4d" and r.fingerprints[0].fully_masked_rows == 1
@@ -179,7 +166,7 @@ def test_fully_masked_row_with_minus_inf_mask_in_eager_attention():
     mask[mask == -math.inf] = torch.finfo(torch.float32).min
     with nanwatch.attach(model, run_id="mask") as mon:
         with mon.step(1):
-            model(input_ids=_ids(s=s), attention_mask=mask)
+            model(input_ids=token_ids(s=s, seed=1), attention_mask=mask)
         r = mon.last_report()
     assert r.first_offender is None and r.fingerprints[0].fully_masked_rows == 1
 
@@ -187,13 +174,13 @@ def test_fully_masked_row_with_minus_inf_mask_in_eager_attention():
 # ---- backend, logit bound ----------------------------------------------------------------------------
 
 def test_backend_cpu_fused_and_forced_math_with_reason():
-    model = _qwen3()
+    model = tiny_qwen3()
     with nanwatch.attach(model, run_id="backend") as mon:
         with mon.step(0):
-            _train_step(model, _ids())
+            _train_step(model, token_ids(seed=1))
         fused = mon.last_report()
         with mon.step(1), sdpa_kernel([SDPBackend.MATH]):
-            _train_step(model, _ids())
+            _train_step(model, token_ids(seed=1))
         math_r = mon.last_report()
     assert {(c.backend, c.predicted, c.confirmed, c.reason) for c in fused.sdpa} == {
         ("cpu_flash", "cpu_flash", True, None)}
@@ -204,12 +191,12 @@ def test_backend_cpu_fused_and_forced_math_with_reason():
 
 @pytest.mark.parametrize("seq", [16, 64])
 def test_lse_bound_brackets_the_exact_max(seq):
-    model = _qwen3(layers=2)
+    model = tiny_qwen3()
     with torch.no_grad():  # make attention peaky so the bound is tight on some heads
         model.model.layers[1].self_attn.q_norm.weight.mul_(4.0)
     with nanwatch.attach(model, run_id="bound", exact_logit_every=1) as mon:
         with mon.step(0):
-            _train_step(model, _ids(s=seq))
+            _train_step(model, token_ids(s=seq, seed=1))
         r = mon.last_report()
     assert len(r.logits) == 2
     for lg in r.logits:
@@ -221,8 +208,8 @@ def test_lse_bound_brackets_the_exact_max(seq):
 # ---- fingerprint: packing ----------------------------------------------------------------------------
 
 def test_packed_batch_leaks_with_default_use_cache_and_not_without():
-    model = _qwen3()
-    ids = _ids(b=1, s=32)
+    model = tiny_qwen3()
+    ids = token_ids(1, 32, seed=1)
     pos = torch.cat([torch.arange(10), torch.arange(22)]).unsqueeze(0)
     results = {}
     for use_cache in (None, False):
@@ -240,13 +227,13 @@ def test_packed_batch_leaks_with_default_use_cache_and_not_without():
 
 
 def test_unpacked_and_left_padded_batches_are_not_packed():
-    model = _qwen3()
+    model = tiny_qwen3()
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, :5] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with nanwatch.attach(model, run_id="pad") as mon:
         with mon.step(0):
-            model(input_ids=_ids(), attention_mask=mask, position_ids=pos)
+            model(input_ids=token_ids(seed=1), attention_mask=mask, position_ids=pos)
         r = mon.last_report()
     fp = r.fingerprints[0]
     assert (fp.position_ids, fp.mask, fp.packed, fp.cross_doc_leak) == ("2d", "padding_2d", False, False)
@@ -261,24 +248,24 @@ def _hook_dicts(model):
 
 
 def test_detach_leaves_no_hook_and_outputs_bit_identical():
-    model = _qwen3("sdpa")
-    ids = _ids()
+    model = tiny_qwen3("sdpa")
+    ids = token_ids(seed=1)
     before = model(input_ids=ids).logits.detach().clone()
     assert _hook_dicts(model) == {}
     with nanwatch.attach(model, run_id="detach") as mon:
         assert _hook_dicts(model) != {}
-        assert attention.is_installed()
+        assert patching.is_installed()
         with mon.step(0):
             during = model(input_ids=ids).logits.detach().clone()
     after = model(input_ids=ids).logits.detach()
     assert _hook_dicts(model) == {}
-    assert not attention.is_installed()
-    assert F.softmax is attention._ORIG_SOFTMAX
+    assert not patching.is_installed()
+    assert F.softmax is patching.ORIGINAL_SOFTMAX
     assert torch.equal(before, during) and torch.equal(before, after)
 
 
 def test_attach_twice_is_an_error_and_no_attention_is_a_warning():
-    model = _qwen3()
+    model = tiny_qwen3()
     with nanwatch.attach(model, run_id="twice"):
         with pytest.raises(RuntimeError, match="already has a Monitor"):
             nanwatch.attach(model, run_id="twice")
@@ -290,14 +277,14 @@ def test_attach_twice_is_an_error_and_no_attention_is_a_warning():
 
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="run_id"):
-        nanwatch.attach(_qwen3(), run_id="has space")
+        nanwatch.attach(tiny_qwen3(), run_id="has space")
     with pytest.raises(ValueError, match="exact_logit_every"):
-        nanwatch.attach(_qwen3(), run_id="ok", exact_logit_every=-1)
+        nanwatch.attach(tiny_qwen3(), run_id="ok", exact_logit_every=-1)
 
 
 def test_watch_covers_any_tensor_and_its_gradient():
     x = torch.randn(8, requires_grad=True)
-    model = _qwen3()
+    model = tiny_qwen3()
     with nanwatch.attach(model, run_id="watch") as mon:
         with mon.step(0):
             y = mon.watch("my.tensor", x * 2)
@@ -310,21 +297,21 @@ def test_watch_covers_any_tensor_and_its_gradient():
 
 
 def test_a_probe_failure_warns_and_training_goes_on(monkeypatch):
-    model = _qwen3()
+    model = tiny_qwen3()
 
     def boom(*a, **k):
         raise RuntimeError("probe exploded")
 
     with nanwatch.attach(model, run_id="boom") as mon:
-        monkeypatch.setattr(mon.rec, "tensor", boom)
+        monkeypatch.setattr("nanwatch.hooks.recorder.finite_stats", boom)
         with pytest.warns(RuntimeWarning, match="probe exploded"), mon.step(0):
-            out = _train_step(model, _ids())
+            out = _train_step(model, token_ids(seed=1))
     assert torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_finite_stats_counts_exactly_in_every_dtype(dtype):
-    from nanwatch.hooks.stats import finite_stats
+    from nanwatch.hooks.finite import finite_stats
 
     x = torch.randn(3, 50, 7).to(dtype)
     x[0, 0, :4] = math.nan
@@ -342,8 +329,6 @@ def test_finite_stats_counts_exactly_in_every_dtype(dtype):
 
 
 def test_first_offender_follows_execution_order_across_micro_batches():
-    from nanwatch.hooks.testing import TinyNet
-
     torch.manual_seed(0)
     model = TinyNet()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -364,32 +349,32 @@ def test_first_offender_follows_execution_order_across_micro_batches():
 
 
 def test_fully_masked_rows_are_counted_in_every_forward_that_sees_the_mask():
-    model = _qwen3("sdpa")
+    model = tiny_qwen3("sdpa")
     s = 8
     keep = torch.ones(2, 1, s, s, dtype=torch.bool).tril()
     keep[0, 0, 2] = False
     keep[1, 0, 5] = False
     with nanwatch.attach(model, run_id="rows") as mon:
         with mon.step(0), torch.no_grad():
-            model(input_ids=_ids(s=s), attention_mask=keep)
-            model(input_ids=_ids(s=s), attention_mask=keep)  # same mask object, second forward
+            model(input_ids=token_ids(s=s, seed=1), attention_mask=keep)
+            model(input_ids=token_ids(s=s, seed=1), attention_mask=keep)  # same mask object, second forward
         r = mon.last_report()
     assert [(f.forward, f.mask, f.fully_masked_rows) for f in r.fingerprints] == [(0, "4d", 2), (1, "4d", 2)]
 
 
 @pytest.mark.parametrize("collector", ["http://", "http://host:notaport", "ftp://host"])
 def test_a_refused_attach_leaves_the_model_untouched(collector):
-    model = _qwen3()
+    model = tiny_qwen3()
     with pytest.raises(ValueError, match="collector"):
         nanwatch.attach(model, run_id="bad", collector=collector)
-    assert _hook_dicts(model) == {} and not attention.is_installed()
+    assert _hook_dicts(model) == {} and not patching.is_installed()
     with nanwatch.attach(model, run_id="good") as mon, mon.step(0):  # and it can be attached again
-        model(input_ids=_ids())
+        model(input_ids=token_ids(seed=1))
     assert mon.last_report().first_offender is None
 
 
 def test_attaching_inside_or_around_an_attached_model_is_refused():
-    model = _qwen3()
+    model = tiny_qwen3()
     with nanwatch.attach(model, run_id="outer"):
         with pytest.raises(RuntimeError, match="already has a Monitor"):
             nanwatch.attach(model.model.layers[0], run_id="inner")
@@ -400,7 +385,7 @@ def test_attaching_inside_or_around_an_attached_model_is_refused():
 
 
 def test_bad_watch_arguments_warn_and_keep_the_step_report():
-    model = _qwen3()
+    model = tiny_qwen3()
     with nanwatch.attach(model, run_id="watch-bad") as mon:
         with pytest.warns(RuntimeWarning, match="ignored"), mon.step(0):
             mon.watch("loss", torch.tensor([1.0]), kind="loss")  # not a site kind

@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+from support import CollectorProcess, free_port, scrape, step_report
 
 from nanwatch.hooks.transport import DirectivePoller, ReportSender, _Backoff, _retry_after
-from nanwatch.monitor.testing import CollectorProcess, free_port, scrape, step_report
 from nanwatch.wire import ReportBatch
 
 

@@ -6,11 +6,10 @@ import time
 
 import httpx
 import pytest
+from support import ADMIN, TOKEN, scrape, step_report
 
-from nanwatch.monitor.testing import scrape, step_report
 from nanwatch.wire import ReportBatch
 
-TOKEN, ADMIN = "ingest-secret", "admin-secret"  # as set by the collector fixture (conftest.py)
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 

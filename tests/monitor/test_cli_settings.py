@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from support import step_report
 
 from nanwatch.cli import main
 from nanwatch.monitor import Settings, create_app
-from nanwatch.monitor.testing import step_report
 from nanwatch.wire import ReportBatch
 
 
@@ -59,7 +59,10 @@ def test_missing_delegate_is_an_error_not_a_crash(capsys, monkeypatch):
 
 @pytest.mark.parametrize("module,banned", [
     ("nanwatch.monitor", ("torch",)),
-    ("nanwatch.monitor.loadgen", ("torch",)),
+    ("nanwatch.monitor.app", ("torch",)),
+    ("nanwatch.bench.collector", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
+    ("nanwatch.wire", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
+    ("nanwatch.hooks", ("fastapi", "uvicorn", "starlette", "prometheus_client")),
     ("nanwatch.cli", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
 ])
 def test_import_boundaries(module, banned):

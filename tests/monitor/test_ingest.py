@@ -7,13 +7,12 @@ import threading
 
 import httpx
 import pytest
+from support import ADMIN, TOKEN, require_tool, scrape, step_report
 
 from nanwatch.hooks.transport import DirectivePoller, ReportSender
 from nanwatch.monitor.metric_names import METRICS
-from nanwatch.monitor.testing import require_tool, scrape, step_report
 from nanwatch.wire import ReportBatch
 
-TOKEN, ADMIN = "ingest-secret", "admin-secret"  # as set by the collector fixture (conftest.py)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -4,9 +4,9 @@ import time
 
 import httpx
 import pytest
+from support import CollectorProcess, scrape, step_report
 
 from nanwatch.hooks.transport import ReportSender
-from nanwatch.monitor.testing import CollectorProcess, scrape, step_report
 from nanwatch.wire import ReportBatch
 
 pytestmark = pytest.mark.slow

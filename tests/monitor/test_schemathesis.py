@@ -6,12 +6,12 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.core import NOT_SET
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
+from support import ADMIN, TOKEN
 
 from nanwatch.monitor import Settings, create_app
 
 pytestmark = pytest.mark.slow
 
-TOKEN, ADMIN = "ingest-secret", "admin-secret"
 app = create_app(Settings(db_path=":memory:", token=TOKEN, admin_token=ADMIN, max_wait_s=0.05,
                           max_body_bytes=64 * 1024))
 # 413 is a correct refusal of any body over the byte limit, schema-valid or not: the OpenAPI schema

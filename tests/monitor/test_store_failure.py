@@ -3,10 +3,10 @@
 import sqlite3
 
 import httpx
+from support import scrape, step_report
 
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
-from nanwatch.monitor.testing import scrape, step_report
 from nanwatch.wire import ReportBatch
 
 

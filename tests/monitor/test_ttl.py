@@ -4,8 +4,8 @@ import time
 
 import httpx
 import pytest
+from support import CollectorProcess, scrape, step_report
 
-from nanwatch.monitor.testing import CollectorProcess, scrape, step_report
 from nanwatch.wire import ReportBatch
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
 """The wire schema: the one module the trainer (nanwatch.hooks) and the collector (nanwatch.monitor) share.
 
 It imports pydantic and nothing else, so the collector never pulls in torch and the trainer never pulls in
-the web stack.
+the web stack. Every fact of the contract is defined here once (the run-id alphabet, the modes, the
+half-precision dtypes, the integer bound) and both sides derive theirs from it.
 
 Non-finite floats are the data being monitored, so they must survive the trip exactly: models serialise
 NaN/+Inf/-Inf as the JSON constants ``NaN``/``Infinity``/``-Infinity`` (what Python's ``json`` module
@@ -10,11 +11,16 @@ reads and writes) and never as ``null``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 __all__ = [
+    "HALF_DTYPES",
+    "MAX_INT",
+    "MODES",
+    "RUN_ID_PATTERN",
+    "RunId",
     "SCHEMA_MAJOR",
     "SCHEMA_VERSION",
     "Backend",
@@ -28,8 +34,11 @@ __all__ = [
     "RlhfStat",
     "SdpaCall",
     "SiteKind",
+    "SiteName",
     "SiteStat",
     "StepReport",
+    "dtype_name",
+    "is_half",
     "schema_major",
 ]
 
@@ -42,17 +51,38 @@ Phase = Literal["forward", "backward"]
 SiteKind = Literal["attention", "logits", "logprob", "tensor"]
 #: The attention path a rank applies: ``none`` is the model's own path, untouched.
 Mode = Literal["none", "fp32", "fused", "eager_to_sdpa", "skip_step"]
+#: The modes in wire order (the trainer broadcasts a mode as its index in this tuple).
+MODES: tuple[str, ...] = get_args(Mode)
 #: The SDPA backend that ran. ``compiled``: inside a torch.compile graph, where the eager probes are off.
 Backend = Literal[
     "flash", "efficient", "cudnn", "math", "cpu_flash", "overrideable", "compiled", "eager", "unknown"
 ]
 
-# Run ids travel in URL paths and Prometheus labels: keep them to a safe, bounded alphabet.
-RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")]
+#: Run ids travel in URL paths and Prometheus labels: a safe, bounded alphabet.
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 # Site names are module FQNs or user-given watch names: printable, bounded, no control characters.
 SiteName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 ShortText = Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x08\x0b-\x1f\x7f]*$")]
-Count = Annotated[int, Field(ge=0)]
+#: Integers stay within what JSON readers (JavaScript, Prometheus' float64) and SQLite hold exactly.
+MAX_INT = 2**53 - 1
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+Positive = Annotated[int, Field(ge=1, le=MAX_INT)]
+
+#: Half-precision floating dtypes, by torch's name for them (``str(dtype)`` without ``torch.``).
+HALF_DTYPES: frozenset[str] = frozenset({"float16", "bfloat16"})
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(dtype: object) -> str:
+    """The wire spelling of a dtype: ``torch.float16``, ``half`` and ``fp16`` all become ``float16``."""
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def is_half(dtype: object) -> bool:
+    """fp16/bf16, under any spelling trainers use (a torch dtype, ``torch.float16``, ``bf16``...)."""
+    return dtype_name(dtype) in HALF_DTYPES
 
 
 class _Wire(BaseModel):
@@ -85,14 +115,16 @@ class SdpaCall(_Wire):
     dtype: Annotated[str, StringConstraints(max_length=32)]
     shape: Annotated[str, StringConstraints(max_length=256)]
     reason: ShortText | None = Field(None, description="why no fused backend ran (None when one did)")
-    calls: Annotated[int, Field(ge=1)] = 1
+    calls: Positive = 1
 
 
 class LogitStat(_Wire):
     """Max scaled QK logit of one attention layer in the step (max over calls, heads and ranks' rows)."""
 
     layer: SiteName
-    bound: float = Field(description="upper bound on the max logit: max saved log-sum-exp, or the exact max")
+    bound: float = Field(description="the layer's figure, used by the metric and the rules alike: an upper "
+                         "bound on the max logit (max saved log-sum-exp, never below the exact max), or the "
+                         "exact max where no log-sum-exp was saved")
     source: Literal["lse", "exact", "scores"]
     exact: float | None = Field(None, description="exact max, on sampled steps")
     per_head: Annotated[list[float], Field(max_length=4096)] | None = None
@@ -136,10 +168,12 @@ def schema_major(version: str) -> int | None:
 class StepReport(_Wire):
     """Everything one rank measured in one step. ``step`` and ``first_offender`` are public API."""
 
-    v: Annotated[str, StringConstraints(max_length=16)] = SCHEMA_VERSION
+    v: Annotated[str, StringConstraints(max_length=16)] = Field(
+        SCHEMA_VERSION, json_schema_extra={"pattern": rf"^0*{SCHEMA_MAJOR}(\.[\s\S]*)?$"},
+        description="schema version MAJOR.MINOR; a reader refuses a major it does not speak")
     run_id: RunId
     rank: Count = 0
-    world_size: Annotated[int, Field(ge=1)] = 1
+    world_size: Positive = 1
     incarnation: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
     seq: Count = Field(description="per (rank, incarnation) report sequence number; the idempotency key")
     step: Count
@@ -181,7 +215,7 @@ class DirectiveSpec(_Wire):
     apply_at_step: Count | None = Field(
         None, description="step from which ranks apply it; default: latest step seen plus the margin"
     )
-    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = Field(
+    revert_after_clean_steps: Positive | None = Field(
         None, description="go back to mode 'none' after this many clean steps (None: stay)"
     )
     reason: ShortText = ""
@@ -194,7 +228,7 @@ class Directive(_Wire):
     version: Count
     mode: Mode
     apply_at_step: Count
-    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = None
+    revert_after_clean_steps: Positive | None = None
     reason: ShortText = ""
     set_by: ShortText = ""
     created_at: float = 0.0

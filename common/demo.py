@@ -23,13 +23,11 @@ __all__ = ["main"]
 
 def _model(seed: int):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      attn_implementation="eager", use_cache=False)
-    return Qwen3ForCausalLM(cfg).half()
+    from nanwatch.tiny_models import tiny_qwen3
+
+    return tiny_qwen3("eager", dtype=torch.float16, seed=seed, vocab_size=64, max_position_embeddings=128,
+                      use_cache=False)
 
 
 def _batch(step: int, seq: int = 32):

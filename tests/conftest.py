@@ -1,15 +1,13 @@
-"""Fixtures: real collectors (``nanwatch serve`` under uvicorn) on 127.0.0.1, one per module."""
+"""Fixtures shared by every test package. Helpers that are not fixtures live in support.py."""
 
 import pytest
-
-from nanwatch.monitor.testing import CollectorProcess
-
-TOKEN, ADMIN = "ingest-secret", "admin-secret"
+from support import ADMIN, TOKEN, CollectorProcess
 
 
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
-    """A collector with an ingest token and a named admin token (``alice``), small body limit."""
+    """``nanwatch serve`` on 127.0.0.1, one per test module: an ingest token and a named admin token
+    (``alice``), a small body limit and few ingest slots."""
     db = tmp_path_factory.mktemp("collector") / "nanwatch.db"
     env = {"NANWATCH_TOKEN": TOKEN, "NANWATCH_ADMIN_TOKENS": f'{{"alice": "{ADMIN}"}}',
            "NANWATCH_MAX_BODY_BYTES": str(256 * 1024), "NANWATCH_MAX_INFLIGHT_INGEST": "4"}

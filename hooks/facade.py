@@ -1,4 +1,7 @@
-"""The Monitor: attaches the probes to a model, marks steps, and owns every handle it registered."""
+"""The Monitor, nanwatch's trainer-side facade: it attaches the probes to a model, marks steps, owns every
+handle it registered, and is the public API. The hook bodies live in :mod:`nanwatch.hooks.probes` and
+:mod:`nanwatch.hooks.sdpa_probe`, the report assembly in :mod:`nanwatch.hooks.report`; nothing outside
+this module touches a Monitor's privates."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import contextlib
 import inspect
 import logging
 import os
-import re
 import time
 import typing
 import uuid
@@ -16,22 +18,24 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.hooks import attention
+from nanwatch.hooks import patching
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.directives import DirectiveState
-from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
-from nanwatch.hooks.guard import guarded, probe_failed
+from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
+from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder
+from nanwatch.hooks.report import ReportBuilder, StepContext
 from nanwatch.hooks.reporter import Pending, Reporter
-from nanwatch.hooks.rlhf import decode_rlhf, record_rlhf
-from nanwatch.wire import SiteKind, StepReport
+from nanwatch.hooks.rlhf import record_rlhf
+from nanwatch.wire import MAX_INT, SiteKind, SiteName, StepReport
 
 __all__ = ["Monitor", "attach"]
 
 log = logging.getLogger("nanwatch")
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
-_SITE_NAME = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")
+_SITE_NAME = TypeAdapter(SiteName)
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, Monitor] = weakref.WeakKeyDictionary()
 
 
@@ -43,15 +47,6 @@ def _dist_rank_world() -> tuple[int, int]:
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
-
-
-def _first_tensor(output) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    logits = getattr(output, "logits", None)
-    return logits if isinstance(logits, torch.Tensor) else None
 
 
 class Monitor:
@@ -83,16 +78,17 @@ class Monitor:
             device = next(model.parameters()).device
         except StopIteration:
             device = torch.device("cpu")
-        self.rec = Recorder(device)
+        self._rec = Recorder(device)
         self._handles: list = []
-        self._fqns: dict[int, str] = {}
         self._active = False
-        self._seq = 0
-        self._sampled = False
-        self._masks_seen: set[tuple[int, int, int]] = set()
-        self._warned: set[str] = set()
-        self.directives = DirectiveState(self)
+        self._warn_once = WarnOnce()
+        self.directives = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
+                                         check_every=config.directive_check_every)
+        self._probes: Probes | None = None
         self._sender = None
+        self._builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
+                                      incarnation=self.incarnation, rec=self._rec, model=self._model,
+                                      warn=self._warn_once, dropped_reports=lambda: self.dropped_reports)
         self._reporter = Reporter(self._build_report, on_report=self._deliver,
                                   max_pending=config.max_pending_reports)
 
@@ -123,7 +119,7 @@ class Monitor:
                 from nanwatch.hooks.transport import ReportSender
 
                 self._sender = ReportSender(self.config.collector, token=self.config.token)
-                self.directives.start_polling(self.config.collector, self.config.token)
+                self.directives.start_polling(self.config.collector, self.config.run_id, self.config.token)
         except BaseException:
             self._active = True
             self.close(timeout=1.0)
@@ -131,33 +127,38 @@ class Monitor:
         return self
 
     def _register(self, model: torch.nn.Module) -> None:
+        cfg = self.config
         # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
-        self._fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-        attn = self._attention_modules(model)
+        fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        probes = self._probes = Probes(
+            rec=self._rec, directives=self.directives, fqns=fqns, grads=cfg.grads,
+            exact_chunk_elems=cfg.exact_logit_chunk_elems,
+            forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None)
+        hook = self._handles.append
+        attn = self._attention_modules(model, fqns)
         if not attn:
             warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, "
                           "*DeltaNet); SDPA calls are still caught, eager attention is not. Pass "
                           "is_attention= to name your attention modules.", RuntimeWarning, stacklevel=4)
         for name, mod in attn:
-            self._handles.append(mod.register_forward_pre_hook(partial(self._attn_pre, name)))
-            self._handles.append(mod.register_forward_hook(self._attn_post, always_call=True))
-        if self.config.logits:
+            hook(mod.register_forward_pre_hook(partial(probes.attn_pre, name)))
+            hook(mod.register_forward_hook(probes.attn_post, always_call=True))
+        if cfg.logits:
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            if isinstance(head, torch.nn.Module) and id(head) in self._fqns:
-                self._handles.append(head.register_forward_hook(
-                    partial(self._output_hook, self._fqns[id(head)], "logits"), always_call=True))
-        if self.config.fingerprint:
-            self._sig = inspect.signature(model.forward)
-            self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+            if isinstance(head, torch.nn.Module) and id(head) in fqns:
+                hook(head.register_forward_hook(partial(probes.output_hook, fqns[id(head)], "logits"),
+                                                always_call=True))
+        if cfg.fingerprint:
+            hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
             for mod in model.modules():
                 if type(mod).__name__.endswith("RotaryEmbedding"):
-                    self._handles.append(mod.register_forward_pre_hook(self._rotary_pre, with_kwargs=True))
+                    hook(mod.register_forward_pre_hook(probes.rotary_pre, with_kwargs=True))
         _attached[model] = self
-        self._active = True
-        attention.install(self)
+        self._active = probes.active = True
+        patching.install(probes)
 
-    def _attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        hits = [(self._fqns[id(m)], m) for n, m in model.named_modules() if self.config.is_attention(n, m)]
+    def _attention_modules(self, model: torch.nn.Module, fqns: dict[int, str]) -> list[tuple[str, torch.nn.Module]]:
+        hits = [(fqns[id(m)], m) for n, m in model.named_modules() if self.config.is_attention(n, m)]
         names = [n for n, _ in hits]
         # innermost only: drop a match that contains another match
         return [(n, m) for n, m in hits if not any(o.startswith(n + ".") for o in names)]
@@ -168,10 +169,12 @@ class Monitor:
             self._reporter.close(timeout)  # never attached (or already closed): just the thread
             return
         self._active = False
+        if self._probes is not None:
+            self._probes.active = False
+            patching.uninstall(self._probes)
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        attention.uninstall(self)
         model = self._model()
         if model is not None and _attached.get(model) is self:
             _attached.pop(model, None)
@@ -179,9 +182,6 @@ class Monitor:
         self._reporter.close(timeout)
         if self._sender is not None:
             self._sender.close(timeout_s=timeout)
-
-    def _fqn_of(self, module: torch.nn.Module) -> str | None:
-        return self._fqns.get(id(module)) if self._active else None
 
     # ---- steps -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -194,11 +194,11 @@ class Monitor:
             guarded(self._end, n)
 
     def _begin(self, n: int) -> None:
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"nanwatch: step numbers are integers >= 0, got {n!r}")
+        if not isinstance(n, int) or not 0 <= n <= MAX_INT:
+            raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {n!r}")
         every = self.config.exact_logit_every
-        self._sampled = bool(every) and n % every == 0
-        self._masks_seen.clear()
+        if self._probes is not None:
+            self._probes.begin_step(sampled=bool(every) and n % every == 0)
         try:
             self.directives.at_step_boundary(n)
         except Exception as exc:
@@ -207,25 +207,14 @@ class Monitor:
     def _end(self, n: int) -> None:
         if not self._active:
             return
-        for dtype, calls in attention.drain_compiled_calls().items():
+        for dtype, calls in patching.drain_compiled_calls().items():
             # compiled attention: counted, not probed (no site, backend or finiteness inside the graph)
-            self.rec.sdpa("<compiled>", "compiled", "compiled", False, dtype, "", None, calls=calls)
-        state = self.rec.swap()
-        buf = self.rec.buf
-        host = self._reporter.host_buffer(buf.data.numel(), buf.device)
-        if host is None:
+            self._rec.sdpa("<compiled>", "compiled", "compiled", False, dtype, "", None, calls=calls)
+        ctx = StepContext(self._rec.swap(), self.directives.mode, self.directives.version, time.time())
+        if not self._reporter.capture(self._rec.buf, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self.config.max_pending_reports, n)
-        else:
-            buf.snapshot_into(host)
-            event = None
-            if buf.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(buf.device))
-            ctx = (state, self.directives.mode, self.directives.version, time.time())
-            self._reporter.submit(Pending(self._seq, n, host, buf.size, event, ctx))
-            self._seq += 1
-        buf.reset()
+        self._rec.buf.reset()
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""
@@ -249,11 +238,16 @@ class Monitor:
         cost the whole step's report."""
         if not self._active or torch.compiler.is_compiling():
             return tensor
-        if kind not in _SITE_KINDS or not _SITE_NAME.match(name or ""):
+        try:
+            _SITE_NAME.validate_python(name)
+            ok = kind in _SITE_KINDS
+        except ValidationError:
+            ok = False
+        if not ok:
             self._warn_once(f"watch({name!r}, kind={kind!r}) ignored: the name must be 1-256 printable "
                             f"characters and kind one of {sorted(_SITE_KINDS)}")
             return tensor
-        guarded(self._site, name, kind, tensor)
+        guarded(self._probes.site, name, kind, tensor)
         return tensor
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
@@ -262,99 +256,15 @@ class Monitor:
         """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device."""
         if not self._active or torch.compiler.is_compiling():
             return
-        guarded(self._site, "rlhf.logprobs", "logprob", logprobs)
-        guarded(record_rlhf, self.rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
-                      old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps)
+        guarded(self._probes.site, "rlhf.logprobs", "logprob", logprobs)
+        guarded(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps)
 
-    # ---- hook bodies -----------------------------------------------------------------------------
-    def _site(self, site: str, kind: str, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            return
-        self.rec.tensor(site, kind, "forward", x)
-        if self.config.grads and x.requires_grad and torch.is_grad_enabled():
-            x.register_hook(partial(self._grad_hook, site, kind))
-
-    def _grad_hook(self, site: str, kind: str, grad: torch.Tensor) -> None:
-        if self._active and grad is not None:
-            guarded(self.rec.tensor, site, kind, "backward", grad)
-
-    def _attn_pre(self, name: str, module, args) -> None:
-        if self._active and not torch.compiler.is_compiling():
-            attention.push(attention.Frame(self, name, attention=True))
-
-    def _attn_post(self, module, args, output) -> None:
-        if torch.compiler.is_compiling():
-            return
-        fr = attention.pop()
-        if fr is None or fr.monitor is not self or not self._active or fr.sdpa_calls:
-            return  # SDPA already measured this module's attention output
-        guarded(self._site, fr.site, "attention", _first_tensor(output))
-
-    def _output_hook(self, name: str, kind: str, module, args, output) -> None:
-        if self._active and not torch.compiler.is_compiling():
-            guarded(self._site, name, kind, _first_tensor(output))
-
-    def _root_pre(self, module, args, kwargs) -> None:
-        if self._active and not torch.compiler.is_compiling():
-            guarded(record_forward_inputs, self.rec, self._sig, args, kwargs)
-
-    def _rotary_pre(self, module, args, kwargs) -> None:
-        """HF rotary embeddings see the position ids actually used, also when the model built them."""
-        fwd = self.rec.current_forward()
-        if not self._active or torch.compiler.is_compiling() or fwd is None or fwd.position_ids != "none":
-            return
-        pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        if isinstance(pos, torch.Tensor):
-            guarded(position_layout, self.rec, fwd, pos)
-
-    # ---- reporting (reporter thread) ---------------------------------------------------------------
+    # ---- reporter thread ---------------------------------------------------------------------------
     def _build_report(self, pending: Pending, values: list[float]) -> StepReport:
-        state, mode, version, t = pending.context
-        sites, sdpa, logits, prints, first = self.rec.decode(state, values)
-        warns = list(state.warnings)
-        for f in prints:
-            if f.cross_doc_leak:
-                warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
-                             "causal attention: documents attend across boundaries (HF builds a cache when "
-                             "use_cache is left True in training; pass use_cache=False)")
-        if state.forwards and not state.sdpa and not any(s.kind == "attention" for s in sites):
-            if self._compiled():
-                warns.append("no attention was measured in this step: it ran inside torch.compile'd code, "
-                             "where nanwatch's eager probes are off (see README, 'torch.compile')")
-            else:
-                warns.append("no attention ran in this step: check is_attention= and that the model calls "
-                             "torch.nn.functional.scaled_dot_product_attention at call time")
-        for w in warns:
-            self._warn_once(w)
-        self.directives.note_report(first is None)
-
-        return StepReport(
-            run_id=self.config.run_id, rank=self.rank, world_size=self.world_size,
-            incarnation=self.incarnation, seq=pending.seq, step=pending.step, time=t,
-            sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints,
-            rlhf=decode_rlhf(self.rec.getter(values)) if state.rlhf else None,
-            attention_mode=mode, directive_version=version,
-            first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
-            dropped_reports=self.dropped_reports, warnings=warns[:64])
-
-    def _compiled(self) -> bool:
-        """Whether compiled code may have run the attention: a submodule compiled in place
-        (``module.compile()``), or any graph compiled by dynamo in this process (``torch.compile(model)``
-        wraps the model, so the module itself carries no mark)."""
-        model = self._model()
-        if model is not None and any(getattr(m, "_compiled_call_impl", None) is not None
-                                     for m in model.modules()):
-            return True
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"] > 0
-
-    def _warn_once(self, message: str) -> None:
-        head = message.split(":", 1)[-1]
-        if head not in self._warned:
-            self._warned.add(head)
-            log.warning("nanwatch: %s", message)
-            warnings.warn(f"nanwatch: {message}", RuntimeWarning, stacklevel=2)
+        report = self._builder.build(pending, values)
+        self.directives.note_report(report.first_offender is None)
+        return report
 
     def _deliver(self, report: StepReport) -> None:
         if self._sender is not None:

@@ -120,14 +120,13 @@ class _Variant:
 
 
 def _build(cfg: BenchConfig):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from nanwatch.tiny_models import tiny_qwen3
 
-    torch.manual_seed(0)
-    mcfg = Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                       max_position_embeddings=max(cfg.seq, 64), attn_implementation="sdpa", use_cache=False)
-    model = Qwen3ForCausalLM(mcfg).to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).train()
+    model = tiny_qwen3(
+        "sdpa", vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=max(cfg.seq, 64), use_cache=False,
+    ).to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).train()
     # A tiny learning rate keeps the weights (and so the work per step) steady across variants.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0))

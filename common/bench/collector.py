@@ -1,14 +1,14 @@
-"""Load generator (a benchmark, not a test): N ranks x S sites, each rank reporting once per second
-against one collector, measuring sustained reports/s, ingest latency, /metrics render time and the
-collector's RSS.
+"""``nanwatch bench collector``: a load generator (a benchmark, not a test). N ranks x S sites, each rank
+reporting once per second against one collector, measuring sustained reports/s, ingest latency,
+/metrics render time and the collector's RSS.
 
 Kept cheap so that it does not steal the collector's CPU: bodies are encoded once per rank (only the
 sequence number changes), and each rank is a coroutine on its own raw HTTP/1.1 keep-alive connection.
 
 Example usage::
 
-    python -m nanwatch.monitor.loadgen --ranks 1024 --sites 64 --duration 30
-    python -m nanwatch.monitor.loadgen --url http://127.0.0.1:8000   # an already running collector
+    nanwatch bench collector --ranks 1024 --sites 64 --duration 30
+    nanwatch bench collector --url http://127.0.0.1:8000   # an already running collector
 """
 
 from __future__ import annotations
@@ -18,18 +18,50 @@ import asyncio
 import os
 import statistics
 import tempfile
+import time
 import urllib.parse
 
-from nanwatch.monitor.testing import CollectorProcess, step_report
-from nanwatch.wire import ReportBatch
+from nanwatch.wire import LogitStat, ReportBatch, SdpaCall, SiteStat, StepReport
 
-__all__ = ["main"]
+__all__ = ["main", "synthetic_report"]
+
+
+def synthetic_report(*, run_id: str = "run-1", rank: int = 0, seq: int = 0, step: int | None = None,
+                     incarnation: str = "inc0", layers: int = 4, dtype: str = "bfloat16",
+                     nan_at: str | None = None, nan: int = 0, inf: int = 0, backend: str = "flash",
+                     logit: float = 12.5, mode: str = "none", dropped: int = 0,
+                     time_s: float | None = None) -> StepReport:
+    """A realistic report of one rank's step: per layer an attention site (forward) and its gradient,
+    one SDPA signature per layer, the logits and logprob sites, and a logit bound per layer.
+    ``nan_at`` names the site that holds ``nan``/``inf`` non-finite values (forward)."""
+    step = seq if step is None else step
+    sites, sdpa, logits = [], [], []
+    for i in range(layers):
+        name = f"model.layers.{i}.self_attn"
+        bad = name == nan_at
+        sites.append(SiteStat(site=name, kind="attention", phase="forward", dtype=dtype, numel=4096,
+                              nan=nan if bad else 0, inf=inf if bad else 0, amax=3.5 + i,
+                              headroom=(3.5 + i) / 3.39e38))
+        sites.append(SiteStat(site=name, kind="attention", phase="backward", dtype=dtype, numel=4096,
+                              nan=0, inf=0, amax=0.01, headroom=0.01 / 3.39e38))
+        sdpa.append(SdpaCall(site=name, backend=backend, predicted=backend, confirmed=True, dtype=dtype,
+                             shape="2x8x128x64", calls=1))
+        logits.append(LogitStat(layer=name, bound=logit + i, source="lse"))
+    sites.append(SiteStat(site="lm_head", kind="logits", phase="forward", dtype="float32", numel=32000,
+                          nan=0, inf=0, amax=41.0, headroom=41.0 / 3.4e38))
+    sites.append(SiteStat(site="logprobs", kind="logprob", phase="forward", dtype="float32", numel=256,
+                          nan=0, inf=0, amax=18.0, headroom=18.0 / 3.4e38))
+    return StepReport(run_id=run_id, rank=rank, incarnation=incarnation, seq=seq, step=step,
+                      time=time.time() if time_s is None else time_s, sites=sites, sdpa=sdpa, logits=logits,
+                      attention_mode=mode, dropped_reports=dropped,
+                      first_offender=nan_at if (nan or inf) else None,
+                      first_offender_phase="forward" if (nan or inf) else None)
 
 
 def _template(run_id: str, rank: int, sites: int) -> tuple[bytes, bytes]:
     """(prefix, suffix) around the seq/step values of one rank's pre-encoded report."""
-    layers = max(1, (sites - 2) // 2)  # step_report: two sites per layer, plus logits and logprobs
-    text = ReportBatch(reports=[step_report(run_id=run_id, rank=rank, seq=0, step=0, layers=layers,
+    layers = max(1, (sites - 2) // 2)  # two sites per layer, plus logits and logprobs
+    text = ReportBatch(reports=[synthetic_report(run_id=run_id, rank=rank, seq=0, step=0, layers=layers,
                                             time_s=1.7e9)]).model_dump_json()
     marker = '"seq":0,"step":0'
     head, tail = text.split(marker)
@@ -112,7 +144,7 @@ async def _run(url: str, args: argparse.Namespace) -> dict:
 
 def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
     lat = sorted(stats["lat"])
-    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
+    q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else [float("nan")] * 99
     scrapes = stats["scrape"]
     lines = [
         f"machine: {os.cpu_count()} CPUs; load: {args.ranks} ranks x {args.sites} sites at {args.rate}/s per rank",
@@ -131,7 +163,7 @@ def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanwatch.monitor.loadgen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="nanwatch bench collector", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running collector (default: start one on a temp database)")
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--sites", type=int, default=64)
@@ -145,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = asyncio.run(_run(args.url, args))
         print(_report(stats, args, None))
         return 0
+    from nanwatch.monitor.server import CollectorProcess
+
     with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db")) as c:
         stats = asyncio.run(_run(c.url, args))
         print(_report(stats, args, _rss_mb(c.proc.pid)))

@@ -1,5 +1,5 @@
 """The ``nanwatch`` command. Imports nothing heavy at import time: torch, fastapi and uvicorn are imported
-inside the subcommand that needs them (through nanwatch.monitor.server, nanwatch.demo, nanwatch.hooks.bench),
+inside the subcommand that needs them (through nanwatch.monitor.server, nanwatch.demo, nanwatch.bench),
 so ``nanwatch status`` starts fast anywhere.
 """
 
@@ -12,6 +12,8 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+
+from nanwatch.wire import MODES
 
 __all__ = ["main"]
 
@@ -98,7 +100,7 @@ def _directive(args: argparse.Namespace) -> int:
 
 #: subcommands owned by the trainer side: ``main(argv)`` gets the arguments after the subcommand name
 _DELEGATES = {"demo": ("nanwatch.demo", "train a tiny model into a NaN and back through a directive"),
-              "bench": ("nanwatch.hooks.bench", "measure the hooks' overhead")}
+              "bench": ("nanwatch.bench", "measure the hooks' overhead, or load a collector ('bench collector')")}
 
 
 def _delegate(name: str, argv: list[str]) -> int:
@@ -138,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         d = dsub.add_parser(name, help=help_)
         d.add_argument("run", help="run id")
         if name == "set":
-            d.add_argument("mode", choices=["none", "fp32", "fused", "eager_to_sdpa", "skip_step"])
+            d.add_argument("mode", choices=MODES)
             d.add_argument("--apply-at-step", type=int)
             d.add_argument("--revert-after", type=int, help="revert after this many clean steps")
             d.add_argument("--reason")

@@ -10,20 +10,17 @@ together. Outside those K-step points nothing is communicated.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanwatch.wire import Directive
+from nanwatch.hooks.recorder import Recorder
+from nanwatch.wire import MODES, Directive
 
-if TYPE_CHECKING:  # pragma: no cover
-    from nanwatch.hooks.monitor import Monitor
-
-__all__ = ["DirectiveState", "MODES"]
+__all__ = ["DirectiveState"]
 
 log = logging.getLogger("nanwatch")
-MODES = ("none", "fp32", "fused", "eager_to_sdpa", "skip_step")
 _FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
@@ -35,25 +32,32 @@ def _dist_group_size() -> int:
 class DirectiveState:
     """The active directive of one Monitor. ``mode`` and ``version`` go into every report (the ack)."""
 
-    def __init__(self, monitor: Monitor) -> None:
-        self._mon = monitor
+    def __init__(self, *, model: Callable[[], torch.nn.Module | None], rec: Recorder, rank: int,
+                 check_every: int) -> None:
+        """``model`` is a weak reference to the monitored model (switched between eager and SDPA);
+        ``rec`` the step's recorder (warnings, and the non-finite count ``skip_step`` reads)."""
+        self._model = model
+        self._rec = rec
+        self._rank = rank
+        self._check_every = check_every
         self.mode: str = "none"
         self.version = 0
         self.revert_after: int | None = None
         self.clean_streak = 0
         self._offered: Directive | None = None
         self._agreed: tuple[int, int, int, int] | None = None
+        self._revert_next: int | None = None
         self._poller = None
         self._prev_impl: str | None = None
         self.fallbacks = 0
 
     # ---- inputs ----------------------------------------------------------------------------------
-    def start_polling(self, url: str, token: str | None) -> None:
-        if self._mon.rank != 0:
+    def start_polling(self, url: str, run_id: str, token: str | None) -> None:
+        if self._rank != 0:
             return  # rank 0 polls; the others learn through the broadcast
         from nanwatch.hooks.transport import DirectivePoller
 
-        self._poller = DirectivePoller(url, self._mon.config.run_id, token=token)
+        self._poller = DirectivePoller(url, run_id, token=token)
 
     def offer(self, directive: Directive) -> None:
         """Hand a directive over in-process (tests, the demo, or a trainer's own logic)."""
@@ -86,7 +90,7 @@ class DirectiveState:
         world = _dist_group_size()
         if world == 1:
             cand = self._local_candidate()
-        elif step % self._mon.config.directive_check_every == 0:
+        elif step % self._check_every == 0:
             cand = self._agree()
         else:
             cand = self._agreed
@@ -94,7 +98,7 @@ class DirectiveState:
             return
         version, mode_idx, apply_at, revert = cand
         if version > self.version and step >= apply_at:
-            self.revert_after = getattr(self, "_revert_next", None)
+            self.revert_after = self._revert_next
             self.clean_streak = 0
             self._set_mode(MODES[mode_idx], version)
             log.warning("nanwatch: step %d: applying directive v%d mode=%s", step, version, self.mode)
@@ -109,12 +113,12 @@ class DirectiveState:
         """One int64 broadcast from rank 0 (gloo: CPU tensor; nccl: on this rank's device). This is the
         only collective nanwatch issues, once every K steps."""
         d = torch.distributed
-        buf_device = self._mon.rec.buf.device
+        buf_device = self._rec.buf.device
         if d.get_backend() == "nccl":  # NCCL needs this rank's GPU: the one the model (and buffer) is on
             device = buf_device if buf_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        local = self._local_candidate() if self._mon.rank == 0 else (0, 0, 0, 0)
+        local = self._local_candidate() if self._rank == 0 else (0, 0, 0, 0)
         t = torch.tensor(local, dtype=torch.int64, device=device)
         d.broadcast(t, src=0)
         return tuple(int(x) for x in t.tolist())  # sync-ok: once every K steps, by design
@@ -123,7 +127,7 @@ class DirectiveState:
     def _set_mode(self, mode: str, version: int) -> None:
         # fp32/fused act inside the SDPA wrapper, so an HF model running eager attention is routed
         # through SDPA for them too; the previous implementation comes back when the mode ends.
-        model = self._mon._model()
+        model = self._model()
         wants_sdpa = mode in ("fp32", "fused", "eager_to_sdpa")
         if not wants_sdpa and self._prev_impl is not None and model is not None:
             model.set_attn_implementation(self._prev_impl)
@@ -142,12 +146,8 @@ class DirectiveState:
         directive is active (opt-in). Without the directive it returns False at no cost."""
         if self.mode != "skip_step":
             return False
-        rec = self._mon.rec
-        idx = [i for key in rec.state.order for k in ("nan", "inf")
-               if (i := rec.buf.index("sum", (k, key))) is not None]
-        if not idx:
-            return False
-        return bool(rec.buf.data[idx].sum() > 0)  # sync-ok: opt-in skip_step directive, once per step
+        seen = self._rec.nonfinite_so_far()
+        return seen is not None and bool(seen > 0)  # sync-ok: opt-in skip_step directive, once per step
 
     def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""
@@ -157,9 +157,7 @@ class DirectiveState:
         except RuntimeError as exc:
             self.fallbacks += 1
             msg = f"directive 'fused': no fused kernel fits at {site}; ran fp32 instead"
-            warns = self._mon.rec.state.warnings
-            if msg not in warns:
-                warns.append(msg)
+            if self._rec.warn(msg):
                 log.warning("nanwatch: %s (%s)", msg, str(exc).splitlines()[0] if str(exc) else exc)
             upcast()
             return call()

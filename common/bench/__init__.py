@@ -1,0 +1,27 @@
+"""``nanwatch bench``: benchmarks, measured side by side in one run and reported as ratios.
+
+* ``nanwatch bench [options]``: what the trainer-side hooks cost a training step
+  (:mod:`nanwatch.bench.step`);
+* ``nanwatch bench collector [options]``: a load generator against a real collector, many ranks
+  reporting at once (:mod:`nanwatch.bench.collector`).
+
+They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
+import a benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv or ())
+    if argv[:1] == ["collector"]:
+        from nanwatch.bench import collector
+
+        return collector.main(argv[1:])
+    from nanwatch.bench import step
+
+    return step.main(argv)

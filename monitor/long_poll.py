@@ -1,0 +1,56 @@
+"""Long-poll waiters, one ``asyncio.Event`` per run that is replaced on every change. Events of runs
+nobody waits on are dropped, so polling random run ids cannot grow memory. On shutdown every waiter is
+answered at once instead of being cancelled mid-wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+__all__ = ["LongPoll"]
+
+
+class LongPoll:
+    def __init__(self) -> None:
+        self._wakers: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}
+        self._closing = False
+
+    def notify(self, run_id: str) -> None:
+        """Something of ``run_id`` changed: wake its waiters (they re-check their condition)."""
+        waker = self._wakers.pop(run_id, None)
+        if waker is not None:
+            waker.set()
+
+    def close(self) -> None:
+        """Server shutdown: answer every long-poll now (uvicorn would cancel them once its graceful
+        shutdown timeout runs out)."""
+        self._closing = True
+        for waker in self._wakers.values():
+            waker.set()
+
+    async def wait(self, run_id: str, ready: Callable[[], bool], *, wait_s: float) -> None:
+        """Return as soon as ``ready()`` is true (checked now and after each notify), after ``wait_s``
+        seconds, or at shutdown."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            remaining = deadline - loop.time()
+            if ready() or remaining <= 0 or self._closing:
+                return
+            waker = self._wakers.get(run_id)
+            if waker is None:
+                waker = self._wakers[run_id] = asyncio.Event()
+            self._waiting[run_id] = self._waiting.get(run_id, 0) + 1
+            try:
+                await asyncio.wait_for(waker.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                left = self._waiting[run_id] - 1
+                if left:
+                    self._waiting[run_id] = left
+                else:
+                    del self._waiting[run_id]
+                    if self._wakers.get(run_id) is waker and not waker.is_set():
+                        del self._wakers[run_id]

@@ -1,0 +1,88 @@
+"""The one shared helper module of nanwatch's tests (``from support import ...``; pytest puts tests/ on
+the path). Small real models, token ids, the collector as a child process, and a guard for external tools.
+Nothing in the product imports this module, and it is not in the wheel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import urllib.request
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanwatch.bench.collector import synthetic_report as step_report
+from nanwatch.monitor.server import CollectorProcess, free_port
+from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
+
+__all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
+           "free_port", "require_tool", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3", "token_ids"]
+
+#: the tokens of the ``collector`` fixture (conftest.py)
+TOKEN, ADMIN = "ingest-secret", "admin-secret"
+#: vocabulary of the tiny models and of :func:`token_ids`
+VOCAB = TINY_QWEN3["vocab_size"]
+#: a smaller tiny model than TINY_QWEN3 (hidden 32, head_dim 8), for tests that build many
+SMALL = dict(hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=64)
+
+
+def token_ids(b: int = 2, s: int = 16, *, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    """A ``[b, s]`` batch of random token ids, one fixed batch per seed."""
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+class Mixer(nn.Module):
+    """Self-attention by another name: it calls ``F.scaled_dot_product_attention`` itself, and its class
+    name matches none of nanwatch's attention patterns, so its site comes from the caller's FQN. Nothing
+    in it syncs with the host, so a GPU test can blame any sync on nanwatch."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class TinyNet(nn.Module):
+    """Embedding, two residual Mixer blocks, a head: the smallest language-model-shaped net."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Mixer(dim), Mixer(dim)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def require_tool(name: str) -> str:
+    """Path of an external tool; skip the test when it is missing, or fail if NANWATCH_REQUIRE_TOOLS=1."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed"
+        if os.environ.get("NANWATCH_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{msg} and NANWATCH_REQUIRE_TOOLS=1")
+        pytest.skip(msg)
+    return path
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """``GET {url}/metrics`` parsed by prometheus_client: {(sample name, frozenset(labels)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

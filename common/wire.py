@@ -24,6 +24,7 @@ __all__ = [
     "SCHEMA_MAJOR",
     "SCHEMA_VERSION",
     "Backend",
+    "Coverage",
     "Directive",
     "DirectiveSpec",
     "Fingerprint",
@@ -43,10 +44,19 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.0"
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.1"  # 1.1: stages, coverage
 
 #: Where a tensor was seen: the forward output, or the gradient flowing back into it.
 Phase = Literal["forward", "backward"]
+#: What the work belonged to: the training step itself, an evaluation (the model in eval mode), or text
+#: generation (inside ``generate()``, e.g. GRPO's rollouts). Reported apart so none hides in another.
+Stage = Literal["train", "eval", "generate"]
+#: Why part of a step went unmeasured (``Coverage.unmeasured``):
+#: ``no_forward`` no model forward was seen; ``no_attention`` forwards ran but no attention was measured;
+#: ``compiled`` attention ran inside torch.compile'd graphs, counted but not probed; ``no_logits`` the
+#: output head exists but its output was never seen in a training forward; ``no_logit_bound`` an attention
+#: layer was measured but no logit figure could be read for it (see the report's warnings for why).
+Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_logit_bound"]
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric.
 SiteKind = Literal["attention", "logits", "logprob", "tensor"]
 #: The attention path a rank applies: ``none`` is the model's own path, untouched.
@@ -96,13 +106,16 @@ class SiteStat(_Wire):
     site: SiteName
     kind: SiteKind
     phase: Phase
+    stage: Stage = "train"
     dtype: Annotated[str, StringConstraints(max_length=32)]
     calls: Count = 1
     numel: Count
     nan: Count
     inf: Count
-    amax: float = Field(description="largest finite |x| seen at this site in the step")
-    headroom: float = Field(description="amax / finfo(dtype).max: 1.0 means at the overflow edge")
+    amax: float = Field(description="largest finite |x| seen at this site in the step; NaN when no value "
+                        "was finite")
+    headroom: float = Field(description="amax / finfo(dtype).max: 1.0 means at the overflow edge; +inf when "
+                            "an Inf was seen (no headroom left), NaN when no value was finite")
 
 
 class SdpaCall(_Wire):
@@ -116,6 +129,7 @@ class SdpaCall(_Wire):
     shape: Annotated[str, StringConstraints(max_length=256)]
     reason: ShortText | None = Field(None, description="why no fused backend ran (None when one did)")
     calls: Positive = 1
+    stage: Stage = "train"
 
 
 class LogitStat(_Wire):
@@ -159,6 +173,21 @@ class Fingerprint(_Wire):
     cross_doc_leak: bool = Field(description="packed and plain causal: documents attend to each other")
 
 
+class Coverage(_Wire):
+    """What the step measured, so that a step nothing looked at is never reported as clean."""
+
+    forwards: Count = Field(0, description="model forwards seen, eager or compiled")
+    sites: Count = Field(0, description="distinct (site, pass, stage) measured")
+    attention_calls: Count = Field(0, description="attention calls that ran, probed or not")
+    attention_probed: Count = Field(0, description="attention calls measured (backend, output, logit figure)")
+    compiled_calls: Count = Field(0, description="SDPA calls inside torch.compile'd graphs: counted, not probed")
+    recomputed_calls: Count = Field(
+        0, description="attention calls re-run by activation checkpointing in backward: recognised, not "
+        "counted again (their saved log-sum-exp is where the logit bound is read)")
+    logits: bool = Field(False, description="the output head's logits were measured in a training forward")
+    unmeasured: Annotated[list[Unmeasured], Field(max_length=8)] = Field(default_factory=list)
+
+
 def schema_major(version: str) -> int | None:
     """The major number of a ``"MAJOR.MINOR"`` version string, or None if it is not one."""
     head = version.split(".", 1)[0]
@@ -183,10 +212,12 @@ class StepReport(_Wire):
     logits: Annotated[list[LogitStat], Field(max_length=4096)] = Field(default_factory=list)
     rlhf: RlhfStat | None = None
     fingerprints: Annotated[list[Fingerprint], Field(max_length=256)] = Field(default_factory=list)
+    coverage: Coverage | None = Field(None, description="what was measured (None from 1.0 senders)")
     attention_mode: Mode = "none"
     directive_version: Count = 0
     first_offender: SiteName | None = None
     first_offender_phase: Phase | None = None
+    first_offender_stage: Stage | None = None
     dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
     warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
 

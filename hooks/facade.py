@@ -5,7 +5,9 @@ this module touches a Monitor's privates."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -20,7 +22,7 @@ from functools import partial
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.hooks import patching
+from nanwatch.hooks import compiled, patching
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
@@ -49,6 +51,46 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
+def user_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside the wrappers training stacks put around it: DDP and DataParallel
+    (``.module``), ``torch.compile`` (``._orig_mod``), and their combinations (Accelerate uses these).
+    Site names are then the user's FQNs, and the output head is found."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+    return model
+
+
+class _Restore:
+    """A handle that puts an instance attribute back (``model.generate`` while wrapped)."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self._obj, self._name = obj, name
+
+    def remove(self) -> None:
+        try:
+            delattr(self._obj, self._name)
+        except AttributeError:
+            pass
+
+
+_open: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A run that dies with an exception still reports the step it died in (bounded wait)."""
+    for mon in list(_open):
+        try:
+            mon.close(timeout=5.0)
+        except Exception:  # noqa: BLE001 - the interpreter is going down; say nothing more
+            pass
+
+
 class Monitor:
     """Numerical-health probes on one model. Registers hooks on ``__enter__`` (or ``attach``), removes
     every one of them on ``__exit__``/``close``, leaving the model exactly as it was.
@@ -69,6 +111,8 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
         self.config = config
+        self._outer = weakref.ref(model)
+        model = user_model(model)
         self._model = weakref.ref(model)
         rank, world = _dist_rank_world()
         self.rank = config.rank if config.rank is not None else rank
@@ -81,14 +125,16 @@ class Monitor:
         self._rec = Recorder(device)
         self._handles: list = []
         self._active = False
+        self._open_step: int | None = None
         self._warn_once = WarnOnce()
         self.directives = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                          check_every=config.directive_check_every)
         self._probes: Probes | None = None
         self._sender = None
         self._builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
-                                      incarnation=self.incarnation, rec=self._rec, model=self._model,
-                                      warn=self._warn_once, dropped_reports=lambda: self.dropped_reports)
+                                      incarnation=self.incarnation, rec=self._rec, warn=self._warn_once,
+                                      dropped_reports=lambda: self.dropped_reports,
+                                      expects_logits=lambda: self._probes is not None and self._probes.head is not None)
         self._reporter = Reporter(self._build_report, on_report=self._deliver,
                                   max_pending=config.max_pending_reports)
 
@@ -130,10 +176,13 @@ class Monitor:
         cfg = self.config
         # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
         fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        head = model.get_output_embeddings() if cfg.logits and hasattr(model, "get_output_embeddings") else None
+        head_name = fqns.get(id(head)) if isinstance(head, torch.nn.Module) else None
         probes = self._probes = Probes(
             rec=self._rec, directives=self.directives, fqns=fqns, grads=cfg.grads,
             exact_chunk_elems=cfg.exact_logit_chunk_elems,
-            forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None)
+            forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None,
+            model=self._model, head=head_name)
         hook = self._handles.append
         attn = self._attention_modules(model, fqns)
         if not attn:
@@ -143,19 +192,45 @@ class Monitor:
         for name, mod in attn:
             hook(mod.register_forward_pre_hook(partial(probes.attn_pre, name)))
             hook(mod.register_forward_hook(probes.attn_post, always_call=True))
-        if cfg.logits:
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            if isinstance(head, torch.nn.Module) and id(head) in fqns:
-                hook(head.register_forward_hook(partial(probes.output_hook, fqns[id(head)], "logits"),
-                                                always_call=True))
+        if head_name is not None:
+            hook(head.register_forward_hook(partial(probes.output_hook, head_name, "logits"), always_call=True))
+        hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
+        hook(model.register_forward_hook(probes.root_post, with_kwargs=True))
         if cfg.fingerprint:
-            hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
             for mod in model.modules():
                 if type(mod).__name__.endswith("RotaryEmbedding"):
                     hook(mod.register_forward_pre_hook(probes.rotary_pre, with_kwargs=True))
+        outer = self._outer()
+        if outer is not None and outer is not model:  # DDP, torch.compile: the boundary runs in eager
+            hook(outer.register_forward_pre_hook(probes.boundary_pre))
+            hook(outer.register_forward_hook(probes.boundary_post))
+        # Parameter gradients: measured only in steps where compiled code ran (probes.param_grad), since
+        # their hooks run outside the graph; otherwise one early return per parameter and micro-batch.
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                hook(param.register_hook(partial(probes.param_grad, name)))
+        if callable(getattr(model, "generate", None)):
+            hook(self._wrap_generate(model, probes))
         _attached[model] = self
         self._active = probes.active = True
+        _open.add(self)
         patching.install(probes)
+
+    @staticmethod
+    def _wrap_generate(model: torch.nn.Module, probes: Probes) -> _Restore:
+        """Forwards inside ``model.generate()`` (e.g. GRPO's rollouts) belong to the ``generate`` stage."""
+        generate = model.generate
+
+        @functools.wraps(generate)
+        def generating(*args, **kwargs):
+            probes.generating += 1
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                probes.generating -= 1
+
+        model.generate = generating
+        return _Restore(model, "generate")
 
     def _attention_modules(self, model: torch.nn.Module, fqns: dict[int, str]) -> list[tuple[str, torch.nn.Module]]:
         hits = [(fqns[id(m)], m) for n, m in model.named_modules() if self.config.is_attention(n, m)]
@@ -168,7 +243,10 @@ class Monitor:
         if not self._active:
             self._reporter.close(timeout)  # never attached (or already closed): just the thread
             return
+        if self._open_step is not None:  # e.g. the training loop raised inside a step: report it
+            guarded(self.end_step)
         self._active = False
+        _open.discard(self)
         if self._probes is not None:
             self._probes.active = False
             patching.uninstall(self._probes)
@@ -187,15 +265,20 @@ class Monitor:
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[Monitor]:
         """Mark one training step; stats of everything inside are reported under step ``n``."""
-        self._begin(n)
+        self.begin_step(n)
         try:
             yield self
         finally:
-            guarded(self._end, n)
+            guarded(self.end_step)
 
-    def _begin(self, n: int) -> None:
+    def begin_step(self, n: int) -> None:
+        """Open step ``n`` (for callbacks; ``with mon.step(n):`` is the same). A step still open is
+        reported first."""
         if not isinstance(n, int) or not 0 <= n <= MAX_INT:
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {n!r}")
+        if self._open_step is not None:
+            guarded(self.end_step)
+        self._open_step = n
         every = self.config.exact_logit_every
         if self._probes is not None:
             self._probes.begin_step(sampled=bool(every) and n % every == 0)
@@ -204,12 +287,21 @@ class Monitor:
         except Exception as exc:
             probe_failed(exc)
 
-    def _end(self, n: int) -> None:
-        if not self._active:
+    def end_step(self) -> None:
+        """Close the open step and hand it to the reporter (no host sync)."""
+        n, self._open_step = self._open_step, None
+        if n is None or not self._active:
             return
-        for dtype, calls in patching.drain_compiled_calls().items():
-            # compiled attention: counted, not probed (no site, backend or finiteness inside the graph)
-            self._rec.sdpa("<compiled>", "compiled", "compiled", False, dtype, "", None, calls=calls)
+        counts = compiled.drain()  # compiled code: counted, not probed (nothing inside a graph is measured)
+        sdpa_calls = 0
+        for key, calls in counts.items():
+            if key.startswith("sdpa:"):
+                sdpa_calls += calls
+                self._rec.sdpa("<compiled>", "compiled", "compiled", False, key.removeprefix("sdpa:"), "", None,
+                               calls=calls)
+        # an attention module may call SDPA (both counted) or not (eager attention): count each call once
+        attention = max(sdpa_calls, counts.get("attention", 0))
+        self._rec.cover(compiled_forwards=counts.get("forward", 0), attention=attention, compiled=attention)
         ctx = StepContext(self._rec.swap(), self.directives.mode, self.directives.version, time.time())
         if not self._reporter.capture(self._rec.buf, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",

@@ -19,12 +19,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from nanwatch.hooks import compiled
 from nanwatch.hooks.failsafe import probe_failed
 from nanwatch.hooks.probes import Frame, Probes, top
 from nanwatch.hooks.sdpa_probe import scores_probe, sdpa_call
 from nanwatch.wire import dtype_name
 
-__all__ = ["ORIGINAL_SDPA", "ORIGINAL_SOFTMAX", "drain_compiled_calls", "install", "is_installed", "uninstall"]
+__all__ = ["ORIGINAL_SDPA", "ORIGINAL_SOFTMAX", "install", "is_installed", "uninstall"]
 
 #: The functions nanwatch wraps, as torch defines them; restored when the last Monitor detaches.
 ORIGINAL_SDPA = F.scaled_dot_product_attention
@@ -63,25 +64,12 @@ def _frame_for_call() -> Frame | None:
     return None
 
 
-#: SDPA calls that ran inside compiled graphs, by dtype. Dynamo replays this dict update as a side effect
-#: after each run of the graph (no graph break), so compiled attention is counted though not probed.
-_compiled_calls: dict[str, int] = {}
-
-
-def drain_compiled_calls() -> dict[str, int]:
-    """SDPA calls made inside compiled graphs since the last drain, by dtype (process-wide)."""
-    calls = dict(_compiled_calls)
-    _compiled_calls.clear()
-    return calls
-
-
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False, **kwargs):
     frame = None
     if torch.compiler.is_compiling():
-        if _installed:
-            dtype = dtype_name(query.dtype)
-            _compiled_calls[dtype] = _compiled_calls.get(dtype, 0) + 1
+        if _installed:  # counted, not probed: see nanwatch.hooks.compiled
+            compiled.count("sdpa:" + dtype_name(query.dtype))
     elif _installed:
         try:
             frame = _frame_for_call()

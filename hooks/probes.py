@@ -8,26 +8,47 @@ turns it on and off; no probe reaches into the Monitor.
 
 Sites are named by the innermost instrumented module, tracked with a thread-local stack of
 :class:`Frame` s that the attention modules' pre/post hooks maintain.
+
+Three situations change what a probe may do:
+
+* **Activation checkpointing** re-runs a forward inside backward (:func:`recomputing`). That forward was
+  measured already, so nothing is counted or measured again; only the logit bound is read there, since
+  the saved log-sum-exp exists only then (see ``sdpa_probe``), and a gradient hook is placed for reentrant
+  checkpointing, whose first forward ran without grad.
+* **torch.compile**: while dynamo traces, probes only count (``nanwatch.hooks.compiled``). When compiled
+  code ran in a step, parameter gradients are measured instead (their hooks run outside the graph), and a
+  wrapper around the compiled model (``OptimizedModule``, DDP) measures the logits at its boundary.
+* **Stages**: a forward belongs to the training step, to an evaluation (the model in eval mode) or to
+  text generation (inside ``generate()``), and its sites say which.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from nanwatch.hooks import compiled
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import guarded
 from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
 from nanwatch.hooks.recorder import ForwardMeta, Recorder
 
-__all__ = ["Frame", "Probes", "first_tensor", "pop", "push", "top"]
+__all__ = ["Frame", "Probes", "first_tensor", "pop", "push", "recomputing", "top"]
 
 _is_compiling = torch.compiler.is_compiling
+_graph_task_id = torch._C._current_graph_task_id
 _tls = threading.local()
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward on this thread: a module forward then is activation
+    checkpointing re-running it (reentrant or not). Never call it while dynamo traces."""
+    return _graph_task_id() != -1
 
 
 @dataclass(slots=True)
@@ -83,7 +104,8 @@ class Probes:
     ``active`` is False, and nothing inside ``torch.compile`` tracing (they would add graph breaks)."""
 
     def __init__(self, *, rec: Recorder, directives: DirectiveState, fqns: dict[int, str], grads: bool,
-                 exact_chunk_elems: int, forward_signature: inspect.Signature | None) -> None:
+                 exact_chunk_elems: int, forward_signature: inspect.Signature | None,
+                 model: Callable[[], torch.nn.Module | None], head: str | None) -> None:
         self.rec = rec
         self.directives = directives
         self.grads = grads
@@ -91,13 +113,26 @@ class Probes:
         self.active = False
         #: this step computes the exact per-head logit max (``exact_logit_every``)
         self.sampled = False
+        #: the output head's site name, when the model has one (its logits are expected every step)
+        self.head = head
+        #: inside ``generate()`` (depth: generate may nest)
+        self.generating = 0
         self._fqns = fqns
         self._signature = forward_signature
+        self._model = model
         self._masks_seen: set[tuple[int, int, int]] = set()
+        self._head_seen = False
 
     def begin_step(self, *, sampled: bool) -> None:
         self.sampled = sampled
         self._masks_seen.clear()
+
+    def stage(self) -> str:
+        """The stage of the forward running now: ``generate``, ``train`` or ``eval`` (model.training)."""
+        if self.generating:
+            return "generate"
+        model = self._model()
+        return "train" if model is None or model.training else "eval"
 
     def fqn_of(self, module: torch.nn.Module) -> str | None:
         """The module's name in the attached model, or None (not ours, or detached)."""
@@ -117,17 +152,24 @@ class Probes:
         """Measure ``x`` (forward) and, through a tensor hook, the gradient flowing back into it."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        self.rec.tensor(site, kind, "forward", x)
+        stage = self.stage()
+        if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
+            if self.grads and x.requires_grad:
+                x.register_hook(partial(self._grad_hook, site, kind, stage))
+            return
+        self.rec.tensor(site, kind, "forward", x, stage)
         if self.grads and x.requires_grad and torch.is_grad_enabled():
-            x.register_hook(partial(self._grad_hook, site, kind))
+            x.register_hook(partial(self._grad_hook, site, kind, stage))
 
-    def _grad_hook(self, site: str, kind: str, grad: torch.Tensor) -> None:
+    def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
         if self.active and grad is not None:
-            guarded(self.rec.tensor, site, kind, "backward", grad)
+            guarded(self.rec.tensor, site, kind, "backward", grad, stage)
 
     # ---- module hooks (registered by the Monitor) ----------------------------------------------------
     def attn_pre(self, name: str, module, args) -> None:
-        if self.active and not _is_compiling():
+        if _is_compiling():
+            compiled.count("attention")  # replayed after each run of the graph: no graph break
+        elif self.active:
             push(Frame(self, name, attention=True))
 
     def attn_post(self, module, args, output) -> None:
@@ -136,21 +178,70 @@ class Probes:
         fr = pop()
         if fr is None or fr.probes is not self or not self.active or fr.sdpa_calls:
             return  # SDPA already measured this module's attention output
+        if recomputing():
+            self.rec.cover(recomputed=1)
+            return
+        self.rec.cover(attention=1, probed=1, layer=fr.site if self.stage() == "train" else None)
         guarded(self.site, fr.site, "attention", first_tensor(output))
 
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         if self.active and not _is_compiling():
+            self._head_seen = True
+            if kind == "logits" and self.stage() == "train" and not recomputing():
+                self.rec.cover(logits=True)
             guarded(self.site, name, kind, first_tensor(output))
 
     def root_pre(self, module, args, kwargs) -> None:
-        if self.active and not _is_compiling() and self._signature is not None:
+        if _is_compiling():
+            compiled.count("forward")  # replayed by dynamo after each run of the graph: no graph break
+            return
+        if not self.active or recomputing():
+            return
+        self._head_seen = False
+        self.rec.cover(forwards=1, train=self.stage() == "train")
+        if self._signature is not None and not self.generating:
             guarded(record_forward_inputs, self.rec, self._signature, args, kwargs)
+
+    def root_post(self, module, args, kwargs, output) -> None:
+        """A head that never materialises logits (TRL's fused LM head returns log-probabilities from the
+        hidden states and the head's weight): measure what it returned instead, and say so."""
+        if not self.active or _is_compiling() or self._head_seen or self.head is None or recomputing():
+            return
+        log_probs = getattr(output, "log_probs", None)
+        if isinstance(log_probs, torch.Tensor):
+            if self.stage() == "train":
+                self.rec.cover(logits=True)
+            self.rec.warn(f"the output head ran fused (e.g. TRL's fused LM head): no logits were materialised, "
+                          f"so its log-probabilities are measured instead, at {self.head}.log_probs")
+            guarded(self.site, self.head + ".log_probs", "logprob", log_probs)
 
     def rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
+        if not self.active or _is_compiling() or self.generating or recomputing():
+            return
         fwd = self.rec.current_forward()
-        if not self.active or _is_compiling() or fwd is None or fwd.position_ids != "none":
+        if fwd is None or fwd.position_ids != "none":
             return
         pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor):
             guarded(position_layout, self.rec, fwd, pos)
+
+    # ---- around compiled code ----------------------------------------------------------------------
+    def boundary_pre(self, module, args) -> None:
+        """A wrapper (``torch.compile``'s OptimizedModule, DDP) is about to run the model."""
+        if not _is_compiling():
+            self._head_seen = False
+
+    def boundary_post(self, module, args, output) -> None:
+        """The wrapper returned: if the head's own hook did not run (it was inside a compiled graph),
+        measure the logits here, at the boundary, in eager."""
+        if self.active and not _is_compiling() and not self._head_seen and self.head is not None:
+            self.output_hook(self.head, "logits", module, args, output)
+
+    def param_grad(self, name: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient (its hook runs outside any compiled graph). Measured only in steps
+        where compiled code ran, when the activations could not be."""
+        if not self.active or grad is None or not compiled.ran():
+            return
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: this rank's shard
+        guarded(self.rec.tensor, name, "tensor", "backward", local, "train")

@@ -17,7 +17,10 @@ from nanwatch.hooks.finite import finite_stats
 from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, LogitStat, SdpaCall, SiteStat, dtype_name
 
-__all__ = ["ForwardMeta", "StepState", "Recorder"]
+__all__ = ["Counts", "ForwardMeta", "Recorder", "SiteKey", "StepState"]
+
+#: A site's key in one step: (site, pass, stage).
+SiteKey = tuple[str, str, str]
 
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
@@ -44,17 +47,35 @@ class ForwardMeta:
 
 
 @dataclass(slots=True)
+class Counts:
+    """The counters behind ``nanwatch.wire.Coverage``."""
+
+    forwards: int = 0  # eager model forwards
+    train_forwards: int = 0  # of which in the train stage
+    compiled_forwards: int = 0  # model forwards that ran inside a compiled graph
+    attention_calls: int = 0
+    attention_probed: int = 0
+    compiled_calls: int = 0
+    recomputed_calls: int = 0
+    logits: bool = False
+
+
+@dataclass(slots=True)
 class StepState:
     """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
 
-    order: list[tuple[str, str]] = field(default_factory=list)
+    order: list[SiteKey] = field(default_factory=list)
     calls: int = 0
-    sites: dict[tuple[str, str], _SiteMeta] = field(default_factory=dict)
+    sites: dict[SiteKey, _SiteMeta] = field(default_factory=dict)
     sdpa: dict[tuple, int] = field(default_factory=dict)
     logits: dict[str, tuple[str, int]] = field(default_factory=dict)
     forwards: list[ForwardMeta] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     rlhf: bool = False
+    #: what the step covered (see ``nanwatch.wire.Coverage``; ``unmeasured`` is derived from it at decode)
+    coverage: Counts = field(default_factory=lambda: Counts())
+    #: attention layers measured in a training forward (each should get a logit figure)
+    attention_layers: set[str] = field(default_factory=set)
 
 
 class Recorder:
@@ -65,8 +86,8 @@ class Recorder:
         self.state = StepState()
 
     # ---- hot path -------------------------------------------------------------------------------
-    def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor) -> None:
-        key = (site, phase)
+    def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor, stage: str = "train") -> None:
+        key = (site, phase, stage)
         meta = self.state.sites.get(key)
         if meta is None:
             meta = self.state.sites[key] = _SiteMeta(kind, x.dtype)
@@ -85,8 +106,8 @@ class Recorder:
         self.buf.maximize(("first", key), self._local(first))
 
     def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype | str,
-             shape: str, reason: str | None, *, calls: int = 1) -> None:
-        key = (site, backend, predicted, confirmed, dtype_name(dtype), shape, reason)
+             shape: str, reason: str | None, *, calls: int = 1, stage: str = "train") -> None:
+        key = (site, backend, predicted, confirmed, dtype_name(dtype), shape, reason, stage)
         self.state.sdpa[key] = self.state.sdpa.get(key, 0) + calls
 
     def logit_heads(self, layer: str, source: str, per_head: torch.Tensor) -> None:
@@ -110,6 +131,23 @@ class Recorder:
             self.buf.add(key, self._local(value))
         else:
             self.buf.maximize(key, self._local(value))
+
+    def cover(self, *, forwards: int = 0, train: bool = False, compiled_forwards: int = 0, attention: int = 0,
+              probed: int = 0, recomputed: int = 0, compiled: int = 0, logits: bool = False,
+              layer: str | None = None) -> None:
+        """Count what this step covered (host-side integers only); ``train``: the forwards were training
+        forwards."""
+        c = self.state.coverage
+        c.forwards += forwards
+        c.train_forwards += forwards if train else 0
+        c.compiled_forwards += compiled_forwards
+        c.attention_calls += attention
+        c.attention_probed += probed
+        c.recomputed_calls += recomputed
+        c.compiled_calls += compiled
+        c.logits = c.logits or logits
+        if layer is not None:
+            self.state.attention_layers.add(layer)
 
     def current_forward(self) -> ForwardMeta | None:
         return self.state.forwards[-1] if self.state.forwards else None
@@ -161,15 +199,18 @@ class Recorder:
             meta = state.sites[key]
             nan, inf = int(get("sum", ("nan", key))), int(get("sum", ("inf", key)))
             amax = get("max", ("amax", key), math.nan)
+            if meta.numel and nan + inf >= meta.numel:
+                amax = math.nan  # no finite value: 0.0 would read as "safe"
+            # An Inf is an overflow that already happened: no headroom left, whatever the finite values say.
+            headroom = math.inf if inf else amax / finfo_max(meta.dtype)
             mark = get("max", ("first", key), -math.inf)
             if nan + inf and mark > earliest:
                 first, earliest = key, mark
             sites.append(SiteStat(
-                site=key[0], kind=meta.kind, phase=key[1], dtype=dtype_name(meta.dtype),
-                calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax,
-                headroom=amax / finfo_max(meta.dtype)))
+                site=key[0], kind=meta.kind, phase=key[1], stage=key[2], dtype=dtype_name(meta.dtype),
+                calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax, headroom=headroom))
         sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
-                         reason=k[6], calls=n) for k, n in state.sdpa.items()]
+                         reason=k[6], stage=k[7], calls=n) for k, n in state.sdpa.items()]
         logits = self._decode_logits(state, get)
         prints = []
         for f in state.forwards:

@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.recorder import Recorder, StepState
 from nanwatch.hooks.reporter import Pending
 from nanwatch.hooks.rlhf import decode_rlhf
-from nanwatch.wire import StepReport
+from nanwatch.wire import Coverage, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]
 
@@ -32,11 +30,10 @@ class ReportBuilder:
     """Builds the StepReports of one Monitor (one rank, one incarnation)."""
 
     def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, rec: Recorder,
-                 model: Callable[[], torch.nn.Module | None], warn: WarnOnce,
-                 dropped_reports: Callable[[], int]) -> None:
+                 warn: WarnOnce, dropped_reports: Callable[[], int], expects_logits: Callable[[], bool]) -> None:
         self._ids = dict(run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation)
+        self._expects_logits = expects_logits
         self._rec = rec
-        self._model = model
         self._warn = warn
         self._dropped = dropped_reports
 
@@ -50,31 +47,46 @@ class ReportBuilder:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
-        if state.forwards and not state.sdpa and not any(s.kind == "attention" for s in sites):
-            if self._compiled():
-                warns.append("no attention was measured in this step: it ran inside torch.compile'd code, "
-                             "where nanwatch's eager probes are off (see README, 'torch.compile')")
-            else:
-                warns.append("no attention ran in this step: check is_attention= and that the model calls "
-                             "torch.nn.functional.scaled_dot_product_attention at call time")
+        coverage = self._coverage(state, sites, logits, warns)
         for w in warns:
             self._warn(w)
         return StepReport(
             **self._ids, seq=pending.seq, step=pending.step, time=ctx.time,
-            sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints,
+            sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints, coverage=coverage,
             rlhf=decode_rlhf(self._rec.getter(values)) if state.rlhf else None,
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
+            first_offender_stage=first[2] if first else None,
             dropped_reports=self._dropped(), warnings=warns[:64])
 
-    def _compiled(self) -> bool:
-        """Whether compiled code may have run the attention: a submodule compiled in place
-        (``module.compile()``), or any graph compiled by dynamo in this process (``torch.compile(model)``
-        wraps the model, so the module itself carries no mark)."""
-        model = self._model()
-        if model is not None and any(getattr(m, "_compiled_call_impl", None) is not None
-                                     for m in model.modules()):
-            return True
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"] > 0
+    def _coverage(self, state: StepState, sites: list[SiteStat], logits: list[LogitStat],
+                  warns: list[str]) -> Coverage:
+        """What the step measured, and why any part of it was not (with a warning that says what to do)."""
+        c = state.coverage
+        unmeasured = []
+        if not c.forwards and not c.compiled_forwards:
+            unmeasured.append("no_forward")
+        if c.compiled_forwards or c.compiled_calls:
+            unmeasured.append("compiled")
+            warns.append("part of the model ran inside torch.compile'd code, where nanwatch's eager probes are "
+                         "off: attention there is counted (backend 'compiled'), not measured, and parameter "
+                         "gradients are measured instead (see README, 'torch.compile')")
+        elif c.train_forwards and not state.attention_layers:
+            unmeasured.append("no_attention")
+            warns.append("no attention was measured in this step: check is_attention= and that the model calls "
+                         "torch.nn.functional.scaled_dot_product_attention at call time")
+        if (c.train_forwards or c.compiled_forwards) and not c.logits and self._expects_logits():
+            unmeasured.append("no_logits")
+            warns.append("the output head's logits were not seen in a training forward (it ran compiled, or "
+                         "outside the model): the logits are unmeasured this step")
+        missing = sorted(state.attention_layers - {lg.layer for lg in logits})
+        if missing:
+            unmeasured.append("no_logit_bound")
+            more = f" and {len(missing) - 1} more layers" if len(missing) > 1 else ""
+            warns.append(f"no attention-logit figure for {missing[0]}{more}: the kernel saved no log-sum-exp "
+                         "(math backend, or saved tensors offloaded) and the step was not an exact_logit_every "
+                         "step")
+        return Coverage(forwards=c.forwards + c.compiled_forwards, sites=len(sites),
+                        attention_calls=c.attention_calls, attention_probed=c.attention_probed,
+                        compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
+                        unmeasured=unmeasured)

@@ -38,8 +38,8 @@ from nanwatch.hooks.sdpa_rules import (
     flash_refusal,
 )
 
-__all__ = ["CACHE_SIZE", "cache_clear", "confirmed_backend", "device_profile", "explain", "lse_of",
-           "normalize_lse", "predict"]
+__all__ = ["CACHE_SIZE", "cache_clear", "confirmed_backend", "device_profile", "explain", "lse_at_recompute",
+           "lse_of", "normalize_lse", "predict"]
 
 #: Reasons kept by :func:`predict`. A model has a handful of signatures (layers share one); 4096 bounds the rare
 #: workload whose shapes never repeat (e.g. unpadded variable-length batches) to a few hundred KiB.
@@ -242,6 +242,29 @@ def lse_of(out: torch.Tensor) -> torch.Tensor | None:
     raw = getattr(fn, "_raw_saved_" + field, None)
     if raw is None or raw.unpack_hook is not None:
         return None
+    return normalize_lse(getattr(fn, "_saved_" + field), out)
+
+
+@torch.no_grad()
+def lse_at_recompute(out: torch.Tensor) -> torch.Tensor | None:
+    """The saved log-sum-exp of a call that activation checkpointing is re-running in backward.
+
+    In the first forward, non-reentrant checkpointing packs saved tensors away (reading them would
+    recompute), so :func:`lse_of` refuses. In the recompute the kernel saves its log-sum-exp again, and
+    checkpointing's recomputation hook keeps it as it is (its unpack hook is the identity); reentrant
+    checkpointing recomputes with no hook at all. Either way it is free to read here, and nothing here
+    saves a tensor, which would break checkpointing's count of saved tensors."""
+    fn = out.grad_fn
+    backend = _NODE.get(type(fn).__name__) if fn is not None else None
+    if backend is None:
+        return None
+    field = _LSE_FIELD[backend]
+    raw = getattr(fn, "_raw_saved_" + field, None)
+    if raw is None:
+        return None
+    hook = raw.unpack_hook
+    if hook is not None and "_recomputation_hook" not in getattr(hook, "__qualname__", ""):
+        return None  # some other saved-tensor hook (offloading...): unpacking could cost a copy
     return normalize_lse(getattr(fn, "_saved_" + field), out)
 
 

@@ -1,6 +1,10 @@
 """What happens inside an attention call: the SDPA wrapper's body (directive path, backend, output
 finiteness, logit bound, mask facts) and the eager scores probe. ``nanwatch.hooks.patching`` routes the
 patched functions here, with the :class:`~nanwatch.hooks.probes.Probes` of the Monitor that owns the call.
+
+Under autocast the wrapper does autocast's cast itself, before predicting: the backend, the reason and
+the dtype recorded are those of the tensors SDPA actually runs on, and the ``fp32`` directive can run
+the call with autocast off (otherwise autocast would cast the upcast inputs straight back).
 """
 
 from __future__ import annotations
@@ -10,21 +14,41 @@ import torch
 from nanwatch.hooks.dtypes import HALF
 from nanwatch.hooks.failsafe import guarded, probe_failed
 from nanwatch.hooks.logit import exact_max_logit
-from nanwatch.hooks.probes import Frame, Probes
+from nanwatch.hooks.probes import Frame, Probes, recomputing
 from nanwatch.hooks.recorder import ForwardMeta
-from nanwatch.hooks.sdpa_backend import confirmed_backend, lse_of, predict
+from nanwatch.hooks.sdpa_backend import confirmed_backend, lse_at_recompute, lse_of, predict
 from nanwatch.wire import dtype_name
 
-__all__ = ["scores_probe", "sdpa_call"]
+__all__ = ["autocast_dtype", "scores_probe", "sdpa_call"]
+
+#: (device type, autocast dtype) -> whether autocast casts SDPA's inputs to that dtype on that device
+_CASTS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def autocast_dtype(orig, q: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run this SDPA call in, or None when autocast leaves it alone. Whether
+    SDPA is on autocast's cast list for the device is asked once, of ``orig`` itself, on a tiny input."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    key = (device, dtype)
+    if key not in _CASTS:
+        x = torch.zeros(1, 1, 1, 8, device=q.device)
+        _CASTS[key] = orig(x, x, x).dtype == dtype
+    return dtype if _CASTS[key] else None
 
 
 def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
     """One SDPA call: apply the directive's attention path, run it, measure it. Exceptions from the
     call itself are the user's and propagate; the measuring is guarded."""
-    dtype = q.dtype
     directives = probes.directives
     mode = directives.mode
+    autocast = autocast_dtype(orig, q)
+    out_dtype = autocast or q.dtype  # what the caller would have got without nanwatch
     args = [q, k, v, mask]
+    if autocast is not None:  # autocast's own cast, done here so that everything below sees it
+        args = [t if t is None or not t.is_floating_point() else t.to(autocast) for t in args]
 
     def upcast() -> None:  # directive 'fp32': upcast q/k/v (and a float mask), cast the output back
         if args[0].dtype in HALF:
@@ -33,10 +57,20 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
                 args[3] = args[3].float()
 
     def call():
-        return orig(*args, dropout, is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
+        if autocast is None:
+            return orig(*args, dropout, is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
+        with torch.autocast(q.device.type, enabled=False):  # already cast (or upcast on purpose)
+            return orig(*args, dropout, is_causal, scale=scale, enable_gqa=enable_gqa, **kw)
 
     if mode == "fp32":
         upcast()
+    if recomputing():
+        # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
+        # it was counted and measured in the first forward; only the logit bound is read now.
+        out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
+        probes.rec.cover(recomputed=1)
+        guarded(_logit_at_recompute, probes, frame.site, out)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     try:
         predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
     except Exception as exc:
@@ -44,7 +78,14 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
         predicted, reason = "unknown", None
     out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
     guarded(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted, reason)
-    return out if out.dtype == dtype else out.to(dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+@torch.no_grad()  # nothing may be saved for backward during a recompute
+def _logit_at_recompute(probes: Probes, site: str, out: torch.Tensor) -> None:
+    lse = lse_at_recompute(out)
+    if lse is not None:
+        probes.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
 
 
 def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
@@ -56,9 +97,15 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
     elif is_causal:
         sig += " causal"
     rec = probes.rec
+    stage = probes.stage()
+    rec.cover(attention=1, probed=1, layer=site if stage == "train" else None)
     rec.sdpa(site, backend, predicted, confirmed is not None, q.dtype, sig,
-             None if backend not in ("math", "unknown") else reason)
+             None if backend not in ("math", "unknown") else reason, stage=stage)
     probes.site(site, "attention", out)
+    if backend not in ("math", "unknown"):
+        # A fused kernel can return a finite output for a NaN in the query (CPU flash does, measured on
+        # torch 2.13: the NaN only shows in the gradients, one layer too late). Read the query too.
+        rec.tensor(site + ".query", "attention", "forward", q, stage)
     lse = lse_of(out)
     if lse is not None:
         rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
@@ -85,6 +132,8 @@ def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
+    if recomputing():
+        return  # read in the first forward already
     rec = probes.rec
     s = scores.detach()
     rowmax = s.amax(dim=-1)

@@ -148,8 +148,11 @@ def test_compiled_layers_are_not_misreported_as_no_attention():
     for layer in model.model.layers:
         layer.compile(backend="aot_eager")
     _, r, warned = _monitored(model, model, _ids(3), steps=1)
-    assert not any("attention" in w for w in r.warnings + warned)
+    assert not any("check is_attention" in w for w in r.warnings + warned)
     assert [(c.backend, c.calls) for c in r.sdpa] == [("compiled", 2)]
+    # said plainly: the attention was counted, not measured; the eager head was measured
+    assert r.coverage.unmeasured == ["compiled"] and r.coverage.logits
+    assert (r.coverage.attention_calls, r.coverage.attention_probed, r.coverage.compiled_calls) == (2, 0, 2)
 
 
 def test_compiled_eager_attention_is_said_to_be_compiled():

@@ -46,10 +46,13 @@ def _order(report) -> list[tuple[str, str]]:
     return [(s.site, s.phase) for s in report.sites]
 
 
-def _expected_order(attn_sites, head="lm_head") -> list[tuple[str, str]]:
-    """Forward in execution order, then backward in reverse (autograd runs it back to front)."""
+def _expected_order(attn_sites, head="lm_head", fused=()) -> list[tuple[str, str]]:
+    """Forward in execution order, then backward in reverse (autograd runs it back to front). A fused
+    SDPA site's query is read too, right after its output (forward only)."""
     fwd = [(s, "forward") for s in attn_sites] + [(head, "forward")]
-    return fwd + [(s, "backward") for s, _ in reversed(fwd)]
+    queries = [(s + ".query", "forward") for s in attn_sites if s in fused]
+    order = [x for site in fwd for x in [site] + [q for q in queries if q[0] == site[0] + ".query"]]
+    return order + [(s, "backward") for s, _ in reversed(fwd)]
 
 
 def _assert_all_finite(report) -> None:
@@ -112,7 +115,7 @@ def qwen3_reports():
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_qwen3_sites_in_execution_order_and_finite(qwen3_reports, impl):
     r = qwen3_reports[impl]
-    assert _order(r) == _expected_order(LAYERS)
+    assert _order(r) == _expected_order(LAYERS, fused=LAYERS if impl == "sdpa" else ())
     _assert_all_finite(r)
     kinds = {(s.site, s.phase): s.kind for s in r.sites}
     assert kinds[("lm_head", "forward")] == kinds[("lm_head", "backward")] == "logits"
@@ -193,7 +196,7 @@ def llama_reports(llama_models):
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_llama_sites_backend_and_logits(llama_reports, impl):
     r = llama_reports[(impl, "explicit")]
-    assert _order(r) == _expected_order(LAYERS)
+    assert _order(r) == _expected_order(LAYERS, fused=LAYERS if impl == "sdpa" else ())
     _assert_all_finite(r)
     stats = {s.layer: s for s in r.logits}
     assert sorted(stats) == sorted(LAYERS)
@@ -240,7 +243,8 @@ def qwen3_5_report():
 
 def test_qwen3_5_both_kinds_of_attention_site(qwen3_5_report):
     r = qwen3_5_report
-    assert _order(r) == _expected_order(["model.layers.0.linear_attn", "model.layers.1.self_attn"])
+    assert _order(r) == _expected_order(["model.layers.0.linear_attn", "model.layers.1.self_attn"],
+                                        fused=["model.layers.1.self_attn"])
     _assert_all_finite(r)
     assert {s.kind for s in r.sites if s.site != "lm_head"} == {"attention"}
 
@@ -281,7 +285,7 @@ def test_qwen2_vl_text_path_mrope(qwen2_vl, how):
     ids = _ids(4)
     kw = {"position_ids": torch.arange(S).view(1, 1, S).expand(3, B, S)} if how == "explicit_3d" else {}
     r, _ = _step(qwen2_vl, input_ids=ids, labels=ids, **kw)
-    assert _order(r) == _expected_order(VL_LAYERS)  # the vision tower did not run: no visual.* site
+    assert _order(r) == _expected_order(VL_LAYERS, fused=VL_LAYERS)  # the vision tower did not run: no visual.* site
     _assert_all_finite(r)
     _assert_cpu_flash(r, VL_LAYERS)
     assert sorted(s.layer for s in r.logits) == sorted(VL_LAYERS)
@@ -300,8 +304,8 @@ def test_plain_module_sdpa_site_is_the_callers_fqn():
     torch.manual_seed(0)
     r, warned = _step(TinyNet(vocab=V), loss=_mean_square, input_ids=_ids(5))
     assert any("no attention module found by class name" in w for w in warned)
-    assert _order(r) == [("blocks.0", "forward"), ("blocks.1", "forward"),
-                         ("blocks.1", "backward"), ("blocks.0", "backward")]
+    assert _order(r) == [("blocks.0", "forward"), ("blocks.0.query", "forward"), ("blocks.1", "forward"),
+                         ("blocks.1.query", "forward"), ("blocks.1", "backward"), ("blocks.0", "backward")]
     _assert_all_finite(r)
     _assert_cpu_flash(r, ["blocks.0", "blocks.1"])
     for stat in r.logits:
@@ -317,6 +321,6 @@ def test_plain_module_as_root_still_reports():
     torch.manual_seed(0)
     r, _ = _step(Mixer(), loss=_mean_square, x=torch.randn(B, S, 32))
     assert r is not None
-    assert _order(r) == [("Mixer", "forward"), ("Mixer", "backward")]
+    assert _order(r) == [("Mixer", "forward"), ("Mixer.query", "forward"), ("Mixer", "backward")]
     _assert_cpu_flash(r, ["Mixer"])
     _assert_all_finite(r)

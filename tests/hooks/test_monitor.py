@@ -128,7 +128,10 @@ def test_healthy_run_of_200_steps_reports_nothing():
     assert [r.step for r in seen] == list(range(200))
     assert all(r.first_offender is None for r in seen)
     assert sum(_nonfinite(r) for r in seen) == 0
-    assert all(len(r.sites) == 6 for r in seen)  # 2 attention + lm_head, forward and backward
+    # 2 attention + lm_head, forward and backward, and the 2 queries the fused kernel read
+    assert all(len(r.sites) == 8 for r in seen)
+    assert all(r.coverage.unmeasured == [] and r.coverage.logits for r in seen)
+    assert all((r.coverage.attention_calls, r.coverage.attention_probed) == (2, 2) for r in seen)
     assert [r.step for r in seen if any(lg.exact is not None for lg in r.logits)] == [0, 50, 100, 150]
     assert mon.dropped_reports == 0
 

@@ -158,6 +158,11 @@ class RlhfStat(_Wire):
     kl_k1_max: float | None = None
     kl_k3_mean: float | None = None
     kl_k3_max: float | None = None
+    kl_k3_ratio_mean: float | None = Field(
+        None, description="mean of k3 x importance ratio: the KL that TRL's GRPO optimises by default "
+        "(use_bias_correction_kl)")
+    kl_optimised: Literal["k1", "k3", "k3_ratio"] | None = Field(
+        None, description="which of the KL figures the trainer's loss uses, when the integration knows")
     advantage_std: float | None = None
 
 

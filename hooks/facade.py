@@ -344,13 +344,24 @@ class Monitor:
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
              old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None, clip_eps: float = 0.2) -> None:
-        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device."""
+             mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None) -> None:
+        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device.
+
+        ``advantages`` may be per token (the mask's shape) or per sequence (``[B]``, as GRPO's are);
+        ``kl_optimised`` says which KL the loss uses (``k1``, ``k3`` or ``k3_ratio``), so that the report
+        labels it."""
         if not self._active or torch.compiler.is_compiling():
             return
+        if kl_optimised not in (None, "k1", "k3", "k3_ratio"):
+            self._warn_once(f"rlhf(kl_optimised={kl_optimised!r}) ignored: use 'k1', 'k3' or 'k3_ratio'")
+            kl_optimised = None
+        if (advantages is not None and mask is not None and advantages.dim() == 1 and mask.dim() == 2
+                and advantages.shape[0] == mask.shape[0]):
+            advantages = advantages.unsqueeze(1).expand_as(mask)
         guarded(self._probes.site, "rlhf.logprobs", "logprob", logprobs)
         guarded(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
-                old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps)
+                old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps,
+                kl_optimised=kl_optimised)
 
     # ---- reporter thread ---------------------------------------------------------------------------
     def _build_report(self, pending: Pending, values: list[float]) -> StepReport:

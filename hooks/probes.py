@@ -180,9 +180,9 @@ class Probes:
             return  # SDPA already measured this module's attention output
         if recomputing():
             self.rec.cover(recomputed=1)
-            return
-        self.rec.cover(attention=1, probed=1, layer=fr.site if self.stage() == "train" else None)
-        guarded(self.site, fr.site, "attention", first_tensor(output))
+        else:
+            self.rec.cover(attention=1, probed=1, layer=fr.site if self.stage() == "train" else None)
+        guarded(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
 
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         if self.active and not _is_compiling():

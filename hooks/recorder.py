@@ -71,7 +71,8 @@ class StepState:
     logits: dict[str, tuple[str, int]] = field(default_factory=dict)
     forwards: list[ForwardMeta] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    rlhf: bool = False
+    #: RLHF stats were recorded: True, or the name of the KL estimator the trainer optimises
+    rlhf: bool | str = False
     #: what the step covered (see ``nanwatch.wire.Coverage``; ``unmeasured`` is derived from it at decode)
     coverage: Counts = field(default_factory=lambda: Counts())
     #: attention layers measured in a training forward (each should get a logit figure)

@@ -53,7 +53,8 @@ class ReportBuilder:
         return StepReport(
             **self._ids, seq=pending.seq, step=pending.step, time=ctx.time,
             sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints, coverage=coverage,
-            rlhf=decode_rlhf(self._rec.getter(values)) if state.rlhf else None,
+            rlhf=decode_rlhf(self._rec.getter(values), state.rlhf if isinstance(state.rlhf, str) else None)
+            if state.rlhf else None,
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             first_offender_stage=first[2] if first else None,

@@ -18,7 +18,8 @@ from nanwatch.wire import RlhfStat
 __all__ = ["record_rlhf", "decode_rlhf", "RLHF_TENSORS"]
 
 RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
-_SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "adv_n", "adv_sum", "adv_sq")
+_SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
+         "adv_sq")
 _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
 
 
@@ -32,9 +33,11 @@ def _where(ok: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
 
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                 old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, clip_eps: float = 0.2) -> None:
-    """Launch the device ops for one batch; several calls in a step accumulate."""
-    rec.state.rlhf = True
+                mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None) -> None:
+    """Launch the device ops for one batch; several calls in a step accumulate. ``kl_optimised`` names
+    the KL estimator the trainer's loss uses (``k3_ratio``: k3 weighted by the importance ratio, TRL's
+    GRPO default); it is reported as such, and ``k3_ratio`` is computed too."""
+    rec.state.rlhf = kl_optimised or True
     lp = logprobs.detach().float()
     m = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.detach().to(torch.bool)
     tensors = {"logprobs": lp, "ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs,
@@ -68,6 +71,12 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         rec.buf.add(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.buf.dtype))
         rec.buf.maximize(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax())
         rec.buf.maximize(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax())
+        if kl_optimised == "k3_ratio":  # ratio 1 where there are no old logprobs (TRL: one iteration)
+            ratio = torch.ones_like(lp) if old_logprobs is None else torch.exp(lp - old_logprobs.detach().float())
+            k3r = k3 * ratio
+            rok = kok & torch.isfinite(k3r)
+            _count(rec, "k3r_n", rok)
+            rec.buf.add(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.buf.dtype))
     if advantages is not None:
         a = advantages.detach().float()
         aok = torch.isfinite(a) & (m if a.shape == m.shape else True)
@@ -76,7 +85,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         rec.buf.add(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.buf.dtype))
 
 
-def decode_rlhf(get) -> RlhfStat:
+def decode_rlhf(get, kl_optimised: str | None = None) -> RlhfStat:
     """Build the wire stats from decoded slot values (``get(kind, key, default)``)."""
     s = {k: get("sum", ("rlhf", k), 0.0) for k in _SUMS}
     x = {k: get("max", ("rlhf", k), -math.inf) for k in _MAXES}
@@ -101,5 +110,6 @@ def decode_rlhf(get) -> RlhfStat:
         clip_fraction=mean("clipped", "ratio_n"),
         kl_k1_mean=mean("k1_sum", "kl_n"), kl_k1_max=some(x["k1_max"]),
         kl_k3_mean=mean("k3_sum", "kl_n"), kl_k3_max=some(x["k3_max"]),
+        kl_k3_ratio_mean=mean("k3r_sum", "k3r_n"), kl_optimised=kl_optimised,
         advantage_std=adv_std,
     )

@@ -47,11 +47,11 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
     autocast = autocast_dtype(orig, q)
     out_dtype = autocast or q.dtype  # what the caller would have got without nanwatch
     args = [q, k, v, mask]
-    if autocast is not None:  # autocast's own cast, done here so that everything below sees it
+    if autocast is not None and mode != "fp32":  # autocast's own cast, done here so everything below sees it
         args = [t if t is None or not t.is_floating_point() else t.to(autocast) for t in args]
 
-    def upcast() -> None:  # directive 'fp32': upcast q/k/v (and a float mask), cast the output back
-        if args[0].dtype in HALF:
+    def upcast() -> None:  # directive 'fp32': q/k/v (and a float mask) in fp32, the output cast back
+        if any(t.dtype in HALF for t in args[:3]):
             args[:3] = [t.float() for t in args[:3]]
             if args[3] is not None and args[3].is_floating_point():
                 args[3] = args[3].float()
@@ -70,6 +70,7 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
         out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
         probes.rec.cover(recomputed=1)
         guarded(_logit_at_recompute, probes, frame.site, out)
+        guarded(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     try:
         predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)

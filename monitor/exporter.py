@@ -81,6 +81,8 @@ class StateCollector(Collector):
                     f["nanwatch_site_nonfinite_values_total"].add_metric([run_id, *labels], value)
                 elif fam == "sdpa":
                     f["nanwatch_sdpa_calls_total"].add_metric([run_id, *labels], value)
+                elif fam == "unmeasured":
+                    f["nanwatch_unmeasured_steps_total"].add_metric([run_id, *labels], value)
         f["nanwatch_collector_reports_accepted_total"].add_metric([], state.accepted)
         f["nanwatch_collector_reports_duplicate_total"].add_metric([], state.duplicates)
         for reason, n in state.rejected.items():

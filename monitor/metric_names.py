@@ -27,8 +27,8 @@ _SPECS = (
                "Non-finite elements seen at all sites (kind: nan or inf, pass: forward or backward)."),
     MetricSpec("nanwatch_site_nonfinite_values_total", "counter", ("run_id", "site", "pass"),
                "Non-finite elements seen per site, summed over ranks."),
-    MetricSpec("nanwatch_sdpa_calls_total", "counter", ("run_id", "backend", "dtype"),
-               "Attention calls by the SDPA backend that ran."),
+    MetricSpec("nanwatch_sdpa_calls_total", "counter", ("run_id", "backend", "dtype", "stage"),
+               "Attention calls by the SDPA backend that ran (stage: train, eval or generate)."),
     MetricSpec("nanwatch_attention_logit_max", "gauge", ("run_id", "layer"),
                "Upper bound on the max scaled QK logit in the latest step, max over live ranks and heads."),
     MetricSpec("nanwatch_tensor_headroom_ratio", "gauge", ("run_id", "site_kind"),
@@ -42,6 +42,9 @@ _SPECS = (
     MetricSpec("nanwatch_reports_dropped_total", "counter", ("run_id", "rank"),
                "Reports the trainer could not deliver (cumulative per trainer incarnation)."),
     # added by the collector (not in design.md's table)
+    MetricSpec("nanwatch_unmeasured_steps_total", "counter", ("run_id", "reason"),
+               "Step reports, summed over ranks, in which part of the step went unmeasured, by reason "
+               "(no_forward, no_attention, compiled, no_logits, no_logit_bound)."),
     MetricSpec("nanwatch_events_total", "counter", ("run_id", "kind"),
                "Events recorded in the run's event log (first non-finite, math fallback, directive changes...)."),
     MetricSpec("nanwatch_live_ranks", "gauge", ("run_id",),

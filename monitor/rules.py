@@ -68,7 +68,7 @@ class Policy:
                     yield s.site, s.site, {"dtype": s.dtype, "nan": s.nan, "inf": s.inf}
         elif rule.when == "math_backend_half":
             for c in r.sdpa:
-                if c.backend == "math" and is_half(c.dtype):
+                if c.backend == "math" and is_half(c.dtype) and c.stage == "train":
                     yield f"{c.site}:{c.dtype}", c.site, {"dtype": c.dtype, "reason": c.reason,
                                                           "shape": c.shape}
         elif rule.when == "logit_over_tau":

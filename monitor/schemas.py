@@ -1,26 +1,33 @@
 """Response bodies of the collector's HTTP API (requests use the wire models).
 
-Like the wire models they serialise NaN/Inf as JSON constants, and routes return them through
-``WireJSON`` (``model_dump_json``): Starlette's ``JSONResponse`` refuses NaN, and report content is
-exactly where NaN lives.
+Answers are strict JSON, which every client parses (``JSON.parse`` refuses a bare ``NaN``): a non-finite
+float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, and the OpenAPI document says
+so (:data:`ApiFloat`). Only the trainer-to-collector wire keeps its documented ``NaN`` constants. Routes
+return models through ``WireJSON`` (``model_dump_json``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
 from starlette.responses import JSONResponse
 
 from nanwatch.monitor.ingest import IngestResult
 from nanwatch.wire import Directive
 
-__all__ = ["EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
+__all__ = ["ApiFloat", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
            "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "WireJSON"]
 
 
+#: A float that may be non-finite: a JSON number, or one of three strings.
+ApiFloat = Annotated[float, WithJsonSchema(
+    {"anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}]},
+    mode="serialization")]
+
+
 class _Out(BaseModel):
-    model_config = ConfigDict(ser_json_inf_nan="constants")
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
 
 class Problem(_Out):
@@ -52,7 +59,7 @@ class FirstOffender(_Out):
     phase: str | None
     rank: int | None
     step: int | None
-    time: float
+    time: ApiFloat
 
 
 class RankView(_Out):
@@ -62,8 +69,8 @@ class RankView(_Out):
     incarnation: str
     seq: int
     step: int
-    time: float
-    received: float
+    time: ApiFloat
+    received: ApiFloat
     world_size: int
     attention_mode: str
     directive_version: int
@@ -71,12 +78,12 @@ class RankView(_Out):
     nonfinite: int
     first_offender: str | None
     first_offender_phase: str | None
-    headroom: dict[str, float]
-    logit_max: float | None
+    headroom: dict[str, ApiFloat]
+    logit_max: ApiFloat | None
 
 
 class EventView(_Out):
-    time: float
+    time: ApiFloat
     kind: str
     rank: int | None
     step: int | None
@@ -88,6 +95,7 @@ class EventView(_Out):
 class SdpaView(_Out):
     backend: str
     dtype: str
+    stage: str
     calls: float
 
 
@@ -95,7 +103,7 @@ class RunSummary(_Out):
     run_id: str
     live_ranks: int
     latest_step: int
-    last_report_time: float | None
+    last_report_time: ApiFloat | None
     nonfinite_total: float
     directive: Directive
     first_offender: FirstOffender | None

@@ -91,6 +91,8 @@ class CollectorState:
         for run_id, step in loaded.latest_step.items():
             self.ensure_run(run_id).latest_step = step
         for run_id, fam, labels, value in loaded.counters:
+            if fam == "sdpa" and len(labels) == 2:  # stored before the stage label existed (wire 1.0)
+                labels = (*labels, "train")
             run = self.ensure_run(run_id)
             run.counters[(fam, labels)] = value
             key = ("rank", int(labels[0])) if fam == "nonfinite" else (fam, *labels)
@@ -154,9 +156,12 @@ class CollectorState:
                     if s.inf:
                         bump("nonfinite", (rank_label, s.phase, "inf"), s.inf)
         for c in r.sdpa:
-            dtype = dtype_name(c.dtype)
-            if run.admit(("sdpa", c.backend, dtype), 1, cap):
-                bump("sdpa", (c.backend, dtype), c.calls)
+            labels = (c.backend, dtype_name(c.dtype), c.stage)
+            if run.admit(("sdpa", *labels), 1, cap):
+                bump("sdpa", labels, c.calls)
+        for reason in r.coverage.unmeasured if r.coverage is not None else ():
+            if run.admit(("unmeasured", reason), 1, cap):
+                bump("unmeasured", (reason,), 1)
         if not rank_ok:
             return None, None, changed
         for kind in headroom:

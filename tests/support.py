@@ -18,7 +18,8 @@ from nanwatch.monitor.server import CollectorProcess, free_port
 from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
-           "free_port", "require_tool", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3", "token_ids"]
+           "free_port", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
+           "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -86,3 +87,33 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
         text = r.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "minus",
+         "equals", "count", "to", "say", "the", "number"]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built here (no download): special tokens <pad>=0, <eos>=1, <unk>=2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def save_tiny_lm(path, *, seed: int = 0) -> str:
+    """A tiny Qwen3 and its tokenizer saved to ``path``: TRL builds its reference model with
+    ``from_pretrained(config._name_or_path)``, so a model that must have one has to come from a folder."""
+    tok = tiny_tokenizer()
+    model = tiny_qwen3("sdpa", seed=seed, vocab_size=64, hidden_size=32, intermediate_size=64,
+                       tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=None)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -70,7 +70,7 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _
                                                                          key=lambda s: s.rank)]
     events = [EventView(time=e.time, kind=e.kind, rank=e.rank, step=e.step, site=e.site, actor=e.actor,
                         detail=e.detail) for e in res.store.events(run_id, limit=settings.events_shown)]
-    sdpa = [SdpaView(backend=b, dtype=d, calls=v) for (fam, (b, d)), v in
-            ((k, v) for k, v in run.counters.items() if k[0] == "sdpa")]
+    sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
+            for (fam, labels), v in run.counters.items() if fam == "sdpa"]
     return WireJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa,
                               event_counts=dict(run.event_counts), events=events))

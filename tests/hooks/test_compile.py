@@ -9,6 +9,7 @@ bookkeeping) would break the graph. Modules that stay eager are still measured.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -162,3 +163,38 @@ def test_compiled_eager_attention_is_said_to_be_compiled():
     _, r, warned = _monitored(model, model, _ids(3), steps=1)
     assert not any("check is_attention" in w for w in r.warnings + warned)
     assert any("torch.compile'd code" in w for w in r.warnings)
+
+
+@pytest.mark.parametrize("attach_to", ["model_then_compile", "compiled_module"])
+def test_whole_model_compile_reports_the_non_finite_step(attach_to):
+    """Inside the graph nothing is probed, so the step must be caught outside it: parameter gradients
+    (hooks run after the compiled backward) and, given the compiled module, the logits at its boundary."""
+    model = _qwen3("sdpa")
+    ids = _ids(4)
+    compiled = torch.compile(model, backend="aot_eager")
+    target = compiled if attach_to == "compiled_module" else model
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(target, run_id="whole", on_report=reports.append) as mon:
+            for n in range(4):
+                if n == 2:  # a weight goes NaN (as after a bad update): step 2 is the first non-finite step
+                    with torch.no_grad():
+                        model.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
+                model.zero_grad(set_to_none=True)
+                with mon.step(n):
+                    _train_step(compiled, model, ids)
+            mon.last_report()
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert [r.first_offender is None for r in reports] == [True, True, False, False]
+    assert reports[2].nonfinite_total > 0
+    for r in reports:  # never "clean" for free: the report says the attention ran compiled
+        assert "compiled" in r.coverage.unmeasured and r.coverage.compiled_calls == 2
+        grads = {s.site for s in r.sites if s.phase == "backward" and s.site.endswith(".weight")}
+        assert len(grads) == sum(1 for p in model.parameters() if p.requires_grad)
+    head = {(s.site, s.phase) for s in reports[0].sites if s.kind == "logits"}
+    if attach_to == "compiled_module":  # the boundary is in eager: logits and their gradient are measured
+        assert head == {("lm_head", "forward"), ("lm_head", "backward")} and reports[0].coverage.logits
+        assert reports[2].first_offender == "lm_head"
+    else:  # the head ran inside the graph: said, not hidden
+        assert head == set() and "no_logits" in reports[0].coverage.unmeasured

@@ -37,7 +37,8 @@ def test_sender_streams_reports_and_metrics_show_them(collector):
     assert _get(s, nf, run_id="stream", rank="0", **{"pass": "forward"}, kind="nan") == 0
     assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="stream", site="model.layers.2.self_attn",
                 **{"pass": "forward"}) == 9
-    assert _get(s, "nanwatch_sdpa_calls_total", run_id="stream", backend="flash", dtype="bfloat16") == 60
+    assert _get(s, "nanwatch_sdpa_calls_total", run_id="stream", backend="flash", dtype="bfloat16",
+                stage="train") == 60
     assert _get(s, "nanwatch_attention_logit_max", run_id="stream", layer="model.layers.3.self_attn") == 15.5
     for kind in ("attention", "grad", "logits", "logprob"):
         assert _get(s, "nanwatch_tensor_headroom_ratio", run_id="stream", site_kind=kind) > 0
@@ -71,9 +72,13 @@ def test_non_finite_values_round_trip_through_run_detail(collector):
     resp = httpx.post(f"{collector.url}/v1/reports", content=ReportBatch(reports=[r]).model_dump_json(), headers=AUTH)
     assert resp.status_code == 200, resp.text
     text = httpx.get(f"{collector.url}/v1/runs/nan-detail", headers=AUTH).text
-    rank = json.loads(text)["ranks"][0]
-    assert math.isnan(rank["headroom"]["attention"]) and rank["logit_max"] == math.inf
-    assert "NaN" in text and "Infinity" in text
+
+    def strict(constant):  # what JSON.parse does with a bare NaN/Infinity
+        raise ValueError(f"not strict JSON: bare {constant}")
+
+    rank = json.loads(text, parse_constant=strict)["ranks"][0]
+    # strict JSON: non-finite values are named strings, never bare constants
+    assert rank["headroom"]["attention"] == "NaN" and rank["logit_max"] == "Infinity"
     s = scrape(collector.url)
     assert math.isnan(_get(s, "nanwatch_tensor_headroom_ratio", run_id="nan-detail", site_kind="attention"))
     assert _get(s, "nanwatch_attention_logit_max", run_id="nan-detail", layer="model.layers.0.self_attn") == math.inf

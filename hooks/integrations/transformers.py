@@ -1,0 +1,135 @@
+"""HF ``Trainer`` integration: one callback, one line.
+
+Example usage::
+
+    from nanwatch.integrations.transformers import NanwatchCallback
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[NanwatchCallback(run_id="sft-0412", collector="http://collector:8000")])
+    trainer.train()
+
+The callback attaches a Monitor when training begins (to the model the trainer calls, so DDP and
+``torch.compile`` wrappers are seen through and their boundary is measured) and detaches when it ends.
+A nanwatch step is one optimizer step (``state.global_step``), gradient-accumulation micro-batches
+included. Eval forwards (the model in eval mode) and ``generate()`` forwards are labelled with their
+stage. A step that raises is still reported: the Monitor reports its open step when it closes, also at
+interpreter exit. The optimizer's ``step`` is wrapped so that the ``skip_step`` directive is honoured.
+For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.integrations.trl`) adds logprob, ratio and
+KL health without a subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Any
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.facade import Monitor
+
+__all__ = ["NanwatchCallback"]
+
+log = logging.getLogger("nanwatch")
+
+
+def _trainer_base() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError as e:  # pragma: no cover - transformers is the point of this module
+        raise ImportError("nanwatch.integrations.transformers needs transformers installed") from e
+    return TrainerCallback
+
+
+def _find_trainer(callback: object, max_depth: int = 12) -> Any | None:
+    """The Trainer firing this event: the nearest ``self`` up the call stack whose callback handler holds
+    ``callback`` (callbacks are not handed the trainer, and TRL's adapter needs it)."""
+    f = sys._getframe(2)
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        obj = f.f_locals.get("self")
+        handler = getattr(obj, "callback_handler", None)
+        if handler is not None and callback in getattr(handler, "callbacks", ()):
+            return obj
+        f = f.f_back
+    return None
+
+
+class _OptimizerStep:
+    """Wraps ``optimizer.step`` on the instance: the ``skip_step`` directive skips it (one host sync then,
+    as GradScaler's check costs; nothing otherwise). ``remove()`` puts the method back."""
+
+    def __init__(self, optimizer: Any, monitor: Monitor) -> None:
+        self._optimizer = optimizer
+        original = optimizer.step
+
+        def step(*args, **kwargs):
+            if monitor.should_skip_step():
+                log.warning("nanwatch: skip_step directive: optimizer step skipped (non-finite values seen)")
+                return None
+            return original(*args, **kwargs)
+
+        optimizer.step = step
+
+    def remove(self) -> None:
+        try:
+            del self._optimizer.step
+        except AttributeError:
+            pass
+
+
+class NanwatchCallback(_trainer_base()):
+    """Attach nanwatch to a HF ``Trainer`` (or TRL trainer) for the length of ``train()``.
+
+    ``run_id`` and ``collector`` are as for ``nanwatch.attach``; ``options`` are ``MonitorConfig`` fields
+    (``rank`` and ``world_size`` default to the trainer's process index and world size).
+    """
+
+    def __init__(self, run_id: str, collector: str | None = None, **options: Any) -> None:
+        super().__init__()
+        MonitorConfig(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
+        self._run_id, self._collector, self._options = run_id, collector, options
+        self.monitor: Monitor | None = None
+        self._undo: list[Any] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.close()  # a second train() on the same callback starts afresh
+        trainer = _find_trainer(self)
+        target = getattr(trainer, "model_wrapped", None) or model
+        if target is None:
+            warnings.warn("nanwatch: the trainer handed the callback no model; nothing is monitored",
+                          RuntimeWarning, stacklevel=2)
+            return
+        options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
+        config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
+        self.monitor = Monitor(target, config).attach()
+        if optimizer is not None:
+            self._undo.append(_OptimizerStep(optimizer, self.monitor))
+        if trainer is not None and type(trainer).__module__.startswith("trl."):
+            from nanwatch.integrations.trl import instrument
+
+            handle = instrument(trainer, self.monitor)
+            if handle is not None:
+                self._undo.append(handle)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.begin_step(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            # global_step was incremented just before this event: the step that ran is the one opened
+            self.monitor.end_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Detach (reporting a step left open) and undo every wrap. Also done at interpreter exit."""
+        while self._undo:
+            self._undo.pop().remove()
+        if self.monitor is not None:
+            self.monitor.close(timeout)
+            self.monitor = None

@@ -1,0 +1,112 @@
+"""TRL's ``GRPOTrainer``: logprob, ratio and KL health without a subclass.
+
+TRL offers no public hook that sees the per-token tensors (callbacks get no tensors; ``compute_loss_func``
+is not used by GRPO), so this adapter wraps two methods on the trainer *instance*, and checks first that
+they still are what it was written against (TRL 1.14-1.16). If they changed, it warns loudly and does
+nothing: monitoring never breaks training, and a silent wrong figure would be worse than none.
+
+* ``_get_per_token_logps_and_entropies``: its call with ``compute_entropy=True`` is the loss's own
+  forward, whose log-probabilities (with grad) are kept for the step;
+* ``_compute_loss(model, inputs)``: after it, ``inputs`` holds ``completion_mask``, the per-sequence
+  ``advantages``, and, when TRL computed them, ``old_per_token_logps`` (``num_iterations > 1``) and
+  ``ref_per_token_logps`` (``beta > 0``). They go to ``Monitor.rlhf``.
+
+The KL is labelled as TRL optimises it: k3 = exp(ref - logp) - (ref - logp) - 1, multiplied by the
+importance ratio when ``use_bias_correction_kl`` is on (TRL's default), reported as ``kl_k3_ratio_mean``
+next to nanwatch's unweighted k1/k3.
+
+TRL's fused LM head never materialises logits (``lm_head.forward`` does not run in the training forward):
+the Monitor measures the fused head's ``log_probs`` in their place and says so in the report.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import warnings
+from typing import Any
+
+from nanwatch.hooks.facade import Monitor
+
+__all__ = ["SUPPORTED", "instrument"]
+
+log = logging.getLogger("nanwatch")
+
+#: TRL releases this adapter was written and tested against (the methods it wraps are private)
+SUPPORTED = ((1, 14), (1, 16))
+_SIGNATURES = {
+    "_compute_loss": ("model", "inputs"),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep"),
+}
+
+
+def _fail(reason: str) -> None:
+    msg = (f"nanwatch: the TRL GRPO adapter is off: {reason}. Logprob, ratio and KL health will be missing "
+           "from the reports; attention, logits and gradients are still measured.")
+    log.error(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _version(v: str) -> tuple[int, int]:
+    parts = v.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+class _Instrumented:
+    def __init__(self, trainer: Any, monitor: Monitor) -> None:
+        self._trainer = trainer
+        local = threading.local()
+        get_logps, compute_loss = trainer._get_per_token_logps_and_entropies, trainer._compute_loss
+        beta = float(getattr(trainer, "beta", 0.0) or 0.0)
+        bias_corrected = bool(getattr(trainer.args, "use_bias_correction_kl", False))
+        kl = None if beta == 0.0 else ("k3_ratio" if bias_corrected else "k3")
+
+        def logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            out = get_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            if kwargs.get("compute_entropy"):  # only the loss's own forward asks for the entropy
+                local.logps = out[0]
+            return out
+
+        def loss(model, inputs):
+            local.logps = None
+            value = compute_loss(model, inputs)
+            lp = local.logps
+            if lp is not None:
+                mask = inputs.get("completion_mask")
+                if mask is not None and inputs.get("tool_mask") is not None:
+                    mask = mask * inputs["tool_mask"]
+                monitor.rlhf(logprobs=lp, old_logprobs=inputs.get("old_per_token_logps"),
+                             ref_logprobs=inputs.get("ref_per_token_logps"), advantages=inputs.get("advantages"),
+                             mask=mask, kl_optimised=kl)
+            return value
+
+        trainer._get_per_token_logps_and_entropies = logps
+        trainer._compute_loss = loss
+
+    def remove(self) -> None:
+        for name in _SIGNATURES:
+            self._trainer.__dict__.pop(name, None)
+
+
+def instrument(trainer: Any, monitor: Monitor) -> _Instrumented | None:
+    """Wrap a TRL ``GRPOTrainer`` instance (other TRL trainers are left alone). Returns a handle whose
+    ``remove()`` undoes it, or None (with a loud warning) when this TRL is not one the adapter knows."""
+    try:
+        import trl
+        from trl import GRPOTrainer
+    except ImportError:
+        return None
+    if not isinstance(trainer, GRPOTrainer):
+        return None
+    version = _version(trl.__version__)
+    if not SUPPORTED[0] <= version <= SUPPORTED[1]:
+        _fail(f"TRL {trl.__version__} is outside the tested {SUPPORTED[0]}..{SUPPORTED[1]}")
+        return None
+    for name, expected in _SIGNATURES.items():
+        method = getattr(type(trainer), name, None)
+        params = tuple(inspect.signature(method).parameters)[1:] if method is not None else ()
+        if params[: len(expected)] != expected:
+            _fail(f"GRPOTrainer.{name} is not ({', '.join(expected)}, ...) in TRL {trl.__version__}")
+            return None
+    return _Instrumented(trainer, monitor)

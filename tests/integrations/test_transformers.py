@@ -1,0 +1,225 @@
+"""NanwatchCallback inside a real HF Trainer, with what Trainer turns on: gradient accumulation, gradient
+checkpointing (non-reentrant, HF's default) and bf16 autocast (CPU). Tiny Qwen3 from a config."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import urllib.request
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import CollectorProcess, tiny_qwen3
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from nanwatch.integrations.transformers import NanwatchCallback  # noqa: E402
+from nanwatch.wire import Directive  # noqa: E402
+
+GA, LAYERS = 4, ("model.layers.0.self_attn", "model.layers.1.self_attn")
+
+
+def _dataset(n: int = 40, s: int = 12):
+    from datasets import Dataset
+
+    ids = torch.randint(0, 64, (n, s), generator=torch.Generator().manual_seed(0)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=GA,
+                gradient_checkpointing=True, bf16=True, use_cpu=True, max_steps=4, logging_steps=1,
+                save_strategy="no", report_to="none", disable_tqdm=True, learning_rate=1e-3, seed=0)
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+class _StepOf(transformers.TrainerCallback):
+    """Tells the fault injector which optimizer step is running."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+def _model():
+    return tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def faulted_run(tmp_path_factory):
+    """Four optimizer steps of 4 micro-batches; at step 2 layer 1's query projection turns NaN."""
+    model, now = _model(), _StepOf()
+    real_calls: dict[int, int] = {}
+
+    def poison_query(module, args, out):
+        if now.step == 2:
+            out = out.clone()
+            out[0, 3] = math.nan
+            return out
+
+    def count_call(module, args, out):  # ground truth: training attention forwards, not checkpointing re-runs
+        if torch._C._current_graph_task_id() == -1 and module.training:
+            real_calls[now.step] = real_calls.get(now.step, 0) + 1
+
+    model.model.layers[1].self_attn.q_proj.register_forward_hook(poison_query)
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(count_call)
+    reports = []
+    tmp = tmp_path_factory.mktemp("trainer")
+    trainer = transformers.Trainer(model=model, args=_args(tmp, eval_strategy="steps", eval_steps=2),
+                                   train_dataset=_dataset(), eval_dataset=_dataset(4),
+                                   callbacks=[now, NanwatchCallback(run_id="trainer", on_report=reports.append)])
+    class Peek(transformers.TrainerCallback):  # what was attached, seen while training
+        def on_step_end(self, args, state, control, **kwargs):
+            _ATTACHED_HOOKS.extend(model.model.layers[0].self_attn._forward_hooks.values())
+
+    trainer.add_callback(Peek())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return reports, real_calls, trainer
+
+
+_ATTACHED_HOOKS: list = []
+
+
+def test_trainer_steps_are_reported_once_per_optimizer_step(faulted_run):
+    reports, _, trainer = faulted_run
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    # detached when training ended: no nanwatch hook is left on the model or its parameters
+    def ours(hook) -> bool:
+        return getattr(getattr(hook, "func", hook), "__module__", "").startswith("nanwatch")
+
+    modules = list(trainer.model.modules())
+    assert not [h for m in modules for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values() if ours(h)]
+    assert not [h for p in trainer.model.parameters() for h in (p._backward_hooks or {}).values() if ours(h)]
+    assert any(ours(h) for h in _ATTACHED_HOOKS)  # the check above can see nanwatch's hooks
+
+
+def test_a_fault_at_a_known_layer_and_step_is_named_there(faulted_run):
+    reports, _, _ = faulted_run
+    assert [r.first_offender for r in reports[:2]] == [None, None]
+    r = reports[2]
+    # CPU flash hides a NaN query in its output; the query read pins it to the right layer anyway
+    assert (r.first_offender, r.first_offender_phase, r.first_offender_stage) == (
+        "model.layers.1.self_attn.query", "forward", "train")
+    out = next(s for s in r.sites if (s.site, s.phase) == ("model.layers.1.self_attn", "forward"))
+    assert out.nan == 0  # the output really was finite: without the query read, this layer looked clean
+
+
+def test_call_counts_equal_real_attention_calls_under_checkpointing(faulted_run):
+    reports, real_calls, _ = faulted_run
+    for r in reports:
+        assert real_calls[r.step] == len(LAYERS) * GA
+        assert sum(c.calls for c in r.sdpa if c.stage == "train") == real_calls[r.step]
+        c = r.coverage
+        every = sum(x.calls for x in r.sdpa)  # eval's calls too, labelled eval
+        assert (c.attention_calls, c.attention_probed, c.recomputed_calls) == (every, every, 8), c
+        assert sum(s.calls for s in r.sites if (s.site, s.phase, s.stage) == (LAYERS[0], "forward", "train")) == GA
+
+
+def test_the_logit_bound_is_present_every_step(faulted_run):
+    reports, _, _ = faulted_run
+    for r in reports:
+        assert sorted(lg.layer for lg in r.logits) == sorted(LAYERS), r.step
+        assert all(lg.source == "lse" for lg in r.logits)
+        assert "no_logit_bound" not in r.coverage.unmeasured
+    assert all(math.isfinite(lg.bound) and lg.bound > 0 for r in reports[:2] for lg in r.logits)
+
+
+def test_backend_and_dtype_are_what_ran_under_autocast(faulted_run):
+    reports, _, _ = faulted_run
+    for r in reports:
+        for c in r.sdpa:
+            if c.stage == "train":
+                assert (c.backend, c.predicted, c.confirmed, c.dtype, c.reason) == (
+                    "cpu_flash", "cpu_flash", True, "bfloat16", None), c
+    # ground truth, without nanwatch: what autocast hands SDPA (fp32 q/k after the norms, bf16 v) runs
+    # as bf16 CPU flash
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    v = torch.randn(2, 4, 8, 16).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, q, v, is_causal=True)
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert out.dtype == torch.bfloat16
+
+
+def test_eval_forwards_are_labelled_and_kept_out_of_the_training_figures(faulted_run):
+    reports, _, _ = faulted_run
+    stages = {s.stage for r in reports for s in r.sites}
+    assert stages == {"train", "eval"}
+    evals = [r for r in reports if any(s.stage == "eval" for s in r.sites)]
+    assert evals, "the evaluation's forwards were not seen"
+    for r in evals:
+        assert all(s.phase == "forward" for s in r.sites if s.stage == "eval")
+        assert sum(c.calls for c in r.sdpa if c.stage == "train") == len(LAYERS) * GA  # not inflated
+
+
+def test_skip_step_directive_is_honoured_through_the_wrapped_optimizer(tmp_path):
+    model, now = _model(), _StepOf()
+
+    def poison(module, args, out):
+        return out * math.nan if now.step == 1 else out
+
+    model.model.layers[0].mlp.register_forward_hook(poison)
+
+    class Offer(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            cb.monitor.directives.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=0))
+
+    cb = NanwatchCallback(run_id="skip")
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=3), train_dataset=_dataset(),
+                                   callbacks=[now, cb, Offer()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    # the NaN step's update was skipped (gradient clipping had made every gradient NaN): weights stay finite
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not hasattr(trainer.optimizer, "__dict__") or "step" not in trainer.optimizer.__dict__  # unwrapped
+
+
+_CRASH = textwrap.dedent("""
+    import sys, warnings
+    import torch, transformers
+    sys.path.insert(0, {tests!r})
+    from support import tiny_qwen3
+    from datasets import Dataset
+    from nanwatch.integrations.transformers import NanwatchCallback
+    warnings.simplefilter("ignore")
+    model = tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = []
+    def explode(module, args, out):  # like TRL's sampler raising on a NaN probability
+        calls.append(1)
+        if len(calls) == 6:  # step 1, second micro-batch
+            raise FloatingPointError("sampler saw a NaN probability")
+        return out * float("nan") if len(calls) >= 5 else out
+    model.model.layers[0].mlp.register_forward_hook(explode)
+    args = transformers.TrainingArguments(output_dir={out!r}, per_device_train_batch_size=2,
+        gradient_accumulation_steps=4, use_cpu=True, max_steps=3, save_strategy="no", report_to="none",
+        disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Dataset.from_dict({{"input_ids": ids, "labels": ids}}),
+        callbacks=[NanwatchCallback(run_id="crash", collector={url!r})]).train()
+""")
+
+
+@pytest.mark.slow
+def test_a_crashing_steps_report_reaches_the_collector(tmp_path):
+    tests = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        script = _CRASH.format(tests=tests, out=str(tmp_path / "out"), url=c.url)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "sampler saw a NaN probability" in proc.stderr, proc.stderr[-2000:]
+        with urllib.request.urlopen(f"{c.url}/v1/runs/crash", timeout=10) as resp:
+            run = json.loads(resp.read())
+    assert run["latest_step"] == 1  # the step that crashed was reported, at interpreter exit
+    assert run["first_offender"]["site"] == "model.layers.1.self_attn" and run["first_offender"]["step"] == 1
+    assert run["nonfinite_total"] > 0

@@ -10,12 +10,14 @@ directive's step, and training goes on with finite losses. Nothing is simulated 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["main"]
@@ -39,31 +41,47 @@ def _batch(step: int, seq: int = 32):
     return (start + torch.arange(seq)) % 64
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+def _get(url: str) -> bytes:
+    req = urllib.request.Request(url)
+    if os.environ.get("NANWATCH_TOKEN"):
+        req.add_header("Authorization", f"Bearer {os.environ['NANWATCH_TOKEN']}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
 
 
-def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, quiet: bool = False) -> dict:
-    """The demo, returning what happened; ``main`` prints it."""
-    import torch
-
-    import nanwatch
+@contextlib.contextmanager
+def _collector(url: str | None, margin: int, db_dir: Path) -> Iterator[str]:
+    """An external collector's URL as it is, or a real one started here on loopback."""
+    if url is not None:
+        yield url.rstrip("/")
+        return
     from nanwatch.monitor.server import BackgroundServer
     from nanwatch.monitor.settings import Settings
 
-    say = (lambda *a: None) if quiet else print
     settings = Settings(host="127.0.0.1", port=0, db_path=str(db_dir / "nanwatch.db"),
                         directive_margin_steps=margin, log_level="warning")
-    rows: list[dict] = []
     with BackgroundServer(settings) as srv:
-        say(f"collector: {srv.url} (SQLite at {settings.db_path})")
+        yield srv.url
+
+
+def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, quiet: bool = False,
+        collector: str | None = None, run_id: str = "demo") -> dict:
+    """The demo, returning what happened; ``main`` prints it. ``collector``: report to that collector
+    (its own settings apply) instead of starting one."""
+    import torch
+
+    import nanwatch
+
+    say = (lambda *a: None) if quiet else print
+    rows: list[dict] = []
+    with _collector(collector, margin, db_dir) as url:
+        say(f"collector: {url}" + ("" if collector else " (in-process, SQLite in a temp dir)"))
         model = _model(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         attn = model.model.layers[0].self_attn
         say(f"model: Qwen3 2 layers, fp16, eager attention; logit growth injected at step {spike_at}\n")
         say(f"{'step':>4}  {'loss':>7}  {'non-finite':>10}  {'first offender':<36} {'mode':<6} note")
-        with nanwatch.attach(model, run_id="demo", collector=srv.url) as mon:
+        with nanwatch.attach(model, run_id=run_id, collector=url) as mon:
             for n in range(steps):
                 note = ""
                 if n == spike_at:
@@ -89,11 +107,11 @@ def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, 
                 rows.append(row)
                 fo = f"{r.first_offender} ({r.first_offender_phase})" if r.first_offender else "-"
                 say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<36} {row['mode']:<6} {note}")
-        state = _get(f"{srv.url}/v1/runs/demo")
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
-            metrics = [ln for ln in r.read().decode().splitlines()
-                       if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
-                                         "nanwatch_attention_mode", "nanwatch_attention_logit_max"))]
+        state = json.loads(_get(f"{url}/v1/runs/{run_id}"))
+        metrics = [ln for ln in _get(url + "/metrics").decode().splitlines()
+                   if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
+                                     "nanwatch_attention_mode", "nanwatch_attention_logit_max"))
+                   and f'run_id="{run_id}"' in ln]
     return {"rows": rows, "events": state.get("events", []), "metrics": metrics}
 
 
@@ -102,9 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--spike-at", type=int, default=8)
     p.add_argument("--margin", type=int, default=3, help="collector's directive margin, in steps")
+    p.add_argument("--collector", help="report to this collector (default: start one in-process)")
+    p.add_argument("--run-id", default="demo")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="nanwatch-demo-") as d:
-        out = run(steps=args.steps, spike_at=args.spike_at, margin=args.margin, db_dir=Path(d))
+        out = run(steps=args.steps, spike_at=args.spike_at, margin=args.margin, db_dir=Path(d),
+                  collector=args.collector, run_id=args.run_id)
     print("\ncollector events:")
     for e in out["events"]:
         print(f"  step {e['step']}: {e['kind']:<26} {e['site'] or '':<28} {e['actor'] or ''}")

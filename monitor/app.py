@@ -48,7 +48,7 @@ def _resources(settings: Settings) -> Resources:
                                  margin_steps=settings.directive_margin_steps, current=loaded.directives)
     policy = Policy(settings.rules, logit_tau=settings.logit_tau, directives=directive_log, events=events)
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(StateCollector(state, directive_log))
+    registry.register(StateCollector(state, directive_log, logit_tau=settings.logit_tau))
     enc = {k: v.encode() for k, v in settings.ingest_tokens().items()}
     adm = {k: v.encode() for k, v in settings.admin_token_map().items()}
     return Resources(store=store, state=state, events=events, polls=polls, directives=directive_log,

@@ -7,6 +7,7 @@ Per-layer and per-site series are aggregated over ranks here (max or sum): never
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterable, Iterator
 
@@ -20,6 +21,10 @@ from nanwatch.monitor.state import CollectorState
 __all__ = ["StateCollector"]
 
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
+#: RLHF figures and how they combine over ranks (each rank's latest step)
+_RLHF = {"ratio_max": max, "kl_k1_max": max, "kl_k3_max": max, "logprob_min": min,
+         "clip_fraction": statistics.fmean, "kl_k1_mean": statistics.fmean, "kl_k3_mean": statistics.fmean,
+         "kl_k3_ratio_mean": statistics.fmean, "advantage_std": statistics.fmean}
 
 
 def _max(values: Iterable[float]) -> float:
@@ -34,9 +39,10 @@ def _max(values: Iterable[float]) -> float:
 
 
 class StateCollector(Collector):
-    def __init__(self, state: CollectorState, directives: DirectiveLog) -> None:
+    def __init__(self, state: CollectorState, directives: DirectiveLog, *, logit_tau: float) -> None:
         self._state = state
         self._directives = directives
+        self._tau = logit_tau
 
     def describe(self) -> Iterator[Metric]:
         # Families are dynamic; describing them empty keeps registration from calling collect().
@@ -53,6 +59,11 @@ class StateCollector(Collector):
                 f["nanwatch_events_total"].add_metric([run_id, kind], n)
             if not state.is_live(run, now):
                 continue
+            fo = run.first_offender
+            if fo is not None:
+                f["nanwatch_first_offender_info"].add_metric(
+                    [run_id, fo.site or "", str(fo.detail.get("phase") or ""), str(fo.detail.get("stage") or "train"),
+                     "" if fo.rank is None else str(fo.rank)], 1)
             live = state.live_ranks(run, now)
             f["nanwatch_live_ranks"].add_metric([run_id], len(live))
             d = self._directives.current(run_id)
@@ -76,6 +87,10 @@ class StateCollector(Collector):
                 f["nanwatch_attention_logit_max"].add_metric([run_id, layer], _max(bounds))
             for kind, hs in kinds.items():
                 f["nanwatch_tensor_headroom_ratio"].add_metric([run_id, kind], _max(hs))
+            for stat, combine in _RLHF.items():
+                values = [v for st in live if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
+                if values:
+                    f["nanwatch_rlhf_stat"].add_metric([run_id, stat], combine(values))
             for (fam, labels), value in counters.items():
                 if fam == "site":
                     f["nanwatch_site_nonfinite_values_total"].add_metric([run_id, *labels], value)
@@ -83,6 +98,7 @@ class StateCollector(Collector):
                     f["nanwatch_sdpa_calls_total"].add_metric([run_id, *labels], value)
                 elif fam == "unmeasured":
                     f["nanwatch_unmeasured_steps_total"].add_metric([run_id, *labels], value)
+        f["nanwatch_collector_logit_tau"].add_metric([], self._tau)
         f["nanwatch_collector_reports_accepted_total"].add_metric([], state.accepted)
         f["nanwatch_collector_reports_duplicate_total"].add_metric([], state.duplicates)
         for reason, n in state.rejected.items():

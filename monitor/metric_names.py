@@ -42,6 +42,13 @@ _SPECS = (
     MetricSpec("nanwatch_reports_dropped_total", "counter", ("run_id", "rank"),
                "Reports the trainer could not deliver (cumulative per trainer incarnation)."),
     # added by the collector (not in design.md's table)
+    MetricSpec("nanwatch_first_offender_info", "gauge", ("run_id", "site", "pass", "stage", "rank"),
+               "Where the run's first non-finite value was reported (always 1; from the event log)."),
+    MetricSpec("nanwatch_rlhf_stat", "gauge", ("run_id", "stat"),
+               "Policy-gradient health in the latest step over live ranks: ratio_max, kl_*_max (max over "
+               "ranks), logprob_min (min), clip_fraction, kl_*_mean, advantage_std (mean over ranks)."),
+    MetricSpec("nanwatch_collector_logit_tau", "gauge", (),
+               "The attention-logit threshold tau of the collector's rules (NANWATCH_LOGIT_TAU)."),
     MetricSpec("nanwatch_unmeasured_steps_total", "counter", ("run_id", "reason"),
                "Step reports, summed over ranks, in which part of the step went unmeasured, by reason "
                "(no_forward, no_attention, compiled, no_logits, no_logit_bound)."),

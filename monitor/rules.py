@@ -34,11 +34,11 @@ class Policy:
 
         n = rank.nonfinite if rank is not None else r.nonfinite_total
         if (n or r.first_offender) and not self._events.has(run_id, "first_nonfinite"):
-            site, phase = r.first_offender, r.first_offender_phase
+            site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
             if site is None:
                 hit = next(s for s in r.sites if s.nan or s.inf)
-                site, phase = hit.site, hit.phase
-            event("first_nonfinite", "first_nonfinite", site=site, phase=phase, nonfinite=n)
+                site, phase, stage = hit.site, hit.phase, hit.stage
+            event("first_nonfinite", "first_nonfinite", site=site, phase=phase, stage=stage or "train", nonfinite=n)
         if previous_mode is not None and rank is not None and rank.mode != previous_mode:
             if rank.mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,

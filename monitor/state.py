@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nanwatch.monitor.store import EventRow, Loaded
-from nanwatch.wire import StepReport, dtype_name
+from nanwatch.wire import RlhfStat, StepReport, dtype_name
 
 __all__ = ["CollectorState", "RankState", "RunState"]
 
@@ -38,6 +38,7 @@ class RankState:
     first_offender_phase: str | None = None
     headroom: dict[str, float] = field(default_factory=dict)
     logits: dict[str, float] = field(default_factory=dict)
+    rlhf: RlhfStat | None = None
 
 
 @dataclass(slots=True)
@@ -173,7 +174,7 @@ class CollectorState:
             rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
             seen=seen, world_size=r.world_size, mode=r.attention_mode, directive_version=r.directive_version,
             dropped=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
-            first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits)
+            first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
         return st, previous_mode, changed
 
     def live_ranks(self, run: RunState, now: float) -> list[RankState]:

@@ -31,7 +31,11 @@ def test_silent_rank_series_disappear_after_ttl(tmp_path):
             _post(c.url, step_report(run_id="ttl", rank=0, seq=seq))
             seq += 1
             time.sleep(0.1)
-        assert not any(dict(labels).get("rank") == "1" for _, labels in s)
+        # per-rank series are gone; the run's first-offender record (one series per run) still names rank 1
+        assert not any(dict(labels).get("rank") == "1" for name, labels in s if name != "nanwatch_first_offender_info")
+        assert ("nanwatch_first_offender_info", frozenset({("run_id", "ttl"), ("site", "model.layers.0.self_attn"),
+                                                           ("pass", "forward"), ("stage", "train"),
+                                                           ("rank", "1")})) in s
         assert ("nanwatch_attention_mode", frozenset({("run_id", "ttl"), ("rank", "0"), ("mode", "none")})) in s
         # rank 1 comes back: its counter resumes from its total instead of resetting
         _post(c.url, step_report(run_id="ttl", rank=1, seq=1))

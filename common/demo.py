@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import tempfile
 import time
 import urllib.request
@@ -42,9 +41,12 @@ def _batch(step: int, seq: int = 32):
 
 
 def _get(url: str) -> bytes:
+    from nanwatch.hooks.config import default_token
+
     req = urllib.request.Request(url)
-    if os.environ.get("NANWATCH_TOKEN"):
-        req.add_header("Authorization", f"Bearer {os.environ['NANWATCH_TOKEN']}")
+    token = default_token()
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.read()
 

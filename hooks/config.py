@@ -13,7 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["MonitorConfig", "default_is_attention"]
+__all__ = ["MonitorConfig", "default_is_attention", "default_token"]
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
 _RUN_ID = TypeAdapter(RunId)
@@ -23,6 +23,20 @@ def default_is_attention(name: str, module: torch.nn.Module) -> bool:
     """Attention-like modules by class name: HF's ``*Attention``, ``*Attn``, and linear-attention layers
     such as Qwen3.5's ``*GatedDeltaNet``. Only the innermost match is instrumented."""
     return bool(_ATTENTION_NAME.search(type(module).__name__))
+
+
+def default_token() -> str | None:
+    """The ingest token from the environment: ``NANWATCH_TOKEN``, else the file ``NANWATCH_TOKEN_FILE``
+    names (a mounted secret), else None."""
+    token = os.environ.get("NANWATCH_TOKEN")
+    path = os.environ.get("NANWATCH_TOKEN_FILE")
+    if not token and path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the ingest token file NANWATCH_TOKEN_FILE={path!r}: {e}") from e
+    return token or None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,7 +50,7 @@ class MonitorConfig:
     """Base URL of the collector (``http://host:port``); None keeps reports in-process only."""
 
     token: str | None = None
-    """Ingest bearer token for the collector; default: the ``NANWATCH_TOKEN`` environment variable."""
+    """Ingest bearer token for the collector; default: ``NANWATCH_TOKEN``, or the file ``NANWATCH_TOKEN_FILE``."""
 
     rank: int | None = None
     """This process's rank; default: torch.distributed's rank if initialised, else ``$RANK``, else 0."""
@@ -97,4 +111,4 @@ class MonitorConfig:
             if not ok:
                 raise ValueError(f"collector must be an http(s)://host[:port] URL, got {self.collector!r}")
         if self.token is None:
-            self.token = os.environ.get("NANWATCH_TOKEN") or None
+            self.token = default_token()

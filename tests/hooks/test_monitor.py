@@ -399,3 +399,18 @@ def test_bad_watch_arguments_warn_and_keep_the_step_report():
             pass
     assert r is not None and r.first_offender == "ok"
     assert [s.site for s in r.sites] == ["ok"]
+
+
+def test_the_ingest_token_comes_from_the_environment_or_a_secret_file(tmp_path, monkeypatch):
+    from nanwatch.hooks.config import MonitorConfig
+
+    monkeypatch.delenv("NANWATCH_TOKEN", raising=False)
+    (tmp_path / "tok").write_text("s3cret\n")
+    monkeypatch.setenv("NANWATCH_TOKEN_FILE", str(tmp_path / "tok"))
+    assert MonitorConfig(run_id="t").token == "s3cret"
+    monkeypatch.setenv("NANWATCH_TOKEN", "from-env")  # the variable wins over the file
+    assert MonitorConfig(run_id="t").token == "from-env"
+    monkeypatch.delenv("NANWATCH_TOKEN")
+    monkeypatch.setenv("NANWATCH_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="NANWATCH_TOKEN_FILE"):
+        MonitorConfig(run_id="t")

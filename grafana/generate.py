@@ -1,0 +1,510 @@
+"""nanwatch's Grafana dashboards, built in Python with grafana-foundation-sdk (never hand-written JSON).
+
+Regenerate the checked-in JSON after editing this file (from the repository root)::
+
+    python grafana/generate.py           # writes grafana/dashboards/run-health.json and fleet.json
+    python grafana/generate.py --check   # writes nothing; exits 1 naming the files that drifted
+
+tests/deploy/test_grafana.py runs the check, and checks every query against the collector's metric table
+and the recording rules in deploy/prometheus/rules/, with promtool.
+
+Every panel, target and annotation takes its data source from the dashboard variable ``datasource`` (type
+prometheus). Its default is the data source Grafana provisions with the fixed uid ``nanwatch-prometheus``
+(grafana/provisioning/datasources/prometheus.yml), so the dashboards open on it; any other Prometheus can
+be picked in the variable.
+
+SDK gaps worked around here (grafana-foundation-sdk 1769699379!11.6.0): the dashboard AnnotationQuery
+model lacks ``titleFormat``/``textFormat``/``tagKeys``, which Grafana's Prometheus data source reads from an
+annotation (:class:`PromAnnotation` adds them); transformation options are untyped (plain dicts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+__all__ = ["DATASOURCE_UID", "dashboards", "main", "panel_queries", "render"]
+
+OUT_DIR = Path(__file__).resolve().parent / "dashboards"
+#: uid of the provisioned Prometheus data source (grafana/provisioning/datasources/prometheus.yml)
+DATASOURCE_UID = "nanwatch-prometheus"
+#: the alerts' dashboard_url annotations link to these uids (deploy/prometheus/rules/)
+RUN_HEALTH_UID = "nanwatch-run-health"
+FLEET_UID = "nanwatch-fleet"
+TAGS = ["nanwatch"]
+
+#: every panel, target and annotation queries the data source the ``datasource`` variable picks
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+RUN = 'run_id="$run_id"'
+RUN_RANK = 'run_id="$run_id", rank=~"$rank"'
+
+GREEN, ORANGE, RED = "green", "orange", "red"
+
+
+# ----------------------------------------------------------------------------------- building blocks
+
+
+class _PromAnnotationModel(dm.AnnotationQuery):
+    """The SDK's AnnotationQuery plus what the Prometheus data source reads from an annotation: the
+    legend-style ``titleFormat``/``textFormat`` and ``tagKeys`` (labels that become tags)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.title_format: str | None = None
+        self.text_format: str | None = None
+        self.tag_keys: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        payload = super().to_json()
+        extra = {"titleFormat": self.title_format, "textFormat": self.text_format, "tagKeys": self.tag_keys}
+        payload.update({key: value for key, value in extra.items() if value is not None})
+        return payload
+
+
+class PromAnnotation(db.AnnotationQuery):
+    """``db.AnnotationQuery`` building a :class:`_PromAnnotationModel`."""
+
+    _internal: _PromAnnotationModel
+
+    def __init__(self) -> None:
+        self._internal = _PromAnnotationModel()
+
+    def title_format(self, fmt: str) -> PromAnnotation:
+        self._internal.title_format = fmt
+        return self
+
+    def text_format(self, fmt: str) -> PromAnnotation:
+        self._internal.text_format = fmt
+        return self
+
+    def tag_keys(self, keys: str) -> PromAnnotation:
+        self._internal.tag_keys = keys
+        return self
+
+
+def query(expr: str, legend: str | None = None, *, ref: str = "A", instant: bool = False,
+          as_table: bool = False) -> prometheus.Dataquery:
+    """A Prometheus target: a range query unless ``instant``; ``as_table`` for table panels."""
+    q = prometheus.Dataquery().expr(expr).ref_id(ref).datasource(DS)
+    q = q.instant() if instant else q.range()
+    if legend is not None:
+        q = q.legend_format(legend)
+    if as_table:
+        q = q.format(PromQueryFormat.TABLE)
+    return q
+
+
+def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
+    """Absolute thresholds; the first step's value is None (the base colour)."""
+    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+        [dm.Threshold(value=value, color=color) for value, color in steps])
+
+
+def fixed_color(color: str) -> dm.DynamicConfigValue:
+    """An override property: one fixed colour."""
+    return dm.DynamicConfigValue(
+        id_val="color", value=dm.FieldColor(mode=dm.FieldColorModeId.FIXED, fixed_color=color))
+
+
+def _common(panel: Any, title: str, description: str, w: int, h: int) -> Any:
+    """What every panel shares: title, description, size, the ``${datasource}`` data source."""
+    return panel.title(title).description(description).span(w).height(h).datasource(DS)
+
+
+def ts_panel(title: str, description: str, *targets: prometheus.Dataquery, unit: str = "short",
+             w: int = 12, h: int = 8) -> timeseries.Panel:
+    """A time series with a table legend (last and max) and a shared tooltip."""
+    legend = (cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.TABLE).placement(cm.LegendPlacement.BOTTOM)
+              .show_legend(True).calcs(["lastNotNull", "max"]))
+    tooltip = cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING)
+    panel = (_common(timeseries.Panel(), title, description, w, h).unit(unit).legend(legend).tooltip(tooltip)
+             .line_width(1).fill_opacity(10).show_points(cm.VisibilityMode.NEVER))
+    for target in targets:
+        panel = panel.with_target(target)
+    return panel
+
+
+def stat_panel(title: str, description: str, target: prometheus.Dataquery, steps: db.ThresholdsConfig, *,
+               text_mode: cm.BigValueTextMode = cm.BigValueTextMode.VALUE, w: int = 4, h: int = 5) -> stat.Panel:
+    """A single value (the last one), its background coloured by the thresholds."""
+    return (_common(stat.Panel(), title, description, w, h).with_target(target).thresholds(steps)
+            .color_mode(cm.BigValueColorMode.BACKGROUND).graph_mode(cm.BigValueGraphMode.NONE)
+            .text_mode(text_mode).reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+
+
+def timeline_panel(title: str, description: str, target: prometheus.Dataquery, *, w: int = 12,
+                   h: int = 8) -> statetimeline.Panel:
+    """A state timeline of an info-style gauge (always 1): one row per label set, present or absent."""
+    return (_common(statetimeline.Panel(), title, description, w, h).with_target(target)
+            .show_value(cm.VisibilityMode.NEVER).merge_values(True).row_height(0.8).fill_opacity(80)
+            .color_scheme(db.FieldColor().mode(dm.FieldColorModeId.PALETTE_CLASSIC_BY_NAME))
+            .legend(cb.VizLegendOptions().show_legend(False)))
+
+
+def organize(*, exclude: list[str], order: list[str], rename: dict[str, str]) -> dm.DataTransformerConfig:
+    """The ``organize`` transformation: hide, order and rename table columns."""
+    return dm.DataTransformerConfig(id_val="organize", options={
+        "excludeByName": {name: True for name in exclude},
+        "indexByName": {name: i for i, name in enumerate(order)},
+        "renameByName": rename,
+    })
+
+
+def base_dashboard(uid: str, title: str, description: str) -> db.Dashboard:
+    """Shared settings, the ``datasource`` variable and a link menu to the nanwatch dashboards."""
+    datasource = (db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+                  .current(dm.VariableOption(text="Prometheus", value=DATASOURCE_UID)))
+    others = (db.DashboardLink("nanwatch").type(dm.DashboardLinkType.DASHBOARDS).tags(TAGS).as_dropdown(True)
+              .include_vars(True).keep_time(True))
+    return (db.Dashboard(title).uid(uid).description(description).tags(TAGS).time("now-1h", "now")
+            .refresh("30s").timezone("browser").tooltip(dm.DashboardCursorSync.CROSSHAIR).editable()
+            .with_variable(datasource).link(others))
+
+
+def builtin_annotation() -> db.AnnotationQuery:
+    """Grafana's own annotations and alerts (what every dashboard gets by default)."""
+    return (db.AnnotationQuery().name("Annotations & Alerts").type("dashboard").built_in(1).enable(True)
+            .hide(True).icon_color("rgba(0, 211, 255, 1)")
+            .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --")))
+
+
+# ----------------------------------------------------------------------------------- run health
+
+
+def run_health_variables(d: db.Dashboard) -> db.Dashboard:
+    """``run_id`` (the runs seen in the time range) and ``rank`` (its ranks; multi, All = any rank)."""
+    run_id = (db.QueryVariable("run_id").label("Run").datasource(DS)
+              .query("label_values(nanwatch_live_ranks, run_id)")
+              .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
+    rank = (db.QueryVariable("rank").label("Rank").datasource(DS)
+            .query('label_values(nanwatch_last_report_timestamp_seconds{run_id="$run_id"}, rank)')
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.NUMERICAL_ASC)
+            .multi(True).include_all(True).all_value(".*").current(dm.VariableOption(text="All", value="$__all")))
+    return d.with_variable(run_id).with_variable(rank)
+
+
+def new_or_increased(series: str) -> str:
+    """Per series: its value if it is new within the interval (increase() needs an earlier sample, so a
+    counter's first event would be lost), else its increase over the interval (0 when nothing happened)."""
+    return f"({series} unless {series} offset $__rate_interval)\n  or increase({series}[$__rate_interval])"
+
+
+def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
+    """Events of the collector's event log, and directive changes, as annotations on every panel.
+
+    Both queries return a series (value 0) while nothing happens and a positive value in an interval where
+    something did: Grafana's Prometheus annotations mark only the points above zero."""
+    counted = new_or_increased(f"nanwatch_events_total{{{RUN}}}")
+    events = f"sum by (kind) (\n  {counted}\n)"
+    directive = f"nanwatch_directive_info{{{RUN}}}"
+    # a new (mode, version) series is a directive change; "or 0 *" keeps the current one, at 0
+    changes = (f"max by (mode, version) (\n  ({directive} unless {directive} offset $__rate_interval)\n"
+               f"  or 0 * {directive}\n)")
+    return (d.annotation(builtin_annotation())
+            .annotation(PromAnnotation().name("nanwatch events").datasource(DS).enable(True).icon_color(RED)
+                        .expr(events).title_format("{{kind}}").text_format("nanwatch event: {{kind}}")
+                        .tag_keys("kind"))
+            .annotation(PromAnnotation().name("Directive changes").datasource(DS).enable(True)
+                        .icon_color("purple").expr(changes).title_format("directive {{mode}} (v{{version}})")
+                        .text_format("directive now {{mode}}, version {{version}}").tag_keys("mode")))
+
+
+def overview_panels() -> list[Any]:
+    first_offender = (
+        _common(table.Panel(), "First offender",
+                "Where the run's first non-finite value was seen (from the collector's event log).", 12, 5)
+        .with_target(query(f"nanwatch_first_offender_info{{{RUN}}}", instant=True, as_table=True))
+        .with_transformation(organize(exclude=["Time", "Value", "__name__", "run_id", "job", "instance"],
+                                      order=["site", "pass", "stage", "rank"],
+                                      rename={"site": "Site", "pass": "Pass", "stage": "Stage", "rank": "Rank"})))
+    return [
+        stat_panel("Live ranks", "Ranks that reported within the collector's TTL.",
+                   query(f"nanwatch_live_ranks{{{RUN}}}"), thresholds((None, RED), (1, GREEN))),
+        stat_panel("Non-finite values", "NaN and Inf elements seen so far on the selected ranks (forward and "
+                   "backward).", query(f"sum(nanwatch_nonfinite_values_total{{{RUN_RANK}}})"),
+                   thresholds((None, GREEN), (1, RED))),
+        stat_panel("Active directive", "The run's active directive (mode and version).",
+                   query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"),
+                   thresholds((None, "blue")), text_mode=cm.BigValueTextMode.NAME),
+        first_offender,
+    ]
+
+
+def nonfinite_panels() -> list[Any]:
+    by_site = (f"sum by (site, pass) (increase(nanwatch_site_nonfinite_values_total{{{RUN}}}"
+               "[$__rate_interval]))")
+    by_rank = (f"sum by (rank, pass, kind) (increase(nanwatch_nonfinite_values_total{{{RUN_RANK}}}"
+               "[$__rate_interval]))")
+    return [
+        ts_panel("Non-finite values by site and pass",
+                 "NaN + Inf elements per interval, by module site and pass, summed over ranks.",
+                 query(by_site, "{{site}} ({{pass}})")),
+        ts_panel("Non-finite values by rank and kind", "NaN and Inf elements per interval on the selected ranks.",
+                 query(by_rank, "rank {{rank}} {{pass}} {{kind}}")),
+    ]
+
+
+def attention_panels() -> list[Any]:
+    calls = f'sum by (backend) (rate(nanwatch_sdpa_calls_total{{{RUN}, stage="train"}}[$__rate_interval]))'
+    share = (ts_panel("SDPA backend share (train)", "Share of training attention calls by the SDPA backend "
+                      "that ran. Red is the math kernel: O(S^2) memory, and in half precision the silent "
+                      "fallback.", query(calls, "{{backend}}"), unit="percentunit", w=8)
+             .stacking(cb.StackingConfig().mode(cm.StackingMode.PERCENT)).fill_opacity(60)
+             .override_by_name("math", [fixed_color(RED)]))
+    tau_line = [fixed_color(RED),
+                dm.DynamicConfigValue(id_val="custom.lineStyle", value=cm.LineStyle(fill="dash", dash=[10, 10])),
+                dm.DynamicConfigValue(id_val="custom.lineWidth", value=2),
+                dm.DynamicConfigValue(id_val="custom.fillOpacity", value=0)]
+    logits = (ts_panel("Attention-logit bound per layer vs tau", "Upper bound on the max scaled QK logit, max "
+                       "over ranks and heads; the dashed red line is the collector's tau (NANWATCH_LOGIT_TAU).",
+                       query(f"nanwatch_attention_logit_max{{{RUN}}}", "{{layer}}"),
+                       query("max(nanwatch_collector_logit_tau)", "tau", ref="B"), w=8)
+              .override_by_name("tau", tau_line))
+    headroom = (ts_panel("Headroom by site kind", "amax / finfo.max per site kind, max over sites and ranks "
+                         "(log scale). 1 is the overflow edge; +Inf once an Inf was seen. The alert fires above "
+                         "0.1.", query(f"nanwatch_tensor_headroom_ratio{{{RUN}}}", "{{site_kind}}"), w=8)
+                .scale_distribution(cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(10))
+                .thresholds(thresholds((None, GREEN), (0.1, ORANGE), (1, RED)))
+                .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
+    return [share, logits, headroom]
+
+
+def rlhf_stat(stat_re: str) -> prometheus.Dataquery:
+    return query(f'nanwatch_rlhf_stat{{{RUN}, stat=~"{stat_re}"}}', "{{stat}}")
+
+
+def rlhf_panels() -> list[Any]:
+    return [
+        ts_panel("Policy ratio max", "Largest importance ratio pi/pi_old over the step's tokens (max over "
+                 "ranks).", rlhf_stat("ratio_max"), w=6),
+        ts_panel("KL (k1, k3, k3 x ratio means)", "Per-token KL estimators, mean over ranks; k3 x ratio is what "
+                 "TRL's GRPO optimises by default.", rlhf_stat("kl_k1_mean|kl_k3_mean|kl_k3_ratio_mean"), w=6),
+        ts_panel("Clip fraction", "Share of tokens whose ratio was clipped (mean over ranks).",
+                 rlhf_stat("clip_fraction"), unit="percentunit", w=6),
+        ts_panel("Min logprob", "Smallest token log-probability of the policy (min over ranks).",
+                 rlhf_stat("logprob_min"), w=6),
+    ]
+
+
+def mode_panels() -> list[Any]:
+    modes = (timeline_panel("Attention mode per rank", "The attention path each selected rank applies (none, "
+                            "fp32, fused, eager_to_sdpa, skip_step).",
+                            query(f"nanwatch_attention_mode{{{RUN_RANK}}}", "rank {{rank}}: {{mode}}"))
+             .override_by_regexp(".*: skip_step", [fixed_color(RED)])
+             .override_by_regexp(".*: none", [fixed_color(GREEN)]))
+    directive = (timeline_panel("Directive over time", "The run's directive over time (mode and version); its "
+                                "changes are also annotations on every panel.",
+                                query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"))
+                 .override_by_regexp("none .*", [fixed_color(GREEN)]))
+    return [modes, directive]
+
+
+def reporting_panels() -> list[Any]:
+    age = (ts_panel("Report age per rank", "Seconds since the collector last received a report from the rank "
+                    "(the stale-rank alert fires above 120 s).",
+                    query(f"time() - nanwatch_last_report_timestamp_seconds{{{RUN_RANK}}}", "rank {{rank}}"),
+                    unit="s", w=8)
+           .thresholds(thresholds((None, GREEN), (60, ORANGE), (120, RED)))
+           .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
+    dropped = ts_panel("Reports dropped", "Reports a trainer rank could not deliver (queue full or collector "
+                       "unreachable): those steps were never checked.",
+                       query(f"sum by (rank) (increase(nanwatch_reports_dropped_total{{{RUN_RANK}}}"
+                             "[$__rate_interval]))", "rank {{rank}}"), w=8)
+    # the counter exists only once a step went unmeasured: "(none)" at 0 until then, not "No data"
+    unmeasured = (f"sum by (reason) (increase(nanwatch_unmeasured_steps_total{{{RUN}}}[$__rate_interval]))\n"
+                  'or on () label_replace(vector(0), "reason", "(none)", "", "")')
+    return [age, dropped,
+            ts_panel("Unmeasured steps by reason", "Step reports in which part of the step went unmeasured, "
+                     "summed over ranks. \"compiled\" is a configuration (attention inside torch.compile is "
+                     "counted, not probed); the others mean nanwatch was blind. \"(none)\": no step went "
+                     "unmeasured.", query(unmeasured, "{{reason}}"), w=8)]
+
+
+def run_health() -> db.Dashboard:
+    d = base_dashboard(RUN_HEALTH_UID, "nanwatch run health",
+                       "Numerical health of one training run: non-finite values, SDPA backends, attention "
+                       "logits, headroom, RLHF statistics, attention modes and reporting.")
+    d = run_health_annotations(run_health_variables(d))
+    sections = [("Overview", overview_panels()), ("Non-finite values", nonfinite_panels()),
+                ("Attention and headroom", attention_panels()), ("RLHF", rlhf_panels()),
+                ("Attention mode and directive", mode_panels()),
+                ("Reporting and coverage", reporting_panels())]
+    for title, panels in sections:
+        # expanded rows: the panels follow the row (Grafana drops panels nested in an expanded row)
+        d = d.with_row(db.Row(title))
+        for panel in panels:
+            d = d.with_panel(panel)
+    return d
+
+
+# ----------------------------------------------------------------------------------- fleet
+
+#: one row per run: the query every column joins to; ``or 0 * LIVE`` gives a run without events a 0
+LIVE = "max by (run_id) (nanwatch_live_ranks)"
+
+
+class Column(NamedTuple):
+    """One column of the fleet table: an instant query by run_id, merged with the others on run_id.
+
+    (A NamedTuple, not a dataclass: a dataclass needs its module in sys.modules, and the tests load this
+    file with importlib.util.spec_from_file_location.)"""
+
+    ref: str
+    title: str
+    expr: str
+    steps: tuple[tuple[float | None, str], ...] = ()
+    """Cell background thresholds; none: the value as plain text."""
+    unit: str = "short"
+    label: str | None = None
+    """Show this label of the query's series instead of its value (an info metric's value is always 1)."""
+
+
+FLEET_COLUMNS = (
+    Column("A", "Live ranks", LIVE, ((None, RED), (1, GREEN))),
+    Column("B", "Non-finite (5m)", f"sum by (run_id) (run_id:nanwatch_nonfinite_values:increase5m)\nor 0 * {LIVE}",
+           ((None, GREEN), (0.001, RED))),
+    Column("C", "Math-backend half calls (5m)",
+           f"sum by (run_id) (run_id_dtype:nanwatch_sdpa_math_half_calls:increase5m)\nor 0 * {LIVE}",
+           ((None, GREEN), (0.001, RED))),
+    Column("D", "Max logit", "max by (run_id) (run_id:nanwatch_attention_logit_max:max)"),
+    Column("E", "Max logit / tau", "max by (run_id) (run_id:nanwatch_attention_logit_max:max)\n"
+           "/ on () group_left () max(nanwatch_collector_logit_tau)",
+           ((None, GREEN), (0.8, ORANGE), (1, RED)), unit="percentunit"),
+    Column("F", "Directive", "max by (run_id, mode) (nanwatch_directive_info)", label="mode"),
+    Column("G", "Worst report age", "max by (run_id) (run_id_rank:nanwatch_report_age:seconds)",
+           ((None, GREEN), (60, ORANGE), (120, RED)), unit="s"),
+)
+
+
+def run_link() -> dm.DashboardLink:
+    """The data link from a run_id cell to that run's health dashboard (same data source, same time)."""
+    return dm.DashboardLink(
+        title="Run health of ${__value.raw}", type_val=dm.DashboardLinkType.LINK,
+        url=f"/d/{RUN_HEALTH_UID}/nanwatch-run-health?var-datasource=${{datasource}}"
+            "&var-run_id=${__value.raw}&${__url_time_range}")
+
+
+def column_overrides(panel: table.Panel, col: Column) -> table.Panel:
+    """Title, unit and cell colours of a value column (``Value #<ref>`` in Prometheus' table format)."""
+    props = [dm.DynamicConfigValue(id_val="displayName", value=col.title),
+             dm.DynamicConfigValue(id_val="unit", value=col.unit)]
+    if col.steps:
+        background = cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC)
+        props += [dm.DynamicConfigValue(id_val="thresholds", value=thresholds(*col.steps).build()),
+                  dm.DynamicConfigValue(id_val="custom.cellOptions", value=background)]
+    return panel.override_by_name(f"Value #{col.ref}", props)
+
+
+def fleet_table() -> table.Panel:
+    panel = _common(table.Panel(), "Runs", "Every run with live ranks, one row each. Non-finite and math-backend "
+                    "counts are over the last 5 minutes (the alerts' recording rules). Click a run for its "
+                    "health dashboard.", 24, 12)
+    for col in FLEET_COLUMNS:
+        panel = panel.with_target(query(col.expr, ref=col.ref, instant=True, as_table=True))
+    columns = organize(exclude=["Time"] + [f"Value #{c.ref}" for c in FLEET_COLUMNS if c.label],
+                       order=["run_id"] + [c.label or f"Value #{c.ref}" for c in FLEET_COLUMNS],
+                       rename={c.label: c.title for c in FLEET_COLUMNS if c.label})
+    run_id = [dm.DynamicConfigValue(id_val="displayName", value="Run"),
+              dm.DynamicConfigValue(id_val="links", value=[run_link()])]
+    panel = (panel.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
+             .with_transformation(columns)
+             .sort_by([cb.TableSortByFieldState().display_name("Non-finite (5m)").desc(True)])
+             .override_by_name("run_id", run_id))
+    for col in FLEET_COLUMNS:
+        if col.label is None:
+            panel = column_overrides(panel, col)
+    return panel
+
+
+def fleet() -> db.Dashboard:
+    collector = ts_panel("Collector reports",
+                         "Step reports the collector applied, and replays it acknowledged and ignored.",
+                         query("sum(rate(nanwatch_collector_reports_accepted_total[$__rate_interval]))",
+                               "accepted"),
+                         query("sum(rate(nanwatch_collector_reports_duplicate_total[$__rate_interval]))",
+                               "duplicate", ref="B"), unit="reqps", w=24)
+    return (base_dashboard(FLEET_UID, "nanwatch fleet", "Every run the collector sees, its health at a glance.")
+            .annotation(builtin_annotation()).with_panel(fleet_table())
+            .with_row(db.Row("Collector")).with_panel(collector))
+
+
+# ----------------------------------------------------------------------------------- output
+
+
+def _number_panels(model: dm.Dashboard) -> None:
+    """Stable panel ids, in order (rows, and panels nested in collapsed rows, included)."""
+    next_id = 1
+    for panel in model.panels or []:
+        for p in [panel, *(getattr(panel, "panels", None) or [])]:
+            p.id_val = next_id
+            next_id += 1
+
+
+def to_json_model(builder: db.Dashboard) -> dict[str, Any]:
+    """The dashboard's JSON model as plain dicts and lists."""
+    model = builder.build()
+    _number_panels(model)
+    return json.loads(json.dumps(model, cls=JSONEncoder))
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """File name -> dashboard JSON model, for every dashboard this module generates."""
+    return {"run-health.json": to_json_model(run_health()), "fleet.json": to_json_model(fleet())}
+
+
+def render(model: dict[str, Any]) -> str:
+    """The checked-in text of a dashboard: sorted keys, indent 2, trailing newline."""
+    return json.dumps(model, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) of every Prometheus target of every panel (rows' nested panels included), then
+    ("annotation: <name>", expr) of every annotation query."""
+    found: list[tuple[str, str]] = []
+
+    def visit(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            found.extend((panel.get("title", ""), t["expr"]) for t in panel.get("targets") or () if t.get("expr"))
+            visit(panel.get("panels") or [])
+
+    visit(dashboard.get("panels") or [])
+    for anno in (dashboard.get("annotations") or {}).get("list") or ():
+        expr = anno.get("expr") or (anno.get("target") or {}).get("expr")
+        if expr:
+            found.append((f"annotation: {anno.get('name', '')}", expr))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate nanwatch's Grafana dashboards.")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a checked-in "
+                        "dashboard differs from what would be generated")
+    args = parser.parse_args(argv)
+    drifted = []
+    for name, model in dashboards().items():
+        path, text = OUT_DIR / name, render(model)
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                drifted.append(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    for path in drifted:
+        print(f"drifted: {path} (regenerate: python grafana/generate.py)", file=sys.stderr)
+    return 1 if drifted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""The deployment, checked offline (no Docker engine, no cluster): docker-compose.yml against the compose
+spec and the stack's own rules, deploy/Dockerfile's targets, the Kubernetes manifests in deploy/k8s with
+kubernetes-validate (core kinds) and by structure (the Prometheus Operator's kinds), and the generated
+PrometheusRule against its rule files and promtool."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+from support import require_tool
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+SECRETS = ROOT / "deploy" / "secrets"
+K8S = ROOT / "deploy" / "k8s"
+RULES = ROOT / "deploy" / "prometheus" / "rules"
+
+#: the job the alert rules select (up{job="nanwatch-collector"}), in compose and on Kubernetes alike
+JOB = "nanwatch-collector"
+#: the only ports a person needs, by service: host port -> bound to loopback only?
+PUBLISHED = {"collector": {8000: False}, "grafana": {3000: False}, "prometheus": {9090: True},
+             "alertmanager": {9093: True}, "trainer": {}}
+#: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
+CRD_GROUPS = {"monitoring.coreos.com"}
+#: the newest Kubernetes version the installed kubernetes-validate has schemas for
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+
+
+def _generate_module():
+    spec = importlib.util.spec_from_file_location("nanwatch_deploy_k8s_generate", K8S / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+generate = _generate_module()
+
+
+def _pinned(ref: str) -> bool:
+    """An image reference with an explicit tag other than latest (a digest alone counts too)."""
+    name, _, digest = ref.partition("@")
+    last = name.rsplit("/", 1)[-1]
+    tag = last.partition(":")[2]
+    return bool(digest) or (bool(tag) and tag != "latest")
+
+
+# ---- docker-compose.yml -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _volumes(service: dict) -> list[dict]:
+    """A service's volumes in the long syntax: type, source, target, read_only."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, dict):
+            out.append({"type": v["type"], "source": v.get("source"), "target": v["target"],
+                        "read_only": bool(v.get("read_only"))})
+            continue
+        parts = v.split(":")
+        source, target = (parts[0], parts[1]) if len(parts) > 1 else (None, parts[0])
+        options = parts[2].split(",") if len(parts) > 2 else []
+        kind = "bind" if source and source.startswith((".", "/", "~")) else "volume"
+        out.append({"type": kind, "source": source, "target": target, "read_only": "ro" in options})
+    return out
+
+
+def _ports(service: dict) -> dict[int, str | None]:
+    """A service's published ports: host port -> host address (None: every address)."""
+    out = {}
+    for p in service.get("ports", []):
+        if isinstance(p, dict):
+            out[int(p["published"])] = p.get("host_ip")
+            continue
+        parts = str(p).split(":")
+        assert len(parts) in (2, 3), f"publish a port as [ip:]host:container, not {p!r}"
+        out[int(parts[-2])] = parts[0] if len(parts) == 3 else None
+    return out
+
+
+def test_compose_file_validates_against_the_compose_spec():
+    r = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                        str(COMPOSE)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_compose_has_the_stack(compose):
+    assert set(compose["services"]) == set(PUBLISHED)
+
+
+def test_every_service_has_a_healthcheck(compose):
+    for name, svc in compose["services"].items():
+        hc = svc.get("healthcheck")
+        assert hc and not hc.get("disable") and hc.get("test"), f"{name}: no healthcheck"
+        assert hc["test"][0] in ("CMD", "CMD-SHELL") and hc["test"] != ["NONE"], f"{name}: {hc['test']}"
+
+
+def test_depends_on_waits_for_healthy_services(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        deps = svc.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on as a list only waits for the start"
+        for dep, how in deps.items():
+            assert dep in services, f"{name} depends on an unknown service {dep}"
+            assert how.get("condition") == "service_healthy", f"{name} -> {dep}: {how}"
+    # the order that matters: nothing reports or scrapes before the collector is ready
+    assert "collector" in services["trainer"]["depends_on"]
+    assert "collector" in services["prometheus"]["depends_on"]
+    assert "prometheus" in services["grafana"]["depends_on"]
+
+
+def test_every_image_is_pinned(compose):
+    for name, svc in compose["services"].items():
+        assert "image" in svc, f"{name}: no image (a built service names its tag too)"
+        assert _pinned(svc["image"]), f"{name}: image {svc['image']!r} is not pinned to a tag"
+
+
+def test_every_bind_mount_is_read_only_and_exists(compose):
+    binds = 0
+    for name, svc in compose["services"].items():
+        for v in _volumes(svc):
+            if v["type"] != "bind":
+                continue
+            binds += 1
+            assert v["read_only"], f"{name}: the bind mount {v['source']} -> {v['target']} is writable"
+            # a missing source would be created as an empty folder: the service would start unconfigured
+            assert (ROOT / v["source"]).exists(), f"{name}: bind-mount source {v['source']} does not exist"
+    assert binds >= 4  # prometheus, alertmanager, grafana x2
+
+
+def test_named_volumes_are_declared_and_hold_the_state(compose):
+    declared = set(compose.get("volumes") or {})
+    used = {}
+    for name, svc in compose["services"].items():
+        for v in _volumes(svc):
+            if v["type"] == "volume":
+                assert v["source"], f"{name}: anonymous volume at {v['target']}"
+                assert v["source"] in declared, f"{name}: volume {v['source']} is not declared"
+                used[(name, v["target"])] = v["source"]
+    assert declared == set(used.values()), "a declared volume no service uses"
+    for state in (("collector", "/data"), ("prometheus", "/prometheus"), ("grafana", "/var/lib/grafana")):
+        assert state in used, f"{state[0]}'s {state[1]} is not on a named volume"
+
+
+def test_ports_are_published_only_where_a_person_needs_them(compose):
+    for name, svc in compose["services"].items():
+        ports = _ports(svc)
+        assert set(ports) == set(PUBLISHED[name]), f"{name} publishes {sorted(ports)}"
+        for port, loopback_only in PUBLISHED[name].items():
+            if loopback_only:  # no authentication of its own
+                assert ports[port] == "127.0.0.1", f"{name}:{port} must bind to 127.0.0.1"
+
+
+def test_secrets_come_from_gitignored_files_that_are_documented(compose):
+    secrets = compose["secrets"]
+    readme = (SECRETS / "README.md").read_text()
+    for name, spec in secrets.items():
+        path = (ROOT / spec["file"]).resolve()
+        assert path.parent == SECRETS, f"secret {name}: keep its file in deploy/secrets/"
+        assert f"`{path.name}`" in readme, f"deploy/secrets/README.md does not say how to create {path.name}"
+        if shutil.which("git") and (ROOT / ".git").exists():
+            ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT).returncode
+            assert ignored == 0, f"{spec['file']} is not gitignored"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        assert subprocess.run(["git", "check-ignore", "-q", str(SECRETS / "README.md")], cwd=ROOT).returncode == 1
+    for name, svc in compose["services"].items():
+        for s in svc.get("secrets", []):
+            assert (s if isinstance(s, str) else s["source"]) in secrets, f"{name}: undeclared secret {s}"
+        env = svc.get("environment") or {}
+        for key in env if isinstance(env, dict) else [e.split("=", 1)[0] for e in env]:
+            assert not re.search(r"TOKEN$|PASSWORD$", key), f"{name}: {key} in the environment; use a file"
+
+
+def test_collector_and_trainer_read_their_tokens_from_their_secrets(compose):
+    collector, trainer = compose["services"]["collector"], compose["services"]["trainer"]
+    env = collector["environment"]
+    for var in ("NANWATCH_TOKEN_FILE", "NANWATCH_ADMIN_TOKEN_FILE"):
+        secret = env[var].removeprefix("/run/secrets/")
+        assert secret in collector["secrets"], f"{var} points at {env[var]}, not a secret the collector mounts"
+    ingest = env["NANWATCH_TOKEN_FILE"].removeprefix("/run/secrets/")
+    assert trainer["secrets"] == [ingest]
+    assert trainer["environment"]["NANWATCH_TOKEN_FILE"] == f"/run/secrets/{ingest}"  # the trainer reads it too
+    command = " ".join(trainer["command"])
+    assert "--collector http://collector:8000" in command and "--run-id compose-demo" in command
+
+
+def test_built_services_use_the_dockerfile_targets(compose):
+    stages = {s["name"] for s in _stages()}
+    for name in ("collector", "trainer"):
+        build = compose["services"][name]["build"]
+        assert build["context"] == "."
+        assert (ROOT / build["dockerfile"]).resolve() == DOCKERFILE
+        assert build["target"] in stages
+
+
+def test_prometheus_config_matches_the_stack(compose):
+    """prometheus.yml (mounted by compose) scrapes the collector as the job the alerts select, and sends
+    alerts to the compose Alertmanager."""
+    services = compose["services"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    targets = [t for sc in jobs[JOB]["static_configs"] for t in sc["targets"]]
+    assert targets == ["collector:8000"]
+    am = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
+    assert am == ["alertmanager:9093"]
+    assert {"collector", "alertmanager"} <= set(services)
+
+
+def test_grafana_provisioning_matches_the_stack(compose):
+    """Datasources point at compose services; the dashboard provider reads the folder compose mounts."""
+    services = compose["services"]
+    mounts = {v["source"].removeprefix("./"): v["target"] for v in _volumes(services["grafana"])
+              if v["type"] == "bind"}
+    assert mounts["grafana/provisioning"] == "/etc/grafana/provisioning"
+    files = sorted((ROOT / "grafana" / "provisioning").glob("*/*.y*ml"))
+    assert files, "grafana/provisioning holds no provisioning file"
+    providers = datasources = 0
+    for f in files:
+        doc = yaml.safe_load(f.read_text()) or {}
+        for ds in doc.get("datasources", []):
+            datasources += 1
+            host = urlsplit(ds["url"]).hostname
+            assert host in services, f"{f.name}: datasource {ds['name']} points at {ds['url']}"
+        for p in doc.get("providers", []):
+            providers += 1
+            assert p["options"]["path"].rstrip("/") == mounts["grafana/dashboards"], f"{f.name}: {p}"
+    assert datasources and providers
+
+
+# ---- deploy/Dockerfile ------------------------------------------------------------------------------------
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        if s.endswith("\\"):
+            buf += s[:-1] + " "
+            continue
+        instr, _, args = (buf + s).partition(" ")
+        out.append((instr.upper(), args.strip()))
+        buf = ""
+    assert not buf, "the Dockerfile ends in a continuation line"
+    return out
+
+
+def _stages() -> list[dict]:
+    stages: list[dict] = []
+    for instr, args in _instructions(DOCKERFILE.read_text()):
+        if instr == "FROM":
+            words = [w for w in args.split() if not w.startswith("--")]
+            name = words[2] if len(words) == 3 and words[1].lower() == "as" else None
+            stages.append({"name": name, "base": words[0], "instructions": []})
+        else:
+            assert stages, f"{instr} before the first FROM"
+            stages[-1]["instructions"].append((instr, args))
+    return stages
+
+
+def _chain(target: str) -> list[dict]:
+    """The stages an image is built from, its own last (FROM <stage> inherits that stage's settings)."""
+    by_name = {s["name"]: s for s in _stages()}
+    chain = [by_name[target]]
+    while chain[0]["base"] in by_name:
+        chain.insert(0, by_name[chain[0]["base"]])
+    return chain
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    return next(s["instructions"] for s in _stages() if s["name"] == name)
+
+
+def _last(target: str, instr: str) -> str | None:
+    found = [a for s in _chain(target) for i, a in s["instructions"] if i == instr]
+    return found[-1] if found else None
+
+
+def _build_runs(target: str) -> str:
+    """Every RUN of the stages whose /opt/venv the target copies, and of its own chain."""
+    stages = {s["name"]: s for s in _stages()}
+    runs = []
+    for stage in _chain(target):
+        for instr, args in stage["instructions"]:
+            if instr == "COPY" and "--from=" in args:
+                source = re.search(r"--from=(\S+)", args).group(1)
+                runs += [a for s in _chain(stages[source]["name"]) for i, a in s["instructions"] if i == "RUN"]
+            elif instr == "RUN":
+                runs.append(args)
+    return "\n".join(runs)
+
+
+def test_dockerfile_base_images_are_pinned():
+    stages = _stages()
+    names = {s["name"] for s in stages}
+    external = [s["base"] for s in stages if s["base"] not in names]
+    assert external
+    for ref in external:
+        assert _pinned(ref), f"FROM {ref}: pin a tag"
+        assert ref.startswith("python:3.12-slim"), ref
+
+
+@pytest.mark.parametrize("target", ["collector", "trainer"])
+def test_images_run_as_a_non_root_user(target):
+    user = _last(target, "USER")
+    assert user, f"{target}: no USER, so it runs as root"
+    uid = user.split(":")[0]
+    assert uid not in ("root", "0")
+    # numeric: Kubernetes' runAsNonRoot can only check a numeric user; deploy/k8s runs as the same uid
+    assert uid.isdigit(), f"{target}: USER {user} is not numeric"
+
+
+def test_collector_image():
+    assert _stages()[-1]["name"] == "collector", "a plain `docker build` (no --target) must give the collector"
+    healthcheck = _last("collector", "HEALTHCHECK")
+    assert healthcheck and "urllib" in healthcheck and "http://127.0.0.1:8000/healthz" in healthcheck
+    assert _last("collector", "EXPOSE") == "8000"
+    assert json.loads(_last("collector", "ENTRYPOINT")) == ["nanwatch"]
+    assert json.loads(_last("collector", "CMD")) == ["serve", "--host", "0.0.0.0", "--port", "8000",
+                                                    "--db", "/data/nanwatch.db"]
+    assert _last("collector", "VOLUME") == "/data"
+    runs = _build_runs("collector")
+    assert 'pip install --no-cache-dir ".[monitor]"' in runs
+    assert "torch" not in runs and "[demo]" not in runs
+    # /data belongs to the image's user (set before VOLUME, or it would not stick)
+    uid = _last("collector", "USER").split(":")[0]
+    assert any(i == "RUN" and f"chown {uid}" in a and "/data" in a for s in _chain("collector")
+               for i, a in s["instructions"])
+
+
+def test_trainer_image():
+    runs = _build_runs("trainer")
+    torch_at = runs.index("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0")
+    assert torch_at < runs.index('".[demo]"'), "torch (CPU) must be installed before .[demo] pulls one"
+    assert json.loads(_last("trainer", "ENTRYPOINT")) == ["nanwatch"]
+    cmd = json.loads(_last("trainer", "CMD"))
+    assert cmd[0] == "demo" and cmd[cmd.index("--collector") + 1] == "http://collector:8000"
+
+
+def test_dockerfile_copies_every_package_folder():
+    """pip builds from the COPYed files alone: every folder of pyproject's package-dir must be there."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = {d.split("/")[0] for d in pyproject["tool"]["setuptools"]["package-dir"].values()}
+    copied = set()
+    for instr, args in _stage("src"):
+        if instr == "COPY" and "--from=" not in args:
+            copied |= {w.rstrip("/") for w in args.split()[:-1]}
+    assert folders | {"pyproject.toml", "README.md"} <= copied
+    for path in copied:
+        assert (ROOT / path).exists(), f"COPY {path}: no such file in the build context"
+
+
+# ---- deploy/k8s -------------------------------------------------------------------------------------------
+
+def _manifests() -> dict[str, dict]:
+    """Every Kubernetes object in deploy/k8s, by file name (one object per file)."""
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        assert len(docs) == 1, f"{path.name}: one object per file"
+        out[path.name] = docs[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict]:
+    return _manifests()
+
+
+def _of_kind(manifests: dict[str, dict], kind: str) -> dict:
+    found = [m for m in manifests.values() if m["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects in deploy/k8s"
+    return found[0]
+
+
+def _core(manifests: dict[str, dict]) -> dict[str, dict]:
+    return {f: m for f, m in manifests.items() if m["apiVersion"].split("/")[0] not in CRD_GROUPS}
+
+
+def test_every_manifest_kind_is_expected(manifests):
+    kinds = sorted(m["kind"] for m in manifests.values())
+    assert kinds == ["Deployment", "PersistentVolumeClaim", "PrometheusRule", "Secret", "Service",
+                     "ServiceMonitor"]
+
+
+@pytest.mark.parametrize("name", sorted(_core(_manifests())))
+def test_core_manifest_validates(name, manifests):
+    kubernetes_validate.validate(manifests[name], K8S_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest_but_the_example_secret(manifests):
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    resources = kustomization["resources"]
+    assert len(resources) == len(set(resources))
+    assert set(resources) == set(manifests) - {"secret.example.yaml"}
+
+
+def test_kustomize_builds_and_the_result_validates():
+    """`kubectl kustomize` where kubectl is installed (it needs no cluster); CI has none, so a plain skip."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "PersistentVolumeClaim", "PrometheusRule",
+                                               "Service", "ServiceMonitor"]
+    for d in docs:
+        if d["apiVersion"].split("/")[0] not in CRD_GROUPS:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_deployment(manifests):
+    dep = _of_kind(manifests, "Deployment")
+    spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"]["type"] == "Recreate"
+    assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    [c] = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = c[probe]["httpGet"]
+        assert get["path"] == path
+        assert ports.get(get["port"], get["port"]) == 8000
+
+    pod_sc, sc = pod.get("securityContext", {}), c["securityContext"]
+    assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True
+    assert str(sc.get("runAsUser", pod_sc.get("runAsUser"))) == _last("collector", "USER").split(":")[0]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind]), f"resources.{kind}"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
+    pvc = _of_kind(manifests, "PersistentVolumeClaim")
+    assert volumes[mounts["/data"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert c["args"][c["args"].index("--db") + 1].startswith("/data/")
+
+    # the tokens: files from a Secret, named by *_TOKEN_FILE; never a value in the environment
+    env = {e["name"]: e for e in c["env"]}
+    assert not {"NANWATCH_TOKEN", "NANWATCH_ADMIN_TOKEN"} & set(env)
+    example = _of_kind(manifests, "Secret")
+    for var in ("NANWATCH_TOKEN_FILE", "NANWATCH_ADMIN_TOKEN_FILE"):
+        file = Path(env[var]["value"])
+        volume = volumes[mounts[str(file.parent)]]
+        secret = volume["secret"]
+        assert secret["secretName"] == example["metadata"]["name"]
+        keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in example["stringData"]}
+        assert keys[file.name] in example["stringData"], f"{var}: no key for {file.name} in the Secret"
+
+
+def test_service_and_servicemonitor(manifests):
+    svc, sm = _of_kind(manifests, "Service"), _of_kind(manifests, "ServiceMonitor")
+    dep = _of_kind(manifests, "Deployment")
+    labels = svc["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "nanwatch-collector"
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    [port] = svc["spec"]["ports"]
+    assert port["name"] == "http-metrics" and port["port"] == 8000
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    [endpoint] = sm["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"]
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    # The operator's job label: the value of the Service label named by jobLabel, else the Service's name.
+    job = labels[sm["spec"]["jobLabel"]] if "jobLabel" in sm["spec"] else svc["metadata"]["name"]
+    assert job == JOB
+    rules = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["spec"]["groups"]
+    exprs = " ".join(r["expr"] for g in rules for r in g["rules"])
+    selected = set(re.findall(r'job\s*=~?\s*"([^"]*)"', exprs))
+    assert selected == {JOB}, f"the rules select job {selected}"
+
+
+def test_example_secret_holds_placeholders_only(manifests):
+    secret = _of_kind(manifests, "Secret")
+    assert "data" not in secret
+    for key, value in secret["stringData"].items():
+        assert value.startswith("REPLACE-ME"), f"{key}: an example must not carry a usable token"
+    assert "create" in (K8S / "secret.example.yaml").read_text().split("apiVersion")[0].lower()
+
+
+# ---- the generated PrometheusRule -------------------------------------------------------------------------
+
+def test_prometheusrule_is_what_generate_writes():
+    text = (K8S / "prometheusrule.yaml").read_text()
+    assert text == generate.render(), "deploy/k8s/prometheusrule.yaml is stale: run python deploy/k8s/generate.py"
+    assert text.startswith("# generated by deploy/k8s/generate.py from deploy/prometheus/rules; do not edit\n")
+    r = subprocess.run([sys.executable, str(K8S / "generate.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_prometheusrule_holds_every_group_of_every_rule_file_in_file_order():
+    rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    files = sorted(RULES.glob("*.yml"), key=lambda p: p.name)
+    assert files
+    expected = [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
+    assert rule["spec"]["groups"] == expected
+    assert rule == generate.prometheus_rule()
+
+
+def test_generate_check_fails_on_drift(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "prometheusrule.yaml"
+    monkeypatch.setattr(generate, "OUTPUT", stale)
+    assert generate.main(["--check"]) == 1  # missing
+    stale.write_text(generate.render().replace("for: 0m", "for: 1m", 1))
+    assert generate.main(["--check"]) == 1  # edited by hand
+    assert generate.main([]) == 0 and generate.main(["--check"]) == 0
+    assert stale.read_text() == generate.render()
+
+
+def test_generate_refuses_duplicate_group_names(tmp_path):
+    group = {"groups": [{"name": "same", "rules": [{"record": "a:b:c", "expr": "1"}]}]}
+    for name in ("a.yml", "b.yml"):
+        (tmp_path / name).write_text(yaml.safe_dump(group))
+    with pytest.raises(ValueError, match="same"):
+        generate.prometheus_rule(tmp_path)
+
+
+def test_prometheusrule_spec_passes_promtool(tmp_path):
+    promtool = require_tool("promtool")
+    spec = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["spec"]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

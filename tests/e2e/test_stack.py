@@ -1,0 +1,296 @@
+"""End to end on loopback, real processes only: a collector (``nanwatch serve``), Prometheus scraping it
+every second and evaluating deploy/prometheus/rules/nanwatch.yml every second, Alertmanager with
+deploy/alertmanager/alertmanager.yml (its receivers pointed at a webhook this test runs, its group waits
+shortened), and three tiny training runs:
+
+* ``e2e-nan``: fp16, attention on the math kernel for its first steps, then a NaN born in layer 0's MLP at
+  step 3, RLHF stats every step, one step without a forward (unmeasured), and the collector's fp32
+  directive applied: it pages (non-finite, and math fallback) and it is the run every dashboard panel is
+  queried for;
+* ``e2e-math``: bf16 attention forced onto the math kernel with ``sdpa_kernel(SDPBackend.MATH)``: it pages
+  the math-fallback alert;
+* ``e2e-healthy``: fp32, fused attention: it pages nobody.
+
+Only the receivers' URLs and the group timings differ from the shipped Alertmanager config; Prometheus
+loads the shipped rule file as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from support import CollectorProcess, free_port, require_tool, tiny_qwen3, token_ids
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import nanwatch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+NAN_PAGE_WITHIN_S = 30  # from the NaN step's report to the page at the webhook (scrape 1s, eval 1s, group 1s)
+MATH_PAGE_WITHIN_S = 120  # the math alert waits `for: 1m` on top of that
+
+
+class _Webhook(ThreadingHTTPServer):
+    """Alertmanager's webhook receiver: every notification, as received."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.received.append({"path": self.path, **json.loads(body)})
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def alerts(self, *, path: str | None = None) -> list[dict]:
+        return [dict(a, receiver=n["receiver"]) for n in list(self.received) if path in (None, n["path"])
+                for a in n["alerts"] if a["status"] == "firing"]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready at {url}")
+        time.sleep(0.2)
+
+
+def _alertmanager_config(webhook: str) -> dict:
+    """The shipped config with its receivers pointed at the test's webhook and short group timings."""
+    cfg = yaml.safe_load((ROOT / "deploy/alertmanager/alertmanager.yml").read_text())
+    for receiver in cfg["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"{webhook}/{receiver['name']}"
+    for route in [cfg["route"], *cfg["route"].get("routes", [])]:
+        route.update(group_wait="1s", group_interval="1s", repeat_interval="1h")
+    return cfg
+
+
+def _prometheus_config(collector_port: int, am_port: int) -> dict:
+    shipped = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    job = shipped["scrape_configs"][0]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{collector_port}"]}]
+    return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ROOT / "deploy/prometheus/rules/nanwatch.yml")],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+            "scrape_configs": [job]}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    prometheus, alertmanager = require_tool("prometheus"), require_tool("prometheus-alertmanager")
+    tmp = tmp_path_factory.mktemp("stack")
+    webhook = _Webhook()
+    threading.Thread(target=webhook.serve_forever, daemon=True).start()
+    am_port, prom_port = free_port(), free_port()
+    (tmp / "am.yml").write_text(yaml.safe_dump(_alertmanager_config(webhook.url)))
+    procs = []
+    # the fp32 directive two steps after the NaN: a short margin keeps the run short
+    with CollectorProcess(db_path=tmp / "c.db", env={"NANWATCH_DIRECTIVE_MARGIN_STEPS": "2"}) as c:
+        (tmp / "prom.yml").write_text(yaml.safe_dump(_prometheus_config(c.port, am_port)))
+        try:
+            with open(tmp / "alertmanager.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [alertmanager, f"--config.file={tmp / 'am.yml'}", f"--storage.path={tmp / 'am'}",
+                     f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
+                    stdout=log, stderr=log))
+            _wait_ready(f"http://127.0.0.1:{am_port}/-/ready", procs[-1], "alertmanager")
+            with open(tmp / "prometheus.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [prometheus, f"--config.file={tmp / 'prom.yml'}", f"--storage.tsdb.path={tmp / 'prom'}",
+                     f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=log))
+            _wait_ready(f"http://127.0.0.1:{prom_port}/-/ready", procs[-1], "prometheus")
+            runs = _train(c.url)
+            yield {"collector": c, "webhook": webhook, "prometheus": f"http://127.0.0.1:{prom_port}",
+                   "runs": runs, "tmp": tmp}
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+            webhook.shutdown()
+
+
+def _train(collector: str) -> dict:
+    """The three runs, one after the other; returns when each NaN/math step was reported (monotonic)."""
+    marks: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # e2e-nan: fp16 SDPA; math kernel for steps 0-1; NaN from layer 0's MLP at step 3; RLHF stats
+        model = tiny_qwen3("sdpa", dtype=torch.float16, num_hidden_layers=2, use_cache=False)
+        state = {"step": -1}
+        model.model.layers[0].mlp.register_forward_hook(
+            lambda m, a, out: out * math.nan if state["step"] == 3 else out)
+        with nanwatch.attach(model, run_id="e2e-nan", collector=collector) as mon:
+            for n in range(12):
+                state["step"] = n
+                with mon.step(n):
+                    if n == 5:
+                        continue  # a step with no forward: reported as unmeasured
+                    ids = token_ids(seed=n)
+                    ctx = sdpa_kernel(SDPBackend.MATH) if n < 2 else torch.enable_grad()
+                    with ctx:
+                        out = model(input_ids=ids, labels=ids)
+                    lp = torch.log_softmax(out.logits.float(), -1)[..., :-1, :].gather(-1, ids[:, 1:, None])[..., 0]
+                    mon.rlhf(logprobs=lp, old_logprobs=lp.detach() * 1.01, ref_logprobs=lp.detach() * 0.99,
+                             advantages=torch.randn(ids.shape[0]), mask=torch.ones_like(lp, dtype=torch.bool))
+                    out.loss.backward()
+                model.zero_grad(set_to_none=True)
+                mon.last_report()
+                if n == 3:
+                    marks["nan_reported"] = time.monotonic()
+                time.sleep(0.3)  # let the poller see the directive between steps
+            marks["nan_mode"] = mon.last_report().attention_mode
+        # e2e-math: bf16 attention forced onto the math kernel
+        model = tiny_qwen3("sdpa", dtype=torch.bfloat16, use_cache=False)
+        with nanwatch.attach(model, run_id="e2e-math", collector=collector) as mon:
+            for n in range(3):
+                with mon.step(n), sdpa_kernel(SDPBackend.MATH):
+                    ids = token_ids(seed=n)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                mon.last_report()
+            marks["math_reported"] = time.monotonic()
+        # e2e-healthy: fp32, fused kernels
+        model = tiny_qwen3("sdpa", use_cache=False)
+        with nanwatch.attach(model, run_id="e2e-healthy", collector=collector) as mon:
+            for n in range(3):
+                with mon.step(n):
+                    ids = token_ids(seed=n)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                assert mon.last_report().first_offender is None
+    return marks
+
+
+def _wait_for(condition, within_s: float, what: str):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"{what} did not arrive within {within_s} s")
+
+
+def test_a_non_finite_run_pages_with_run_and_site(stack):
+    hook = stack["webhook"]
+    start = stack["runs"]["nan_reported"]
+
+    def page():
+        return [a for a in hook.alerts(path="/pager")
+                if a["labels"]["alertname"] == "NanwatchNonFiniteValues" and a["labels"]["run_id"] == "e2e-nan"]
+
+    (alert, *_) = _wait_for(page, NAN_PAGE_WITHIN_S - (time.monotonic() - start), "the NaN page")
+    assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
+    # the first offender: the NaN was born in layer 0's MLP and first measured at layer 1's attention
+    assert (alert["labels"]["site"], alert["labels"]["pass"], alert["labels"]["rank"]) == (
+        "model.layers.1.self_attn", "forward", "0")
+    assert "model.layers.1.self_attn" in alert["annotations"]["description"]
+    assert alert["annotations"]["runbook_url"] == "deploy/runbook.md#nanwatchnonfinitevalues"
+    assert stack["runs"]["nan_mode"] == "fp32"  # and the collector's directive reached the trainer
+
+
+def test_math_fallback_in_half_precision_pages(stack):
+    hook = stack["webhook"]
+    start = stack["runs"]["math_reported"]
+
+    def page():
+        return [a for a in hook.alerts(path="/pager")
+                if a["labels"]["alertname"] == "NanwatchMathBackendFallback" and a["labels"]["run_id"] == "e2e-math"]
+
+    (alert, *_) = _wait_for(page, MATH_PAGE_WITHIN_S - (time.monotonic() - start), "the math-fallback page")
+    assert alert["labels"]["dtype"] == "bfloat16" and alert["labels"]["severity"] == "critical"
+
+
+def test_a_healthy_run_pages_nobody(stack):
+    # by now the other runs' pages have arrived (the tests above waited for them)
+    _wait_for(lambda: stack["webhook"].alerts(), 5, "any notification")
+    assert [a for a in stack["webhook"].alerts() if a["labels"].get("run_id") == "e2e-healthy"] == []
+
+
+def _query(prometheus: str, expr: str) -> list:
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _dashboards():
+    spec = importlib.util.spec_from_file_location("grafana_generate", ROOT / "grafana" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VARIABLES = {"$run_id": "e2e-nan", "${run_id}": "e2e-nan", "$rank": "0", "${rank}": "0",
+             "$__rate_interval": "1m", "$__interval": "1m", "$__range": "5m"}
+
+
+def test_every_dashboard_panel_returns_data(stack):
+    # give the recording rules and every series a few evaluations after the last run
+    time.sleep(3)
+    gen = _dashboards()
+    empty = []
+    checked = 0
+    for name, dashboard in gen.dashboards().items():
+        for title, expr in gen.panel_queries(dashboard):
+            for var, value in VARIABLES.items():
+                expr = expr.replace(var, value)
+            checked += 1
+            if not _query(stack["prometheus"], expr):
+                empty.append((name, title, expr))
+    assert checked >= 10 and empty == []
+    shots = os.environ.get("NANWATCH_SCREENSHOT_DIR")
+    if shots:
+        _screenshot(stack["prometheus"], Path(shots))
+
+
+def _screenshot(prometheus: str, out: Path) -> None:
+    """Prometheus's own graph page (not Grafana, which cannot be installed here), one per main panel."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed")
+    out.mkdir(parents=True, exist_ok=True)
+    queries = {"nonfinite": 'sum by (site, pass) (nanwatch_site_nonfinite_values_total{run_id="e2e-nan"})',
+               "backends": 'sum by (backend) (nanwatch_sdpa_calls_total{run_id="e2e-nan"})',
+               "logit": 'nanwatch_attention_logit_max{run_id="e2e-nan"}',
+               "mode": 'nanwatch_attention_mode{run_id="e2e-nan"}'}
+    for name, q in queries.items():
+        url = f"{prometheus}/graph?" + urllib.parse.urlencode(
+            {"g0.expr": q, "g0.tab": "0", "g0.range_input": "2m", "g0.stacked": "0"})
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        "--window-size=1100,1000", "--virtual-time-budget=15000",
+                        f"--screenshot={out / f'prometheus-e2e-{name}.png'}", url],
+                       check=True, capture_output=True, timeout=120)

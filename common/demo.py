@@ -52,38 +52,38 @@ def _get(url: str) -> bytes:
 
 
 @contextlib.contextmanager
-def _collector(url: str | None, margin: int, db_dir: Path) -> Iterator[str]:
-    """An external collector's URL as it is, or a real one started here on loopback."""
+def _collector(url: str | None, db_dir: Path) -> Iterator[str]:
+    """An external collector's URL as it is, or a real one started here on loopback (default settings)."""
     if url is not None:
         yield url.rstrip("/")
         return
     from nanwatch.monitor.server import BackgroundServer
     from nanwatch.monitor.settings import Settings
 
-    settings = Settings(host="127.0.0.1", port=0, db_path=str(db_dir / "nanwatch.db"),
-                        directive_margin_steps=margin, log_level="warning")
+    settings = Settings(host="127.0.0.1", port=0, db_path=str(db_dir / "nanwatch.db"), log_level="warning")
     with BackgroundServer(settings) as srv:
         yield srv.url
 
 
-def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, quiet: bool = False,
+def run(*, steps: int, spike_at: int, db_dir: Path, seed: int = 0, quiet: bool = False,
         collector: str | None = None, run_id: str = "demo") -> dict:
     """The demo, returning what happened; ``main`` prints it. ``collector``: report to that collector
-    (its own settings apply) instead of starting one."""
+    (its own settings apply) instead of starting one. Everything at defaults: no margin, no check of
+    its own; the weight guard keeps the NaN step out of the weights."""
     import torch
 
     import nanwatch
 
     say = (lambda *a: None) if quiet else print
     rows: list[dict] = []
-    with _collector(collector, margin, db_dir) as url:
+    with _collector(collector, db_dir) as url:
         say(f"collector: {url}" + ("" if collector else " (in-process, SQLite in a temp dir)"))
         model = _model(seed)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)  # fused: the guard costs no sync
         attn = model.model.layers[0].self_attn
-        say(f"model: Qwen3 2 layers, fp16, eager attention; logit growth injected at step {spike_at}\n")
-        say(f"{'step':>4}  {'loss':>7}  {'non-finite':>10}  {'first offender':<36} {'mode':<6} note")
-        with nanwatch.attach(model, run_id=run_id, collector=url) as mon:
+        say(f"model: Qwen3 2 layers, fp16, eager attention, fused SGD; logit growth injected at step {spike_at}\n")
+        say(f"{'step':>4}  {'loss':>7}  {'non-finite':>10}  {'first offender':<36} {'mode':<6} {'update':<7} note")
+        with nanwatch.attach(model, run_id=run_id, collector=url, optimizer=opt) as mon:
             for n in range(steps):
                 note = ""
                 if n == spike_at:
@@ -91,24 +91,26 @@ def run(*, steps: int, spike_at: int, margin: int, db_dir: Path, seed: int = 0, 
                         attn.q_norm.weight.mul_(100.0)
                         attn.k_norm.weight.mul_(100.0)
                     note = "q/k norms x100: fp16 QK overflows"
+                    broke_at = time.monotonic()
                 ids = _batch(n)
                 with mon.step(n):
                     loss = model(input_ids=ids, labels=ids).loss
-                    ok = bool(torch.isfinite(loss))  # the demo's own GradScaler-style check
-                    if ok:
-                        loss.backward()
-                        opt.step()
+                    loss.backward()
+                    opt.step()  # the weight guard skips it in a step that saw a non-finite value
                     opt.zero_grad()
                 r = mon.last_report()
-                time.sleep(0.05)  # let the report reach the collector and the poller see a directive
                 bad = sum(s.nan + s.inf for s in r.sites)
                 row = {"step": n, "loss": float(loss.detach()), "nonfinite": bad, "first_offender": r.first_offender,
-                       "mode": r.attention_mode, "version": r.directive_version}
+                       "mode": r.attention_mode, "version": r.directive_version, "skipped": r.step_skipped,
+                       "incident": r.incident.cls if r.incident else None}
                 if not note and rows and rows[-1]["mode"] != row["mode"]:
-                    note = f"directive v{r.directive_version} applied"
+                    note = f"directive v{r.directive_version} applied, {time.monotonic() - broke_at:.2f} s after the NaN step began"
+                if row["incident"]:
+                    note = (note + "; " if note else "") + f"replay: {row['incident']}"
                 rows.append(row)
                 fo = f"{r.first_offender} ({r.first_offender_phase})" if r.first_offender else "-"
-                say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<36} {row['mode']:<6} {note}")
+                update = "skipped" if r.step_skipped else "applied"
+                say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<36} {row['mode']:<6} {update:<7} {note}")
         state = json.loads(_get(f"{url}/v1/runs/{run_id}"))
         metrics = [ln for ln in _get(url + "/metrics").decode().splitlines()
                    if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
@@ -121,12 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nanwatch demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--spike-at", type=int, default=8)
-    p.add_argument("--margin", type=int, default=3, help="collector's directive margin, in steps")
     p.add_argument("--collector", help="report to this collector (default: start one in-process)")
     p.add_argument("--run-id", default="demo")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="nanwatch-demo-") as d:
-        out = run(steps=args.steps, spike_at=args.spike_at, margin=args.margin, db_dir=Path(d),
+        out = run(steps=args.steps, spike_at=args.spike_at, db_dir=Path(d),
                   collector=args.collector, run_id=args.run_id)
     print("\ncollector events:")
     for e in out["events"]:
@@ -140,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     recovered = bool(broke) and bool(fixed) and all(math.isfinite(r["loss"]) and not r["nonfinite"]
                                                     for r in fixed)
     if recovered:
-        print(f"\nNaN first seen at step {broke[0]} in {rows[broke[0]]['first_offender']}; "
-              f"fp32 directive applied at step {fixed[0]['step']}; every step since is finite.")
+        skipped = [r["step"] for r in rows if r["skipped"]]
+        print(f"\nNaN first seen at step {broke[0]} in {rows[broke[0]]['first_offender']} "
+              f"(replay: {rows[broke[0]]['incident']}); fp32 directive applied at step {fixed[0]['step']}, "
+              f"{fixed[0]['step'] - broke[0]} step(s) later; optimizer steps skipped by the weight guard: "
+              f"{skipped}; every step since is finite.")
         return 0
     print("\ndemo did not recover: see the table above")
     return 1

@@ -28,6 +28,8 @@ __all__ = [
     "Directive",
     "DirectiveSpec",
     "Fingerprint",
+    "Incident",
+    "IncidentClass",
     "LogitStat",
     "Mode",
     "Phase",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.1"  # 1.1: stages, coverage
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.2"  # 1.1: stages, coverage; 1.2: weight guard, incidents, cadence
 
 #: Where a tensor was seen: the forward output, or the gradient flowing back into it.
 Phase = Literal["forward", "backward"]
@@ -57,6 +59,14 @@ Stage = Literal["train", "eval", "generate"]
 #: output head exists but its output was never seen in a training forward; ``no_logit_bound`` an attention
 #: layer was measured but no logit figure could be read for it (see the report's warnings for why).
 Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_logit_bound"]
+#: What the differential replay of a run's first non-finite step found (``Incident.cls``):
+#: ``precision`` only the fast path is non-finite (a fallback helps); ``data_mask`` every path is, or the
+#: inputs already were (fully masked rows, non-finite inputs): no precision switch helps; ``not_reproducible``
+#: the same path re-run on the same inputs is finite (suspect hardware or a race); ``not_classified`` the
+#: replay could not run soundly (``Incident.note`` says why).
+IncidentClass = Literal["precision", "data_mask", "not_reproducible", "not_classified"]
+#: How a replay path ended: non-finite at the first offender or the output, finite, or not run.
+ReplayOutcome = Literal["nonfinite", "finite", "skipped"]
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric.
 SiteKind = Literal["attention", "logits", "logprob", "tensor"]
 #: The attention path a rank applies: ``none`` is the model's own path, untouched.
@@ -193,6 +203,24 @@ class Coverage(_Wire):
     unmeasured: Annotated[list[Unmeasured], Field(max_length=8)] = Field(default_factory=list)
 
 
+class Incident(_Wire):
+    """The differential replay of a run's first non-finite step: the offending micro-batch re-run (forward,
+    no grad) on the same inputs and RNG state, on the same path, under fp32 attention and on the math
+    kernel; the class picks the remedy."""
+
+    cls: IncidentClass = Field(description="precision, data_mask, not_reproducible or not_classified")
+    step: Count
+    site: SiteName | None = Field(None, description="the first offender the replay looked at")
+    phase: Phase | None = None
+    same: ReplayOutcome = "skipped"
+    fp32: ReplayOutcome = "skipped"
+    math: ReplayOutcome = "skipped"
+    fully_masked_rows: Count = 0
+    host: Annotated[str, StringConstraints(max_length=255)] = ""
+    seconds: float = Field(0.0, description="wall time the replay took")
+    note: ShortText = ""
+
+
 def schema_major(version: str) -> int | None:
     """The major number of a ``"MAJOR.MINOR"`` version string, or None if it is not one."""
     head = version.split(".", 1)[0]
@@ -218,6 +246,11 @@ class StepReport(_Wire):
     rlhf: RlhfStat | None = None
     fingerprints: Annotated[list[Fingerprint], Field(max_length=256)] = Field(default_factory=list)
     coverage: Coverage | None = Field(None, description="what was measured (None from 1.0 senders)")
+    step_skipped: bool | None = Field(
+        None, description="the weight guard skipped this step's optimizer update (None: no guard)")
+    incident: Incident | None = None
+    agree_every: Positive | None = Field(
+        None, description="under torch.distributed: ranks agree on directives every this many steps")
     attention_mode: Mode = "none"
     directive_version: Count = 0
     first_offender: SiteName | None = None

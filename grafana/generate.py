@@ -310,6 +310,20 @@ def mode_panels() -> list[Any]:
     return [modes, directive]
 
 
+def guard_panels() -> list[Any]:
+    skipped = ts_panel("Optimizer steps skipped", "Steps whose update the weight guard skipped because they saw "
+                       "a non-finite value (the weights stayed as they were).",
+                       query(f"sum by (rank) (increase(nanwatch_skipped_steps_total{{{RUN_RANK}}}"
+                             "[$__rate_interval]))", "rank {{rank}}"), w=12)
+    # incidents exist only once a step was replayed: "(none)" at 0 until then, not "No data"
+    incidents = (f"sum by (class) (nanwatch_incidents_total{{{RUN}}})\n"
+                 'or on () label_replace(vector(0), "class", "(none)", "", "")')
+    return [skipped,
+            ts_panel("Incidents by class", "The differential replay's verdict on non-finite steps: precision (a "
+                     "fallback helps), data_mask and not_reproducible (no fallback helps: a person must look), "
+                     "not_classified.", query(incidents, "{{class}}"), w=12)]
+
+
 def reporting_panels() -> list[Any]:
     age = (ts_panel("Report age per rank", "Seconds since the collector last received a report from the rank "
                     "(the stale-rank alert fires above 120 s).",
@@ -338,7 +352,7 @@ def run_health() -> db.Dashboard:
     d = run_health_annotations(run_health_variables(d))
     sections = [("Overview", overview_panels()), ("Non-finite values", nonfinite_panels()),
                 ("Attention and headroom", attention_panels()), ("RLHF", rlhf_panels()),
-                ("Attention mode and directive", mode_panels()),
+                ("Attention mode and directive", mode_panels()), ("Weight guard", guard_panels()),
                 ("Reporting and coverage", reporting_panels())]
     for title, panels in sections:
         # expanded rows: the panels follow the row (Grafana drops panels nested in an expanded row)

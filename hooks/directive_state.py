@@ -1,16 +1,19 @@
 """Directives on the trainer side: which attention path this rank applies, switched only at step
 boundaries, and at the same step on every rank.
 
-Rank 0 long-polls the collector on a background thread. Under torch.distributed, every K steps all ranks
-agree on (version, mode, apply_at_step, revert) through one small int64 broadcast from rank 0, then apply
-once ``step >= apply_at_step``; since every rank evaluates the same rule on the same numbers, they switch
-together. Outside those K-step points nothing is communicated.
+Rank 0 long-polls the collector on a background thread; any rank's local policy may offer a directive too.
+Under torch.distributed, every K steps all ranks agree on (version, mode, apply_at_step, revert) through
+one small int64 all-reduce (MAX) on a CPU (gloo) group, never on the GPU, so agreeing costs no device sync;
+then they apply once ``step >= apply_at_step``. Since every rank evaluates the same rule on the same
+numbers, they switch together, at most K steps after rank 0 (or any rank) learned of the directive.
+Outside those K-step points nothing is communicated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -49,6 +52,7 @@ class DirectiveState:
         self._revert_next: int | None = None
         self._poller = None
         self._prev_impl: str | None = None
+        self._cpu_group = None
         self.fallbacks = 0
 
     # ---- inputs ----------------------------------------------------------------------------------
@@ -74,7 +78,8 @@ class DirectiveState:
 
     # ---- step boundary -------------------------------------------------------------------------------
     def _local_candidate(self) -> tuple[int, int, int, int]:
-        """(version, mode index, apply_at_step, revert_flag) as rank 0 sees it now."""
+        """(version, mode index, apply_at_step, revert_flag) as this rank sees it now. Auto-revert follows
+        rank 0's clean-step streak (the others say 0), so one rank's streak decides for all."""
         newest = self._offered
         polled = self._poller.latest if self._poller is not None else None
         if polled is not None and (newest is None or polled.version > newest.version):
@@ -82,7 +87,7 @@ class DirectiveState:
         if newest is not None and newest.version > self.version:
             self._revert_next = newest.revert_after_clean_steps
             return newest.version, MODES.index(newest.mode), newest.apply_at_step, 0
-        revert = int(self.mode != "none" and self.revert_after is not None
+        revert = int(self._rank == 0 and self.mode != "none" and self.revert_after is not None
                      and self.clean_streak >= self.revert_after)
         return self.version, MODES.index(self.mode), 0, revert
 
@@ -110,20 +115,27 @@ class DirectiveState:
             self._agreed = None if (version, revert) == (self.version, 0) else cand
 
     def _agree(self) -> tuple[int, int, int, int]:
-        """One int64 broadcast from rank 0 (gloo: CPU tensor; nccl: on this rank's device). This is the
-        only collective nanwatch issues, once every K steps."""
+        """One all-reduce (MAX) of four int64 on the host, over gloo: the only collective nanwatch issues,
+        once every K steps. Every rank calls it at the same step (step % K == 0), so the first call can
+        create the CPU group (a collective call on all ranks) when the default group is not gloo."""
         d = torch.distributed
-        buf_device = self._rec.buf.device
-        if d.get_backend() == "nccl":  # NCCL needs this rank's GPU: the one the model (and buffer) is on
-            device = buf_device if buf_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-        local = self._local_candidate() if self._rank == 0 else (0, 0, 0, 0)
-        t = torch.tensor(local, dtype=torch.int64, device=device)
-        d.broadcast(t, src=0)
-        return tuple(int(x) for x in t.tolist())  # sync-ok: once every K steps, by design
+        if d.get_backend() != "gloo" and self._cpu_group is None:
+            self._cpu_group = d.new_group(backend="gloo")
+        t = torch.tensor(self._local_candidate(), dtype=torch.int64)
+        d.all_reduce(t, op=d.ReduceOp.MAX, group=self._cpu_group)
+        return tuple(int(x) for x in t.tolist())  # a CPU tensor: no device sync
 
     # ---- effects -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forced(self, mode: str) -> Iterator[None]:
+        """Run with ``mode`` for a moment (the differential replay), then put the directive back."""
+        saved = self.mode
+        self._set_mode(mode, self.version)
+        try:
+            yield
+        finally:
+            self._set_mode(saved, self.version)
+
     def _set_mode(self, mode: str, version: int) -> None:
         # fp32/fused act inside the SDPA wrapper, so an HF model running eager attention is routed
         # through SDPA for them too; the previous implementation comes back when the mode ends.
@@ -146,8 +158,7 @@ class DirectiveState:
         directive is active (opt-in). Without the directive it returns False at no cost."""
         if self.mode != "skip_step":
             return False
-        seen = self._rec.nonfinite_so_far()
-        return seen is not None and bool(seen > 0)  # sync-ok: opt-in skip_step directive, once per step
+        return bool(self._rec.nonfinite_count() > 0)  # sync-ok: opt-in skip_step directive, once per step
 
     def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""

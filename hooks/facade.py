@@ -26,11 +26,14 @@ from nanwatch.hooks import compiled, patching
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
+from nanwatch.hooks.local_policy import LocalPolicy
 from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder
+from nanwatch.hooks.replay import replay
 from nanwatch.hooks.report import ReportBuilder, StepContext
 from nanwatch.hooks.reporter import Pending, Reporter
 from nanwatch.hooks.rlhf import record_rlhf
+from nanwatch.hooks.weight_guard import WeightGuard
 from nanwatch.wire import MAX_INT, SiteKind, SiteName, StepReport
 
 __all__ = ["Monitor", "attach"]
@@ -130,11 +133,18 @@ class Monitor:
         self.directives = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                          check_every=config.directive_check_every)
         self._probes: Probes | None = None
+        self._device = device
+        self._guards: list[WeightGuard] = []
+        self._incident_done = False
+        wants_local = config.policy == "local" or (config.policy == "auto" and not config.collector)
+        self._policy = LocalPolicy(run_id=config.run_id, directives=self.directives,
+                                   logit_tau=config.logit_tau) if wants_local else None
         self._sender = None
         self._builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
                                       incarnation=self.incarnation, rec=self._rec, warn=self._warn_once,
                                       dropped_reports=lambda: self.dropped_reports,
-                                      expects_logits=lambda: self._probes is not None and self._probes.head is not None)
+                                      expects_logits=lambda: self._probes is not None and self._probes.head is not None,
+                                      agree_every=config.directive_check_every if self.world_size > 1 else None)
         self._reporter = Reporter(self._build_report, on_report=self._deliver,
                                   max_pending=config.max_pending_reports)
 
@@ -147,9 +157,9 @@ class Monitor:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def attach(self) -> Monitor:
-        """Register every probe; on any failure, undo what was done and re-raise (the model is left as
-        it was)."""
+    def attach(self, *, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
+        """Register every probe (and guard ``optimizer``'s weights); on any failure, undo what was done and
+        re-raise (the model is left as it was)."""
         model = self._model()
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
@@ -165,7 +175,10 @@ class Monitor:
                 from nanwatch.hooks.transport import ReportSender
 
                 self._sender = ReportSender(self.config.collector, token=self.config.token)
-                self.directives.start_polling(self.config.collector, self.config.run_id, self.config.token)
+                if self.config.policy in ("auto", "collector"):
+                    self.directives.start_polling(self.config.collector, self.config.run_id, self.config.token)
+            if optimizer is not None:
+                self.guard(optimizer)
         except BaseException:
             self._active = True
             self.close(timeout=1.0)
@@ -261,6 +274,25 @@ class Monitor:
         if self._sender is not None:
             self._sender.close(timeout_s=timeout)
 
+    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool = False) -> WeightGuard:
+        """Protect the weights: a step in which a monitored site saw a non-finite value does not update
+        them. Free (no host sync) for fused optimizers; others need ``sync=True`` (one sync per step) or
+        the ``skip_step`` directive (see ``nanwatch.hooks.weight_guard``). Removed when the Monitor closes.
+
+        Example usage::
+
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+            mon = nanwatch.attach(model, run_id="r", optimizer=opt)   # or mon.guard(opt)
+        """
+        if not self._active:
+            raise RuntimeError("nanwatch: guard() needs an attached Monitor")
+        g = WeightGuard(optimizer, rec=self._rec, directives=self.directives, sync=sync, warn=self._warn_once)
+        self._guards.append(g)
+        self._handles.append(g)
+        replay_on = self.config.replay if self.config.replay is not None else self._device.type == "cpu"
+        self._probes.keep_inputs = bool(replay_on and g.effective)
+        return g
+
     # ---- steps -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[Monitor]:
@@ -302,11 +334,31 @@ class Monitor:
         # an attention module may call SDPA (both counted) or not (eager attention): count each call once
         attention = max(sdpa_calls, counts.get("attention", 0))
         self._rec.cover(compiled_forwards=counts.get("forward", 0), attention=attention, compiled=attention)
+        if self._probes.keep_inputs and not self._incident_done:
+            guarded(self._classify, n)
         ctx = StepContext(self._rec.swap(), self.directives.mode, self.directives.version, time.time())
         if not self._reporter.capture(self._rec.buf, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self.config.max_pending_reports, n)
         self._rec.buf.reset()
+
+    def _classify(self, n: int) -> None:
+        """Replay mode: read this step's non-finite flag (the one host read it costs) and, the first time
+        it is set, classify the step by a differential replay before anything else moves."""
+        if not bool(self._rec.nonfinite_count() > 0):  # sync-ok: replay mode (free on the CPU; opt-in on GPU)
+            return
+        self._incident_done = True
+        rec = self._rec
+        values = rec.buf.data[: rec.buf.size].tolist()  # sync-ok: once per run, to find the first offender
+        _, _, _, prints, first = rec.decode(rec.state, values)
+        c = rec.state.coverage
+        rec.state.incident = replay(
+            model=self._model(), probes=self._probes, directives=self.directives, kept=list(self._probes.kept),
+            step=n, site=first[0] if first else None, phase=first[1] if first else None,
+            masked_rows=sum(f.fully_masked_rows for f in prints), guarded=any(g.effective for g in self._guards),
+            compiled=bool(c.compiled_forwards or c.compiled_calls), rank=self.rank)
+        log.warning("nanwatch: step %d: first non-finite step classified %s (%s)", n, rec.state.incident.cls,
+                    rec.state.incident.note)
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""
@@ -367,6 +419,8 @@ class Monitor:
     def _build_report(self, pending: Pending, values: list[float]) -> StepReport:
         report = self._builder.build(pending, values)
         self.directives.note_report(report.first_offender is None)
+        if self._policy is not None:
+            self._policy.observe(report)
         return report
 
     def _deliver(self, report: StepReport) -> None:
@@ -377,11 +431,13 @@ class Monitor:
 
 
 def attach(model: torch.nn.Module, *, run_id: str, collector: str | None = None,
-           config: MonitorConfig | None = None, **options) -> Monitor:
+           optimizer: torch.optim.Optimizer | None = None, config: MonitorConfig | None = None,
+           **options) -> Monitor:
     """Attach nanwatch to ``model`` and return the Monitor (a context manager that detaches on exit).
 
-    ``options`` are MonitorConfig fields (``grads=``, ``exact_logit_every=``, ``rank=``, ...).
+    ``optimizer``: guard its weights (``Monitor.guard``). ``options`` are MonitorConfig fields
+    (``grads=``, ``exact_logit_every=``, ``rank=``, ``policy=``, ...).
     """
     if config is None:
         config = MonitorConfig(run_id=run_id, collector=collector, **options)
-    return Monitor(model, config).attach()
+    return Monitor(model, config).attach(optimizer=optimizer)

@@ -36,6 +36,7 @@ from nanwatch.hooks import compiled
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import guarded
 from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
+from nanwatch.hooks.kept_forward import keep
 from nanwatch.hooks.recorder import ForwardMeta, Recorder
 
 __all__ = ["Frame", "Probes", "first_tensor", "pop", "push", "recomputing", "top"]
@@ -117,6 +118,13 @@ class Probes:
         self.head = head
         #: inside ``generate()`` (depth: generate may nest)
         self.generating = 0
+        #: the differential replay is re-running a forward: route attention (the forced path) but measure
+        #: nothing, except whether each attention call's query and output stayed finite (device flags)
+        self.replaying = False
+        self.replay_finite: list[torch.Tensor] = []
+        #: keep each training forward's inputs for a replay (``nanwatch.hooks.replay``), in ``kept``
+        self.keep_inputs = False
+        self.kept: list = []
         self._fqns = fqns
         self._signature = forward_signature
         self._model = model
@@ -126,6 +134,7 @@ class Probes:
     def begin_step(self, *, sampled: bool) -> None:
         self.sampled = sampled
         self._masks_seen.clear()
+        self.kept.clear()
 
     def stage(self) -> str:
         """The stage of the forward running now: ``generate``, ``train`` or ``eval`` (model.training)."""
@@ -150,7 +159,7 @@ class Probes:
     # ---- measuring a site ----------------------------------------------------------------------------
     def site(self, site: str, kind: str, x: torch.Tensor | None) -> None:
         """Measure ``x`` (forward) and, through a tensor hook, the gradient flowing back into it."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or self.replaying:
             return
         stage = self.stage()
         if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
@@ -176,7 +185,7 @@ class Probes:
         if _is_compiling():
             return
         fr = pop()
-        if fr is None or fr.probes is not self or not self.active or fr.sdpa_calls:
+        if fr is None or fr.probes is not self or not self.active or fr.sdpa_calls or self.replaying:
             return  # SDPA already measured this module's attention output
         if recomputing():
             self.rec.cover(recomputed=1)
@@ -185,7 +194,7 @@ class Probes:
         guarded(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
 
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
-        if self.active and not _is_compiling():
+        if self.active and not _is_compiling() and not self.replaying:
             self._head_seen = True
             if kind == "logits" and self.stage() == "train" and not recomputing():
                 self.rec.cover(logits=True)
@@ -195,17 +204,21 @@ class Probes:
         if _is_compiling():
             compiled.count("forward")  # replayed by dynamo after each run of the graph: no graph break
             return
-        if not self.active or recomputing():
+        if not self.active or self.replaying or recomputing():
             return
         self._head_seen = False
-        self.rec.cover(forwards=1, train=self.stage() == "train")
+        train = self.stage() == "train"
+        self.rec.cover(forwards=1, train=train)
+        if self.keep_inputs and train:
+            self.kept.append(keep(args, kwargs))
         if self._signature is not None and not self.generating:
             guarded(record_forward_inputs, self.rec, self._signature, args, kwargs)
 
     def root_post(self, module, args, kwargs, output) -> None:
         """A head that never materialises logits (TRL's fused LM head returns log-probabilities from the
         hidden states and the head's weight): measure what it returned instead, and say so."""
-        if not self.active or _is_compiling() or self._head_seen or self.head is None or recomputing():
+        if (not self.active or _is_compiling() or self._head_seen or self.head is None or self.replaying
+                or recomputing()):
             return
         log_probs = getattr(output, "log_probs", None)
         if isinstance(log_probs, torch.Tensor):
@@ -217,7 +230,7 @@ class Probes:
 
     def rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
-        if not self.active or _is_compiling() or self.generating or recomputing():
+        if not self.active or _is_compiling() or self.generating or self.replaying or recomputing():
             return
         fwd = self.rec.current_forward()
         if fwd is None or fwd.position_ids != "none":

@@ -15,12 +15,14 @@ import torch
 from nanwatch.hooks.dtypes import finfo_max
 from nanwatch.hooks.finite import finite_stats
 from nanwatch.hooks.slot_buffer import SlotBuffer
-from nanwatch.wire import Fingerprint, LogitStat, SdpaCall, SiteStat, dtype_name
+from nanwatch.wire import Fingerprint, Incident, LogitStat, SdpaCall, SiteStat, dtype_name
 
 __all__ = ["Counts", "ForwardMeta", "Recorder", "SiteKey", "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
+#: The slot summing every non-finite value of the step's training sites (the weight guard's flag).
+TRAIN_NONFINITE = ("train", "nonfinite")
 
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
@@ -77,6 +79,8 @@ class StepState:
     coverage: Counts = field(default_factory=lambda: Counts())
     #: attention layers measured in a training forward (each should get a logit figure)
     attention_layers: set[str] = field(default_factory=set)
+    #: the differential replay's verdict on this step (``nanwatch.hooks.replay``), when it ran
+    incident: Incident | None = None
 
 
 class Recorder:
@@ -96,8 +100,11 @@ class Recorder:
         meta.calls += 1
         meta.numel += x.numel()
         nan, inf, amax = finite_stats(x)  # reduce where x lives; only the scalars travel
-        self.buf.add(("nan", key), self._local(nan))
-        self.buf.add(("inf", key), self._local(inf))
+        nan, inf = self._local(nan), self._local(inf)
+        self.buf.add(("nan", key), nan)
+        self.buf.add(("inf", key), inf)
+        if stage == "train":  # what the weight guard reads: any non-finite value in this training step
+            self.buf.add(TRAIN_NONFINITE, nan + inf)
         self.buf.maximize(("amax", key), self._local(amax))
         # Execution order of the first bad call, on the device: -ordinal where this call held a
         # non-finite value, else -inf; the max over calls is the earliest bad one (grad accumulation
@@ -160,12 +167,11 @@ class Recorder:
         self.state.warnings.append(message)
         return True
 
-    def nonfinite_so_far(self) -> torch.Tensor | None:
-        """Non-finite values seen so far this step, summed on the device (a 1-element tensor), or None
-        when no site was measured yet. Reading it is a host sync: callers pay that knowingly."""
-        idx = [i for key in self.state.order for k in ("nan", "inf")
-               if (i := self.buf.index("sum", (k, key))) is not None]
-        return self.buf.data[idx].sum() if idx else None
+    def nonfinite_count(self) -> torch.Tensor:
+        """Non-finite values seen so far in this step's training sites: a 1-element view of the device
+        buffer, so reading it on the device costs nothing; reading it on the host is a sync."""
+        i = self.buf.slot("sum", TRAIN_NONFINITE)
+        return self.buf.data[i : i + 1]
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Bring a small result to the buffer's device. Asynchronous towards a GPU; towards a CPU buffer

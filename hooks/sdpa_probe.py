@@ -64,6 +64,10 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
 
     if mode == "fp32":
         upcast()
+    if probes.replaying:  # the differential replay: the forced path; only whether it stayed finite
+        out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
+        probes.replay_finite += [torch.isfinite(args[0]).all(), torch.isfinite(out).all()]
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     if recomputing():
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
@@ -133,8 +137,8 @@ def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
-    if recomputing():
-        return  # read in the first forward already
+    if probes.replaying or recomputing():
+        return  # read in the first forward already (or a replay, which measures nothing)
     rec = probes.rec
     s = scores.detach()
     rowmax = s.amax(dim=-1)

@@ -42,7 +42,7 @@ class DirectiveLog:
         cur = self.current(run_id)
         step = spec.apply_at_step
         if step is None:
-            step = self._state.latest_step(run_id) + self._margin
+            step = self._state.next_apply_step(run_id) + self._margin
         d = Directive(run_id=run_id, version=cur.version + 1, mode=spec.mode, apply_at_step=step,
                       revert_after_clean_steps=spec.revert_after_clean_steps, reason=spec.reason,
                       set_by=actor, created_at=time.time())

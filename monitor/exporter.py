@@ -79,6 +79,7 @@ class StateCollector(Collector):
                 f["nanwatch_attention_mode"].add_metric([run_id, rank, st.mode], 1)
                 f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
                 f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped)
+                f["nanwatch_skipped_steps_total"].add_metric([run_id, rank], counters.get(("skipped", (rank,)), 0.0))
                 for layer, bound in st.logits.items():
                     layers.setdefault(layer, []).append(bound)
                 for kind, h in st.headroom.items():
@@ -98,6 +99,8 @@ class StateCollector(Collector):
                     f["nanwatch_sdpa_calls_total"].add_metric([run_id, *labels], value)
                 elif fam == "unmeasured":
                     f["nanwatch_unmeasured_steps_total"].add_metric([run_id, *labels], value)
+                elif fam == "incident":
+                    f["nanwatch_incidents_total"].add_metric([run_id, *labels], value)
         f["nanwatch_collector_logit_tau"].add_metric([], self._tau)
         f["nanwatch_collector_reports_accepted_total"].add_metric([], state.accepted)
         f["nanwatch_collector_reports_duplicate_total"].add_metric([], state.duplicates)

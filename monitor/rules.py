@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.event_log import EventLog
-from nanwatch.monitor.settings import Rule
 from nanwatch.monitor.state import RankState
 from nanwatch.monitor.store import EventRow
-from nanwatch.wire import DirectiveSpec, StepReport, is_half
+from nanwatch.policy import Rule, matches, remedy
+from nanwatch.wire import DirectiveSpec, StepReport
 
 __all__ = ["Policy"]
 
@@ -39,6 +39,11 @@ class Policy:
                 hit = next(s for s in r.sites if s.nan or s.inf)
                 site, phase, stage = hit.site, hit.phase, hit.stage
             event("first_nonfinite", "first_nonfinite", site=site, phase=phase, stage=stage or "train", nonfinite=n)
+        if r.incident is not None:
+            inc = r.incident
+            event("incident", f"incident:{r.rank}:{inc.step}", site=inc.site, cls=inc.cls, phase=inc.phase,
+                  same=inc.same, fp32=inc.fp32, math=inc.math, fully_masked_rows=inc.fully_masked_rows,
+                  host=inc.host, seconds=inc.seconds, note=inc.note)
         if previous_mode is not None and rank is not None and rank.mode != previous_mode:
             if rank.mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
@@ -54,28 +59,10 @@ class Policy:
                 event("mode_applied", f"applied:{rank.mode}:{r.directive_version}", mode=rank.mode,
                       previous_mode=previous_mode, directive_version=r.directive_version)
         for rule in self._rules:
-            for key, site, detail in self._matches(rule, r):
+            for key, site, detail in matches(rule, r, logit_tau=self._tau):
                 event(rule.when, f"{rule.when}:{key}", site=site, rule=rule.name, **detail)
-                if rule.directive is not None and directives.current(run_id).mode == "none":
-                    spec = DirectiveSpec(mode=rule.directive, revert_after_clean_steps=rule.revert_after_clean_steps,
+                mode = remedy(rule, r)
+                if mode is not None and directives.current(run_id).mode == "none":
+                    spec = DirectiveSpec(mode=mode, revert_after_clean_steps=rule.revert_after_clean_steps,
                                          reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})")
                     directives.set(run_id, spec, actor=f"rule:{rule.name}")
-
-    def _matches(self, rule: Rule, r: StepReport):
-        if rule.when == "half_attention_nonfinite":
-            for s in r.sites:
-                if (s.nan or s.inf) and s.kind == "attention" and s.phase == "forward" and is_half(s.dtype):
-                    yield s.site, s.site, {"dtype": s.dtype, "nan": s.nan, "inf": s.inf}
-        elif rule.when == "math_backend_half":
-            for c in r.sdpa:
-                if c.backend == "math" and is_half(c.dtype) and c.stage == "train":
-                    yield f"{c.site}:{c.dtype}", c.site, {"dtype": c.dtype, "reason": c.reason,
-                                                          "shape": c.shape}
-        elif rule.when == "logit_over_tau":
-            for lg in r.logits:
-                if lg.bound > self._tau:  # the same figure as nanwatch_attention_logit_max
-                    yield lg.layer, lg.layer, {"bound": lg.bound, "exact": lg.exact, "tau": self._tau,
-                                               "source": lg.source}
-        elif rule.when == "cross_doc_leak":
-            if any(f.cross_doc_leak for f in r.fingerprints):
-                yield "run", None, {}

@@ -11,41 +11,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, StringConstraints, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from nanwatch.wire import Mode
+from nanwatch.policy import Rule, RuleName, default_rules
 
-__all__ = ["Rule", "RuleTrigger", "Settings", "get_settings", "is_loopback"]
-
-#: What a rule watches for in a report.
-RuleTrigger = Literal["half_attention_nonfinite", "math_backend_half", "logit_over_tau", "cross_doc_leak"]
-_Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-
-
-class Rule(BaseModel):
-    """One line of the declarative policy: an observation, and what the collector does about it."""
-
-    name: _Name
-    """Recorded in events, and in ``set_by`` as ``rule:<name>`` when the rule issues a directive."""
-    when: RuleTrigger
-    """``half_attention_nonfinite``: a fp16/bf16 attention output held NaN/Inf. ``math_backend_half``: the
-    math SDPA backend ran on half-precision inputs. ``logit_over_tau``: a layer's logit bound exceeded
-    ``logit_tau``. ``cross_doc_leak``: packed sequences ran under plain causal attention."""
-    directive: Mode | None = None
-    """Directive to issue when the run has none active; ``None`` records an event only."""
-    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = None
-    """Passed on to the directive: trainers go back to ``none`` after this many clean steps."""
-
-
-def _default_rules() -> list[Rule]:
-    return [
-        Rule(name="half_attention_nonfinite", when="half_attention_nonfinite", directive="fp32"),
-        Rule(name="math_backend_half", when="math_backend_half"),
-        Rule(name="logit_over_tau", when="logit_over_tau"),
-        Rule(name="cross_doc_leak", when="cross_doc_leak"),
-    ]
-
+__all__ = ["Rule", "Settings", "get_settings", "is_loopback"]
 
 def is_loopback(host: str) -> bool:
     """True when ``host`` only accepts connections from this machine."""
@@ -74,9 +45,9 @@ class Settings(BaseSettings):
     token_file: Path | None = None
     """File holding the ingest token (e.g. a mounted secret), audit name ``ingest-file``."""
     admin_token_file: Path | None = None
-    tokens: dict[_Name, SecretStr] = {}
+    tokens: dict[RuleName, SecretStr] = {}
     """More ingest tokens by name: ``{"team-a": "..."}``."""
-    admin_tokens: dict[_Name, SecretStr] = {}
+    admin_tokens: dict[RuleName, SecretStr] = {}
     """More admin tokens by name; the name is written to the audit log of every directive change."""
     rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
     """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
@@ -87,13 +58,15 @@ class Settings(BaseSettings):
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     max_series_per_run: Annotated[int, Field(ge=10)] = 50_000
     """New series of a run beyond this are dropped and counted."""
-    directive_margin_steps: Annotated[int, Field(ge=0)] = 10
-    """A directive without ``apply_at_step`` applies at the run's latest step seen plus this."""
+    directive_margin_steps: Annotated[int, Field(ge=0)] = 0
+    """Extra steps before a directive without ``apply_at_step`` applies. By default it applies at the
+    earliest step every rank can: the next step for one rank, the next agreement step under
+    torch.distributed (from the cadence the ranks report)."""
     max_wait_s: Annotated[float, Field(ge=0)] = 60.0
     """Longest long-poll the collector holds open; longer ``wait`` values are clamped."""
     logit_tau: float = 100.0
     """Attention-logit bound above which ``logit_over_tau`` fires (Kimi K2 clips at 100)."""
-    rules: list[Rule] = Field(default_factory=_default_rules)
+    rules: list[Rule] = Field(default_factory=default_rules)
     events_shown: Annotated[int, Field(ge=1, le=10_000)] = 200
     """How many recent events ``GET /v1/runs/{run_id}`` returns."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

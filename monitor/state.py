@@ -16,8 +16,8 @@ from nanwatch.wire import RlhfStat, StepReport, dtype_name
 
 __all__ = ["CollectorState", "RankState", "RunState"]
 
-#: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped
-_RANK_SERIES = 7
+#: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
+_RANK_SERIES = 8
 
 
 @dataclass(slots=True)
@@ -30,6 +30,7 @@ class RankState:
     received: float
     seen: float
     world_size: int = 1
+    agree_every: int | None = None
     mode: str = "none"
     directive_version: int = 0
     dropped: int = 0
@@ -117,6 +118,19 @@ class CollectorState:
         run = self.runs.get(run_id)
         return run.latest_step if run is not None else 0
 
+    def next_apply_step(self, run_id: str) -> int:
+        """The earliest step every rank can apply a directive at, from what the run's reports say: the next
+        step for one rank; under torch.distributed the next agreement step (ranks agree every
+        ``agree_every`` steps and switch together there)."""
+        run = self.runs.get(run_id)
+        latest = run.latest_step if run is not None else 0
+        ranks = list(run.ranks.values()) if run is not None else []
+        world = max((st.world_size for st in ranks), default=1)
+        every = max((st.agree_every or 1 for st in ranks), default=1)
+        if world == 1 or every == 1:
+            return latest + 1
+        return (latest // every + 1) * every
+
     def is_new(self, r: StepReport) -> bool:
         """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
         return r.seq > self.hwm.get((r.run_id, r.rank, r.incarnation), -1)
@@ -163,6 +177,10 @@ class CollectorState:
         for reason in r.coverage.unmeasured if r.coverage is not None else ():
             if run.admit(("unmeasured", reason), 1, cap):
                 bump("unmeasured", (reason,), 1)
+        if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
+            bump("incident", (r.incident.cls,), 1)
+        if r.step_skipped and rank_ok:
+            bump("skipped", (rank_label,), 1)
         if not rank_ok:
             return None, None, changed
         for kind in headroom:
@@ -172,7 +190,8 @@ class CollectorState:
         previous_mode = prev.mode if prev is not None else None
         run.ranks[r.rank] = st = RankState(
             rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
-            seen=seen, world_size=r.world_size, mode=r.attention_mode, directive_version=r.directive_version,
+            seen=seen, world_size=r.world_size, agree_every=r.agree_every, mode=r.attention_mode,
+            directive_version=r.directive_version,
             dropped=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
             first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
         return st, previous_mode, changed

@@ -19,7 +19,7 @@ from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
            "free_port", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
-           "tiny_tokenizer", "token_ids"]
+           "overflow_attention", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -117,3 +117,12 @@ def save_tiny_lm(path, *, seed: int = 0) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def overflow_attention(model, layer: int = 0, factor: float = 100.0) -> None:
+    """Scale a Qwen3 layer's q/k norms, as attention-logit growth does: in fp16 the eager QK matmul then
+    overflows and the attention output turns NaN (the demo's failure)."""
+    attn = model.model.layers[layer].self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.mul_(factor)
+        attn.k_norm.weight.mul_(factor)

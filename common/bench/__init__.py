@@ -3,7 +3,9 @@
 * ``nanwatch bench [options]``: what the trainer-side hooks cost a training step
   (:mod:`nanwatch.bench.step`);
 * ``nanwatch bench collector [options]``: a load generator against a real collector, many ranks
-  reporting at once (:mod:`nanwatch.bench.collector`).
+  reporting at once (:mod:`nanwatch.bench.collector`);
+* ``nanwatch bench fallback [options]``: steps and seconds from the first non-finite step to the
+  fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -22,6 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import collector
 
         return collector.main(argv[1:])
+    if argv[:1] == ["fallback"]:
+        from nanwatch.bench import fallback
+
+        return fallback.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

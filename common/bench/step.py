@@ -7,6 +7,8 @@ that drift (thermal, allocator, other load) hits every variant alike:
 * ``nanwatch``: the same inside ``with mon.step(n):`` with ``nanwatch.attach(model, run_id="bench")``
   at its defaults (step numbers keep counting across rounds, so the exact-logit sampling happens at
   its real 1-in-``exact_logit_every`` rate);
+* ``nanwatch_guard``: the same with the weight guard on the optimizer (``attach(..., optimizer=opt)``; the
+  optimizer is a fused AdamW in every variant, so the guard's cost is the only difference);
 * ``debug_underflow_overflow``: transformers' ``DebugUnderflowOverflow(model)`` (a fresh one per
   round; it keeps no handles, so its hooks are removed from the modules' hook dicts afterwards);
 * ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
@@ -32,7 +34,7 @@ import torch
 
 __all__ = ["BenchConfig", "VARIANTS", "main", "run"]
 
-VARIANTS = ("bare", "nanwatch", "debug_underflow_overflow", "detect_anomaly")
+VARIANTS = ("bare", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -128,7 +130,7 @@ def _build(cfg: BenchConfig):
         head_dim=cfg.head_dim, max_position_embeddings=max(cfg.seq, 64), use_cache=False,
     ).to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).train()
     # A tiny learning rate keeps the weights (and so the work per step) steady across variants.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # fused: the weight guard is free
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0))
     return model, opt, ids.to(cfg.device)
 
@@ -146,15 +148,15 @@ def _remove_debug_hooks(model: torch.nn.Module, debugger) -> int:
     return removed
 
 
-def _variants(cfg: BenchConfig, model: torch.nn.Module) -> list[_Variant]:
+def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[_Variant]:
     null = contextlib.nullcontext
     state: dict = {}
 
     @contextlib.contextmanager
-    def nanwatch_round() -> Iterator[None]:
+    def nanwatch_round(guard: bool = False) -> Iterator[None]:
         from nanwatch.hooks import attach
 
-        mon = attach(model, run_id="bench")
+        mon = attach(model, run_id="bench", optimizer=opt if guard else None)
         state["mon"] = mon
         try:
             yield
@@ -189,6 +191,7 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module) -> list[_Variant]:
     table = {
         "bare": _Variant("bare", null, lambda n: null()),
         "nanwatch": _Variant("nanwatch", nanwatch_round, nanwatch_step),
+        "nanwatch_guard": _Variant("nanwatch_guard", lambda: nanwatch_round(guard=True), nanwatch_step),
         "debug_underflow_overflow": _Variant("debug_underflow_overflow", debug_round, lambda n: null()),
         "detect_anomaly": _Variant("detect_anomaly", null, anomaly_step),
     }
@@ -206,7 +209,7 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
             with variant.step(i):
                 out = model(input_ids=ids, labels=ids, use_cache=False)
                 out.loss.backward()
-            opt.step()
+                opt.step()  # inside the step: the weight guard reads this step's flag
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
     if record:
@@ -221,7 +224,7 @@ def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
         torch.set_num_threads(cfg.threads)
     try:
         model, opt, ids = _build(cfg)
-        variants = _variants(cfg, model)
+        variants = _variants(cfg, model, opt)
         log(_describe(cfg, model))
         for v in variants:
             _timed_steps(cfg, model, opt, ids, v, cfg.warmup, record=False)

@@ -13,7 +13,9 @@ The callback attaches a Monitor when training begins (to the model the trainer c
 A nanwatch step is one optimizer step (``state.global_step``), gradient-accumulation micro-batches
 included. Eval forwards (the model in eval mode) and ``generate()`` forwards are labelled with their
 stage. A step that raises is still reported: the Monitor reports its open step when it closes, also at
-interpreter exit. The optimizer's ``step`` is wrapped so that the ``skip_step`` directive is honoured.
+interpreter exit. The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a
+non-finite value does not update the weights, at no cost with a fused optimizer (HF's default
+``adamw_torch_fused``); others are guarded under the ``skip_step`` directive.
 For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.integrations.trl`) adds logprob, ratio and
 KL health without a subclass.
 """
@@ -56,29 +58,6 @@ def _find_trainer(callback: object, max_depth: int = 12) -> Any | None:
     return None
 
 
-class _OptimizerStep:
-    """Wraps ``optimizer.step`` on the instance: the ``skip_step`` directive skips it (one host sync then,
-    as GradScaler's check costs; nothing otherwise). ``remove()`` puts the method back."""
-
-    def __init__(self, optimizer: Any, monitor: Monitor) -> None:
-        self._optimizer = optimizer
-        original = optimizer.step
-
-        def step(*args, **kwargs):
-            if monitor.should_skip_step():
-                log.warning("nanwatch: skip_step directive: optimizer step skipped (non-finite values seen)")
-                return None
-            return original(*args, **kwargs)
-
-        optimizer.step = step
-
-    def remove(self) -> None:
-        try:
-            del self._optimizer.step
-        except AttributeError:
-            pass
-
-
 class NanwatchCallback(_trainer_base()):
     """Attach nanwatch to a HF ``Trainer`` (or TRL trainer) for the length of ``train()``.
 
@@ -104,9 +83,7 @@ class NanwatchCallback(_trainer_base()):
             return
         options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
-        self.monitor = Monitor(target, config).attach()
-        if optimizer is not None:
-            self._undo.append(_OptimizerStep(optimizer, self.monitor))
+        self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         if trainer is not None and type(trainer).__module__.startswith("trl."):
             from nanwatch.integrations.trl import instrument
 

@@ -185,6 +185,7 @@ _SCENARIO = [
     ('nanwatch_last_report_timestamp_seconds{run_id="r1", rank="1"}', "0+15x20"),
     ('nanwatch_reports_dropped_total{run_id="r1", rank="0"}', "0x10 1x10"),
     ('nanwatch_reports_dropped_total{run_id="r1", rank="1"}', "0x20"),
+    ('nanwatch_skipped_steps_total{run_id="r1", rank="0"}', "0x4 1x15"),
     ('nanwatch_first_offender_info{run_id="r1", site="model.layers.0.self_attn", pass="forward", '
      'stage="train", rank="0"}', "_x4 1x15"),
     *[(f'nanwatch_rlhf_stat{{run_id="r1", stat="{s}"}}', "0.1x20")

@@ -82,3 +82,30 @@ def test_hf_model_syncs_no_more_with_nanwatch_than_without():
         added = count_syncs(monitored)
         assert mon.last_report().first_offender is None
     assert added == baseline, f"HF step synced {baseline}x bare, {added}x with nanwatch"
+
+
+@cuda
+def test_the_weight_guard_adds_zero_host_syncs():
+    """The guard hands fused AdamW nanwatch's flag as a device tensor (GradScaler's mechanism): a clean step
+    and a NaN step both run under sync-debug "error", and the NaN step leaves the weights as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Mixer(128), Mixer(128)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(2, 64, 128, device="cuda")
+    with nanwatch.attach(model, run_id="gpu-guard", optimizer=opt, replay=False,
+                         is_attention=lambda n, m: isinstance(m, Mixer)) as mon:
+        for n, inputs in enumerate([x, x, x * float("nan")]):
+            before = [p.detach().clone() for p in model.parameters()]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*probe failed.*")
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with mon.step(n):
+                        model(inputs).float().square().mean().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            r = mon.last_report()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            assert r.step_skipped is (n == 2) and unchanged is (n == 2), (n, r.step_skipped, unchanged)

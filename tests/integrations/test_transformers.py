@@ -66,7 +66,7 @@ def faulted_run(tmp_path_factory):
             return out
 
     def count_call(module, args, out):  # ground truth: training attention forwards, not checkpointing re-runs
-        if torch._C._current_graph_task_id() == -1 and module.training:
+        if torch._C._current_graph_task_id() == -1 and module.training and torch.is_grad_enabled():  # no replay
             real_calls[now.step] = real_calls.get(now.step, 0) + 1
 
     model.model.layers[1].self_attn.q_proj.register_forward_hook(poison_query)
@@ -137,11 +137,16 @@ def test_the_logit_bound_is_present_every_step(faulted_run):
 
 def test_backend_and_dtype_are_what_ran_under_autocast(faulted_run):
     reports, _, _ = faulted_run
+    # the NaN at step 2 comes back on every path the replay tries (the query itself is poisoned), so it is
+    # classified data/mask and the local policy (no collector here) issues no fp32 fallback: none helps
+    assert reports[2].incident.cls == "data_mask" and reports[2].incident.same == "nonfinite"
+    assert [r.attention_mode for r in reports] == ["none"] * 4
     for r in reports:
+        dtype = "float32" if r.attention_mode == "fp32" else "bfloat16"  # fp32 under autocast really is fp32
         for c in r.sdpa:
             if c.stage == "train":
                 assert (c.backend, c.predicted, c.confirmed, c.dtype, c.reason) == (
-                    "cpu_flash", "cpu_flash", True, "bfloat16", None), c
+                    "cpu_flash", "cpu_flash", True, dtype, None), c
     # ground truth, without nanwatch: what autocast hands SDPA (fp32 q/k after the norms, bf16 v) runs
     # as bf16 CPU flash
     q = torch.randn(2, 4, 8, 16, requires_grad=True)
@@ -163,27 +168,44 @@ def test_eval_forwards_are_labelled_and_kept_out_of_the_training_figures(faulted
         assert sum(c.calls for c in r.sdpa if c.stage == "train") == len(LAYERS) * GA  # not inflated
 
 
-def test_skip_step_directive_is_honoured_through_the_wrapped_optimizer(tmp_path):
+def _poisoned_at_step_1(tmp_path, *, optim: str, callbacks=()):
+    """Three steps; at step 1 layer 0's MLP output turns NaN in every forward (a bad batch)."""
     model, now = _model(), _StepOf()
-
-    def poison(module, args, out):
-        return out * math.nan if now.step == 1 else out
-
-    model.model.layers[0].mlp.register_forward_hook(poison)
-
-    class Offer(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            cb.monitor.directives.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=0))
-
-    cb = NanwatchCallback(run_id="skip")
-    trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=3), train_dataset=_dataset(),
-                                   callbacks=[now, cb, Offer()])
+    model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan if now.step == 1 else out)
+    reports = []
+    cb = NanwatchCallback(run_id="guard", on_report=reports.append)
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=3, optim=optim),
+                                   train_dataset=_dataset(), callbacks=[now, cb, *(c(cb) for c in callbacks)])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore", FutureWarning)
         trainer.train()
-    # the NaN step's update was skipped (gradient clipping had made every gradient NaN): weights stay finite
+    return model, reports, trainer
+
+
+def test_the_weight_guard_keeps_a_nan_step_out_of_the_weights(tmp_path):
+    # HF's default optimizer is fused AdamW: the guard hands it nanwatch's flag, no host sync
+    model, reports, trainer = _poisoned_at_step_1(tmp_path, optim="adamw_torch_fused")
+    assert [r.step_skipped for r in reports] == [False, True, False]
+    # gradient clipping had made every gradient NaN: without the guard every weight would be NaN now
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert not hasattr(trainer.optimizer, "__dict__") or "step" not in trainer.optimizer.__dict__  # unwrapped
+    assert "step" not in type(trainer.optimizer.optimizer).__dict__ or "step" not in trainer.optimizer.optimizer.__dict__
+    inc = reports[1].incident  # classified by the replay before the next step (CPU: free)
+    assert inc is not None and inc.step == 1 and inc.same == "nonfinite"
+
+
+def test_a_non_fused_optimizer_is_guarded_under_the_skip_step_directive(tmp_path):
+    class Offer(transformers.TrainerCallback):
+        def __init__(self, cb: NanwatchCallback) -> None:
+            self.cb = cb
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.cb.monitor.directives.offer(Directive(run_id="guard", version=1, mode="skip_step",
+                                                       apply_at_step=0))
+
+    with pytest.warns(RuntimeWarning, match="cannot skip a step of AdamW without a host sync"):
+        model, reports, _ = _poisoned_at_step_1(tmp_path, optim="adamw_torch", callbacks=[Offer])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [r.step_skipped for r in reports] == [False, True, False]
 
 
 _CRASH = textwrap.dedent("""

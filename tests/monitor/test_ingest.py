@@ -47,10 +47,10 @@ def test_sender_streams_reports_and_metrics_show_them(collector):
         assert _get(s, "nanwatch_last_report_timestamp_seconds", run_id="stream", rank=rank) > 1.6e9
         assert _get(s, "nanwatch_attention_mode", run_id="stream", rank=rank, mode="none") == 1
         assert _get(s, "nanwatch_reports_dropped_total", run_id="stream", rank=rank) == 0
-    # bf16 attention went non-finite at step 3: the default policy asked for fp32 from step 3 + margin 10
+    # bf16 attention went non-finite at step 3: the default policy asked for fp32 from the next step (one rank)
     assert _get(s, "nanwatch_directive_info", run_id="stream", mode="fp32", version="1") == 1
     d = httpx.get(f"{collector.url}/v1/directives/stream", headers=AUTH).json()
-    assert (d["mode"], d["apply_at_step"], d["set_by"]) == ("fp32", 13, "rule:half_attention_nonfinite")
+    assert (d["mode"], d["apply_at_step"], d["set_by"]) == ("fp32", 4, "rule:half_attention_nonfinite")
     run = httpx.get(f"{collector.url}/v1/runs/stream", headers=AUTH).json()
     assert run["first_offender"] == {"site": "model.layers.2.self_attn", "phase": "forward", "rank": 1, "step": 3,
                                      "time": run["first_offender"]["time"]}
@@ -164,3 +164,16 @@ def test_a_trainer_revert_is_recorded_and_the_rule_can_fire_again(collector):
     assert (d["version"], d["mode"], d["set_by"]) == (2, "none", "trainer:auto-revert")
     post(3, mode="none", version=2, nan=5)  # the NaN comes back: a fresh directive, not silence
     assert (directive()["version"], directive()["mode"]) == (3, "fp32")
+
+
+def test_a_directive_applies_at_the_earliest_step_every_rank_can(collector):
+    """No margin: the next step for one rank, the next agreement step for ranks that agree every K."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for run_id, world, every, expected in (("single", 1, None, 6), ("pair", 2, 4, 8), ("pair-k1", 2, 1, 6)):
+        reports = [step_report(run_id=run_id, rank=rank, seq=0, step=5).model_copy(
+            update={"world_size": world, "agree_every": every}) for rank in range(world)]
+        resp = httpx.post(f"{collector.url}/v1/reports", content=ReportBatch(reports=reports).model_dump_json(),
+                          headers=AUTH)
+        assert resp.status_code == 200, resp.text
+        d = httpx.put(f"{collector.url}/v1/directives/{run_id}", json={"mode": "fp32"}, headers=admin).json()
+        assert d["apply_at_step"] == expected, (run_id, d)

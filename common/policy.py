@@ -1,0 +1,81 @@
+"""The declarative policy: which observations in a StepReport call for an event, and which for a
+directive. Pure functions of the wire models (pydantic only), so that the collector's rules and the
+trainer's local policy (for runs without a collector) are the very same rules.
+
+Example usage::
+
+    for rule in default_rules():
+        for key, site, detail in matches(rule, report, logit_tau=100.0):
+            print(rule.name, site, detail, remedy(rule, report))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints
+
+from nanwatch.wire import Mode, StepReport, is_half
+
+__all__ = ["Rule", "RuleTrigger", "default_rules", "matches", "remedy"]
+
+#: What a rule watches for in a report.
+RuleTrigger = Literal["half_attention_nonfinite", "math_backend_half", "logit_over_tau", "cross_doc_leak"]
+RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Rule(BaseModel):
+    """One line of the declarative policy: an observation, and what to do about it."""
+
+    name: RuleName
+    """Recorded in events, and in ``set_by`` as ``rule:<name>`` when the rule issues a directive."""
+    when: RuleTrigger
+    """``half_attention_nonfinite``: a fp16/bf16 attention output held NaN/Inf. ``math_backend_half``: the
+    math SDPA backend ran on half-precision inputs in training. ``logit_over_tau``: a layer's logit bound
+    exceeded ``logit_tau``. ``cross_doc_leak``: packed sequences ran under plain causal attention."""
+    directive: Mode | None = None
+    """Directive to issue when the run has none active; ``None`` records an event only."""
+    revert_after_clean_steps: Annotated[int, Field(ge=1)] | None = None
+    """Passed on to the directive: trainers go back to ``none`` after this many clean steps."""
+
+
+def default_rules() -> list[Rule]:
+    return [
+        Rule(name="half_attention_nonfinite", when="half_attention_nonfinite", directive="fp32"),
+        Rule(name="math_backend_half", when="math_backend_half"),
+        Rule(name="logit_over_tau", when="logit_over_tau"),
+        Rule(name="cross_doc_leak", when="cross_doc_leak"),
+    ]
+
+
+def matches(rule: Rule, r: StepReport, *, logit_tau: float) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    """``(dedupe key, site, detail)`` for every observation in ``r`` that the rule is about."""
+    if rule.when == "half_attention_nonfinite":
+        for s in r.sites:
+            if (s.nan or s.inf) and s.kind == "attention" and s.phase == "forward" and is_half(s.dtype):
+                yield s.site, s.site, {"dtype": s.dtype, "nan": s.nan, "inf": s.inf}
+    elif rule.when == "math_backend_half":
+        for c in r.sdpa:
+            if c.backend == "math" and is_half(c.dtype) and c.stage == "train":
+                yield f"{c.site}:{c.dtype}", c.site, {"dtype": c.dtype, "reason": c.reason, "shape": c.shape}
+    elif rule.when == "logit_over_tau":
+        for lg in r.logits:
+            if lg.bound > logit_tau:  # the same figure as nanwatch_attention_logit_max
+                yield lg.layer, lg.layer, {"bound": lg.bound, "exact": lg.exact, "tau": logit_tau,
+                                           "source": lg.source}
+    elif rule.when == "cross_doc_leak":
+        if any(f.cross_doc_leak for f in r.fingerprints):
+            yield "run", None, {}
+
+
+def remedy(rule: Rule, r: StepReport) -> Mode | None:
+    """The directive the rule asks for, given what the report's incident (if any) says: a precision
+    fallback only helps a precision problem, so a step classified ``data_mask`` or ``not_reproducible``
+    gets none (the weight guard has skipped it; the incident pages)."""
+    if rule.directive is None:
+        return None
+    if r.incident is not None and rule.directive in ("fp32", "fused") and r.incident.cls in (
+            "data_mask", "not_reproducible"):
+        return None
+    return rule.directive

@@ -1,0 +1,125 @@
+"""Differential replay: classify a run's first non-finite step before choosing the remedy.
+
+The training forwards of each step are kept by reference (their inputs and the RNG state at their start;
+nothing is copied). When a step turns out non-finite, the micro-batch is re-run, forward only and without
+grad, before the next optimizer step (the weight guard skipped this one, so the weights are those it ran
+with):
+
+1. on the same path, same inputs, same RNG: finite means **not reproducible** (suspect hardware or a
+   race: the incident names the rank and host);
+2. the inputs themselves: a fully masked query row, or a non-finite floating input, is **data/mask**;
+3. under fp32 attention, and on the SDPA math kernel: if either is finite the fast path was at fault,
+   **precision** (a fallback helps); if both are non-finite too, **data/mask** (no precision switch helps).
+
+Non-finite means: at the first offender's module, at any attention call's query or output, or at the
+model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
+forward, no more), once per run, plus one host read of the step's non-finite flag per step while replay is
+on. It does not run when it cannot be sound: a NaN born in backward (the replay re-runs forwards), no kept
+forward, compiled code in the step (the probes, and so the fp32 path, are off inside graphs), or no weight
+guard (the weights already moved). The incident then says ``not_classified`` and why.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.kept_forward import KeptForward
+from nanwatch.hooks.probes import Probes, first_tensor
+from nanwatch.wire import Incident
+
+__all__ = ["replay"]
+
+
+def _nonfinite_input(kept: KeptForward) -> bool:
+    tensors = [x for x in (*kept.args, *kept.kwargs.values()) if isinstance(x, torch.Tensor)]
+    return any(bool((~torch.isfinite(t)).any()) for t in tensors if t.is_floating_point())  # sync-ok: replay
+
+
+def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
+    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+    if site is None:
+        return None
+    modules = dict(model.named_modules())
+    for name in (site, site.rsplit(".", 1)[0]):
+        if name in modules:
+            return modules[name]
+    return None
+
+
+def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch.nn.Module | None) -> bool:
+    """Re-run one forward without grad on its own RNG state; True when it is non-finite at ``watch``'s
+    output, at any attention call's query or output (a fused kernel can hide a NaN query), or at the
+    model's output."""
+    seen = probes.replay_finite = []
+
+    def record(module, args, output) -> None:
+        t = first_tensor(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            seen.append(torch.isfinite(t).all())
+
+    handle = watch.register_forward_hook(record) if watch is not None else None
+    torch.set_rng_state(kept.cpu_rng)
+    if kept.cuda_rng:
+        torch.cuda.set_rng_state_all(kept.cuda_rng)
+    probes.replaying = True
+    try:
+        with torch.no_grad():
+            record(model, (), model(*kept.args, **kept.kwargs))
+    finally:
+        probes.replaying = False
+        if handle is not None:
+            handle.remove()
+    return not bool(torch.stack(seen).all()) if seen else False  # sync-ok: replay, once per run
+
+
+def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState, kept: list[KeptForward],
+           step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
+           compiled: bool, rank: int) -> Incident:
+    """Classify the step; see the module docstring. Never raises into training: a replay that fails is
+    ``not_classified`` with the error in ``note``."""
+    start = time.perf_counter()
+    base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
+            "host": f"{socket.gethostname()} rank {rank}"}
+
+    def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
+        return Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+
+    why_not = ("the non-finite value was born in backward; the replay re-runs forwards only" if phase == "backward"
+               else "no training forward was kept this step" if not kept
+               else "compiled code ran in the step: inside a graph the fp32 path is not applied" if compiled
+               else "no weight guard: the weights moved since the step, so a replay would not be that step"
+               if not guarded else "")
+    if why_not:
+        return done("not_classified", why_not)
+    saved_rng = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if any(k.cuda_rng for k in kept) else []
+    watch = _module_of(model, site)
+    try:
+        culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        if culprit is None:
+            return done("not_reproducible", "the same path on the same inputs was finite",
+                        same="finite")
+        with directives.forced("fp32"):
+            fp32 = _run(model, probes, culprit, watch)
+        with directives.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
+            math_ = _run(model, probes, culprit, watch)
+        outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
+                    "math": "nonfinite" if math_ else "finite"}
+        if masked_rows or _nonfinite_input(culprit):
+            note = "fully masked query rows" if masked_rows else "a non-finite input"
+            return done("data_mask", f"{note}: no precision switch helps", **outcomes)
+        if fp32 and math_:
+            return done("data_mask", "every path is non-finite", **outcomes)
+        return done("precision", "only the fast path is non-finite: a fallback helps", **outcomes)
+    except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+        return done("not_classified", f"the replay failed: {type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        torch.set_rng_state(saved_rng)
+        if saved_cuda:
+            torch.cuda.set_rng_state_all(saved_cuda)

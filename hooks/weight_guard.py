@@ -1,0 +1,89 @@
+"""The weight guard: a training step in which a monitored site saw a non-finite value does not update the
+weights, and finding that out costs no host sync.
+
+Fused optimizers (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``, on CPU and CUDA) take a
+``found_inf`` device tensor, which is how ``GradScaler`` skips steps without a sync: their kernels leave
+the parameters (and the step count) alone where it is non-zero. The guard hands them nanwatch's own flag,
+the step's non-finite count read straight from the device buffer. With a ``GradScaler`` in use, the
+scaler sets its ``found_inf`` first and calls ``step()``; the guard combines the two, so either flag
+skips the step and the scaler's own bookkeeping (``update()``) is untouched.
+
+Other optimizers read no such flag. For them the guard can only decide on the host: ``sync=True`` pays
+one sync per step (as GradScaler does for them); otherwise it warns once, names the optimizers that would
+make it free, and only the opt-in ``skip_step`` directive (one sync then) protects the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.recorder import Recorder
+
+__all__ = ["GUARD_SKIPPED", "WeightGuard", "inner_optimizer"]
+
+log = logging.getLogger("nanwatch")
+
+#: The slot holding 1 when the guard skipped the step's update (max over the step's optimizer steps).
+GUARD_SKIPPED = ("guard", "skipped")
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers: Accelerate's ``AcceleratedOptimizer`` (itself an Optimizer
+    subclass) keeps it in ``.optimizer`` and its ``step`` calls the inner one, through the GradScaler when
+    there is one."""
+    seen = set()
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class WeightGuard:
+    """Wraps one optimizer's ``step`` on the instance; ``remove()`` puts it back."""
+
+    def __init__(self, optimizer: Any, *, rec: Recorder, directives: DirectiveState, sync: bool,
+                 warn: WarnOnce) -> None:
+        opt = self._optimizer = inner_optimizer(optimizer)
+        self.fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
+        self.effective = self.fused or sync
+        if not self.effective:
+            warn(f"the weight guard cannot skip a step of {type(opt).__name__} without a host sync: pass "
+                 "guard(optimizer, sync=True) (one sync per step), or use a fused optimizer (Adam, AdamW, "
+                 "SGD or Adagrad with fused=True), which the guard protects at no cost. Until then only the "
+                 "skip_step directive protects the weights")
+        original = opt.step
+
+        @functools.wraps(original)  # GradScaler inspects step()'s signature: keep the original's
+        def step(*args, **kwargs):
+            count = rec.nonfinite_count()
+            if self.fused:
+                flag = (count > 0).to(torch.float32).reshape(())
+                rec.buf.maximize(GUARD_SKIPPED, flag)
+                scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
+                opt.found_inf = flag if scaler_flag is None else torch.maximum(
+                    scaler_flag, flag.to(scaler_flag.device))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if scaler_flag is None:
+                        del opt.found_inf
+                    else:
+                        opt.found_inf = scaler_flag
+            if sync or directives.mode == "skip_step":
+                bad = bool(count > 0)  # sync-ok: non-fused optimizer, sync=True or the skip_step directive
+                rec.buf.maximize(GUARD_SKIPPED, torch.full((), float(bad), device=count.device))
+                if bad:
+                    log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
+                    return None
+            return original(*args, **kwargs)
+
+        opt.step = step
+
+    def remove(self) -> None:
+        self._optimizer.__dict__.pop("step", None)

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.2"  # 1.1: stages, coverage; 1.2: weight guard, incidents, cadence
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.3"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites
 
 #: Where a tensor was seen: the forward output, or the gradient flowing back into it.
 Phase = Literal["forward", "backward"]
@@ -67,8 +67,12 @@ Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_
 IncidentClass = Literal["precision", "data_mask", "not_reproducible", "not_classified"]
 #: How a replay path ended: non-finite at the first offender or the output, finite, or not run.
 ReplayOutcome = Literal["nonfinite", "finite", "skipped"]
-#: What a site is; backward stats of any site count as ``grad`` in the headroom metric.
-SiteKind = Literal["attention", "logits", "logprob", "tensor"]
+#: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
+#: decoder block's output (the residual stream); ``mlp``, ``norm``, ``router`` (an MoE gate's logits),
+#: ``expert`` and ``module`` are its parts; ``param`` a parameter or optimizer-state tensor found
+#: non-finite at step start.
+SiteKind = Literal["attention", "logits", "logprob", "tensor", "embedding", "block", "mlp", "norm", "router",
+                   "expert", "module", "param"]
 #: The attention path a rank applies: ``none`` is the model's own path, untouched.
 Mode = Literal["none", "fp32", "fused", "eager_to_sdpa", "skip_step"]
 #: The modes in wire order (the trainer broadcasts a mode as its index in this tuple).
@@ -120,10 +124,10 @@ class SiteStat(_Wire):
     dtype: Annotated[str, StringConstraints(max_length=32)]
     calls: Count = 1
     numel: Count
-    nan: Count
-    inf: Count
-    amax: float = Field(description="largest finite |x| seen at this site in the step; NaN when no value "
-                        "was finite")
+    nan: Count = Field(description="calls (visits of this site in the step) whose tensor held a NaN")
+    inf: Count = Field(description="calls whose tensor held an Inf and no NaN")
+    amax: float = Field(description="largest |x| over the step's calls that held no NaN or Inf; NaN when "
+                        "every call did")
     headroom: float = Field(description="amax / finfo(dtype).max: 1.0 means at the overflow edge; +inf when "
                             "an Inf was seen (no headroom left), NaN when no value was finite")
 
@@ -149,7 +153,9 @@ class LogitStat(_Wire):
     bound: float = Field(description="the layer's figure, used by the metric and the rules alike: an upper "
                          "bound on the max logit (max saved log-sum-exp, never below the exact max), or the "
                          "exact max where no log-sum-exp was saved")
-    source: Literal["lse", "exact", "scores"]
+    source: Literal["lse", "exact", "scores", "router"] = Field(
+        description="lse: a fused kernel's saved log-sum-exp; exact/scores: the exact max; router: an MoE "
+        "router's largest logit")
     exact: float | None = Field(None, description="exact max, on sampled steps")
     per_head: Annotated[list[float], Field(max_length=4096)] | None = None
 
@@ -200,6 +206,7 @@ class Coverage(_Wire):
         0, description="attention calls re-run by activation checkpointing in backward: recognised, not "
         "counted again (their saved log-sum-exp is where the logit bound is read)")
     logits: bool = Field(False, description="the output head's logits were measured in a training forward")
+    params_checked: Count = Field(0, description="parameter and optimizer-state tensors checked at step start")
     unmeasured: Annotated[list[Unmeasured], Field(max_length=8)] = Field(default_factory=list)
 
 
@@ -216,6 +223,16 @@ class Incident(_Wire):
     fp32: ReplayOutcome = "skipped"
     math: ReplayOutcome = "skipped"
     fully_masked_rows: Count = 0
+    birth: SiteName | None = Field(None, description="where the value was born (forward): the first module to "
+                                   "finish non-finite from a finite input, or, if its input was already "
+                                   "non-finite, the module whose own code ran before it")
+    birth_params: dict[Annotated[str, StringConstraints(max_length=64)], Count] = Field(
+        default_factory=dict, max_length=64,
+        description="the birth module's own parameters that were already non-finite, with their NaN/Inf count")
+    birth_elements: Count = Field(0, description="non-finite elements in the birth module's output (exact)")
+    path: Annotated[list[SiteName], Field(max_length=16)] = Field(
+        default_factory=list, description="the coarse sites (blocks and their children) and the output head "
+        "the non-finite value reached next, in order")
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     seconds: float = Field(0.0, description="wall time the replay took")
     note: ShortText = ""

@@ -231,7 +231,7 @@ def overview_panels() -> list[Any]:
     return [
         stat_panel("Live ranks", "Ranks that reported within the collector's TTL.",
                    query(f"nanwatch_live_ranks{{{RUN}}}"), thresholds((None, RED), (1, GREEN))),
-        stat_panel("Non-finite values", "NaN and Inf elements seen so far on the selected ranks (forward and "
+        stat_panel("Non-finite values", "Calls that held a NaN or Inf so far on the selected ranks (forward and "
                    "backward).", query(f"sum(nanwatch_nonfinite_values_total{{{RUN_RANK}}})"),
                    thresholds((None, GREEN), (1, RED))),
         stat_panel("Active directive", "The run's active directive (mode and version).",
@@ -248,9 +248,9 @@ def nonfinite_panels() -> list[Any]:
                "[$__rate_interval]))")
     return [
         ts_panel("Non-finite values by site and pass",
-                 "NaN + Inf elements per interval, by module site and pass, summed over ranks.",
+                 "Calls that held a NaN or Inf, per interval, by module site and pass, summed over ranks.",
                  query(by_site, "{{site}} ({{pass}})")),
-        ts_panel("Non-finite values by rank and kind", "NaN and Inf elements per interval on the selected ranks.",
+        ts_panel("Non-finite values by rank and kind", "Calls that held a NaN or Inf, per interval, on the selected ranks.",
                  query(by_rank, "rank {{rank}} {{pass}} {{kind}}")),
     ]
 

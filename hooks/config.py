@@ -65,6 +65,16 @@ class MonitorConfig:
     logits: bool = True
     """Measure the output-embedding (``lm_head``) output, i.e. the logits."""
 
+    coarse: bool = True
+    """Measure the output of every decoder block and of its parts (attention, MLP/MoE, norms), MoE routers and
+    experts, the input embedding and the final norm, and their gradients: the first offender is then the
+    part where a non-finite value was born, not the next attention layer."""
+
+    param_check_every: int = 8
+    """Check every parameter (and, with a weight guard, every optimizer-state tensor) once in this many
+    steps, a rotating share at each step start, so that a tensor already non-finite is named as the birth
+    site; 0 turns it off."""
+
     fingerprint: bool = True
     """Record each forward's input layout (position_ids, mask kind, packing, fully masked rows)."""
 
@@ -116,6 +126,8 @@ class MonitorConfig:
             raise ValueError(f"exact_logit_chunk_elems must be >= 1, got {self.exact_logit_chunk_elems}")
         if self.max_pending_reports < 1:
             raise ValueError(f"max_pending_reports must be >= 1, got {self.max_pending_reports}")
+        if self.param_check_every < 0:
+            raise ValueError(f"param_check_every must be >= 0 (0 disables), got {self.param_check_every}")
         if self.logit_tau <= 0:
             raise ValueError(f"logit_tau must be > 0, got {self.logit_tau}")
         if self.directive_check_every < 1:

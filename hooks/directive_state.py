@@ -158,7 +158,7 @@ class DirectiveState:
         directive is active (opt-in). Without the directive it returns False at no cost."""
         if self.mode != "skip_step":
             return False
-        return bool(self._rec.nonfinite_count() > 0)  # sync-ok: opt-in skip_step directive, once per step
+        return bool(self._rec.nonfinite_flag())  # sync-ok: opt-in skip_step directive, once per step
 
     def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""

@@ -33,6 +33,7 @@ from nanwatch.hooks.replay import replay
 from nanwatch.hooks.report import ReportBuilder, StepContext
 from nanwatch.hooks.reporter import Pending, Reporter
 from nanwatch.hooks.rlhf import record_rlhf
+from nanwatch.hooks.structure import coarse_sites
 from nanwatch.hooks.weight_guard import WeightGuard
 from nanwatch.wire import MAX_INT, SiteKind, SiteName, StepReport
 
@@ -135,6 +136,8 @@ class Monitor:
         self._probes: Probes | None = None
         self._device = device
         self._guards: list[WeightGuard] = []
+        self._sweep_at = 0  # the rotating parameter check's place
+        self._sweep: list[tuple[str, torch.Tensor]] = []  # what it rotates over, listed once per full cycle
         self._incident_done = False
         wants_local = config.policy == "local" or (config.policy == "auto" and not config.collector)
         self._policy = LocalPolicy(run_id=config.run_id, directives=self.directives,
@@ -207,6 +210,11 @@ class Monitor:
             hook(mod.register_forward_hook(probes.attn_post, always_call=True))
         if head_name is not None:
             hook(head.register_forward_hook(partial(probes.output_hook, head_name, "logits"), always_call=True))
+        if cfg.coarse:
+            skip = {id(m) for _, m in attn} | ({id(head)} if head_name is not None else set())
+            for site, kind, mod in coarse_sites(model, fqns, skip):
+                hook(mod.register_forward_hook(partial(probes.output_hook, site, kind), always_call=True))
+                probes.coarse_ids.add(id(mod))
         hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
         hook(model.register_forward_hook(probes.root_post, with_kwargs=True))
         if cfg.fingerprint:
@@ -318,6 +326,33 @@ class Monitor:
             self.directives.at_step_boundary(n)
         except Exception as exc:
             probe_failed(exc)
+        if self.config.param_check_every and self._probes is not None:
+            guarded(self._check_params)
+
+    def _check_params(self) -> None:
+        """This step's share of the parameters and optimizer state (all of them every
+        ``param_check_every`` steps), before any forward: one aminmax each. The list is built again at the
+        start of each full cycle (new optimizer state, a changed model), not every step."""
+        if self._sweep_at >= len(self._sweep):
+            self._sweep, self._sweep_at = self._sweep_tensors(), 0
+        tensors = self._sweep
+        if not tensors:
+            return
+        share = -(-len(tensors) // self.config.param_check_every)
+        start, self._sweep_at = self._sweep_at, self._sweep_at + share
+        self._probes.check_tensors(tensors[start : start + share])
+
+    def _sweep_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        model = self._model()
+        if model is None:
+            return []
+        tensors = [(name, p) for name, p in model.named_parameters()]
+        names = {id(p): name for name, p in tensors}
+        for g in self._guards:
+            for p, state in g.optimizer.state.items():
+                tensors += [(f"optimizer.{names.get(id(p), '?')}.{k}", v) for k, v in state.items()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return tensors
 
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync)."""
@@ -336,20 +371,20 @@ class Monitor:
         self._rec.cover(compiled_forwards=counts.get("forward", 0), attention=attention, compiled=attention)
         if self._probes.keep_inputs and not self._incident_done:
             guarded(self._classify, n)
+        data = self._rec.flat()
         ctx = StepContext(self._rec.swap(), self.directives.mode, self.directives.version, time.time())
-        if not self._reporter.capture(self._rec.buf, n, ctx):
+        if not self._reporter.capture(data, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self.config.max_pending_reports, n)
-        self._rec.buf.reset()
 
     def _classify(self, n: int) -> None:
         """Replay mode: read this step's non-finite flag (the one host read it costs) and, the first time
         it is set, classify the step by a differential replay before anything else moves."""
-        if not bool(self._rec.nonfinite_count() > 0):  # sync-ok: replay mode (free on the CPU; opt-in on GPU)
+        if not bool(self._rec.nonfinite_flag()):  # sync-ok: replay mode (free on the CPU; opt-in on GPU)
             return
         self._incident_done = True
         rec = self._rec
-        values = rec.buf.data[: rec.buf.size].tolist()  # sync-ok: once per run, to find the first offender
+        values = rec.flat().tolist()  # sync-ok: once per run, to find the first offender
         _, _, _, prints, first = rec.decode(rec.state, values)
         c = rec.state.coverage
         rec.state.incident = replay(

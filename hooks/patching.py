@@ -44,7 +44,7 @@ def _owner_of_caller(max_depth: int = 8) -> tuple[Probes, str] | None:
         obj = f.f_locals.get("self")
         if isinstance(obj, torch.nn.Module):
             for probes in _installed:
-                name = probes.fqn_of(obj)
+                name = probes.sdpa_site_of(obj)
                 if name is not None:
                     return probes, name
         f = f.f_back

@@ -130,6 +130,8 @@ class Probes:
         self._model = model
         self._masks_seen: set[tuple[int, int, int]] = set()
         self._head_seen = False
+        #: modules whose output is a coarse site (``nanwatch.hooks.structure``)
+        self.coarse_ids: set[int] = set()
 
     def begin_step(self, *, sampled: bool) -> None:
         self.sampled = sampled
@@ -146,6 +148,13 @@ class Probes:
     def fqn_of(self, module: torch.nn.Module) -> str | None:
         """The module's name in the attached model, or None (not ours, or detached)."""
         return self._fqns.get(id(module)) if self.active else None
+
+    def sdpa_site_of(self, module: torch.nn.Module) -> str | None:
+        """The site of an SDPA call made by ``module`` outside any attention module: its name, with
+        ``.sdpa`` when the module's own output is a coarse site already (a block that is its own
+        attention), so the two measurements do not share a name."""
+        name = self.fqn_of(module)
+        return name + ".sdpa" if name is not None and id(module) in self.coarse_ids else name
 
     def mask_is_new(self, fwd: ForwardMeta, mask: torch.Tensor) -> bool:
         """True the first time this mask is seen in this forward: every layer gets the same mask, and its
@@ -189,16 +198,30 @@ class Probes:
             return  # SDPA already measured this module's attention output
         if recomputing():
             self.rec.cover(recomputed=1)
-        else:
-            self.rec.cover(attention=1, probed=1, layer=fr.site if self.stage() == "train" else None)
+        else:  # a module-level attention site (eager softmax, linear attention): no logit figure is owed
+            self.rec.cover(attention=1, probed=1)
         guarded(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
 
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
+        """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
+        each decoder block and its parts, MoE routers and experts, the final norm)."""
         if self.active and not _is_compiling() and not self.replaying:
-            self._head_seen = True
-            if kind == "logits" and self.stage() == "train" and not recomputing():
-                self.rec.cover(logits=True)
+            if kind == "logits":
+                self._head_seen = True
+                if self.stage() == "train" and not recomputing():
+                    self.rec.cover(logits=True)
             guarded(self.site, name, kind, first_tensor(output))
+
+    def check_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Step start: parameters or optimizer state, read once (forward order first, so that a tensor
+        already non-finite before the step is named before any activation it poisons)."""
+        if not self.active:
+            return
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
+                guarded(self.rec.tensor, name, "param", "forward", local.detach(), "train")
+        self.rec.cover(params_checked=len(tensors))
 
     def root_pre(self, module, args, kwargs) -> None:
         if _is_compiling():

@@ -1,19 +1,22 @@
 """One step's measurements: host-side bookkeeping (names, order, shapes) plus device-side values.
 
-The hot path (``tensor``, ``sdpa``, ``logit_*``, ``forward_*``) only launches device ops into the
-SlotBuffer and appends to host dicts. ``decode`` turns a host copy of the buffer back into wire objects;
-it runs on the reporter thread, never in a hook.
+The hot path only launches device ops and appends to host lists: a measured tensor costs one ``aminmax``
+into the observation log (``nanwatch.hooks.observations``); logit figures, fingerprint counts and RLHF sums
+go to named slots of the SlotBuffer. At step end both are flattened into one device tensor for one
+asynchronous copy; ``decode`` turns the host copy back into wire objects on the reporter thread, never in
+a hook.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from nanwatch.hooks.dtypes import finfo_max
-from nanwatch.hooks.finite import finite_stats
+from nanwatch.hooks.observations import BufKey, ObservationLog
 from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, Incident, LogitStat, SdpaCall, SiteStat, dtype_name
 
@@ -21,8 +24,8 @@ __all__ = ["Counts", "ForwardMeta", "Recorder", "SiteKey", "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
-#: The slot summing every non-finite value of the step's training sites (the weight guard's flag).
-TRAIN_NONFINITE = ("train", "nonfinite")
+#: Site kinds reported only when non-finite (checked every step, named only when they matter).
+QUIET_KINDS = frozenset({"param"})
 
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
@@ -34,6 +37,16 @@ class _SiteMeta:
     dtype: torch.dtype
     calls: int = 0
     numel: int = 0
+
+
+@dataclass(slots=True)
+class _Observed:
+    """A site's calls, read off their (min, max) rows at decode."""
+
+    nan: int = 0
+    inf: int = 0
+    amax: float = -1.0  # largest |x| over finite calls (-1: none)
+    top: float = -math.inf  # largest x over finite calls (a router's logit max)
 
 
 @dataclass(slots=True)
@@ -60,6 +73,7 @@ class Counts:
     compiled_calls: int = 0
     recomputed_calls: int = 0
     logits: bool = False
+    params_checked: int = 0
 
 
 @dataclass(slots=True)
@@ -67,7 +81,10 @@ class StepState:
     """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
 
     order: list[SiteKey] = field(default_factory=list)
-    calls: int = 0
+    #: one per measured call, in execution order: (site, log, buffer, row)
+    rows: list[tuple[SiteKey, str, BufKey, int]] = field(default_factory=list)
+    #: the flattened copy's layout: (log, buffer, rows) per segment, then the slots
+    layout: list[tuple[str, BufKey, int]] = field(default_factory=list)
     sites: dict[SiteKey, _SiteMeta] = field(default_factory=dict)
     sdpa: dict[tuple, int] = field(default_factory=dict)
     logits: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -77,10 +94,11 @@ class StepState:
     rlhf: bool | str = False
     #: what the step covered (see ``nanwatch.wire.Coverage``; ``unmeasured`` is derived from it at decode)
     coverage: Counts = field(default_factory=lambda: Counts())
-    #: attention layers measured in a training forward (each should get a logit figure)
+    #: SDPA attention layers measured in a training forward (each should get a logit figure)
     attention_layers: set[str] = field(default_factory=set)
     #: the differential replay's verdict on this step (``nanwatch.hooks.replay``), when it ran
     incident: Incident | None = None
+
 
 
 class Recorder:
@@ -88,30 +106,33 @@ class Recorder:
 
     def __init__(self, device: torch.device | str) -> None:
         self.buf = SlotBuffer(device)
+        #: training calls apart from the rest (eval, generate): the weight guard's flag is one log's rows
+        self.obs = {"train": ObservationLog(), "other": ObservationLog()}
         self.state = StepState()
+        #: the last tensor read, its version and row: a tensor read twice in a row, unchanged, is read once
+        #: (in backward the same gradient flows into a block's output and its MLP's, through the residual)
+        self._last: tuple[weakref.ref, int, str, BufKey, int] | None = None
 
     # ---- hot path -------------------------------------------------------------------------------
     def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor, stage: str = "train") -> None:
+        """Measure one call of a site: one ``aminmax`` (no other device op)."""
         key = (site, phase, stage)
-        meta = self.state.sites.get(key)
+        state = self.state
+        meta = state.sites.get(key)
         if meta is None:
-            meta = self.state.sites[key] = _SiteMeta(kind, x.dtype)
-            self.state.order.append(key)
+            meta = state.sites[key] = _SiteMeta(kind, x.dtype)
+            state.order.append(key)
         meta.calls += 1
         meta.numel += x.numel()
-        nan, inf, amax = finite_stats(x)  # reduce where x lives; only the scalars travel
-        nan, inf = self._local(nan), self._local(inf)
-        self.buf.add(("nan", key), nan)
-        self.buf.add(("inf", key), inf)
-        if stage == "train":  # what the weight guard reads: any non-finite value in this training step
-            self.buf.add(TRAIN_NONFINITE, nan + inf)
-        self.buf.maximize(("amax", key), self._local(amax))
-        # Execution order of the first bad call, on the device: -ordinal where this call held a
-        # non-finite value, else -inf; the max over calls is the earliest bad one (grad accumulation
-        # revisits sites, so first registration is not first in time).
-        self.state.calls += 1
-        first = torch.where((nan + inf) > 0, -float(self.state.calls), -math.inf)
-        self.buf.maximize(("first", key), self._local(first))
+        if x.numel():
+            log = "train" if stage == "train" else "other"
+            last = self._last
+            if last is not None and last[0]() is x and last[1] == x._version and last[2] == log:
+                bufkey, row = last[3], last[4]
+            else:
+                bufkey, row = self.obs[log].observe(x.detach())
+                self._last = (weakref.ref(x), x._version, log, bufkey, row)
+            state.rows.append((key, log, bufkey, row))
 
     def sdpa(self, site: str, backend: str, predicted: str, confirmed: bool, dtype: torch.dtype | str,
              shape: str, reason: str | None, *, calls: int = 1, stage: str = "train") -> None:
@@ -142,7 +163,7 @@ class Recorder:
 
     def cover(self, *, forwards: int = 0, train: bool = False, compiled_forwards: int = 0, attention: int = 0,
               probed: int = 0, recomputed: int = 0, compiled: int = 0, logits: bool = False,
-              layer: str | None = None) -> None:
+              layer: str | None = None, params_checked: int = 0) -> None:
         """Count what this step covered (host-side integers only); ``train``: the forwards were training
         forwards."""
         c = self.state.coverage
@@ -154,6 +175,7 @@ class Recorder:
         c.recomputed_calls += recomputed
         c.compiled_calls += compiled
         c.logits = c.logits or logits
+        c.params_checked += params_checked
         if layer is not None:
             self.state.attention_layers.add(layer)
 
@@ -167,11 +189,13 @@ class Recorder:
         self.state.warnings.append(message)
         return True
 
-    def nonfinite_count(self) -> torch.Tensor:
-        """Non-finite values seen so far in this step's training sites: a 1-element view of the device
-        buffer, so reading it on the device costs nothing; reading it on the host is a sync."""
-        i = self.buf.slot("sum", TRAIN_NONFINITE)
-        return self.buf.data[i : i + 1]
+    def nonfinite_flag(self) -> torch.Tensor:
+        """1.0 when a training site held NaN or Inf so far in this step, else 0.0: a 0-d float32 tensor on
+        the buffer's device, from device ops only (reading it on the host is a sync)."""
+        flag = self.obs["train"].any_nonfinite()
+        if flag is None:
+            return torch.zeros((), dtype=torch.float32, device=self.buf.device)
+        return self._local(flag).to(torch.float32)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Bring a small result to the buffer's device. Asynchronous towards a GPU; towards a CPU buffer
@@ -182,43 +206,80 @@ class Recorder:
         return x.to(self.buf.device, non_blocking=self.buf.device.type == "cuda")
 
     # ---- step boundary ---------------------------------------------------------------------------
+    def flat(self) -> torch.Tensor:
+        """Everything the step measured, as one float64 device tensor (device ops only): the used rows of
+        every observation buffer, then the slots. Its layout goes into the step state for ``decode``."""
+        parts, layout = [], []
+        for name, log in self.obs.items():
+            segs, lay = log.segments(self.buf.device)
+            parts += segs
+            layout += [(name, k, n) for k, n in lay]
+        self.state.layout = layout
+        return torch.cat([*parts, self.buf.data[: self.buf.size].to(torch.float64)])
+
     def swap(self) -> StepState:
+        """Hand the finished step over and start the next (the buffers are reused from the start)."""
         state, self.state = self.state, StepState()
+        self._last = None  # rows are reused from the start: never alias across steps
+        for log in self.obs.values():
+            log.reset()
+        self.buf.reset()
         return state
 
     # ---- decoding (reporter thread) --------------------------------------------------------------
-    def getter(self, values: list[float]):
-        """``get(kind, key, default)``: a slot's value in a host copy, or ``default`` if the slot is not
-        in that copy (never written, or allocated after the copy was taken)."""
+    def getter(self, state: StepState, values: list[float]):
+        """``get(kind, key, default)``: a slot's value in a host copy of ``flat()``, or ``default`` if the
+        slot is not in that copy (never written, or allocated after the copy was taken)."""
         buf = self.buf
+        base = sum(2 * n for _, _, n in state.layout)  # the slots follow the observation rows
 
         def get(kind: str, key, default: float = 0.0) -> float:
             i = buf.index(kind, key)
-            return default if i is None or i >= len(values) else values[i]
+            return default if i is None or base + i >= len(values) else values[base + i]
 
         return get
 
     def decode(self, state: StepState, values: list[float]):
-        """Turn a host copy of the buffer into (sites, sdpa, logits, fingerprints, first offender)."""
-        get = self.getter(values)
-        sites, first, earliest = [], None, -math.inf
+        """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender)."""
+        offsets, off = {}, 0
+        for log, bufkey, n in state.layout:
+            offsets[(log, bufkey)] = off
+            off += 2 * n
+        get = self.getter(state, values)
+        per_site: dict[SiteKey, _Observed] = {}
+        first = None
+        for key, log, bufkey, row in state.rows:
+            base = offsets.get((log, bufkey))
+            if base is None:  # a row taken after the copy was made (cannot happen within a step)
+                continue
+            lo, hi = values[base + 2 * row], values[base + 2 * row + 1]
+            seen = per_site.setdefault(key, _Observed())
+            if lo != lo or hi != hi:
+                seen.nan += 1
+            elif math.isinf(lo) or math.isinf(hi):
+                seen.inf += 1
+            else:
+                seen.amax = max(seen.amax, -lo, hi)
+                seen.top = max(seen.top, hi)
+                continue
+            if first is None:
+                first = key
+        sites = []
         for key in state.order:
-            meta = state.sites[key]
-            nan, inf = int(get("sum", ("nan", key))), int(get("sum", ("inf", key)))
-            amax = get("max", ("amax", key), math.nan)
-            if meta.numel and nan + inf >= meta.numel:
-                amax = math.nan  # no finite value: 0.0 would read as "safe"
+            meta, seen = state.sites[key], per_site.get(key, _Observed())
+            if meta.kind in QUIET_KINDS and not (seen.nan or seen.inf):
+                continue
+            amax = seen.amax if seen.amax >= 0 or not meta.numel else math.nan  # nothing finite: not "safe"
             # An Inf is an overflow that already happened: no headroom left, whatever the finite values say.
-            headroom = math.inf if inf else amax / finfo_max(meta.dtype)
-            mark = get("max", ("first", key), -math.inf)
-            if nan + inf and mark > earliest:
-                first, earliest = key, mark
+            headroom = math.inf if seen.inf else amax / finfo_max(meta.dtype)
             sites.append(SiteStat(
                 site=key[0], kind=meta.kind, phase=key[1], stage=key[2], dtype=dtype_name(meta.dtype),
-                calls=meta.calls, numel=meta.numel, nan=nan, inf=inf, amax=amax, headroom=headroom))
+                calls=meta.calls, numel=meta.numel, nan=seen.nan, inf=seen.inf, amax=amax, headroom=headroom))
+        routers = {key[0]: seen.top for key, seen in per_site.items()  # an MoE router's largest logit
+                   if key[1] == "forward" and state.sites[key].kind == "router" and seen.top > -math.inf}
         sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
                          reason=k[6], stage=k[7], calls=n) for k, n in state.sdpa.items()]
-        logits = self._decode_logits(state, get)
+        logits = self._decode_logits(state, get, routers)
         prints = []
         for f in state.forwards:
             resets = get("sum", ("fwd", f.index, "resets"))
@@ -232,12 +293,12 @@ class Recorder:
         return sites, sdpa, logits, prints, first
 
     @staticmethod
-    def _decode_logits(state: StepState, get) -> list[LogitStat]:
+    def _decode_logits(state: StepState, get, routers: dict[str, float]) -> list[LogitStat]:
+        out = [LogitStat(layer=layer, bound=top, source="router") for layer, top in routers.items()]
         by_layer: dict[str, dict[str, list[float]]] = {}
         for (layer, source), (_, n) in state.logits.items():
             by_layer.setdefault(layer, {})[source] = [get("max", ((source, layer, n), j), -math.inf)
                                                       for j in range(n)]
-        out = []
         for layer, srcs in by_layer.items():
             exact = srcs.get("exact") or srcs.get("scores")
             heads = srcs.get("lse") or exact

@@ -11,6 +11,12 @@ with):
 3. under fp32 attention, and on the SDPA math kernel: if either is finite the fast path was at fault,
    **precision** (a fallback helps); if both are non-finite too, **data/mask** (no precision switch helps).
 
+On the culprit micro-batch a drill-down re-runs the same path once more with every module watched: the
+first module to *finish* with a non-finite output, from a finite input, is where the value was born (a
+leaf such as ``mlp.down_proj``); if that module's input was already non-finite, the value was born in the
+enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that were already non-finite and
+the exact count of non-finite elements it produced, and the path the value then took.
+
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
 forward, no more), once per run, plus one host read of the step's non-finite flag per step while replay is
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import socket
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,6 +85,62 @@ def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch
     return not bool(torch.stack(seen).all()) if seen else False  # sync-ok: replay, once per run
 
 
+def _first_input(args, kwargs) -> torch.Tensor | None:
+    """The floating tensor a module's input stands for: its first positional one, else ``hidden_states``."""
+    t = first_tensor(args) if args else kwargs.get("hidden_states")
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[str, Any]:
+    """The birth module, its non-finite parameters and output count, and the downstream path.
+
+    Modules are taken in the order they finish. The first one with a non-finite output is the birth if its
+    input was finite (a leaf such as ``mlp.down_proj``). If its input was already non-finite, the value was
+    born in the enclosing module's own code between its children (the attention kernel inside
+    ``self_attn``, say): the birth is that parent."""
+    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def watch(name: str, module, args, kwargs, output) -> None:
+        t = first_tensor(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            bad, x = ~torch.isfinite(t), _first_input(args, kwargs)
+            fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
+            records.append((name, module, bad.any(), bad.sum(), fed.to(t.device)))
+
+    handles = [m.register_forward_hook(partial(watch, n), with_kwargs=True) for n, m in model.named_modules() if n]
+    try:
+        _run(model, probes, kept, None)
+    finally:
+        for h in handles:
+            h.remove()
+    if not records:
+        return {}
+    flags = torch.stack([torch.stack((r[2], r[4])) for r in records]).tolist()  # sync-ok: the incident, once
+    bad = [(r, fed) for r, (flag, fed) in zip(records, flags, strict=True) if flag]
+    if not bad:
+        return {}
+    (name, module, _, count, _), fed = bad[0]
+    modules = dict(model.named_modules())
+    if fed and "." in name and name.rsplit(".", 1)[0] in modules:  # born in the parent's own code
+        name = name.rsplit(".", 1)[0]
+        module = modules[name]
+        count = next((r[3] for r, _ in bad if r[0] == name), count)
+    params = {}
+    for pname, t in module.named_parameters(recurse=False):
+        n = int((~torch.isfinite(t)).sum())  # sync-ok: the incident, once
+        if n:
+            params[pname] = n
+    # the path at the granularity of the coarse sites (blocks and their children) and the head, or of
+    # every module when there are no coarse sites
+    coarse = probes.coarse_ids
+    path: list[str] = []
+    for (later, mod, *_), _ in bad:
+        if (later != name and later not in path and len(path) < 16
+                and (not coarse or id(mod) in coarse or later == probes.head)):
+            path.append(later)
+    return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path}
+
+
 def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState, kept: list[KeptForward],
            step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
            compiled: bool, rank: int) -> Incident:
@@ -105,14 +168,16 @@ def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState
         if culprit is None:
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
+        base.update(_drill(model, probes, culprit))
         with directives.forced("fp32"):
             fp32 = _run(model, probes, culprit, watch)
         with directives.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
             math_ = _run(model, probes, culprit, watch)
         outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
                     "math": "nonfinite" if math_ else "finite"}
-        if masked_rows or _nonfinite_input(culprit):
-            note = "fully masked query rows" if masked_rows else "a non-finite input"
+        if masked_rows or _nonfinite_input(culprit) or base.get("birth_params"):
+            note = ("fully masked query rows" if masked_rows else "a non-finite input" if not base.get("birth_params")
+                    else f"a parameter of {base['birth']} was already non-finite")
             return done("data_mask", f"{note}: no precision switch helps", **outcomes)
         if fp32 and math_:
             return done("data_mask", "every path is non-finite", **outcomes)

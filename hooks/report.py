@@ -52,13 +52,13 @@ class ReportBuilder:
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
         coverage = self._coverage(state, sites, logits, warns)
-        skipped = self._rec.getter(values)("max", GUARD_SKIPPED, -math.inf)  # -inf: no guard decided this step
+        skipped = self._rec.getter(state, values)("max", GUARD_SKIPPED, -math.inf)  # -inf: no guard decided this step
         for w in warns:
             self._warn(w)
         return StepReport(
             **self._ids, seq=pending.seq, step=pending.step, time=ctx.time,
             sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints, coverage=coverage,
-            rlhf=decode_rlhf(self._rec.getter(values), state.rlhf if isinstance(state.rlhf, str) else None)
+            rlhf=decode_rlhf(self._rec.getter(state, values), state.rlhf if isinstance(state.rlhf, str) else None)
             if state.rlhf else None,
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
@@ -78,7 +78,7 @@ class ReportBuilder:
             warns.append("part of the model ran inside torch.compile'd code, where nanwatch's eager probes are "
                          "off: attention there is counted (backend 'compiled'), not measured, and parameter "
                          "gradients are measured instead (see README, 'torch.compile')")
-        elif c.train_forwards and not state.attention_layers:
+        elif c.train_forwards and not c.attention_probed:
             unmeasured.append("no_attention")
             warns.append("no attention was measured in this step: check is_attention= and that the model calls "
                          "torch.nn.functional.scaled_dot_product_attention at call time")
@@ -96,4 +96,4 @@ class ReportBuilder:
         return Coverage(forwards=c.forwards + c.compiled_forwards, sites=len(sites),
                         attention_calls=c.attention_calls, attention_probed=c.attention_probed,
                         compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
-                        unmeasured=unmeasured)
+                        params_checked=c.params_checked, unmeasured=unmeasured)

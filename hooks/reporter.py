@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import StepReport
 
 __all__ = ["Pending", "Reporter"]
@@ -57,20 +56,21 @@ class Reporter:
         self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
         self._thread.start()
 
-    def capture(self, buf: SlotBuffer, step: int, context: Any) -> bool:
-        """Step end: enqueue the copy of ``buf``'s used slots into a free host buffer (asynchronous
-        towards pinned memory, plus an event on a CUDA buffer's stream) and hand it to the thread, with
-        ``context`` for ``build``. False, and counted as dropped, when the thread is ``max_pending``
-        steps behind: training never waits for reporting."""
-        host = self._host_buffer(buf.data.numel(), buf.dtype, buf.device)
+    def capture(self, data: torch.Tensor, step: int, context: Any) -> bool:
+        """Step end: enqueue the copy of ``data`` (1-D, the step's measurements) into a free host buffer
+        (asynchronous towards pinned memory, plus an event on a CUDA tensor's stream) and hand it to the
+        thread, with ``context`` for ``build``. False, and counted as dropped, when the thread is
+        ``max_pending`` steps behind: training never waits for reporting."""
+        n = data.numel()
+        host = self._host_buffer(n, data.dtype, data.device)
         if host is None:
             return False
-        buf.snapshot_into(host)
+        host[:n].copy_(data, non_blocking=host.is_pinned())
         event = None
-        if buf.device.type == "cuda":
+        if data.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(buf.device))
-        pending = Pending(self._seq, step, host, buf.size, event, context)
+            event.record(torch.cuda.current_stream(data.device))
+        pending = Pending(self._seq, step, host, n, event, context)
         self._seq += 1
         with self._cond:
             self._submitted = pending.seq

@@ -116,8 +116,3 @@ class SlotBuffer:
         n = self.size
         self.data[:n].zero_()
         self.data[:n].masked_fill_(self._max_mask[:n], -math.inf)
-
-    def snapshot_into(self, host: torch.Tensor) -> None:
-        """Enqueue the copy of the used slots into ``host`` (pinned on CUDA, so it does not block)."""
-        n = self.size
-        host[:n].copy_(self.data[:n], non_blocking=host.is_pinned())

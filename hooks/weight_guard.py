@@ -49,7 +49,7 @@ class WeightGuard:
 
     def __init__(self, optimizer: Any, *, rec: Recorder, directives: DirectiveState, sync: bool,
                  warn: WarnOnce) -> None:
-        opt = self._optimizer = inner_optimizer(optimizer)
+        opt = self.optimizer = inner_optimizer(optimizer)
         self.fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
         self.effective = self.fused or sync
         if not self.effective:
@@ -61,9 +61,8 @@ class WeightGuard:
 
         @functools.wraps(original)  # GradScaler inspects step()'s signature: keep the original's
         def step(*args, **kwargs):
-            count = rec.nonfinite_count()
+            flag = rec.nonfinite_flag()  # device ops over this step's training observations
             if self.fused:
-                flag = (count > 0).to(torch.float32).reshape(())
                 rec.buf.maximize(GUARD_SKIPPED, flag)
                 scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
                 opt.found_inf = flag if scaler_flag is None else torch.maximum(
@@ -76,8 +75,8 @@ class WeightGuard:
                     else:
                         opt.found_inf = scaler_flag
             if sync or directives.mode == "skip_step":
-                bad = bool(count > 0)  # sync-ok: non-fused optimizer, sync=True or the skip_step directive
-                rec.buf.maximize(GUARD_SKIPPED, torch.full((), float(bad), device=count.device))
+                bad = bool(flag)  # sync-ok: non-fused optimizer, sync=True or the skip_step directive
+                rec.buf.maximize(GUARD_SKIPPED, flag)
                 if bad:
                     log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
                     return None
@@ -86,4 +85,4 @@ class WeightGuard:
         opt.step = step
 
     def remove(self) -> None:
-        self._optimizer.__dict__.pop("step", None)
+        self.optimizer.__dict__.pop("step", None)

@@ -24,9 +24,10 @@ class MetricSpec:
 _SPECS = (
     # design.md's public names
     MetricSpec("nanwatch_nonfinite_values_total", "counter", ("run_id", "rank", "pass", "kind"),
-               "Non-finite elements seen at all sites (kind: nan or inf, pass: forward or backward)."),
+               "Measured calls, at all sites, whose tensor held a NaN (kind=nan) or an Inf and no NaN (kind=inf); "
+               "pass: forward or backward. Exact element counts are in the incident drill-down."),
     MetricSpec("nanwatch_site_nonfinite_values_total", "counter", ("run_id", "site", "pass"),
-               "Non-finite elements seen per site, summed over ranks."),
+               "Measured calls per site whose tensor held a NaN or an Inf, summed over ranks."),
     MetricSpec("nanwatch_sdpa_calls_total", "counter", ("run_id", "backend", "dtype", "stage"),
                "Attention calls by the SDPA backend that ran (stage: train, eval or generate)."),
     MetricSpec("nanwatch_attention_logit_max", "gauge", ("run_id", "layer"),

@@ -41,9 +41,9 @@ class Policy:
             event("first_nonfinite", "first_nonfinite", site=site, phase=phase, stage=stage or "train", nonfinite=n)
         if r.incident is not None:
             inc = r.incident
-            event("incident", f"incident:{r.rank}:{inc.step}", site=inc.site, cls=inc.cls, phase=inc.phase,
-                  same=inc.same, fp32=inc.fp32, math=inc.math, fully_masked_rows=inc.fully_masked_rows,
-                  host=inc.host, seconds=inc.seconds, note=inc.note)
+            # everything the replay found, the drill-down's birth, parameters and path included
+            event("incident", f"incident:{r.rank}:{inc.step}", site=inc.site,
+                  **inc.model_dump(mode="json", exclude={"site", "step"}))
         if previous_mode is not None and rank is not None and rank.mode != previous_mode:
             if rank.mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,

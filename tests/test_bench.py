@@ -33,12 +33,16 @@ def test_main_runs_every_variant_and_writes_json(tmp_path, capsys):
     assert results["variants"]["bare"]["paired_ratio"] == 1.0  # each bare round against itself
     assert all(row["paired_ratio"] > 0 for row in results["variants"].values())
     rows = results["variants"]
-    dbg_added, key = rows["debug_underflow_overflow"]["added_ms"], results["nanwatch_added_vs_debug_added"]
-    if dbg_added > 0:  # the headline ratio is nanwatch's added time over DebugUnderflowOverflow's
-        assert key == pytest.approx(rows["nanwatch"]["added_ms"] / dbg_added)
-        assert f"DebugUnderflowOverflow added time = {key:.3f}" in printed
+    dbg_added, key = rows["debug_underflow_overflow"]["paired_added_ms"], results["nanwatch_added_vs_debug_added"]
+    if dbg_added > 0:  # the headline ratio is nanwatch's added time over DebugUnderflowOverflow's, paired per round
+        assert key == pytest.approx(rows["nanwatch"]["paired_added_ms"] / dbg_added)
+        assert f"DebugUnderflowOverflow added time (paired) = {key:.3f}" in printed
     else:  # on a noisy machine DUO can come out no slower than bare: then there is no ratio to print
         assert key is None and "DebugUnderflowOverflow added time" not in printed
+    floor = results["floor"]  # one aminmax of each tensor nanwatch reads, timed where it reads them
+    assert floor["steps"] == 2 and floor["reads"] > 0 and floor["ms"] > 0
+    assert results["nanwatch_added_vs_floor"] == pytest.approx(rows["nanwatch"]["paired_added_ms"] / floor["ms"])
+    assert f"floor: one aminmax of each of the {floor['reads']} tensors" in printed
     assert results["config"]["layers"] == 1 and results["config"]["dtype"] == "bf16"
     assert "tiny Qwen3 (sdpa) 1 layers, hidden 32" in printed
     # the harness leaves nothing attached behind
@@ -86,3 +90,23 @@ def test_collector_mode_loads_a_real_collector(capsys):
     statuses = printed.split("statuses ", 1)[1].splitlines()[0]
     assert statuses.startswith("{200: ") and statuses.count(":") == 1, statuses
     assert "/metrics: " in printed and "collector RSS" in printed
+
+
+def test_the_floor_reads_what_nanwatch_reads():
+    """The floor variant reads as many tensors a step as nanwatch does (one aminmax each), and leaves no
+    hook behind."""
+    from nanwatch.bench.floor import Floor
+    from nanwatch.hooks import attach
+    from nanwatch.tiny_models import tiny_qwen3
+
+    model = tiny_qwen3("sdpa", num_hidden_layers=2, use_cache=False).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with attach(model, run_id="floor") as mon, mon.step(0):
+        model(input_ids=ids, labels=ids).loss.backward()
+    r = mon.last_report()  # parameters are read too, but reported only when non-finite: counted in coverage
+    nanwatch_reads = sum(s.calls for s in r.sites) + r.coverage.params_checked
+    floor = Floor(model)
+    with floor.round(), floor.step(0):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert floor.reads == nanwatch_reads
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -1,9 +1,11 @@
 """``nanwatch bench``: what nanwatch costs a training step, side by side with the alternatives.
 
-One process, one model, one optimizer; four variants of the same step, interleaved round-robin so
-that drift (thermal, allocator, other load) hits every variant alike:
+One process, one model, one optimizer; variants of the same step, interleaved round-robin so that
+drift (thermal, allocator, other load) hits every variant alike:
 
 * ``bare``: forward, backward, AdamW step;
+* ``aminmax_floor``: plain hooks doing one ``aminmax`` of every tensor nanwatch reads, where it reads
+  it, and nothing else (``nanwatch.bench.floor``): the floor;
 * ``nanwatch``: the same inside ``with mon.step(n):`` with ``nanwatch.attach(model, run_id="bench")``
   at its defaults (step numbers keep counting across rounds, so the exact-logit sampling happens at
   its real 1-in-``exact_logit_every`` rate);
@@ -13,8 +15,11 @@ that drift (thermal, allocator, other load) hits every variant alike:
   round; it keeps no handles, so its hooks are removed from the modules' hook dicts afterwards);
 * ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
 
-Medians of per-step times are reported as a ratio to bare and as added milliseconds. The number that
-matters is nanwatch's added time against DebugUnderflowOverflow's. transformers is imported lazily:
+Medians of per-step times are reported as a ratio to bare and as added milliseconds. The numbers that
+matter are nanwatch's added time against DebugUnderflowOverflow's, and against the floor's: one read of
+each monitored tensor and gradient of a step, timed in the same rounds (the least any monitor that reads
+each of them once can cost). Added times are paired: the median over rounds of each round's difference
+to the bare round beside it. transformers is imported lazily:
 ``nanwatch.hooks`` itself never needs it.
 """
 
@@ -32,9 +37,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from nanwatch.bench.floor import Floor
+
 __all__ = ["BenchConfig", "VARIANTS", "main", "run"]
 
-VARIANTS = ("bare", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
+VARIANTS = ("bare", "aminmax_floor", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -148,7 +155,7 @@ def _remove_debug_hooks(model: torch.nn.Module, debugger) -> int:
     return removed
 
 
-def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[_Variant]:
+def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, floor: Floor) -> list[_Variant]:
     null = contextlib.nullcontext
     state: dict = {}
 
@@ -190,6 +197,7 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
 
     table = {
         "bare": _Variant("bare", null, lambda n: null()),
+        "aminmax_floor": _Variant("aminmax_floor", floor.round, floor.step),
         "nanwatch": _Variant("nanwatch", nanwatch_round, nanwatch_step),
         "nanwatch_guard": _Variant("nanwatch_guard", lambda: nanwatch_round(guard=True), nanwatch_step),
         "debug_underflow_overflow": _Variant("debug_underflow_overflow", debug_round, lambda n: null()),
@@ -224,17 +232,19 @@ def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
         torch.set_num_threads(cfg.threads)
     try:
         model, opt, ids = _build(cfg)
-        variants = _variants(cfg, model, opt)
+        floor = Floor(model)
+        variants = _variants(cfg, model, opt, floor)
         log(_describe(cfg, model))
         for v in variants:
             _timed_steps(cfg, model, opt, ids, v, cfg.warmup, record=False)
+        floor.step_ms.clear()
         for r in range(cfg.repeats):
             k = r % len(variants)  # rotate which variant goes first
             for v in variants[k:] + variants[:k]:
                 _timed_steps(cfg, model, opt, ids, v, cfg.steps, record=True)
     finally:
         torch.set_num_threads(prev_threads)
-    return _results(cfg, model, variants)
+    return _results(cfg, model, variants, floor.summary() if "aminmax_floor" in cfg.variants else None)
 
 
 def _describe(cfg: BenchConfig, model: torch.nn.Module) -> str:
@@ -246,7 +256,7 @@ def _describe(cfg: BenchConfig, model: torch.nn.Module) -> str:
             f"{cfg.steps} steps per variant (+{cfg.warmup} warmup)")
 
 
-def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant]) -> dict:
+def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant], floor: dict | None) -> dict:
     med = {v.name: statistics.median(v.times_ms) for v in variants}
     bare = med["bare"]
     best = {v.name: min(v.times_ms) for v in variants}
@@ -255,14 +265,20 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant])
     bare_rounds = next(v.round_medians_ms for v in variants if v.name == "bare")
     paired = {v.name: statistics.median(a / b for a, b in zip(v.round_medians_ms, bare_rounds, strict=True))
               for v in variants}
+    # added time, paired the same way: the median over rounds of each round's difference to bare
+    paired_added = {v.name: statistics.median(a - b for a, b in zip(v.round_medians_ms, bare_rounds, strict=True))
+                    for v in variants}
     rows = {v.name: {"median_ms": med[v.name], "ratio": med[v.name] / bare, "added_ms": med[v.name] - bare,
-                     "paired_ratio": paired[v.name],
+                     "paired_ratio": paired[v.name], "paired_added_ms": paired_added[v.name],
                      "ratio_of_min": best[v.name] / best["bare"], "min_ms": best[v.name], "max_ms": max(v.times_ms), "n": len(v.times_ms),
                      "times_ms": v.times_ms} for v in variants}
     key = None
     if "nanwatch" in rows and "debug_underflow_overflow" in rows:
-        dbg_added = rows["debug_underflow_overflow"]["added_ms"]
-        key = rows["nanwatch"]["added_ms"] / dbg_added if dbg_added > 0 else None
+        dbg_added = rows["debug_underflow_overflow"]["paired_added_ms"]
+        key = rows["nanwatch"]["paired_added_ms"] / dbg_added if dbg_added > 0 else None
+    vs_floor = None
+    if "nanwatch" in rows and floor is not None and floor["ms"] > 0:
+        vs_floor = rows["nanwatch"]["paired_added_ms"] / floor["ms"]
     return {
         "config": asdict(cfg),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -271,21 +287,29 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant])
         "params": sum(p.numel() for p in model.parameters()),
         "variants": rows,
         "nanwatch_added_vs_debug_added": key,
+        "floor": floor,
+        "nanwatch_added_vs_floor": vs_floor,
     }
 
 
 def format_table(results: dict) -> str:
     # min-based ratios are shown too: on a shared box, load from other processes inflates some steps
-    lines = [f"{'variant':<26} {'median ms':>10} {'x bare':>7} {'x paired':>9} {'added ms':>9} {'min ms':>8} "
-             f"{'x bare(min)':>11} {'max ms':>8} {'n':>4}"]
+    lines = [f"{'variant':<26} {'median ms':>10} {'x bare':>7} {'x paired':>9} {'added ms':>9} {'paired +ms':>10} "
+             f"{'min ms':>8} {'x bare(min)':>11} {'max ms':>8} {'n':>4}"]
     for name, row in results["variants"].items():
         lines.append(f"{name:<26} {row['median_ms']:>10.1f} {row['ratio']:>7.3f} {row['paired_ratio']:>9.3f} "
-                     f"{row['added_ms']:>+9.1f} {row['min_ms']:>8.1f} {row['ratio_of_min']:>11.3f} "
-                     f"{row['max_ms']:>8.1f} {row['n']:>4}")
+                     f"{row['added_ms']:>+9.1f} {row['paired_added_ms']:>+10.2f} {row['min_ms']:>8.1f} "
+                     f"{row['ratio_of_min']:>11.3f} {row['max_ms']:>8.1f} {row['n']:>4}")
     key = results["nanwatch_added_vs_debug_added"]
     if key is not None:
         inv = f" (DebugUnderflowOverflow adds {1 / key:.1f}x more)" if key > 0 else ""
-        lines.append(f"nanwatch added time / DebugUnderflowOverflow added time = {key:.3f}{inv}")
+        lines.append(f"nanwatch added time / DebugUnderflowOverflow added time (paired) = {key:.3f}{inv}")
+    floor = results["floor"]
+    if floor is not None:
+        vs = results["nanwatch_added_vs_floor"]
+        lines.append(f"floor: one aminmax of each of the {floor['reads']} tensors a step reads, where nanwatch reads "
+                     f"them = {floor['ms']:.2f} ms a step (median of {floor['steps']})"
+                     + (f"; nanwatch added time (paired) = {vs:.2f}x the floor" if vs is not None else ""))
     return "\n".join(lines)
 
 

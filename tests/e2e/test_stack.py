@@ -213,10 +213,10 @@ def test_a_non_finite_run_pages_with_run_and_site(stack):
 
     (alert, *_) = _wait_for(page, NAN_PAGE_WITHIN_S - (time.monotonic() - start), "the NaN page")
     assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
-    # the first offender: the NaN was born in layer 0's MLP and first measured at layer 1's attention
+    # the first offender: the NaN was born in layer 0's MLP, and the page names it there
     assert (alert["labels"]["site"], alert["labels"]["pass"], alert["labels"]["rank"]) == (
-        "model.layers.1.self_attn", "forward", "0")
-    assert "model.layers.1.self_attn" in alert["annotations"]["description"]
+        "model.layers.0.mlp", "forward", "0")
+    assert "model.layers.0.mlp" in alert["annotations"]["description"]
     assert alert["annotations"]["runbook_url"] == "deploy/runbook.md#nanwatchnonfinitevalues"
     assert stack["runs"]["nan_mode"] == "fp32"  # and the collector's directive reached the trainer
 

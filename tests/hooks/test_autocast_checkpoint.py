@@ -119,5 +119,6 @@ def test_headroom_of_a_tensor_with_nothing_finite_is_not_safe():
         mon.watch("some_nan", torch.tensor([math.nan, 3.0]))
     sites = {s.site: s for s in mon.last_report().sites}
     assert math.isnan(sites["all_nan"].amax) and math.isnan(sites["all_nan"].headroom)  # was 0.0: "safe"
-    assert sites["has_inf"].headroom == math.inf and sites["has_inf"].amax == 2.0
-    assert sites["some_nan"].amax == 3.0 and 0 < sites["some_nan"].headroom < 1e-30
+    assert sites["has_inf"].headroom == math.inf  # an overflow already happened
+    # a call that held a NaN has no known finite magnitude: not "safe" either
+    assert math.isnan(sites["some_nan"].amax) and math.isnan(sites["some_nan"].headroom)

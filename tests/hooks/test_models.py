@@ -33,7 +33,7 @@ def _step(model: nn.Module, loss=None, **inputs):
     """One monitored forward+backward; returns (report, nanwatch warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with nanwatch.attach(model, run_id="t", exact_logit_every=1) as mon:
+        with nanwatch.attach(model, run_id="t", exact_logit_every=1, coarse=False) as mon:
             with mon.step(0):
                 out = model(**inputs)
                 (out.loss if loss is None else loss(out)).backward()

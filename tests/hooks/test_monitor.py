@@ -83,8 +83,8 @@ def test_inf_in_logits_names_lm_head():
             r = mon.last_report()
     assert r.step == 2 and r.first_offender == "lm_head" and r.first_offender_phase == "forward"
     lm = next(s for s in r.sites if s.site == "lm_head")
-    assert (lm.inf, lm.nan, lm.kind) == (1, 0, "logits")
-    assert math.isfinite(lm.amax)  # finite amax ignores the Inf
+    assert (lm.inf, lm.nan, lm.kind) == (1, 0, "logits")  # calls that held an Inf (and no NaN)
+    assert lm.headroom == math.inf  # an overflow already happened: no headroom left
 
 
 def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
@@ -96,8 +96,9 @@ def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
             out.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.nan))
         return None
 
-    # the MLP of layer 1 runs after its attention: a NaN gradient entering it reaches
-    # model.layers.1.self_attn first among the sites in backward order (lm_head, layers.2 are upstream).
+    # The gradient entering layer 1's MLP output turns NaN: that site is the first to see it in backward
+    # order (lm_head and layer 2 are upstream and stay clean); before the coarse sites existed, it was
+    # blamed on model.layers.1.self_attn.
     model.model.layers[1].mlp.register_forward_hook(poison_grad)
     with nanwatch.attach(model, run_id="grad") as mon:
         for n in range(2):
@@ -106,12 +107,12 @@ def test_nan_in_backward_gradient_names_the_first_site_it_reaches():
                 _train_step(model, token_ids(seed=1))
             r = mon.last_report()
     assert r.step == 1
-    assert (r.first_offender, r.first_offender_phase) == ("model.layers.1.self_attn", "backward")
+    assert (r.first_offender, r.first_offender_phase) == ("model.layers.1.mlp", "backward")
     forward_bad = [s for s in r.sites if s.phase == "forward" and s.nan + s.inf]
     assert forward_bad == []
     back = {s.site: s for s in r.sites if s.phase == "backward"}
-    assert back["lm_head"].nan == 0 and back["model.layers.2.self_attn"].nan == 0
-    assert back["model.layers.0.self_attn"].nan > 0
+    assert back["lm_head"].nan == 0 and back["model.layers.2.self_attn"].nan == 0 and back["model.layers.1"].nan == 0
+    assert back["model.layers.1.self_attn"].nan > 0 and back["model.layers.0.self_attn"].nan > 0
 
 
 def test_healthy_run_of_200_steps_reports_nothing():
@@ -128,8 +129,14 @@ def test_healthy_run_of_200_steps_reports_nothing():
     assert [r.step for r in seen] == list(range(200))
     assert all(r.first_offender is None for r in seen)
     assert sum(_nonfinite(r) for r in seen) == 0
-    # 2 attention + lm_head, forward and backward, and the 2 queries the fused kernel read
-    assert all(len(r.sites) == 8 for r in seen)
+    # per layer: input norm, attention (+ the query the fused kernel read), post norm, MLP, the block;
+    # then the final norm and lm_head; the embedding first; everything but the queries also in backward
+    per_layer = ["input_layernorm", "self_attn", "self_attn.query", "post_attention_layernorm", "mlp", ""]
+    forward = ["model.embed_tokens", *[f"model.layers.{i}.{p}".rstrip(".") for i in range(2) for p in per_layer],
+               "model.norm", "lm_head"]
+    backward = [x for x in reversed(forward) if not x.endswith(".query")]
+    assert all([(s.site, s.phase) for s in r.sites] == [(x, "forward") for x in forward] + [
+        (x, "backward") for x in backward] for r in seen)
     assert all(r.coverage.unmeasured == [] and r.coverage.logits for r in seen)
     assert all((r.coverage.attention_calls, r.coverage.attention_probed) == (2, 2) for r in seen)
     assert [r.step for r in seen if any(lg.exact is not None for lg in r.logits)] == [0, 50, 100, 150]
@@ -306,7 +313,7 @@ def test_a_probe_failure_warns_and_training_goes_on(monkeypatch):
         raise RuntimeError("probe exploded")
 
     with nanwatch.attach(model, run_id="boom") as mon:
-        monkeypatch.setattr("nanwatch.hooks.recorder.finite_stats", boom)
+        monkeypatch.setattr("nanwatch.hooks.observations.torch.aminmax", boom)
         with pytest.warns(RuntimeWarning, match="probe exploded"), mon.step(0):
             out = _train_step(model, token_ids(seed=1))
     assert torch.isfinite(out.loss)
@@ -346,9 +353,11 @@ def test_first_offender_follows_execution_order_across_micro_batches():
             model.emb.weight[ids[0, 0]] = math.nan
         model(ids)
     r = mon.last_report()
-    assert (r.first_offender, r.first_offender_phase) == ("blocks.1", "backward")
-    forward0 = next(s for s in r.sites if (s.site, s.phase) == ("blocks.0", "forward"))
+    assert (r.first_offender, r.first_offender_phase) == ("blocks.1.out", "backward")
+    # a block that is its own attention: its output is the block site, its SDPA call "<block>.sdpa"
+    forward0 = next(s for s in r.sites if (s.site, s.phase) == ("blocks.0.sdpa", "forward"))
     assert forward0.nan > 0 and forward0.calls == 2
+    assert next(s for s in r.sites if (s.site, s.phase) == ("blocks.0", "forward")).kind == "block"
 
 
 def test_fully_masked_rows_are_counted_in_every_forward_that_sees_the_mask():

@@ -69,6 +69,8 @@ def test_without_a_collector_the_local_policy_falls_back_at_the_next_step():
     assert _assert_protected_and_fallen_back(rows, by=K + 1) == K + 1
     inc = rows[K]["incident"]  # replayed before the next step: fp16 QK overflow is a precision problem
     assert (inc.cls, inc.same, inc.fp32, inc.site) == ("precision", "nonfinite", "finite", "model.layers.0.self_attn")
+    # born in the attention kernel, between self_attn's children (o_proj only received it): self_attn
+    assert inc.birth == "model.layers.0.self_attn" and inc.birth_params == {} and inc.birth_elements > 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,70 @@
+"""The hot path's only device work: one ``aminmax`` per measured tensor, written straight into a row of a
+preallocated buffer (``out=``), so measuring a site costs one read of it and nothing else.
+
+One row per call: (min, max) in the tensor's own dtype, which holds both exactly. The host assigns rows in
+execution order, so a row's place in the step is its ordinal. Everything else is read off the two
+numbers on the host, after the step: NaN propagates through min and max, an Inf shows as +-inf, and
+max(|min|, |max|) is the largest magnitude. NaN and Inf are *observed*, per call, not counted per element
+(counting is another full pass; the incident drill-down counts the elements where it matters).
+
+Buffers are per (device, dtype) and per log (training calls apart from the rest, so the weight guard's flag
+is a slice, never a gather); they double when full (a device copy, no sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ObservationLog"]
+
+BufKey = tuple[torch.device, torch.dtype]
+
+
+class ObservationLog:
+    def __init__(self, *, capacity: int = 256) -> None:
+        self._capacity = capacity
+        self._bufs: dict[BufKey, torch.Tensor] = {}
+        self._used: dict[BufKey, int] = {}
+
+    def observe(self, x: torch.Tensor) -> tuple[BufKey, int]:
+        """Write ``x``'s (min, max) into the next row; returns where (for the host's bookkeeping)."""
+        key = (x.device, x.dtype)
+        i = self._used.get(key, 0)
+        buf = self._bufs.get(key)
+        if buf is None or i >= buf.shape[0]:
+            buf = self._grow(key, buf)
+        torch.aminmax(x, out=(buf[i, 0], buf[i, 1]))
+        self._used[key] = i + 1
+        return key, i
+
+    def _grow(self, key: BufKey, old: torch.Tensor | None) -> torch.Tensor:
+        rows = self._capacity if old is None else 2 * old.shape[0]
+        buf = torch.empty(rows, 2, dtype=key[1], device=key[0])
+        if old is not None:
+            buf[: old.shape[0]].copy_(old)
+        self._bufs[key] = buf
+        return buf
+
+    def any_nonfinite(self) -> torch.Tensor | None:
+        """A 0-d bool device tensor, true when a row so far holds NaN or Inf (None before any row). Device
+        ops only: reading it on the host is the caller's sync."""
+        flags = [(~torch.isfinite(self._bufs[k][:n])).any() for k, n in self._used.items() if n]
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+
+    def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
+        """The used rows of every buffer, flattened to float64 on ``device`` (device ops, no sync), and
+        their layout (buffer key, rows) for decoding a host copy."""
+        parts, layout = [], []
+        for key, n in self._used.items():
+            if n:
+                part = self._bufs[key][:n].reshape(-1)
+                part = part.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda")
+                parts.append(part)
+                layout.append((key, n))
+        return parts, layout
+
+    def reset(self) -> None:
+        """A new step: rows are reused from the start (their values are overwritten, never read stale)."""
+        self._used = dict.fromkeys(self._used, 0)

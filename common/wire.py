@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 __all__ = [
     "HALF_DTYPES",
@@ -98,6 +98,11 @@ HALF_DTYPES: frozenset[str] = frozenset({"float16", "bfloat16"})
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
+#: A dtype on the wire: torch's name for it (``bfloat16``, ``float8_e4m3fn``); it becomes a Prometheus
+#: label value, so no control characters, spaces or quotes.
+DtypeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.]{1,32}$")]
+
+
 def dtype_name(dtype: object) -> str:
     """The wire spelling of a dtype: ``torch.float16``, ``half`` and ``fp16`` all become ``float16``."""
     name = str(dtype).removeprefix("torch.")
@@ -121,7 +126,7 @@ class SiteStat(_Wire):
     kind: SiteKind
     phase: Phase
     stage: Stage = "train"
-    dtype: Annotated[str, StringConstraints(max_length=32)]
+    dtype: DtypeName
     calls: Count = 1
     numel: Count
     nan: Count = Field(description="calls (visits of this site in the step) whose tensor held a NaN")
@@ -139,7 +144,7 @@ class SdpaCall(_Wire):
     backend: Backend = Field(description="the backend that ran (confirmed from grad_fn when grad is on)")
     predicted: Backend = Field(description="what torch._fused_sdp_choice predicted")
     confirmed: bool = Field(description="backend was read from the output's grad_fn, not only predicted")
-    dtype: Annotated[str, StringConstraints(max_length=32)]
+    dtype: DtypeName
     shape: Annotated[str, StringConstraints(max_length=256)]
     reason: ShortText | None = Field(None, description="why no fused backend ran (None when one did)")
     calls: Positive = 1
@@ -282,6 +287,12 @@ class StepReport(_Wire):
         if schema_major(v) != SCHEMA_MAJOR:
             raise ValueError(f"unsupported schema version {v!r}: this side speaks {SCHEMA_MAJOR}.x")
         return v
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> StepReport:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        return self
 
     @property
     def nonfinite_total(self) -> int:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanwatch.monitor.deps import Resources
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.errors import install_error_handlers
 from nanwatch.monitor.event_log import EventLog
-from nanwatch.monitor.exporter import StateCollector
+from nanwatch.monitor.exporter import MetricsRenderer
 from nanwatch.monitor.long_poll import LongPoll
 from nanwatch.monitor.middleware import IngressGuard
 from nanwatch.monitor.openapi import document_models
@@ -41,37 +42,65 @@ log = logging.getLogger("nanwatch.monitor")
 def _resources(settings: Settings) -> Resources:
     store = Store(settings.db_path)
     loaded = store.load()
-    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded)
+    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
+                           max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
+                           max_events=settings.max_events_per_run)
     events = EventLog(store=store, state=state)
     polls = LongPoll()
     directive_log = DirectiveLog(store=store, state=state, events=events, polls=polls,
                                  margin_steps=settings.directive_margin_steps, current=loaded.directives)
     policy = Policy(settings.rules, logit_tau=settings.logit_tau, directives=directive_log, events=events)
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(StateCollector(state, directive_log, logit_tau=settings.logit_tau))
+    metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
+                              min_interval_s=settings.metrics_min_interval_s)
     enc = {k: v.encode() for k, v in settings.ingest_tokens().items()}
     adm = {k: v.encode() for k, v in settings.admin_token_map().items()}
+    met = {k: v.encode() for k, v in settings.metrics_token_map().items()}
     return Resources(store=store, state=state, events=events, polls=polls, directives=directive_log,
-                     policy=policy, registry=registry, ingest_tokens=enc, admin_tokens=adm)
+                     policy=policy, metrics=metrics, ingest_tokens=enc, admin_tokens=adm, metrics_tokens=met)
 
 
-async def _sweep(res: Resources, every_s: float) -> None:
+async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
-        res.state.sweep(time.monotonic())
+        now = time.monotonic()
+        res.state.sweep(now)
+        _retire(res, now, retention_s)
+
+
+def _retire(res: Resources, now: float, retention_s: float) -> None:
+    """Forget runs past retention: their history deleted from the store first, then from memory (a
+    thousand a sweep, so a backlog never stalls the loop)."""
+    expired = res.state.expired(now, retention_s, limit=1000)
+    if not expired:
+        return
+    try:
+        with res.store.transaction():
+            res.store.delete_runs(expired)
+    except sqlite3.Error:
+        log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
+        return
+    res.state.forget(expired)
+    res.directives.forget(expired)
+    log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector. Raises ValueError for an exposed host without tokens or unreadable token files."""
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
-    settings.ingest_tokens(), settings.admin_token_map()  # fail now on unreadable token files
+    settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
+    if settings.db_path != ":memory:":
+        try:  # fail now on a foreign or newer database, or a path that cannot be opened, before listening
+            Store(settings.db_path).close()
+        except sqlite3.Error as e:
+            raise ValueError(f"cannot open the database {settings.db_path!r}: {e}") from e
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         res = _resources(settings)
         app.state.resources = res
-        sweeper = asyncio.create_task(_sweep(res, max(0.05, min(settings.rank_ttl_s / 4, 30.0))))
+        every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, 30.0))
+        sweeper = asyncio.create_task(_sweep(res, every, settings.run_retention_s))
         log.info("nanwatch collector ready: db=%s runs=%d", settings.db_path, len(res.state.runs))
         try:
             yield
@@ -88,8 +117,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.resources = None
     for module in (reports, directives, runs, metrics, health):
         app.include_router(module.router)
-    app.add_middleware(IngressGuard, max_body=settings.max_body_bytes, limit=settings.max_inflight_ingest,
-                       retry_after_s=settings.retry_after_s)
-    install_error_handlers(app, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(IngressGuard, max_body=settings.max_body_bytes, max_buffered=settings.max_buffered_bytes,
+                       retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s)
+    if not settings.ingest_tokens() or not settings.admin_token_map():
+        # A scope without a token is open, which is only allowed on loopback: then only loopback names may
+        # appear in Host, so a web page cannot reach it through DNS rebinding (its Host is its own name).
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1", "[::1]"])
+    install_error_handlers(app)
     document_models(app, reports.SCHEMA_MODELS + directives.SCHEMA_MODELS)
     return app

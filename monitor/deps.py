@@ -13,10 +13,10 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CollectorRegistry
 
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.event_log import EventLog
+from nanwatch.monitor.exporter import MetricsRenderer
 from nanwatch.monitor.long_poll import LongPoll
 from nanwatch.monitor.rules import Policy
 from nanwatch.monitor.settings import Settings
@@ -26,12 +26,13 @@ from nanwatch.monitor.store import Store
 # Dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in a worker thread,
 # and at 1000 reports/s those thread hops were the largest cost of the ingest path (see loadgen.py).
 
-__all__ = ["AdminToken", "IngestToken", "ReaderToken", "Resources", "ResourcesDep", "SettingsDep"]
+__all__ = ["AdminToken", "IngestToken", "MetricsReader", "ReaderToken", "Resources", "ResourcesDep", "SettingsDep"]
 
 bearer = HTTPBearer(
     auto_error=False, scheme_name="bearer",
     description="Ingest token (NANWATCH_TOKEN) for reports and directive polls; admin token "
-                "(NANWATCH_ADMIN_TOKEN) for directive changes; either one for reading runs.")
+                "(NANWATCH_ADMIN_TOKEN) for directive changes; any token, the reader-only metrics token "
+                "(NANWATCH_METRICS_TOKEN) included, for reading runs and /metrics.")
 
 
 @dataclass(slots=True)
@@ -44,9 +45,10 @@ class Resources:
     polls: LongPoll
     directives: DirectiveLog
     policy: Policy
-    registry: CollectorRegistry
+    metrics: MetricsRenderer
     ingest_tokens: dict[str, bytes]
     admin_tokens: dict[str, bytes]
+    metrics_tokens: dict[str, bytes]
 
 
 async def _settings(request: Request) -> Settings:
@@ -76,21 +78,23 @@ def _match(presented: bytes, tokens: dict[str, bytes]) -> str | None:
 
 def _check(res: Resources, creds: HTTPAuthorizationCredentials | None, *, scope: str) -> str:
     ingest, admin = res.ingest_tokens, res.admin_tokens
-    wanted = {"ingest": (ingest,), "admin": (admin,), "reader": (ingest, admin)}[scope]
+    wanted = {"ingest": (ingest,), "admin": (admin,), "reader": (ingest, admin, res.metrics_tokens)}[scope]
     if not any(wanted):  # a scope without tokens is open (loopback only)
         return "anonymous"
     if creds is None:
         res.state.rejected["unauthorized"] += 1
-        env = "NANWATCH_ADMIN_TOKEN" if scope == "admin" else "NANWATCH_TOKEN"
+        env = {"admin": "NANWATCH_ADMIN_TOKEN", "ingest": "NANWATCH_TOKEN"}.get(
+            scope, "any nanwatch token; Prometheus: the reader-only NANWATCH_METRICS_TOKEN")
         raise HTTPException(401, f"missing bearer token: send 'Authorization: Bearer <token>' ({env})",
                             headers={"WWW-Authenticate": "Bearer"})
-    presented = creds.credentials.encode()
+    presented = creds.credentials.encode("latin-1")  # the header's bytes as sent (tokens are visible ASCII)
     for tokens in wanted:
         name = _match(presented, tokens)
         if name is not None:
             return name
     res.state.rejected["unauthorized"] += 1
-    if scope != "reader" and _match(presented, admin if scope == "ingest" else ingest) is not None:
+    others = {"ingest": (admin, res.metrics_tokens), "admin": (ingest, res.metrics_tokens)}.get(scope, ())
+    if any(_match(presented, tokens) is not None for tokens in others):
         raise HTTPException(403, f"this token is not an {scope} token", headers={"WWW-Authenticate": "Bearer"})
     raise HTTPException(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
@@ -107,7 +111,12 @@ async def _reader(res: ResourcesDep, creds: _Creds) -> str:
     return _check(res, creds, scope="reader")
 
 
+async def _metrics_reader(res: ResourcesDep, settings: SettingsDep, creds: _Creds) -> str:
+    return "anonymous" if settings.metrics_public else _check(res, creds, scope="reader")
+
+
 #: The name of the token that authenticated the request ("anonymous" where the scope is open).
 IngestToken = Annotated[str, Depends(_ingest)]
 AdminToken = Annotated[str, Depends(_admin)]
 ReaderToken = Annotated[str, Depends(_reader)]
+MetricsReader = Annotated[str, Depends(_metrics_reader)]

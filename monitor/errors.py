@@ -14,7 +14,7 @@ from nanwatch.monitor.middleware import count_rejection
 __all__ = ["install_error_handlers"]
 
 
-def install_error_handlers(app: FastAPI, *, max_body_bytes: int) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 405:  # Starlette's Allow names one route's methods; a path has several
@@ -22,10 +22,6 @@ def install_error_handlers(app: FastAPI, *, max_body_bytes: int) -> None:
                               and r.path_regex.match(request.url.path) for m in r.methods})
             exc = StarletteHTTPException(405, f"method {request.method} not allowed here; use {', '.join(allowed)}",
                                          headers={"Allow": ", ".join(allowed)})
-        if exc.status_code == 413:
-            count_rejection(request.app.state, "too_large")
-            exc = StarletteHTTPException(413, f"request body over the {max_body_bytes}-byte limit "
-                                              "(NANWATCH_MAX_BODY_BYTES); send smaller batches")
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(RequestValidationError)

@@ -8,6 +8,9 @@ from nanwatch.monitor.store import EventRow, Store
 
 __all__ = ["EventLog"]
 
+#: directive changes: the audit trail, never dropped by the events cap (each one is a directive version)
+_AUDIT = frozenset({"directive_set", "directive_cleared"})
+
 
 class EventLog:
     def __init__(self, *, store: Store, state: CollectorState) -> None:
@@ -20,8 +23,12 @@ class EventLog:
 
     def record(self, ev: EventRow) -> bool:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
-        run = self._state.ensure_run(ev.run_id)
+        state = self._state
+        run = state.ensure_run(ev.run_id)
         if ev.dedupe in run.event_keys:
+            return False
+        if len(run.event_keys) >= state.max_events and ev.kind not in _AUDIT:
+            state.caps_hit["events"] += 1  # keys may hold client-chosen values: bounded (the audit trail is not)
             return False
         if self._store.add_event(ev):
             run.event_counts[ev.kind] += 1

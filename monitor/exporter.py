@@ -1,24 +1,33 @@
-"""The Prometheus exporter: a custom ``Collector`` that builds fresh families from the state on every
-scrape, so nothing is kept twice and an expired rank simply stops being yielded.
+"""The Prometheus exporter. A scrape takes a snapshot of the state on the event loop (shallow copies:
+the per-rank views are replaced, never mutated, by each report) and renders it in a worker thread, one
+render at a time and at most one per interval (``MetricsRenderer``), so that scrapers, however many and
+however fast, neither stall ingest nor multiply the work.
 
 Per-layer and per-site series are aggregated over ranks here (max or sum): never a rank x layer series.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.metric_names import METRICS, family
-from nanwatch.monitor.state import CollectorState
+from nanwatch.monitor.state import CollectorState, RankState
+from nanwatch.monitor.store import EventRow
+from nanwatch.wire import Directive
 
-__all__ = ["StateCollector"]
+__all__ = ["MetricsRenderer", "Snapshot", "render", "snapshot"]
 
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 #: RLHF figures and how they combine over ranks (each rank's latest step)
@@ -38,11 +47,43 @@ def _max(values: Iterable[float]) -> float:
     return best
 
 
-class StateCollector(Collector):
-    def __init__(self, state: CollectorState, directives: DirectiveLog, *, logit_tau: float) -> None:
-        self._state = state
-        self._directives = directives
-        self._tau = logit_tau
+@dataclass(frozen=True, slots=True)
+class RunSnapshot:
+    run_id: str
+    series_dropped: int
+    event_counts: dict[str, int]
+    live: list[RankState] | None  # None: no live rank, only the run's totals are exported
+    counters: dict[tuple[str, tuple], float]
+    first_offender: EventRow | None
+    directive: Directive | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    runs: list[RunSnapshot]
+    tau: float
+    accepted: int
+    duplicates: int
+    rejected: dict[str, int]
+    caps_hit: dict[str, int]
+
+
+def snapshot(state: CollectorState, directives: DirectiveLog, *, logit_tau: float) -> Snapshot:
+    """What a scrape shows, copied on the event loop (cheap: no metric objects are built here)."""
+    now = time.monotonic()
+    runs = []
+    for run_id, run in state.runs.items():
+        live = state.is_live(run, now)
+        runs.append(RunSnapshot(
+            run_id, run.series_dropped, dict(run.event_counts),
+            state.live_ranks(run, now) if live else None, dict(run.counters) if live else {},
+            run.first_offender if live else None, directives.current(run_id) if live else None))
+    return Snapshot(runs, logit_tau, state.accepted, state.duplicates, dict(state.rejected), dict(state.caps_hit))
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap = snap
 
     def describe(self) -> Iterator[Metric]:
         # Families are dynamic; describing them empty keeps registration from calling collect().
@@ -50,23 +91,24 @@ class StateCollector(Collector):
             yield family(name)
 
     def collect(self) -> Iterator[Metric]:
-        state, now = self._state, time.monotonic()
+        snap = self._snap
         f = {name: family(name) for name in METRICS}
-        for run_id, run in state.runs.items():
+        for run in snap.runs:
+            run_id = run.run_id
             if run.series_dropped:
                 f["nanwatch_collector_series_dropped_total"].add_metric([run_id], run.series_dropped)
             for kind, n in run.event_counts.items():
                 f["nanwatch_events_total"].add_metric([run_id, kind], n)
-            if not state.is_live(run, now):
+            if run.live is None:
                 continue
             fo = run.first_offender
             if fo is not None:
                 f["nanwatch_first_offender_info"].add_metric(
                     [run_id, fo.site or "", str(fo.detail.get("phase") or ""), str(fo.detail.get("stage") or "train"),
                      "" if fo.rank is None else str(fo.rank)], 1)
-            live = state.live_ranks(run, now)
+            live = run.live
             f["nanwatch_live_ranks"].add_metric([run_id], len(live))
-            d = self._directives.current(run_id)
+            d = run.directive
             f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
             counters = run.counters
             layers: dict[str, list[float]] = {}
@@ -101,9 +143,73 @@ class StateCollector(Collector):
                     f["nanwatch_unmeasured_steps_total"].add_metric([run_id, *labels], value)
                 elif fam == "incident":
                     f["nanwatch_incidents_total"].add_metric([run_id, *labels], value)
-        f["nanwatch_collector_logit_tau"].add_metric([], self._tau)
-        f["nanwatch_collector_reports_accepted_total"].add_metric([], state.accepted)
-        f["nanwatch_collector_reports_duplicate_total"].add_metric([], state.duplicates)
-        for reason, n in state.rejected.items():
+        f["nanwatch_collector_logit_tau"].add_metric([], snap.tau)
+        f["nanwatch_collector_reports_accepted_total"].add_metric([], snap.accepted)
+        f["nanwatch_collector_reports_duplicate_total"].add_metric([], snap.duplicates)
+        for reason, n in snap.rejected.items():
             f["nanwatch_collector_requests_rejected_total"].add_metric([reason], n)
+        for cap, n in snap.caps_hit.items():
+            f["nanwatch_collector_caps_hit_total"].add_metric([cap], n)
         yield from f.values()
+
+
+def render(snap: Snapshot, accept: str, gzipped: bool) -> tuple[bytes, str]:
+    """The exposition of ``snap`` in the format ``accept`` asks for (prometheus_client's encoders)."""
+    encoder, content_type = choose_encoder(accept)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_SnapshotCollector(snap))
+    body = encoder(registry)
+    return (gzip.compress(body) if gzipped else body), content_type
+
+
+@dataclass(frozen=True, slots=True)
+class _Rendered:
+    version: tuple
+    body: bytes
+    content_type: str
+
+
+class MetricsRenderer:
+    """Renders ``/metrics`` off the event loop, one render at a time and at most one every
+    ``min_interval_s``. A scrape gets the last render if nothing changed since it began; otherwise the
+    next render, which takes its snapshot after the scrape arrived, so every scrape sees what was
+    acknowledged before it. Scrapers, however many and however fast, thus cost at most one render per
+    interval, and they wait for it rather than taking the CPU that ingest needs (a scrape answered at once
+    from a cache would let a few scrape loops spin the collector at thousands of requests a second)."""
+
+    def __init__(self, state: CollectorState, directives: DirectiveLog, *, logit_tau: float,
+                 min_interval_s: float = 3.0) -> None:
+        self._state, self._directives, self._tau = state, directives, logit_tau
+        self._min_interval_s = min_interval_s
+        self._lock = asyncio.Lock()
+        self._pending: dict[tuple[str, bool], asyncio.Future] = {}
+        self._last: dict[tuple[str, bool], _Rendered] = {}
+        self._last_start = -math.inf
+
+    async def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
+        fmt = (choose_encoder(accept)[1], gzipped)
+        last = self._last.get(fmt)
+        if last is not None and last.version == self._state.version():
+            return last.body, last.content_type
+        fut = self._pending.get(fmt)
+        if fut is None:
+            fut = self._pending[fmt] = asyncio.get_running_loop().create_future()
+            asyncio.ensure_future(self._run(fmt, accept, gzipped, fut))
+        return await asyncio.shield(fut)  # a scraper that goes away does not cancel the others' render
+
+    async def _run(self, fmt: tuple[str, bool], accept: str, gzipped: bool, fut: asyncio.Future) -> None:
+        async with self._lock:
+            wait = self._last_start + self._min_interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self._pending.get(fmt) is fut:
+                del self._pending[fmt]  # from now on, new scrapes wait for the next render
+            try:
+                started, version = time.monotonic(), self._state.version()
+                snap = snapshot(self._state, self._directives, logit_tau=self._tau)
+                self._last_start = started
+                body, content_type = await asyncio.to_thread(render, snap, accept, gzipped)
+                self._last[fmt] = _Rendered(version, body, content_type)
+                fut.set_result((body, content_type))
+            except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
+                fut.set_exception(e)

@@ -9,19 +9,19 @@ field errors (422) -- so a bad version gets a 400 naming it, not pydantic's 422.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from nanwatch.monitor.atomic import atomically
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.rules import Policy
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
 from nanwatch.wire import SCHEMA_MAJOR, DirectiveSpec, ReportBatch, schema_major
 
-__all__ = ["BadBody", "IngestResult", "StoreUnavailable", "ingest", "parse_batch", "parse_spec", "parse_strict"]
+__all__ = ["BadBody", "IngestResult", "ingest", "parse_batch", "parse_spec", "parse_strict"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -33,10 +33,6 @@ class IngestResult(BaseModel):
     duplicates: int
 
 
-class StoreUnavailable(Exception):
-    """The batch could not be persisted; memory was rolled back to the store. The sender should retry."""
-
-
 class BadBody(Exception):
     """A request body the collector refuses (a report batch or a directive spec): ``status`` 400 or 422,
     ``reason`` for the rejection counter."""
@@ -46,12 +42,18 @@ class BadBody(Exception):
         self.status, self.reason, self.detail = status, reason, detail
 
 
+#: errors a 422 lists (with the total): a body of thousands of bad items gets a short answer
+MAX_ERRORS = 20
+
+
 def parse_strict(model: type[M], raw: bytes) -> M:
-    """Validate JSON bytes in strict mode (JSON types exactly: ``false`` is not 0, ``"5"`` not 5)."""
+    """Validate JSON bytes in strict mode (JSON types exactly: ``false`` is not 0, ``"5"`` not 5). A 422's
+    detail is ``(the first MAX_ERRORS errors, how many in all)``."""
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        errors = (e.errors(include_url=False, include_context=False, include_input=False)[:MAX_ERRORS],
+                  e.error_count())
     try:
         json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -83,19 +85,14 @@ def parse_batch(raw: bytes) -> ReportBatch:
 
 def ingest(batch: ReportBatch, *, state: CollectorState, directives: DirectiveLog, policy: Policy,
            store: Store) -> IngestResult:
-    try:
-        with store.transaction():
-            accepted, dupes = _apply(batch, state=state, policy=policy, store=store)
-    except sqlite3.Error as e:
-        # Nothing was acknowledged: roll memory back to the database so the sender's retry is applied
-        # once, neither lost as a "duplicate" nor counted twice.
-        try:
-            loaded = store.load()
-            state.reload(loaded)
-            directives.reload(loaded.directives)
-        except sqlite3.Error:
-            pass
-        raise StoreUnavailable(f"could not persist the batch ({e}); retry") from e
+    """Apply the batch all or nothing (``nanwatch.monitor.atomic``); raises ``BadBody`` (429: a cap),
+    ``StoreUnavailable`` (retry) or ``Unstorable`` (a value that can never be stored)."""
+    over = state.over_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports},
+                           {r.run_id for r in batch.reports})
+    if over is not None:
+        raise BadBody(429, "cap", over)
+    accepted, dupes = atomically(store, state, directives, {r.run_id for r in batch.reports},
+                                 lambda: _apply(batch, state=state, policy=policy, store=store))
     state.accepted += accepted
     state.duplicates += dupes
     return IngestResult(accepted=accepted, duplicates=dupes)
@@ -119,4 +116,5 @@ def _apply(batch: ReportBatch, *, state: CollectorState, policy: Policy, store: 
         accepted += 1
     store.put_hwm(hwm_rows)
     store.put_counters([(*k, v) for k, v in counter_rows.items()])
+    store.touch({r.run_id for r in batch.reports}, now)
     return accepted, dupes

@@ -70,6 +70,9 @@ _SPECS = (
                "Requests refused with a 4xx or 503, by reason."),
     MetricSpec("nanwatch_collector_series_dropped_total", "counter", ("run_id",),
                "Series not created because the run hit the per-run series cap."),
+    MetricSpec("nanwatch_collector_caps_hit_total", "counter", ("cap",),
+               "Times a collector cap refused or dropped something: runs and incarnations (the request got "
+               "429), events (not recorded)."),
 )
 
 METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}

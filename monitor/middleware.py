@@ -1,21 +1,33 @@
-"""``IngressGuard``: cheap refusals before a request body is read.
+"""``IngressGuard``: cheap refusals before a request reaches a route, and the body read under limits.
 
-413 when Content-Length is over the limit, and 503 + Retry-After when too many ingest requests are in
-flight (load shedding). Bodies without a Content-Length (chunked) are stream-counted and cut off at the
-limit, so a huge body is never buffered. (Starlette's own body limit would do the counting, but it
-replaces the response to an oversized Content-Length with a plain-text 413 that names no limit and is not
-the documented ``Problem`` body.) In-flight requests pile up only when the event loop falls behind, so
-that count is the overload signal; senders back off, and replays are idempotent.
+* 413 when Content-Length is over the limit; a body without one (chunked) is counted and cut off at it,
+  so a huge body is never buffered. (Starlette's own body limit would do the counting, but it replaces the
+  response to an oversized Content-Length with a plain-text 413 that names no limit and is not the
+  documented ``Problem`` body.)
+* 415 for a POST or PUT whose Content-Type is not ``application/json``: a browser can send ``text/plain``
+  across origins without asking (CSRF against the tokenless loopback default), never JSON.
+* 408 when the body has not arrived in full ``body_timeout_s`` after the headers.
+* 503 + Retry-After when the bodies being received would hold more than ``max_buffered`` bytes in all
+  (load shedding, by bytes rather than by requests: a thousand slow senders trickling a byte a second hold
+  a few kilobytes and lock no trainer out, while a flood of large bodies is refused before it is held).
+
+The request head's own limits (size, time) are the protocol's (``nanwatch.monitor.protocol``).
 """
 
 from __future__ import annotations
 
-from starlette.exceptions import HTTPException as StarletteHTTPException
+import asyncio
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanwatch.monitor.schemas import Problem, WireJSON
 
 __all__ = ["IngressGuard", "count_rejection"]
+
+
+def _takes_body(method: str, path: str) -> bool:
+    """The routes with a JSON body: POST /v1/reports and PUT /v1/directives/{run_id}."""
+    return (method, path) == ("POST", "/v1/reports") or (method == "PUT" and path.startswith("/v1/directives/"))
 
 
 def count_rejection(app_state, reason: str) -> None:
@@ -26,46 +38,94 @@ def count_rejection(app_state, reason: str) -> None:
         res.state.rejected[reason] += 1
 
 
+class _TooLarge(Exception):
+    pass
+
+
+class _Overloaded(Exception):
+    pass
+
+
 class IngressGuard:
-    def __init__(self, app: ASGIApp, *, max_body: int, limit: int, retry_after_s: int) -> None:
-        self.app, self.max_body, self.limit, self.retry_after = app, max_body, limit, str(retry_after_s)
-        self.inflight = 0
+    def __init__(self, app: ASGIApp, *, max_body: int, max_buffered: int, retry_after_s: int,
+                 body_timeout_s: float) -> None:
+        self.app, self.max_body, self.max_buffered, self.retry_after = app, max_body, max_buffered, str(retry_after_s)
+        self.body_timeout_s = body_timeout_s
+        self.buffered = 0  # bytes held by bodies being received now
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            body = Problem(detail=f"request body of {int(length)} bytes is over the {self.max_body}-byte limit "
-                                  "(NANWATCH_MAX_BODY_BYTES); send smaller batches")
-            return await self._refuse(scope, receive, send, "too_large", WireJSON(body, 413))
-        receive = self._counted(receive)
-        if scope["path"] != "/v1/reports":
-            return await self.app(scope, receive, send)
-        if self.inflight >= self.limit:
-            body = Problem(detail=f"overloaded: {self.inflight} ingest requests in flight; retry later")
-            resp = WireJSON(body, 503, headers={"Retry-After": self.retry_after})
-            return await self._refuse(scope, receive, send, "overloaded", resp)
-        self.inflight += 1
+            return await self._refuse(scope, receive, send, "too_large", 413,
+                                      f"request body of {int(length)} bytes is over the {self.max_body}-byte limit "
+                                      "(NANWATCH_MAX_BODY_BYTES); send smaller batches")
+        if not _takes_body(scope["method"], scope["path"]):
+            return await self.app(scope, receive, send)  # no body, or no such route: the router answers
+        ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if ctype != b"application/json":
+            return await self._refuse(scope, receive, send, "unsupported_media_type", 415,
+                                      f"Content-Type must be application/json, got {ctype.decode('latin-1')!r}")
+        held = [0]
         try:
-            await self.app(scope, receive, send)
+            body = await asyncio.wait_for(self._read_body(receive, held), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            return await self._refuse(scope, receive, send, "body_timeout", 408,
+                                      f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                      "(NANWATCH_BODY_TIMEOUT_S)", close=True)
+        except _TooLarge:
+            return await self._refuse(scope, receive, send, "too_large", 413,
+                                      f"request body over the {self.max_body}-byte limit (NANWATCH_MAX_BODY_BYTES); "
+                                      "send smaller batches", close=True)
+        except _Overloaded:
+            return await self._refuse(scope, receive, send, "overloaded", 503,
+                                      f"overloaded: {self.buffered} bytes of request bodies being received "
+                                      "(NANWATCH_MAX_BUFFERED_BYTES); retry later", close=True,
+                                      retry_after=self.retry_after)
         finally:
-            self.inflight -= 1
+            self.buffered -= held[0]
+        if body is None:
+            return None  # the client went away
+        return await self.app(scope, self._replay(body, receive), send)
 
-    def _counted(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+    async def _read_body(self, receive: Receive, held: list[int]) -> bytes | None:
+        """The whole body; ``held[0]`` tracks what it holds of ``self.buffered`` (released by the caller)."""
+        chunks = []
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise StarletteHTTPException(413)  # rendered by the app's handler, counted there
-            return message
-
-        return counted
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if held[0] + len(chunk) > self.max_body:
+                raise _TooLarge
+            if self.buffered + len(chunk) > self.max_buffered:
+                raise _Overloaded
+            held[0] += len(chunk)
+            self.buffered += len(chunk)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     @staticmethod
-    async def _refuse(scope: Scope, receive: Receive, send: Send, reason: str, response: WireJSON) -> None:
+    def _replay(body: bytes, receive: Receive) -> Receive:
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        return replay
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, reason: str, status: int, detail: str, *,
+                      close: bool = False, retry_after: str | None = None) -> None:
         count_rejection(scope["app"].state, reason)
-        await response(scope, receive, send)
+        headers = {"Connection": "close"} if close else {}  # the rest of the body is not read
+        if retry_after is not None:
+            headers["Retry-After"] = retry_after
+        await WireJSON(Problem(detail=detail), status, headers=headers)(scope, receive, send)

@@ -49,9 +49,12 @@ class Policy:
                 event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
                       directive_version=r.directive_version)
                 cur = directives.current(run_id)
-                if cur.mode != "none" and cur.version == r.directive_version:
-                    # The trainers reverted on their own (clean steps): record it as a new version so the
-                    # directive metric matches what ranks apply, and a rule can issue a fresh directive.
+                if (cur.mode != "none" and cur.version == r.directive_version and cur.revert_after_clean_steps
+                        and r.rank == 0):
+                    # The trainers reverted on their own (clean steps), as the directive allowed: record it
+                    # as a new version so the directive metric matches what ranks apply, and a rule can
+                    # issue a fresh directive. Only the rank that decides reverts (rank 0, whose agreement
+                    # every rank follows) and only the incarnation that applied the mode can end it.
                     directives.set(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
                                                          reason=f"rank {r.rank} reverted after clean steps"),
                                    actor="trainer:auto-revert")

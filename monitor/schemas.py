@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import JSONResponse
 
 from nanwatch.monitor.ingest import IngestResult
@@ -45,7 +45,8 @@ class FieldError(_Out):
 class ValidationProblem(_Out):
     """A body or parameter that failed validation: one entry per offending field, located by ``loc``."""
 
-    detail: list[FieldError]
+    detail: list[FieldError] = Field(description="the first errors (at most 20)")
+    error_count: int | None = Field(None, description="how many errors there were in all")
 
 
 class Health(_Out):

@@ -5,7 +5,10 @@ tests that crash and restart it)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
@@ -18,19 +21,55 @@ from pathlib import Path
 import uvicorn
 
 from nanwatch.monitor.app import create_app
+from nanwatch.monitor.protocol import guarded_protocol
 from nanwatch.monitor.settings import Settings
 
-__all__ = ["BackgroundServer", "CollectorProcess", "free_port", "serve"]
+__all__ = ["BackgroundServer", "CollectorProcess", "free_port", "raise_fd_limit", "serve"]
+
+
+class _RedactQuery(logging.Filter):
+    """The access log never shows a secret sent in a query string (``?token=...``): the collector takes
+    tokens only from the Authorization header, but a client may still send one in the URL."""
+
+    _SECRET = re.compile(r"(?i)([?&](?:access_)?(?:token|key|password|secret|auth)[^=&]*=)[^&#\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) >= 3 and isinstance(record.args[2], str):
+            args = list(record.args)
+            args[2] = self._SECRET.sub(r"\1<redacted>", args[2])
+            record.args = tuple(args)
+        return True
+
+
+def raise_fd_limit() -> int:
+    """The soft descriptor limit up to the hard one (every connection is a descriptor; a process started
+    afterwards inherits it); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: on shutdown, answer the long-polls first so none is cancelled mid-wait."""
+    """uvicorn, plus: limits on request heads (size, time; ``nanwatch.monitor.protocol``), no secret in
+    the access log, and on shutdown the long-polls answered first so none is cancelled mid-wait."""
 
     def __init__(self, settings: Settings, port: int) -> None:
         self.app = create_app(settings)
+        raise_fd_limit()
+        protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,
+                                    header_timeout_s=settings.header_timeout_s)
         # One worker: the live state is in this process. Short graceful shutdown: long-polls just retry.
-        super().__init__(uvicorn.Config(self.app, host=settings.host, port=port, workers=1,
+        super().__init__(uvicorn.Config(self.app, host=settings.host, port=port, workers=1, http=protocol,
                                         log_level=settings.log_level, timeout_graceful_shutdown=3))
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, _RedactQuery) for f in access.filters):
+            access.addFilter(_RedactQuery())
 
     async def shutdown(self, sockets=None) -> None:
         res = getattr(self.app.state, "resources", None)

@@ -7,6 +7,7 @@ use the cached ``get_settings()``.
 from __future__ import annotations
 
 import ipaddress
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -17,6 +18,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from nanwatch.policy import Rule, RuleName, default_rules
 
 __all__ = ["Rule", "Settings", "get_settings", "is_loopback"]
+
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+
 
 def is_loopback(host: str) -> bool:
     """True when ``host`` only accepts connections from this machine."""
@@ -45,6 +49,10 @@ class Settings(BaseSettings):
     token_file: Path | None = None
     """File holding the ingest token (e.g. a mounted secret), audit name ``ingest-file``."""
     admin_token_file: Path | None = None
+    metrics_token: SecretStr | None = None
+    """Reader-only token (``NANWATCH_METRICS_TOKEN``), audit name ``metrics``: for Prometheus, which then
+    cannot ingest or change directives. Reading (``/metrics``, ``/v1/runs``) takes any token kind."""
+    metrics_token_file: Path | None = None
     tokens: dict[RuleName, SecretStr] = {}
     """More ingest tokens by name: ``{"team-a": "..."}``."""
     admin_tokens: dict[RuleName, SecretStr] = {}
@@ -53,11 +61,37 @@ class Settings(BaseSettings):
     """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
     """Request bodies beyond this get 413 before they are buffered."""
-    max_inflight_ingest: Annotated[int, Field(ge=1)] = 256
-    """Concurrent ingest requests beyond this get 503 with Retry-After (load shedding)."""
+    max_buffered_bytes: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024
+    """Request bodies being received may hold this many bytes in all; a body that would go beyond gets 503
+    with Retry-After (load shedding by bytes: slow senders holding a few bytes each shed nobody)."""
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     max_series_per_run: Annotated[int, Field(ge=10)] = 50_000
     """New series of a run beyond this are dropped and counted."""
+    max_runs: Annotated[int, Field(ge=1)] = 10_000
+    """Runs the collector keeps; reports or directives for a new run beyond this get 429 (counted)."""
+    max_incarnations_per_run: Annotated[int, Field(ge=1)] = 65_536
+    """(rank, incarnation) pairs a run may have (each is an idempotency high-water mark); new ones beyond
+    this get 429 (counted)."""
+    max_events_per_run: Annotated[int, Field(ge=10)] = 10_000
+    """Events a run's log keeps; further distinct events are not recorded (counted)."""
+    run_retention_s: Annotated[float, Field(gt=0)] = 7 * 86400.0
+    """A run with no report for this long is forgotten: gone from /metrics and /v1/runs, and its history
+    deleted from SQLite. A trainer that comes back later starts a new history (directive versions from 1)."""
+    metrics_public: bool = False
+    """Serve ``/metrics`` without a token even when tokens are configured. By default it needs a reader
+    token (ingest or admin) whenever tokens exist, since it names every run and layer; Prometheus sends
+    one with ``authorization: {credentials_file: ...}`` in the scrape config."""
+    metrics_min_interval_s: Annotated[float, Field(ge=0)] = 3.0
+    """``/metrics`` is rendered at most once per this many seconds; a scrape gets the last render if nothing
+    changed, else waits for the next one (so a scrape flood cannot take ingest's CPU). Keep it well below
+    the scrape interval (15 s in deploy/): a scrape waits at most this long, and only after another."""
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
+    """Request line plus headers beyond this get 431 and the connection is closed."""
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """A connection that has not sent a complete request head this long after it began is closed."""
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A request body not received in full this long after its headers gets 408 (an ingest slot is only
+    taken once the body is in)."""
     directive_margin_steps: Annotated[int, Field(ge=0)] = 0
     """Extra steps before a directive without ``apply_at_step`` applies. By default it applies at the
     earliest step every rank can: the next step for one rank, the next agreement step under
@@ -86,6 +120,10 @@ class Settings(BaseSettings):
         """Every accepted admin token, by audit name."""
         return _collect("admin", self.admin_token, self.admin_token_file, self.admin_tokens)
 
+    def metrics_token_map(self) -> dict[str, str]:
+        """Every accepted reader-only token, by audit name."""
+        return _collect("metrics", self.metrics_token, self.metrics_token_file, {})
+
     def check_exposure(self) -> None:
         """Refuse an unauthenticated server that others can reach."""
         if is_loopback(self.host):
@@ -111,6 +149,10 @@ def _collect(name: str, token: SecretStr | None, path: Path | None, named: dict[
         if not text:
             raise ValueError(f"the {name} token file {str(path)!r} is empty")
         out[f"{name}-file"] = text
+    for key, value in out.items():
+        if not _VISIBLE_ASCII.fullmatch(value):
+            raise ValueError(f"the {key} token must be visible ASCII (letters, digits, punctuation; no spaces): "
+                             "HTTP carries header bytes, and a non-ASCII token would match only one encoding")
     return out
 
 

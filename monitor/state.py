@@ -8,11 +8,12 @@ but keeps its total, so if it comes back its counter resumes instead of resettin
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from nanwatch.monitor.store import EventRow, Loaded
-from nanwatch.wire import RlhfStat, StepReport, dtype_name
+from nanwatch.wire import MAX_INT, RlhfStat, StepReport, dtype_name
 
 __all__ = ["CollectorState", "RankState", "RunState"]
 
@@ -55,6 +56,10 @@ class RunState:
     first_offender: EventRow | None = None
     event_keys: set[str] = field(default_factory=set)
     event_counts: Counter[str] = field(default_factory=Counter)
+    #: (rank, incarnation) high-water marks the run holds
+    incarnations: int = 0
+    #: monotonic time of the run's last write (report, directive, event): retention counts from it
+    touched: float = field(default_factory=time.monotonic)
 
     def admit(self, key: tuple, cost: int, cap: int) -> bool:
         """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
@@ -71,27 +76,44 @@ class RunState:
 class CollectorState:
     """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
 
-    def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None) -> None:
+    def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None, max_runs: int = 10_000,
+                 max_incarnations: int = 65_536, max_events: int = 10_000) -> None:
         self.ttl_s = ttl_s
         self.series_cap = series_cap
+        self.max_runs = max_runs
+        self.max_incarnations = max_incarnations
+        self.max_events = max_events
         self.runs: dict[str, RunState] = {}
         self.hwm: dict[tuple[str, int, str], int] = {}
         self.accepted = 0
         self.duplicates = 0
         self.rejected: Counter[str] = Counter()
+        #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
+        self.caps_hit: Counter[str] = Counter()
+        self._writes = 0
         if loaded is not None:
             self._restore(loaded)
 
-    def reload(self, loaded: Loaded) -> None:
-        """Forget everything in memory and take the store's view: after a failed commit, memory may hold
-        changes the database does not. Per-rank latest views come back with the next reports."""
+    def reload(self, loaded: Loaded, *, touched: set[str]) -> None:
+        """Take the store's view after a failed commit, when memory may hold changes the database does not.
+        The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
+        next reports); every other run keeps its own, which the write did not change."""
+        views = {run_id: (run.ranks, run.last_seen) for run_id, run in self.runs.items() if run_id not in touched}
         self.runs = {}
         self._restore(loaded)
+        for run_id, (ranks, last_seen) in views.items():
+            run = self.runs.get(run_id)
+            if run is not None:
+                run.ranks, run.last_seen = ranks, last_seen
 
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
+        for run_id, _rank, _inc in self.hwm:
+            self.ensure_run(run_id).incarnations += 1
         for run_id, step in loaded.latest_step.items():
             self.ensure_run(run_id).latest_step = step
+        for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
+            self.ensure_run(run_id).touched = touched
         for run_id, fam, labels, value in loaded.counters:
             if fam == "sdpa" and len(labels) == 2:  # stored before the stage label existed (wire 1.0)
                 labels = (*labels, "train")
@@ -106,6 +128,15 @@ class CollectorState:
         for run_id, ev in loaded.first_offenders.items():
             self.ensure_run(run_id).first_offender = ev
 
+    def wrote(self) -> None:
+        """Something a scrape shows changed (a committed write, ranks or runs gone)."""
+        self._writes += 1
+
+    def version(self) -> tuple:
+        """Changes whenever anything a scrape shows may have: a cached render is reused only while equal."""
+        return (self._writes, self.accepted, self.duplicates, sum(self.rejected.values()),
+                sum(self.caps_hit.values()))
+
     def ensure_run(self, run_id: str) -> RunState:
         """The run's state, created empty if the run is new (write paths only: ingest, events)."""
         run = self.runs.get(run_id)
@@ -113,23 +144,35 @@ class CollectorState:
             run = self.runs[run_id] = RunState(run_id)
         return run
 
-    def latest_step(self, run_id: str) -> int:
-        """The highest step any rank of the run reported (0 for a run never seen)."""
-        run = self.runs.get(run_id)
-        return run.latest_step if run is not None else 0
+    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str]) -> str | None:
+        """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
+        counted), or None. Checked before anything is applied."""
+        new_runs = {r for r in run_ids if r not in self.runs}
+        if new_runs and len(self.runs) + len(new_runs) > self.max_runs:
+            self.caps_hit["runs"] += 1
+            return (f"the collector keeps at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this request "
+                    f"adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S")
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
+        for run_id, n in fresh.items():
+            run = self.runs.get(run_id)
+            if (run.incarnations if run is not None else 0) + n > self.max_incarnations:
+                self.caps_hit["incarnations"] += 1
+                return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
+                        "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
+        return None
 
-    def next_apply_step(self, run_id: str) -> int:
-        """The earliest step every rank can apply a directive at, from what the run's reports say: the next
-        step for one rank; under torch.distributed the next agreement step (ranks agree every
-        ``agree_every`` steps and switch together there)."""
+    def next_apply_step(self, run_id: str, now: float) -> int:
+        """The earliest step every rank can apply a directive at, from what the live ranks' latest reports
+        say (steps count per incarnation: a restarted job counts from 0 again, and a rank that went silent
+        does not hold the step up): the next step for one rank; under torch.distributed the next agreement
+        step (ranks agree every ``agree_every`` steps and switch together there)."""
         run = self.runs.get(run_id)
-        latest = run.latest_step if run is not None else 0
-        ranks = list(run.ranks.values()) if run is not None else []
+        ranks = self.live_ranks(run, now) if run is not None else []
+        latest = max((st.step for st in ranks), default=0)
         world = max((st.world_size for st in ranks), default=1)
         every = max((st.agree_every or 1 for st in ranks), default=1)
-        if world == 1 or every == 1:
-            return latest + 1
-        return (latest // every + 1) * every
+        nxt = latest + 1 if world == 1 or every == 1 else (latest // every + 1) * every
+        return min(nxt, MAX_INT)
 
     def is_new(self, r: StepReport) -> bool:
         """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
@@ -139,11 +182,14 @@ class CollectorState:
                                                                           list[tuple[str, tuple, float]]]:
         """Fold one new report into the state. Returns the rank's state (None if capped), the rank's
         previous attention mode (None if unknown) and the counter rows that changed (for the store)."""
-        self.hwm[(r.run_id, r.rank, r.incarnation)] = r.seq
+        key = (r.run_id, r.rank, r.incarnation)
         run = self.ensure_run(r.run_id)
+        if key not in self.hwm:
+            run.incarnations += 1
+        self.hwm[key] = r.seq
         cap = self.series_cap
         run.latest_step = max(run.latest_step, r.step)
-        run.last_seen = seen
+        run.last_seen = run.touched = seen
         changed: list[tuple[str, tuple, float]] = []
         counters = run.counters
 
@@ -187,7 +233,8 @@ class CollectorState:
             run.admit(("headroom", kind), 1, cap)
         logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
         prev = run.ranks.get(r.rank)
-        previous_mode = prev.mode if prev is not None else None
+        # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
+        previous_mode = prev.mode if prev is not None and prev.incarnation == r.incarnation else None
         run.ranks[r.rank] = st = RankState(
             rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
             seen=seen, world_size=r.world_size, agree_every=r.agree_every, mode=r.attention_mode,
@@ -210,4 +257,20 @@ class CollectorState:
             for rank in [k for k, st in run.ranks.items() if st.seen < now - self.ttl_s]:
                 del run.ranks[rank]
                 gone += 1
+        if gone:
+            self.wrote()
         return gone
+
+    def expired(self, now: float, retention_s: float, *, limit: int) -> list[str]:
+        """Runs not written to for ``retention_s`` (at most ``limit``, oldest first)."""
+        old = [run for run in self.runs.values() if run.touched < now - retention_s]
+        old.sort(key=lambda run: run.touched)
+        return [run.run_id for run in old[:limit]]
+
+    def forget(self, run_ids: list[str]) -> None:
+        """Drop the runs from memory (after their history was deleted from the store)."""
+        gone = set(run_ids)
+        for run_id in run_ids:
+            self.runs.pop(run_id, None)
+        self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
+        self.wrote()

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nanwatch.wire import Directive
 
-__all__ = ["EventRow", "Loaded", "Store"]
+__all__ = ["SCHEMA_VERSION", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -36,7 +37,29 @@ CREATE TABLE IF NOT EXISTS counters (
     run_id TEXT NOT NULL, family TEXT NOT NULL, labels TEXT NOT NULL, value REAL NOT NULL,
     PRIMARY KEY (run_id, family, labels)
 );
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, touched REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY, value TEXT NOT NULL
+);
 """
+#: ``PRAGMA user_version`` of this schema. 0 is a file from before the version was kept: accepted when its
+#: tables are a subset of these, with exactly these columns (then upgraded); anything else is refused.
+SCHEMA_VERSION = 2
+_COLUMNS = {
+    "events": ["id", "run_id", "time", "kind", "dedupe", "rank", "step", "site", "actor", "detail"],
+    "directives": ["run_id", "version", "body"],
+    "hwm": ["run_id", "rank", "incarnation", "seq", "step"],
+    "counters": ["run_id", "family", "labels", "value"],
+    "runs": ["run_id", "touched"],
+    "meta": ["key", "value"],
+}
+_TABLES = tuple(t for t in _COLUMNS if t != "meta")
+
+
+class ForeignDatabase(ValueError):
+    """The file is not a nanwatch collector database this version can use."""
 
 
 @dataclass(slots=True)
@@ -63,26 +86,82 @@ class Loaded:
     event_keys: dict[str, set[str]]
     event_counts: dict[tuple[str, str], int]
     first_offenders: dict[str, EventRow]
+    #: monotonic time of each run's last write (runs written before this was kept: none, so load time)
+    touched: dict[str, float]
 
 
 class Store:
     """The collector's SQLite file. ``":memory:"`` keeps everything in memory (tests)."""
 
     def __init__(self, path: str) -> None:
+        self._path = path
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._after: list[Callable[[], None]] | None = None
+        try:
+            self._check_schema()
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _check_schema(self) -> None:
+        db = self._db
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                  if not r[0].startswith("sqlite_")}
+        if version == SCHEMA_VERSION:
+            return
+        if version != 0:
+            raise ForeignDatabase(f"{self._path}: schema version {version}; this collector speaks "
+                                  f"{SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
+        foreign = sorted(t for t in tables if t not in _COLUMNS or
+                         [c[1] for c in db.execute(f"PRAGMA table_info({t})")] != _COLUMNS[t])
+        if foreign:
+            raise ForeignDatabase(f"{self._path} is not a nanwatch collector database (unexpected tables or "
+                                  f"columns: {', '.join(foreign)}); point --db at a new file")
+        try:
+            db.executescript(_SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+        except sqlite3.Error:
+            if not tables:  # a read-only fresh file: let probe() report it, and load() read nothing
+                return
+            raise
+
+    def probe(self) -> str | None:
+        """None when the store takes a write now (a one-row transaction), else why not: a full disk, a
+        read-only file. ``/readyz`` asks this, so it never says ready while writes fail."""
+        try:
+            with self.transaction():
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('probe', datetime('now'))")
+        except sqlite3.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
+        """One transaction; what ``after_commit`` queued inside it runs once the COMMIT has succeeded, and
+        is dropped if anything fails (the COMMIT included: a full disk can refuse it)."""
         self._db.execute("BEGIN")
+        self._after = []
         try:
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            self._after = None
             raise
-        self._db.execute("COMMIT")
+        after, self._after = self._after, None
+        for fn in after:
+            fn()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the open transaction commits (now, outside one): pollers are woken only for
+        what the store holds."""
+        if self._after is None:
+            fn()
+        else:
+            self._after.append(fn)
 
     def put_hwm(self, rows: list[tuple[str, int, str, int, int]]) -> None:
         self._db.executemany(
@@ -104,6 +183,17 @@ class Store:
              json.dumps(ev.detail, allow_nan=True)))
         return cur.rowcount == 1
 
+    def touch(self, run_ids: set[str], wall: float) -> None:
+        """The runs were written to now: retention counts from here."""
+        self._db.executemany("INSERT INTO runs VALUES (?,?) ON CONFLICT (run_id) DO UPDATE SET "
+                             "touched=excluded.touched", [(r, wall) for r in run_ids])
+
+    def delete_runs(self, run_ids: list[str]) -> None:
+        """Forget the runs' whole history (inside a transaction)."""
+        rows = [(r,) for r in run_ids]
+        for table in _TABLES:
+            self._db.executemany(f"DELETE FROM {table} WHERE run_id=?", rows)
+
     def put_directive(self, d: Directive) -> None:
         self._db.execute("INSERT INTO directives VALUES (?,?,?)", (d.run_id, d.version, d.model_dump_json()))
 
@@ -115,14 +205,14 @@ class Store:
         return [_event(r) for r in reversed(rows)]
 
     def run_ids(self) -> set[str]:
-        q = "SELECT run_id FROM hwm UNION SELECT run_id FROM directives UNION SELECT run_id FROM events"
+        q = ("SELECT run_id FROM hwm UNION SELECT run_id FROM directives UNION SELECT run_id FROM events "
+             "UNION SELECT run_id FROM counters")
         return {r[0] for r in self._db.execute(q)}
-
-    def ping(self) -> bool:
-        return self._db.execute("SELECT 1").fetchone() == (1,)
 
     def load(self) -> Loaded:
         db = self._db
+        if not {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= set(_TABLES):
+            return Loaded({}, {}, [], {}, {}, {}, {}, {})  # a read-only fresh file: nothing to read
         hwm: dict[tuple[str, int, str], int] = {}
         latest: dict[str, int] = {}
         for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm"):
@@ -143,7 +233,9 @@ class Store:
         firsts = {r[0]: _event(r) for r in db.execute(
             "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events "
             "WHERE kind='first_nonfinite'")}
-        return Loaded(hwm, latest, counters, directives, keys, counts, firsts)
+        now_wall, now_mono = time.time(), time.monotonic()
+        touched = {run: now_mono - max(0.0, now_wall - wall) for run, wall in db.execute("SELECT * FROM runs")}
+        return Loaded(hwm, latest, counters, directives, keys, counts, firsts, touched)
 
     def close(self) -> None:
         self._db.close()

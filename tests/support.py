@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanwatch.bench.collector import synthetic_report as step_report
-from nanwatch.monitor.server import CollectorProcess, free_port
+from nanwatch.monitor.server import CollectorProcess as _CollectorProcess
+from nanwatch.monitor.server import free_port
 from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
@@ -23,10 +24,21 @@ __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess",
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
+#: every POST and PUT says what it sends (the collector refuses anything but JSON)
+JSON = {"Content-Type": "application/json"}
 #: vocabulary of the tiny models and of :func:`token_ids`
 VOCAB = TINY_QWEN3["vocab_size"]
 #: a smaller tiny model than TINY_QWEN3 (hidden 32, head_dim 8), for tests that build many
 SMALL = dict(hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=64)
+
+
+class CollectorProcess(_CollectorProcess):
+    """``nanwatch serve`` as a child process, rendering ``/metrics`` without a minimum interval unless
+    ``env`` sets one: tests scrape right after each write, and would wait for it (the interval itself is
+    tested in test_hardening.py)."""
+
+    def __init__(self, *, env: dict[str, str] | None = None, **kw) -> None:
+        super().__init__(env={"NANWATCH_METRICS_MIN_INTERVAL_S": "0", **(env or {})}, **kw)
 
 
 def token_ids(b: int = 2, s: int = 16, *, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
@@ -79,11 +91,13 @@ def require_tool(name: str) -> str:
     return path
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """``GET {url}/metrics`` parsed by prometheus_client: {(sample name, frozenset(labels)): value}."""
+def scrape(url: str, token: str = TOKEN) -> dict[tuple[str, frozenset], float]:
+    """``GET {url}/metrics`` parsed by prometheus_client: {(sample name, frozenset(labels)): value}. The
+    token is sent as Prometheus would (a tokenless collector ignores it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -110,3 +110,18 @@ def test_the_floor_reads_what_nanwatch_reads():
         model(input_ids=ids, labels=ids).loss.backward()
     assert floor.reads == nanwatch_reads
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.slow
+def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
+    from nanwatch.bench import main
+
+    assert main(["collector", "--ranks", "4", "--sites", "8", "--duration", "1.5", "--warmup", "0.5",
+                 "--attack", "scrape", "--attackers", "2", "--rounds", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "attack: scrape x2" in printed and "2 rounds of 1.5 s unloaded, then 1.5 s under attack" in printed
+    assert "phase 1, unloaded:" in printed and "phase 2, under attack (scrape x2):" in printed
+    # each phase has its throughput and latency lines, and the attacker's own line is in phase 2
+    assert printed.count("sustained: ") == 2 and printed.count("ingest latency: ") == 2
+    assert "scrape x2: " in printed.split("phase 2", 1)[1]
+    assert "p99 under attack / p99 unloaded = " in printed

@@ -6,10 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 
-from nanwatch.monitor.deps import AdminToken, IngestToken, ResourcesDep, SettingsDep
+from nanwatch.monitor.atomic import StoreUnavailable, Unstorable, atomically
+from nanwatch.monitor.deps import AdminToken, IngestToken, Resources, ResourcesDep, SettingsDep
 from nanwatch.monitor.ingest import BadBody, parse_spec
-from nanwatch.monitor.routers._errors import AUTH, INVALID, NOT_READY
-from nanwatch.monitor.schemas import Problem, ValidationProblem, WireJSON
+from nanwatch.monitor.routers._errors import AUTH, BODY, INVALID, NOT_READY, refused, write_failed
+from nanwatch.monitor.schemas import Problem, WireJSON
 from nanwatch.wire import RUN_ID_PATTERN, Directive, DirectiveSpec
 
 router = APIRouter(tags=["directives"])
@@ -41,18 +42,28 @@ SCHEMA_MODELS = (DirectiveSpec,)
 @router.put("/v1/directives/{run_id}", response_model=Directive, response_class=WireJSON,
             openapi_extra={"requestBody": _SPEC_BODY},
             responses={400: {"model": Problem, "description": "malformed JSON"},
-                       413: {"model": Problem, "description": "body over NANWATCH_MAX_BODY_BYTES"}, **_RESPONSES})
+                       **BODY,
+                       429: {"model": Problem, "description": "the collector's run cap was reached"}, **_RESPONSES})
 async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, token: AdminToken) -> WireJSON:
     """Issue a new directive version. ``apply_at_step`` defaults to the latest step seen plus the margin.
     The change is audit-logged as an event naming the admin token that made it."""
     try:
         spec = parse_spec(await request.body())
     except BadBody as e:
-        res.state.rejected[e.reason] += 1
-        body = ValidationProblem(detail=e.detail) if e.status == 422 else Problem(detail=str(e.detail))
-        return WireJSON(body, status_code=e.status)
-    with res.store.transaction():
-        d = res.directives.set(run_id, spec, actor=token)
+        return refused(res, e)
+    return _set(res, run_id, spec, token)
+
+
+def _set(res: Resources, run_id: str, spec: DirectiveSpec, actor: str) -> WireJSON:
+    """A new version, all or nothing: a poller never sees a version the store does not hold."""
+    over = res.state.over_caps(set(), {run_id})
+    if over is not None:
+        return refused(res, BadBody(429, "cap", over))
+    try:
+        d = atomically(res.store, res.state, res.directives, {run_id},
+                       lambda: res.directives.set(run_id, spec, actor=actor))
+    except (StoreUnavailable, Unstorable) as e:
+        return write_failed(res, e)
     return WireJSON(d)
 
 
@@ -60,6 +71,4 @@ async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, 
                responses=_RESPONSES)
 async def clear_directive(run_id: RunIdPath, res: ResourcesDep, token: AdminToken) -> WireJSON:
     """Go back to the model's own attention path: a new version with mode ``none``."""
-    with res.store.transaction():
-        d = res.directives.set(run_id, DirectiveSpec(mode="none", reason="cleared"), actor=token)
-    return WireJSON(d)
+    return _set(res, run_id, DirectiveSpec(mode="none", reason="cleared"), token)

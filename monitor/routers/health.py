@@ -1,4 +1,5 @@
-"""``/healthz`` (the process answers) and ``/readyz`` (the lifespan has opened the store and it answers)."""
+"""``/healthz`` (the process answers) and ``/readyz`` (the store is open and takes a write now: a full
+disk or a read-only file is "not ready", since every ingest would answer 503)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ async def healthz() -> WireJSON:
 
 
 @router.get("/readyz", response_model=Health, response_class=WireJSON,
-            responses={503: {"model": Problem, "description": "not ready yet"}})
+            responses={503: {"model": Problem, "description": "not ready: starting, or the store refuses writes"}})
 async def readyz(request: Request) -> WireJSON:
     res = getattr(request.app.state, "resources", None)
-    try:
-        ok = res is not None and res.store.ping()
-    except Exception:  # a broken database is "not ready", never a 500
-        ok = False
-    if not ok:
+    if res is None:
         return WireJSON(Problem(detail="the store is not open"), status_code=503)
+    why = res.store.probe()
+    if why is not None:
+        return WireJSON(Problem(detail=f"the store refuses writes, so every ingest would fail: {why}"),
+                        status_code=503)
     return WireJSON(Health(status="ready"))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from nanwatch.monitor.atomic import StoreUnavailable, Unstorable
 from nanwatch.monitor.deps import IngestToken, ResourcesDep
-from nanwatch.monitor.ingest import BadBody, IngestResult, StoreUnavailable, ingest, parse_batch
-from nanwatch.monitor.routers._errors import AUTH, INVALID, NOT_READY
-from nanwatch.monitor.schemas import Problem, ValidationProblem, WireJSON
+from nanwatch.monitor.ingest import BadBody, IngestResult, ingest, parse_batch
+from nanwatch.monitor.routers._errors import AUTH, BODY, INVALID, NOT_READY, refused, write_failed
+from nanwatch.monitor.schemas import Problem, WireJSON
 from nanwatch.wire import ReportBatch
 
 router = APIRouter(tags=["reports"])
@@ -21,7 +22,8 @@ SCHEMA_MODELS = (ReportBatch,)
     "/v1/reports", response_model=IngestResult, response_class=WireJSON,
     openapi_extra={"requestBody": _BODY},
     responses={400: {"model": Problem, "description": "malformed JSON, or an unsupported schema major version"},
-               413: {"model": Problem, "description": "body over NANWATCH_MAX_BODY_BYTES"},
+               **BODY,
+               429: {"model": Problem, "description": "a cap was reached (runs, or a run's incarnations)"},
                **AUTH, **INVALID, **NOT_READY},
 )
 async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken) -> WireJSON:
@@ -31,12 +33,11 @@ async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken)
     try:
         batch = parse_batch(raw)
     except BadBody as e:
-        res.state.rejected[e.reason] += 1
-        body = ValidationProblem(detail=e.detail) if e.status == 422 else Problem(detail=str(e.detail))
-        return WireJSON(body, status_code=e.status)
+        return refused(res, e)
     try:
         result = ingest(batch, state=res.state, directives=res.directives, policy=res.policy, store=res.store)
-    except StoreUnavailable as e:
-        res.state.rejected["store_error"] += 1
-        return WireJSON(Problem(detail=str(e)), status_code=503, headers={"Retry-After": "1"})
+    except BadBody as e:
+        return refused(res, e)
+    except (StoreUnavailable, Unstorable) as e:
+        return write_failed(res, e)
     return WireJSON(result)

@@ -30,7 +30,8 @@ def _summary(res: Resources, run: RunState, now: float) -> dict:
     live = res.state.live_ranks(run, now)
     fo = run.first_offender
     return dict(
-        run_id=run.run_id, live_ranks=len(live), latest_step=run.latest_step,
+        # steps count per incarnation: the live ranks' latest, else the highest ever stored
+        run_id=run.run_id, live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
         nonfinite_total=sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite"),
         directive=res.directives.current(run.run_id),

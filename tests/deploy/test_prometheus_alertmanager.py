@@ -34,9 +34,17 @@ ALERTS = [r for r in _rules() if "alert" in r]
 RECORDS = {r["record"] for r in _rules() if "record" in r}
 
 
-def test_promtool_checks_config_and_rules():
+def test_promtool_checks_config_and_rules(tmp_path):
     promtool = require_tool("promtool")
-    _run(promtool, "check", "config", str(PROM / "prometheus.yml"))
+    # the shipped file as it is, but for the scrape token's path (a compose secret), which promtool opens
+    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    auth = cfg["scrape_configs"][0]["authorization"]
+    assert auth == {"credentials_file": "/run/secrets/nanwatch_metrics_token"}
+    (tmp_path / "token").write_text("t\n")
+    auth["credentials_file"] = str(tmp_path / "token")
+    cfg["rule_files"] = [str(PROM / "rules" / "*.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    _run(promtool, "check", "config", str(tmp_path / "prometheus.yml"))
     assert "SUCCESS: 21 rules found" in _run(promtool, "check", "rules", str(RULES))
 
 

@@ -99,10 +99,12 @@ def _alertmanager_config(webhook: str) -> dict:
     return cfg
 
 
-def _prometheus_config(collector_port: int, am_port: int) -> dict:
+def _prometheus_config(collector_port: int, am_port: int, token_file: Path) -> dict:
+    """The shipped scrape job (its bearer token included) pointed at the test's collector and token file."""
     shipped = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     job = shipped["scrape_configs"][0]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{collector_port}"]}]
+    job["authorization"]["credentials_file"] = str(token_file)
     return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ROOT / "deploy/prometheus/rules/nanwatch.yml")],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
@@ -118,9 +120,12 @@ def stack(tmp_path_factory):
     am_port, prom_port = free_port(), free_port()
     (tmp / "am.yml").write_text(yaml.safe_dump(_alertmanager_config(webhook.url)))
     procs = []
-    # the fp32 directive two steps after the NaN: a short margin keeps the run short
-    with CollectorProcess(db_path=tmp / "c.db", env={"NANWATCH_DIRECTIVE_MARGIN_STEPS": "2"}) as c:
-        (tmp / "prom.yml").write_text(yaml.safe_dump(_prometheus_config(c.port, am_port)))
+    # the fp32 directive two steps after the NaN: a short margin keeps the run short. A reader-only metrics
+    # token makes /metrics need one (ingest stays open on loopback): Prometheus scrapes with it, as shipped.
+    (tmp / "metrics_token").write_text("e2e-metrics-token\n")
+    env = {"NANWATCH_DIRECTIVE_MARGIN_STEPS": "2", "NANWATCH_METRICS_TOKEN_FILE": str(tmp / "metrics_token")}
+    with CollectorProcess(db_path=tmp / "c.db", env=env) as c:
+        (tmp / "prom.yml").write_text(yaml.safe_dump(_prometheus_config(c.port, am_port, tmp / "metrics_token")))
         try:
             with open(tmp / "alertmanager.log", "wb") as log:
                 procs.append(subprocess.Popen(

@@ -25,10 +25,9 @@ import warnings
 
 import pytest
 import torch
-from support import tiny_causal_lm, token_ids
+from support import CollectorProcess, tiny_causal_lm, token_ids
 
 import nanwatch
-from nanwatch.monitor.server import CollectorProcess
 
 transformers = pytest.importorskip("transformers")
 

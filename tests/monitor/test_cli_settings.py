@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from support import step_report
+from support import JSON, step_report
 
 from nanwatch.cli import main
 from nanwatch.monitor import Settings, create_app
@@ -17,7 +17,7 @@ def test_status_and_directive_commands(collector, capsys):
     body = ReportBatch(reports=[step_report(run_id="cli", seq=0, nan_at="model.layers.1.self_attn", nan=2,
                                             dtype="float32")]).model_dump_json()
     assert httpx.post(f"{collector.url}/v1/reports", content=body,
-                      headers={"Authorization": f"Bearer {collector.token}"}).status_code == 200
+                      headers={"Authorization": f"Bearer {collector.token}", **JSON}).status_code == 200
     assert main(["directive", "set", "cli", "fp32", "--apply-at-step", "7", "--url", collector.url,
                  "--admin-token", collector.admin_token]) == 0
     assert "directive v1 fp32 from step 7" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from nanwatch.hooks.transport import DirectivePoller, ReportSender
 from nanwatch.monitor.metric_names import METRICS
 from nanwatch.wire import ReportBatch
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 
 def _get(s, name, **labels):
@@ -110,7 +110,7 @@ def test_label_values_are_escaped(collector):
 def test_promtool_check_metrics_passes_on_a_real_scrape(collector):
     promtool = require_tool("promtool")
     test_label_values_are_escaped(collector)  # make sure odd label values are in the scrape
-    text = httpx.get(f"{collector.url}/metrics").text
+    text = httpx.get(f"{collector.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "nanwatch_attention_logit_max" in text
     out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
@@ -156,13 +156,14 @@ def test_a_trainer_revert_is_recorded_and_the_rule_can_fire_again(collector):
     def directive():
         return httpx.get(collector.url + "/v1/directives/revert", headers=AUTH, timeout=10).json()
 
-    post(0, mode="none", version=0, nan=5)  # half-precision NaN in attention: the rule issues fp32
-    assert (directive()["version"], directive()["mode"]) == (1, "fp32")
-    post(1, mode="fp32", version=1)  # applied
-    post(2, mode="none", version=1)  # the trainer reverted by itself after clean steps
+    resp = httpx.put(collector.url + "/v1/directives/revert", json={"mode": "fp32", "revert_after_clean_steps": 2},
+                     headers={"Authorization": f"Bearer {ADMIN}"})
+    assert resp.status_code == 200 and resp.json()["version"] == 1
+    post(0, mode="fp32", version=1)  # applied
+    post(1, mode="none", version=1)  # the trainer reverted by itself after clean steps, as allowed
     d = directive()
     assert (d["version"], d["mode"], d["set_by"]) == (2, "none", "trainer:auto-revert")
-    post(3, mode="none", version=2, nan=5)  # the NaN comes back: a fresh directive, not silence
+    post(2, mode="none", version=2, nan=5)  # a NaN: the rule issues a fresh directive, not silence
     assert (directive()["version"], directive()["mode"]) == (3, "fp32")
 
 

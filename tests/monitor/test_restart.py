@@ -4,7 +4,7 @@ import time
 
 import httpx
 import pytest
-from support import CollectorProcess, scrape, step_report
+from support import JSON, CollectorProcess, scrape, step_report
 
 from nanwatch.hooks.transport import ReportSender
 from nanwatch.wire import ReportBatch
@@ -51,7 +51,7 @@ def test_sigkill_and_restart_loses_nothing_and_counts_nothing_twice(tmp_path):
             assert _site_total(second.url) == 400
             # a replay of reports applied before the crash is acknowledged, and not counted again
             replay = ReportBatch(reports=reports[:64]).model_dump_json()
-            assert httpx.post(f"{second.url}/v1/reports", content=replay).json() == {"accepted": 0, "duplicates": 64}
+            assert httpx.post(f"{second.url}/v1/reports", content=replay, headers=JSON).json() == {"accepted": 0, "duplicates": 64}
             assert _site_total(second.url) == 400
             s = scrape(second.url)
             for rank in range(4):

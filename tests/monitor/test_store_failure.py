@@ -3,7 +3,7 @@
 import sqlite3
 
 import httpx
-from support import scrape, step_report
+from support import JSON, scrape, step_report
 
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
@@ -26,12 +26,12 @@ def test_a_failed_commit_is_a_503_and_the_retry_counts_once(tmp_path):
         store.put_counters = flaky
         body = ReportBatch(reports=[step_report(run_id="disk", seq=0, nan_at="model.layers.0.self_attn",
                                                 nan=3)]).model_dump_json()
-        first = httpx.post(srv.url + "/v1/reports", content=body, timeout=10)
+        first = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)
         assert first.status_code == 503 and "retry" in first.json()["detail"]
         assert first.headers["Retry-After"] == "1"
-        second = httpx.post(srv.url + "/v1/reports", content=body, timeout=10)  # the sender's retry
+        second = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # the sender's retry
         assert second.status_code == 200 and second.json() == {"accepted": 1, "duplicates": 0}
-        third = httpx.post(srv.url + "/v1/reports", content=body, timeout=10)  # a genuine replay
+        third = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # a genuine replay
         assert third.json() == {"accepted": 0, "duplicates": 1}
         s = scrape(srv.url)
     key = ("nanwatch_nonfinite_values_total",

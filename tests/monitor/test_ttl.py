@@ -4,7 +4,7 @@ import time
 
 import httpx
 import pytest
-from support import CollectorProcess, scrape, step_report
+from support import JSON, CollectorProcess, scrape, step_report
 
 from nanwatch.wire import ReportBatch
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 def _post(url, *reports):
-    assert httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json()
-                      ).status_code == 200
+    assert httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json(),
+                      headers=JSON).status_code == 200
 
 
 def _ranks(s) -> set[str]:
@@ -21,7 +21,8 @@ def _ranks(s) -> set[str]:
 
 
 def test_silent_rank_series_disappear_after_ttl(tmp_path):
-    with CollectorProcess(db_path=tmp_path / "ttl.db", env={"NANWATCH_RANK_TTL_S": "0.5"}) as c:
+    env = {"NANWATCH_RANK_TTL_S": "0.5"}
+    with CollectorProcess(db_path=tmp_path / "ttl.db", env=env) as c:
         _post(c.url, step_report(run_id="ttl", rank=0, seq=0),
               step_report(run_id="ttl", rank=1, seq=0, nan_at="model.layers.0.self_attn", nan=4))
         assert _ranks(scrape(c.url)) == {"0", "1"}

@@ -1,0 +1,65 @@
+"""Every write is all or nothing: a request's changes to memory, to SQLite and to long-pollers happen
+together after the COMMIT succeeds, or not at all.
+
+Changes are made in memory inside the store's transaction (so that the rules of one report see the
+reports before it in the same batch); if anything fails -- the database (a full disk, a read-only file) or
+the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is reloaded from
+the store, and no poller was woken (``Store.after_commit``). The client gets a 503 to retry, or a 422
+for a batch that can never be stored, and its retry is applied exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from typing import TypeVar
+
+from nanwatch.monitor.directive_log import DirectiveLog
+from nanwatch.monitor.state import CollectorState
+from nanwatch.monitor.store import Store
+
+__all__ = ["StoreUnavailable", "Unstorable", "atomically"]
+
+log = logging.getLogger("nanwatch.monitor")
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """Nothing was applied: the store refused the write. The client should retry (503)."""
+
+
+class Unstorable(Exception):
+    """Nothing was applied: the request holds a value the store cannot keep (422)."""
+
+
+def atomically(store: Store, state: CollectorState, directives: DirectiveLog, runs: set[str],
+               write: Callable[[], T]) -> T:
+    """``write()`` in one transaction; ``runs``: the runs it may change."""
+    try:
+        with store.transaction():
+            result = write()
+    except Exception as e:
+        _restore(store, state, directives, runs)
+        if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
+            raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
+                             f"{str(e)[:200]}); nothing was applied") from e
+        if not isinstance(e, sqlite3.Error):
+            log.exception("nanwatch collector: a write failed and was rolled back")
+        raise StoreUnavailable(f"could not persist the request ({type(e).__name__}: {str(e)[:200]}); nothing was "
+                               "applied, retry") from e
+    state.wrote()
+    return result
+
+
+def _restore(store: Store, state: CollectorState, directives: DirectiveLog, runs: set[str]) -> None:
+    """Memory back to what the store holds (the touched runs' per-rank latest views come back with their
+    next reports; other runs keep theirs)."""
+    try:
+        loaded = store.load()
+    except sqlite3.Error:
+        log.exception("nanwatch collector: could not reload the store after a failed write")
+        return
+    state.reload(loaded, touched=runs)
+    directives.reload(loaded.directives)
+    state.wrote()

@@ -14,6 +14,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from nanwatch.monitor.atomic import resync
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.event_log import EventLog
 from nanwatch.monitor.exporter import MetricsRenderer
@@ -59,6 +60,9 @@ async def _resources(request: Request) -> Resources:
     res = getattr(request.app.state, "resources", None)
     if res is None:
         raise HTTPException(503, "the collector is starting or stopping; retry shortly",
+                            headers={"Retry-After": "1"})
+    if not resync(res.store, res.state, res.directives):  # never answer from memory the store disowns
+        raise HTTPException(503, "a write failed and the store could not be re-read since; retry shortly",
                             headers={"Retry-After": "1"})
     return res
 

@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     deleted from SQLite. A trainer that comes back later starts a new history (directive versions from 1)."""
     metrics_public: bool = False
     """Serve ``/metrics`` without a token even when tokens are configured. By default it needs a reader
-    token (ingest or admin) whenever tokens exist, since it names every run and layer; Prometheus sends
+    token of any kind whenever tokens exist, since it names every run and layer; Prometheus sends
     one with ``authorization: {credentials_file: ...}`` in the scrape config."""
     metrics_min_interval_s: Annotated[float, Field(ge=0)] = 3.0
     """``/metrics`` is rendered at most once per this many seconds; a scrape gets the last render if nothing
@@ -90,8 +90,8 @@ class Settings(BaseSettings):
     header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """A connection that has not sent a complete request head this long after it began is closed."""
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    """A request body not received in full this long after its headers gets 408 (an ingest slot is only
-    taken once the body is in)."""
+    """A request body not received in full this long after its headers gets 408 (the body is read before
+    anything else, so a slow sender holds only the bytes it sent)."""
     directive_margin_steps: Annotated[int, Field(ge=0)] = 0
     """Extra steps before a directive without ``apply_at_step`` applies. By default it applies at the
     earliest step every rank can: the next step for one rank, the next agreement step under

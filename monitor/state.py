@@ -91,6 +91,9 @@ class CollectorState:
         #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
         self.caps_hit: Counter[str] = Counter()
         self._writes = 0
+        #: runs a failed write touched while the store could not be re-read (``nanwatch.monitor.atomic``):
+        #: memory may hold what was never committed; None when memory agrees with the store
+        self.unsynced: set[str] | None = None
         if loaded is not None:
             self._restore(loaded)
 

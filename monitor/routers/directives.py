@@ -45,7 +45,8 @@ SCHEMA_MODELS = (DirectiveSpec,)
                        **BODY,
                        429: {"model": Problem, "description": "the collector's run cap was reached"}, **_RESPONSES})
 async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, token: AdminToken) -> WireJSON:
-    """Issue a new directive version. ``apply_at_step`` defaults to the latest step seen plus the margin.
+    """Issue a new directive version. ``apply_at_step`` defaults to the earliest step every live rank can
+    apply (the next step, or the next agreement step under torch.distributed) plus the margin.
     The change is audit-logged as an event naming the admin token that made it."""
     try:
         spec = parse_spec(await request.body())

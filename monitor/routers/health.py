@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from nanwatch.monitor.atomic import resync
 from nanwatch.monitor.schemas import Health, Problem, WireJSON
 
 router = APIRouter(tags=["health"])
@@ -21,6 +22,9 @@ async def readyz(request: Request) -> WireJSON:
     res = getattr(request.app.state, "resources", None)
     if res is None:
         return WireJSON(Problem(detail="the store is not open"), status_code=503)
+    if not resync(res.store, res.state, res.directives):
+        return WireJSON(Problem(detail="a write failed and the store could not be re-read since: memory may "
+                                       "hold what was never committed"), status_code=503)
     why = res.store.probe()
     if why is not None:
         return WireJSON(Problem(detail=f"the store refuses writes, so every ingest would fail: {why}"),

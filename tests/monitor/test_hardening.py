@@ -114,6 +114,27 @@ def test_a_directive_change_the_disk_refuses_is_a_503_and_never_served(tmp_path,
         assert (d["version"], d["mode"]) == (2, "fp32")
 
 
+def test_a_store_that_cannot_be_reread_after_a_failed_write_serves_nothing_until_it_can(tmp_path):
+    """The failed batch issued an fp32 directive in memory, and the reload that should undo it fails too:
+    until a reload succeeds, nothing is answered from that memory (503, /readyz not ready), then the
+    retry is applied once and the directive is the committed one."""
+    with _server(tmp_path) as srv:
+        store = srv.app.state.resources.store
+        full = sqlite3.OperationalError("database or disk is full")
+        with _failing(store, "put_counters", full), _failing(store, "load", sqlite3.OperationalError("disk I/O error")):
+            assert httpx.post(f"{srv.url}/v1/reports", content=_batch(_half_nan("rr", 0)),
+                              headers=JSON).status_code == 503
+            poll = httpx.get(f"{srv.url}/v1/directives/rr", params={"wait": 0})
+            assert poll.status_code == 503 and poll.headers["Retry-After"] == "1", poll.text
+            assert httpx.get(f"{srv.url}/metrics").status_code == 503
+            assert httpx.get(f"{srv.url}/readyz").status_code == 503
+        assert httpx.get(f"{srv.url}/readyz").status_code == 200  # re-read: memory is the store's again
+        assert _directive(srv.url, "rr")["version"] == 0
+        retry = httpx.post(f"{srv.url}/v1/reports", content=_batch(_half_nan("rr", 0)), headers=JSON)
+        assert retry.json() == {"accepted": 1, "duplicates": 0}
+        assert (_directive(srv.url, "rr")["version"], _directive(srv.url, "rr")["mode"]) == (1, "fp32")
+
+
 def test_a_count_beyond_the_wire_bound_is_a_422(collector):
     body = _batch(step_report(run_id="huge", seq=0)).replace('"nan":0', '"nan":' + "1" + "0" * 400, 1)
     resp = httpx.post(f"{collector.url}/v1/reports", content=body, headers=INGEST_H)

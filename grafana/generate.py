@@ -105,6 +105,12 @@ def query(expr: str, legend: str | None = None, *, ref: str = "A", instant: bool
     return q
 
 
+def or_none(expr: str, label: str) -> str:
+    """``expr``, or one series ``{label="(none)"}`` at 0 while ``expr`` has none: a counter that exists only
+    once something happened reads 0, not "No data"."""
+    return f'{expr}\nor on () label_replace(vector(0), "{label}", "(none)", "", "")'
+
+
 def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
     """Absolute thresholds; the first step's value is None (the base colour)."""
     return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
@@ -315,9 +321,8 @@ def guard_panels() -> list[Any]:
                        "a non-finite value (the weights stayed as they were).",
                        query(f"sum by (rank) (increase(nanwatch_skipped_steps_total{{{RUN_RANK}}}"
                              "[$__rate_interval]))", "rank {{rank}}"), w=12)
-    # incidents exist only once a step was replayed: "(none)" at 0 until then, not "No data"
-    incidents = (f"sum by (class) (nanwatch_incidents_total{{{RUN}}})\n"
-                 'or on () label_replace(vector(0), "class", "(none)", "", "")')
+    # incidents exist only once a step was replayed
+    incidents = or_none(f"sum by (class) (nanwatch_incidents_total{{{RUN}}})", "class")
     return [skipped,
             ts_panel("Incidents by class", "The differential replay's verdict on non-finite steps: precision (a "
                      "fallback helps), data_mask and not_reproducible (no fallback helps: a person must look), "
@@ -335,9 +340,9 @@ def reporting_panels() -> list[Any]:
                        "unreachable): those steps were never checked.",
                        query(f"sum by (rank) (increase(nanwatch_reports_dropped_total{{{RUN_RANK}}}"
                              "[$__rate_interval]))", "rank {{rank}}"), w=8)
-    # the counter exists only once a step went unmeasured: "(none)" at 0 until then, not "No data"
-    unmeasured = (f"sum by (reason) (increase(nanwatch_unmeasured_steps_total{{{RUN}}}[$__rate_interval]))\n"
-                  'or on () label_replace(vector(0), "reason", "(none)", "", "")')
+    # the counter exists only once a step went unmeasured
+    unmeasured = or_none(f"sum by (reason) (increase(nanwatch_unmeasured_steps_total{{{RUN}}}[$__rate_interval]))",
+                         "reason")
     return [age, dropped,
             ts_panel("Unmeasured steps by reason", "Step reports in which part of the step went unmeasured, "
                      "summed over ranks. \"compiled\" is a configuration (attention inside torch.compile is "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import Literal
 import torch
 from pydantic import TypeAdapter, ValidationError
 
+from nanwatch.hooks.transport import default_token
 from nanwatch.wire import RunId, StepReport
 
 __all__ = ["MonitorConfig", "default_is_attention", "default_token"]
@@ -24,20 +24,6 @@ def default_is_attention(name: str, module: torch.nn.Module) -> bool:
     """Attention-like modules by class name: HF's ``*Attention``, ``*Attn``, and linear-attention layers
     such as Qwen3.5's ``*GatedDeltaNet``. Only the innermost match is instrumented."""
     return bool(_ATTENTION_NAME.search(type(module).__name__))
-
-
-def default_token() -> str | None:
-    """The ingest token from the environment: ``NANWATCH_TOKEN``, else the file ``NANWATCH_TOKEN_FILE``
-    names (a mounted secret), else None."""
-    token = os.environ.get("NANWATCH_TOKEN")
-    path = os.environ.get("NANWATCH_TOKEN_FILE")
-    if not token and path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the ingest token file NANWATCH_TOKEN_FILE={path!r}: {e}") from e
-    return token or None
 
 
 @dataclass(kw_only=True, slots=True)

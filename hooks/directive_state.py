@@ -123,7 +123,7 @@ class DirectiveState:
             self._cpu_group = d.new_group(backend="gloo")
         t = torch.tensor(self._local_candidate(), dtype=torch.int64)
         d.all_reduce(t, op=d.ReduceOp.MAX, group=self._cpu_group)
-        return tuple(int(x) for x in t.tolist())  # a CPU tensor: no device sync
+        return tuple(int(x) for x in t.tolist())  # sync-ok: a CPU tensor (gloo), no device sync
 
     # ---- effects -----------------------------------------------------------------------------------
     @contextlib.contextmanager

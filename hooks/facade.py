@@ -352,7 +352,7 @@ class Monitor:
             for p, state in g.optimizer.state.items():
                 tensors += [(f"optimizer.{names.get(id(p), '?')}.{k}", v) for k, v in state.items()
                             if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return tensors
+        return [(name, t) for name, t in tensors if t.is_floating_point()]
 
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync)."""

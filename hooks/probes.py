@@ -90,6 +90,12 @@ def top() -> Frame | None:
     return s[-1] if s else None
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what this rank can read without a collective); any other tensor
+    as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def first_tensor(output) -> torch.Tensor | None:
     """The tensor a module's output stands for: itself, the first of a tuple, or ``.logits``."""
     if isinstance(output, torch.Tensor):
@@ -133,6 +139,12 @@ class Probes:
         #: modules whose output is a coarse site (``nanwatch.hooks.structure``)
         self.coarse_ids: set[int] = set()
 
+    @property
+    def measuring(self) -> bool:
+        """Hooks measure: attached and stepping, and not inside the differential replay (which routes
+        attention but measures nothing)."""
+        return self.active and not self.replaying
+
     def begin_step(self, *, sampled: bool) -> None:
         self.sampled = sampled
         self._masks_seen.clear()
@@ -168,7 +180,7 @@ class Probes:
     # ---- measuring a site ----------------------------------------------------------------------------
     def site(self, site: str, kind: str, x: torch.Tensor | None) -> None:
         """Measure ``x`` (forward) and, through a tensor hook, the gradient flowing back into it."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or self.replaying:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not self.measuring:
             return
         stage = self.stage()
         if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
@@ -194,7 +206,7 @@ class Probes:
         if _is_compiling():
             return
         fr = pop()
-        if fr is None or fr.probes is not self or not self.active or fr.sdpa_calls or self.replaying:
+        if fr is None or fr.probes is not self or not self.measuring or fr.sdpa_calls:
             return  # SDPA already measured this module's attention output
         if recomputing():
             self.rec.cover(recomputed=1)
@@ -205,7 +217,7 @@ class Probes:
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
         each decoder block and its parts, MoE routers and experts, the final norm)."""
-        if self.active and not _is_compiling() and not self.replaying:
+        if self.measuring and not _is_compiling():
             if kind == "logits":
                 self._head_seen = True
                 if self.stage() == "train" and not recomputing():
@@ -213,21 +225,19 @@ class Probes:
             guarded(self.site, name, kind, first_tensor(output))
 
     def check_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Step start: parameters or optimizer state, read once (forward order first, so that a tensor
-        already non-finite before the step is named before any activation it poisons)."""
+        """Step start: floating parameters or optimizer state, read once (forward order first, so that a
+        tensor already non-finite before the step is named before any activation it poisons)."""
         if not self.active:
             return
-        for name, t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
-                guarded(self.rec.tensor, name, "param", "forward", local.detach(), "train")
+        for name, t in tensors:  # read at each step: a wrapper may swap a parameter's .data between steps
+            guarded(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
         self.rec.cover(params_checked=len(tensors))
 
     def root_pre(self, module, args, kwargs) -> None:
         if _is_compiling():
             compiled.count("forward")  # replayed by dynamo after each run of the graph: no graph break
             return
-        if not self.active or self.replaying or recomputing():
+        if not self.measuring or recomputing():
             return
         self._head_seen = False
         train = self.stage() == "train"
@@ -240,8 +250,7 @@ class Probes:
     def root_post(self, module, args, kwargs, output) -> None:
         """A head that never materialises logits (TRL's fused LM head returns log-probabilities from the
         hidden states and the head's weight): measure what it returned instead, and say so."""
-        if (not self.active or _is_compiling() or self._head_seen or self.head is None or self.replaying
-                or recomputing()):
+        if not self.measuring or _is_compiling() or self._head_seen or self.head is None or recomputing():
             return
         log_probs = getattr(output, "log_probs", None)
         if isinstance(log_probs, torch.Tensor):
@@ -253,7 +262,7 @@ class Probes:
 
     def rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
-        if not self.active or _is_compiling() or self.generating or self.replaying or recomputing():
+        if not self.measuring or _is_compiling() or self.generating or recomputing():
             return
         fwd = self.rec.current_forward()
         if fwd is None or fwd.position_ids != "none":
@@ -279,5 +288,4 @@ class Probes:
         where compiled code ran, when the activations could not be."""
         if not self.active or grad is None or not compiled.ran():
             return
-        local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: this rank's shard
-        guarded(self.rec.tensor, name, "tensor", "backward", local, "train")
+        guarded(self.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

@@ -72,8 +72,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         rec.buf.maximize(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax())
         rec.buf.maximize(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax())
         if kl_optimised == "k3_ratio":  # ratio 1 where there are no old logprobs (TRL: one iteration)
-            ratio = torch.ones_like(lp) if old_logprobs is None else torch.exp(lp - old_logprobs.detach().float())
-            k3r = k3 * ratio
+            k3r = k3 if old_logprobs is None else k3 * ratio  # the ratio computed above
             rok = kok & torch.isfinite(k3r)
             _count(rec, "k3r_n", rok)
             rec.buf.add(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.buf.dtype))

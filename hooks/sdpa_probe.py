@@ -64,25 +64,25 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
 
     if mode == "fp32":
         upcast()
+    recompute = recomputing()
+    if not (probes.replaying or recompute):  # the call's first run: predict its backend
+        try:
+            predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
+        except Exception as exc:
+            probe_failed(exc)
+            predicted, reason = "unknown", None
+    out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
     if probes.replaying:  # the differential replay: the forced path; only whether it stayed finite
-        out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
         probes.replay_finite += [torch.isfinite(args[0]).all(), torch.isfinite(out).all()]
-        return out if out.dtype == out_dtype else out.to(out_dtype)
-    if recomputing():
+    elif recompute:
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
-        out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
         probes.rec.cover(recomputed=1)
         guarded(_logit_at_recompute, probes, frame.site, out)
         guarded(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
-    try:
-        predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
-    except Exception as exc:
-        probe_failed(exc)
-        predicted, reason = "unknown", None
-    out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
-    guarded(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted, reason)
+    else:
+        guarded(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted,
+                reason)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

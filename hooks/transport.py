@@ -31,12 +31,26 @@ from collections.abc import Callable
 
 from nanwatch.wire import Directive, ReportBatch, StepReport
 
-__all__ = ["DirectivePoller", "ReportSender"]
+__all__ = ["DirectivePoller", "ReportSender", "default_token"]
 
 log = logging.getLogger("nanwatch.transport")
 
 #: Statuses worth retrying: the collector is starting, overloaded or briefly broken.
 _RETRY = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def default_token() -> str | None:
+    """The ingest token from the environment: ``NANWATCH_TOKEN``, else the file ``NANWATCH_TOKEN_FILE``
+    names (a mounted secret), else None."""
+    token = os.environ.get("NANWATCH_TOKEN")
+    path = os.environ.get("NANWATCH_TOKEN_FILE")
+    if not token and path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the ingest token file NANWATCH_TOKEN_FILE={path!r}: {e}") from e
+    return token or None
 
 
 class _Warn:
@@ -65,7 +79,7 @@ class _Http:
         self._host, self._port, self.prefix = u.hostname, u.port, u.path.rstrip("/")
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        token = token if token is not None else os.environ.get("NANWATCH_TOKEN")
+        token = token if token is not None else default_token()
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None

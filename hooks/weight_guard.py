@@ -61,9 +61,11 @@ class WeightGuard:
 
         @functools.wraps(original)  # GradScaler inspects step()'s signature: keep the original's
         def step(*args, **kwargs):
+            if not (self.fused or sync or directives.mode == "skip_step"):
+                return original(*args, **kwargs)  # unguarded (warned): the flag would go unused
             flag = rec.nonfinite_flag()  # device ops over this step's training observations
+            rec.buf.maximize(GUARD_SKIPPED, flag)
             if self.fused:
-                rec.buf.maximize(GUARD_SKIPPED, flag)
                 scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
                 opt.found_inf = flag if scaler_flag is None else torch.maximum(
                     scaler_flag, flag.to(scaler_flag.device))
@@ -74,12 +76,9 @@ class WeightGuard:
                         del opt.found_inf
                     else:
                         opt.found_inf = scaler_flag
-            if sync or directives.mode == "skip_step":
-                bad = bool(flag)  # sync-ok: non-fused optimizer, sync=True or the skip_step directive
-                rec.buf.maximize(GUARD_SKIPPED, flag)
-                if bad:
-                    log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
-                    return None
+            if bool(flag):  # sync-ok: non-fused optimizer, sync=True or the skip_step directive
+                log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
+                return None
             return original(*args, **kwargs)
 
         opt.step = step

@@ -19,6 +19,8 @@ __all__ = ["CollectorState", "RankState", "RunState"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 _RANK_SERIES = 8
+#: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
+_PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
 
 @dataclass(slots=True)
@@ -122,14 +124,17 @@ class CollectorState:
                 labels = (*labels, "train")
             run = self.ensure_run(run_id)
             run.counters[(fam, labels)] = value
-            key = ("rank", int(labels[0])) if fam == "nonfinite" else (fam, *labels)
-            run.admit(key, _RANK_SERIES if fam == "nonfinite" else 1, self.series_cap)
+            per_rank = fam in _PER_RANK_FAMILIES
+            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), _RANK_SERIES if per_rank else 1,
+                      self.series_cap)
         for run_id, keys in loaded.event_keys.items():
             self.ensure_run(run_id).event_keys.update(keys)
         for (run_id, kind), n in loaded.event_counts.items():
             self.ensure_run(run_id).event_counts[kind] = n
         for run_id, ev in loaded.first_offenders.items():
             self.ensure_run(run_id).first_offender = ev
+        for run_id in loaded.directives:  # every run the store holds is a run in memory
+            self.ensure_run(run_id)
 
     def wrote(self) -> None:
         """Something a scrape shows changed (a committed write, ranks or runs gone)."""

@@ -204,11 +204,6 @@ class Store:
             "WHERE run_id=? ORDER BY id DESC LIMIT ?", (run_id, limit)).fetchall()
         return [_event(r) for r in reversed(rows)]
 
-    def run_ids(self) -> set[str]:
-        q = ("SELECT run_id FROM hwm UNION SELECT run_id FROM directives UNION SELECT run_id FROM events "
-             "UNION SELECT run_id FROM counters")
-        return {r[0] for r in self._db.execute(q)}
-
     def load(self) -> Loaded:
         db = self._db
         if not {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= set(_TABLES):

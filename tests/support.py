@@ -19,7 +19,7 @@ from nanwatch.monitor.server import free_port
 from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
-           "free_port", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
+           "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
            "overflow_attention", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
@@ -140,3 +140,19 @@ def overflow_attention(model, layer: int = 0, factor: float = 100.0) -> None:
     with torch.no_grad():
         attn.q_norm.weight.mul_(factor)
         attn.k_norm.weight.mul_(factor)
+
+
+def guarded_step(mon, model, opt, n: int) -> tuple:
+    """One training step ``n`` of a tiny causal LM under an attached, guarded Monitor, on the batch
+    ``token_ids(2, 32, seed=n, vocab=64)``: (its report, a row of what the weight-guard tests check: the
+    mode the step ran in, whether the update was skipped, the loss, whether every weight is finite)."""
+    ids = token_ids(2, 32, seed=n, vocab=64)
+    with mon.step(n):
+        mode = mon.directives.mode
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    r = mon.last_report()
+    return r, {"step": n, "mode": mode, "skipped": r.step_skipped, "loss": float(loss),
+               "weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}

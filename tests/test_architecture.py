@@ -196,7 +196,11 @@ def test_ruff_passes_including_the_banned_bare_imports():
 
 @pytest.mark.slow
 def test_the_wheel_ships_the_product_and_nothing_else(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+    # built from a copy without the checkout's build/ (setuptools reuses it: a deleted module would ship)
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             ".*_cache", ".hypothesis"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("nanwatch-*.whl")

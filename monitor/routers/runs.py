@@ -26,7 +26,7 @@ router = APIRouter(tags=["runs"])
 
 
 def _summary(res: Resources, run: RunState, now: float) -> dict:
-    """What a run's list entry says; ``run`` may be a stand-in for a run known only to the store."""
+    """What a run's list entry says."""
     live = res.state.live_ranks(run, now)
     fo = run.first_offender
     return dict(
@@ -40,27 +40,22 @@ def _summary(res: Resources, run: RunState, now: float) -> dict:
     )
 
 
-def _run(res: Resources, run_id: str) -> RunState:
-    """The run's state; a run known only to the store (its ranks long gone) reads as an empty one, which
-    is built for the answer and not kept: a GET never adds state."""
-    return res.state.runs.get(run_id) or RunState(run_id)
-
-
 @router.get("/v1/runs", response_model=RunList, response_class=WireJSON, responses={**AUTH, **NOT_READY})
 async def list_runs(res: ResourcesDep, _token: ReaderToken) -> WireJSON:
-    """Every run the collector knows: live ones and those with persisted history."""
+    """Every run the collector knows: live ones and those with persisted history (memory holds every run
+    the store does, loaded at start)."""
     now = time.monotonic()
-    ids = sorted(set(res.state.runs) | res.store.run_ids())
-    return WireJSON(RunList(runs=[RunSummary(**_summary(res, _run(res, i), now)) for i in ids]))
+    runs = [res.state.runs[i] for i in sorted(res.state.runs)]
+    return WireJSON(RunList(runs=[RunSummary(**_summary(res, run, now)) for run in runs]))
 
 
 @router.get("/v1/runs/{run_id}", response_model=RunDetail, response_class=WireJSON,
             responses={404: {"model": Problem, "description": "no such run"}, **AUTH, **INVALID, **NOT_READY})
 async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _token: ReaderToken) -> WireJSON:
     """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history."""
-    if run_id not in res.state.runs and run_id not in res.store.run_ids():
+    run = res.state.runs.get(run_id)
+    if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
-    run = _run(res, run_id)
     now = time.monotonic()
     ranks = [RankView(
         rank=st.rank, incarnation=st.incarnation, seq=st.seq, step=st.step, time=st.time, received=st.received,

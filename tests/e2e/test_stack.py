@@ -208,14 +208,15 @@ def _wait_for(condition, within_s: float, what: str):
     raise AssertionError(f"{what} did not arrive within {within_s} s")
 
 
+def _pages(hook, alertname: str, run_id: str):
+    """A poll for the pages of ``alertname`` about ``run_id`` the webhook's pager receiver got."""
+    return lambda: [a for a in hook.alerts(path="/pager")
+                    if a["labels"]["alertname"] == alertname and a["labels"]["run_id"] == run_id]
+
+
 def test_a_non_finite_run_pages_with_run_and_site(stack):
-    hook = stack["webhook"]
     start = stack["runs"]["nan_reported"]
-
-    def page():
-        return [a for a in hook.alerts(path="/pager")
-                if a["labels"]["alertname"] == "NanwatchNonFiniteValues" and a["labels"]["run_id"] == "e2e-nan"]
-
+    page = _pages(stack["webhook"], "NanwatchNonFiniteValues", "e2e-nan")
     (alert, *_) = _wait_for(page, NAN_PAGE_WITHIN_S - (time.monotonic() - start), "the NaN page")
     assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
     # the first offender: the NaN was born in layer 0's MLP, and the page names it there
@@ -227,13 +228,8 @@ def test_a_non_finite_run_pages_with_run_and_site(stack):
 
 
 def test_math_fallback_in_half_precision_pages(stack):
-    hook = stack["webhook"]
     start = stack["runs"]["math_reported"]
-
-    def page():
-        return [a for a in hook.alerts(path="/pager")
-                if a["labels"]["alertname"] == "NanwatchMathBackendFallback" and a["labels"]["run_id"] == "e2e-math"]
-
+    page = _pages(stack["webhook"], "NanwatchMathBackendFallback", "e2e-math")
     (alert, *_) = _wait_for(page, MATH_PAGE_WITHIN_S - (time.monotonic() - start), "the math-fallback page")
     assert alert["labels"]["dtype"] == "bfloat16" and alert["labels"]["severity"] == "critical"
 

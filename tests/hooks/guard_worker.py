@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support import overflow_attention, tiny_qwen3  # noqa: E402
+from support import guarded_step, overflow_attention, tiny_qwen3  # noqa: E402
 
 import nanwatch  # noqa: E402
 
@@ -30,16 +30,7 @@ def main(out_dir: str) -> None:
         for n in range(STEPS):
             if n == K and rank == 1:
                 overflow_attention(model)
-            ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(n))
-            with mon.step(n):
-                mode = mon.directives.mode
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            r = mon.last_report()
-            rows.append({"step": n, "mode": mode, "skipped": r.step_skipped, "loss": float(loss),
-                         "weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())})
+            rows.append(guarded_step(mon, model, opt, n)[1])
             dist.barrier()  # steps in lockstep, as data-parallel training is
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()

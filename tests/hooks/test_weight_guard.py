@@ -17,17 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CollectorProcess, TinyNet, free_port, overflow_attention, tiny_qwen3
+from support import (
+    CollectorProcess,
+    TinyNet,
+    free_port,
+    guarded_step,
+    overflow_attention,
+    tiny_qwen3,
+    token_ids,
+)
 
 import nanwatch
 
 pytest.importorskip("transformers")
 
 K, STEPS = 3, 8
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(step))
 
 
 def _train(collector: str | None = None, *, steps: int = STEPS, fault=overflow_attention, **attach):
@@ -40,17 +44,8 @@ def _train(collector: str | None = None, *, steps: int = STEPS, fault=overflow_a
             for n in range(steps):
                 if n == K:
                     fault(model)
-                ids = _batch(n)
-                with mon.step(n):
-                    mode = mon.directives.mode
-                    loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                r = mon.last_report()
-                rows.append({"step": n, "mode": mode, "skipped": r.step_skipped, "loss": float(loss),
-                             "incident": r.incident, "first": r.first_offender,
-                             "weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())})
+                r, row = guarded_step(mon, model, opt, n)
+                rows.append({**row, "incident": r.incident, "first": r.first_offender})
     return rows
 
 
@@ -186,7 +181,7 @@ def test_a_non_fused_optimizer_warns_and_is_guarded_with_sync():
             mon.guard(opt2, sync=True)
             overflow_attention(model2)
             with mon.step(0):
-                ids = _batch(0)
+                ids = token_ids(2, 32, seed=0, vocab=64)
                 model2(input_ids=ids, labels=ids).loss.backward()
                 opt2.step()
             assert mon.last_report().step_skipped is True

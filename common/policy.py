@@ -18,7 +18,28 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from nanwatch.wire import Mode, StepReport, is_half
 
-__all__ = ["Rule", "RuleTrigger", "default_rules", "matches", "remedy"]
+__all__ = ["DEFAULT_LOGIT_TAU", "Rule", "RuleTrigger", "default_rules", "is_agreement_step", "matches",
+           "next_apply_step", "remedy"]
+
+#: The attention-logit threshold both policies use by default (Kimi K2 clips per-head max logits at 100);
+#: the trainer's ``MonitorConfig.logit_tau`` and the collector's ``NANWATCH_LOGIT_TAU`` override it.
+DEFAULT_LOGIT_TAU = 100.0
+
+
+def is_agreement_step(step: int, agree_every: int) -> bool:
+    """Under torch.distributed, ranks agree on the active directive at the steps where this is True (and
+    switch together there): every ``agree_every`` steps, from step 0."""
+    return step % agree_every == 0
+
+
+def next_apply_step(latest_step: int, *, world_size: int, agree_every: int | None) -> int:
+    """The earliest step every rank can apply a directive at, given the latest step a rank reported: the
+    next step for one rank (or when ranks agree every step), else the next agreement step. The trainer
+    (``is_agreement_step``) and the collector (``apply_at_step``) read the cadence from here alone."""
+    every = agree_every or 1
+    if world_size == 1 or every == 1:
+        return latest_step + 1
+    return (latest_step // every + 1) * every
 
 #: What a rule watches for in a report.
 RuleTrigger = Literal["half_attention_nonfinite", "math_backend_half", "logit_over_tau", "cross_doc_leak"]

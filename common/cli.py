@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from nanwatch.tokens import token_from_env
 from nanwatch.wire import MODES
 
 __all__ = ["main"]
@@ -50,7 +51,11 @@ def _call(method: str, url: str, token: str | None, body: dict | None = None) ->
 
 
 def _status(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get("NANWATCH_TOKEN") or os.environ.get("NANWATCH_ADMIN_TOKEN")
+    try:
+        token = args.token or token_from_env("NANWATCH_TOKEN") or token_from_env("NANWATCH_ADMIN_TOKEN")
+    except ValueError as e:
+        print(f"nanwatch status: {e}", file=sys.stderr)
+        return 2
     base = args.url.rstrip("/")
     if args.run is None:
         runs = _call("GET", f"{base}/v1/runs", token)["runs"]
@@ -130,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="summarise runs, or one run")
     s.add_argument("run", nargs="?", help="run id (omit to list runs)")
     s.add_argument("--url", default=os.environ.get("NANWATCH_URL", _DEFAULT_URL))
-    s.add_argument("--token", help="ingest or admin token (default: NANWATCH_TOKEN)")
+    s.add_argument("--token", help="ingest or admin token (default: NANWATCH_TOKEN or NANWATCH_TOKEN_FILE, "
+                                  "else NANWATCH_ADMIN_TOKEN or NANWATCH_ADMIN_TOKEN_FILE)")
     s.add_argument("--events", type=int, default=20, help="how many recent events to show")
     s.set_defaults(func=_status)
 

@@ -1,5 +1,5 @@
 """``create_app(settings)``: the collector as a FastAPI app whose lifespan owns the store, the state, the
-event and directive logs, the long-poll waiters and the Prometheus registry. Run it with one uvicorn
+ledger every write goes through, the long-poll waiters and the metrics renderer. Run it with one uvicorn
 worker: the state lives in-process.
 
 Example usage::
@@ -22,14 +22,13 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanwatch.monitor.deps import Resources
 from nanwatch.monitor.directive_log import DirectiveLog
-from nanwatch.monitor.errors import install_error_handlers
-from nanwatch.monitor.event_log import EventLog
+from nanwatch.monitor.exception_handlers import install_exception_handlers
 from nanwatch.monitor.exporter import MetricsRenderer
+from nanwatch.monitor.ledger import Ledger
 from nanwatch.monitor.long_poll import LongPoll
 from nanwatch.monitor.middleware import IngressGuard
 from nanwatch.monitor.openapi import document_models
 from nanwatch.monitor.routers import directives, health, metrics, reports, runs
-from nanwatch.monitor.rules import Policy
 from nanwatch.monitor.settings import Settings, get_settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
@@ -45,43 +44,25 @@ def _resources(settings: Settings) -> Resources:
     state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run)
-    events = EventLog(store=store, state=state)
     polls = LongPoll()
-    directive_log = DirectiveLog(store=store, state=state, events=events, polls=polls,
-                                 margin_steps=settings.directive_margin_steps, current=loaded.directives)
-    policy = Policy(settings.rules, logit_tau=settings.logit_tau, directives=directive_log, events=events)
+    directive_log = DirectiveLog(polls=polls, current=loaded.directives)
+    ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
+                    logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s)
     enc = {k: v.encode() for k, v in settings.ingest_tokens().items()}
     adm = {k: v.encode() for k, v in settings.admin_token_map().items()}
     met = {k: v.encode() for k, v in settings.metrics_token_map().items()}
-    return Resources(store=store, state=state, events=events, polls=polls, directives=directive_log,
-                     policy=policy, metrics=metrics, ingest_tokens=enc, admin_tokens=adm, metrics_tokens=met)
+    return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,
+                     metrics=metrics, ingest_tokens=enc, admin_tokens=adm, metrics_tokens=met)
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         now = time.monotonic()
-        res.state.sweep(now)
-        _retire(res, now, retention_s)
-
-
-def _retire(res: Resources, now: float, retention_s: float) -> None:
-    """Forget runs past retention: their history deleted from the store first, then from memory (a
-    thousand a sweep, so a backlog never stalls the loop)."""
-    expired = res.state.expired(now, retention_s, limit=1000)
-    if not expired:
-        return
-    try:
-        with res.store.transaction():
-            res.store.delete_runs(expired)
-    except sqlite3.Error:
-        log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
-        return
-    res.state.forget(expired)
-    res.directives.forget(expired)
-    log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
+        res.ledger.sweep(now)
+        res.ledger.retire(now, retention_s)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -123,6 +104,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # A scope without a token is open, which is only allowed on loopback: then only loopback names may
         # appear in Host, so a web page cannot reach it through DNS rebinding (its Host is its own name).
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1", "[::1]"])
-    install_error_handlers(app)
+    install_exception_handlers(app)
     document_models(app, reports.SCHEMA_MODELS + directives.SCHEMA_MODELS)
     return app

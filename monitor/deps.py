@@ -11,23 +11,25 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, Security
+from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from nanwatch.monitor.atomic import resync
 from nanwatch.monitor.directive_log import DirectiveLog
-from nanwatch.monitor.event_log import EventLog
 from nanwatch.monitor.exporter import MetricsRenderer
+from nanwatch.monitor.ledger import Ledger
 from nanwatch.monitor.long_poll import LongPoll
-from nanwatch.monitor.rules import Policy
+from nanwatch.monitor.refusal import Refused
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
+from nanwatch.wire import RUN_ID_PATTERN
 
 # Dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in a worker thread,
-# and at 1000 reports/s those thread hops were the largest cost of the ingest path (see loadgen.py).
+# and at 1000 reports/s those thread hops were the largest cost of the ingest path (measured with
+# ``nanwatch bench collector``, nanwatch.bench.load).
 
-__all__ = ["AdminToken", "IngestToken", "MetricsReader", "ReaderToken", "Resources", "ResourcesDep", "SettingsDep"]
+__all__ = ["AdminToken", "IngestToken", "MetricsReader", "ReaderToken", "Resources", "ResourcesDep", "RunIdPath",
+           "SettingsDep"]
 
 bearer = HTTPBearer(
     auto_error=False, scheme_name="bearer",
@@ -38,14 +40,14 @@ bearer = HTTPBearer(
 
 @dataclass(slots=True)
 class Resources:
-    """What the lifespan opens and closes."""
+    """What the lifespan opens and closes. Routes write through ``ledger`` alone; they read ``state``,
+    ``directive_log`` and ``store`` (events), after the ledger's ``resync``."""
 
     store: Store
     state: CollectorState
-    events: EventLog
     polls: LongPoll
-    directives: DirectiveLog
-    policy: Policy
+    directive_log: DirectiveLog
+    ledger: Ledger
     metrics: MetricsRenderer
     ingest_tokens: dict[str, bytes]
     admin_tokens: dict[str, bytes]
@@ -61,15 +63,25 @@ async def _resources(request: Request) -> Resources:
     if res is None:
         raise HTTPException(503, "the collector is starting or stopping; retry shortly",
                             headers={"Retry-After": "1"})
-    if not resync(res.store, res.state, res.directives):  # never answer from memory the store disowns
+    if not res.ledger.resync():  # never answer from memory the store disowns
         raise HTTPException(503, "a write failed and the store could not be re-read since; retry shortly",
                             headers={"Retry-After": "1"})
     return res
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
+RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="run id")]
 ResourcesDep = Annotated[Resources, Depends(_resources)]
 _Creds = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+
+class _Unauthorized(Refused):
+    """No token, or not one of the scope's: 401 (403 for a valid token of another kind)."""
+
+    status, reason = 401, "unauthorized"
+
+    def __init__(self, detail: str, *, status: int = 401) -> None:
+        super().__init__(detail, status=status, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _match(presented: bytes, tokens: dict[str, bytes]) -> str | None:
@@ -86,21 +98,18 @@ def _check(res: Resources, creds: HTTPAuthorizationCredentials | None, *, scope:
     if not any(wanted):  # a scope without tokens is open (loopback only)
         return "anonymous"
     if creds is None:
-        res.state.rejected["unauthorized"] += 1
         env = {"admin": "NANWATCH_ADMIN_TOKEN", "ingest": "NANWATCH_TOKEN"}.get(
             scope, "any nanwatch token; Prometheus: the reader-only NANWATCH_METRICS_TOKEN")
-        raise HTTPException(401, f"missing bearer token: send 'Authorization: Bearer <token>' ({env})",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise _Unauthorized(f"missing bearer token: send 'Authorization: Bearer <token>' ({env})")
     presented = creds.credentials.encode("latin-1")  # the header's bytes as sent (tokens are visible ASCII)
     for tokens in wanted:
         name = _match(presented, tokens)
         if name is not None:
             return name
-    res.state.rejected["unauthorized"] += 1
     others = {"ingest": (admin, res.metrics_tokens), "admin": (ingest, res.metrics_tokens)}.get(scope, ())
     if any(_match(presented, tokens) is not None for tokens in others):
-        raise HTTPException(403, f"this token is not an {scope} token", headers={"WWW-Authenticate": "Bearer"})
-    raise HTTPException(401, "invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        raise _Unauthorized(f"this token is not an {scope} token", status=403)
+    raise _Unauthorized("invalid bearer token")
 
 
 async def _ingest(res: ResourcesDep, creds: _Creds) -> str:

@@ -22,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.directive_log import DirectiveLog
+from nanwatch.monitor.event_log import first_nonfinite
 from nanwatch.monitor.metric_names import METRICS, family
 from nanwatch.monitor.state import CollectorState, RankState
 from nanwatch.monitor.store import EventRow
@@ -54,7 +55,7 @@ class RunSnapshot:
     event_counts: dict[str, int]
     live: list[RankState] | None  # None: no live rank, only the run's totals are exported
     counters: dict[tuple[str, tuple], float]
-    first_offender: EventRow | None
+    first_offender_event: EventRow | None
     directive: Directive | None
 
 
@@ -68,7 +69,7 @@ class Snapshot:
     caps_hit: dict[str, int]
 
 
-def snapshot(state: CollectorState, directives: DirectiveLog, *, logit_tau: float) -> Snapshot:
+def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float) -> Snapshot:
     """What a scrape shows, copied on the event loop (cheap: no metric objects are built here)."""
     now = time.monotonic()
     runs = []
@@ -77,11 +78,15 @@ def snapshot(state: CollectorState, directives: DirectiveLog, *, logit_tau: floa
         runs.append(RunSnapshot(
             run_id, run.series_dropped, dict(run.event_counts),
             state.live_ranks(run, now) if live else None, dict(run.counters) if live else {},
-            run.first_offender if live else None, directives.current(run_id) if live else None))
-    return Snapshot(runs, logit_tau, state.accepted, state.duplicates, dict(state.rejected), dict(state.caps_hit))
+            run.first_offender_event if live else None, directive_log.current(run_id) if live else None))
+    req = state.requests
+    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit))
 
 
-class _SnapshotCollector(Collector):
+class _SnapshotMetrics(Collector):
+    """One scrape's metric families, built fresh from a ``Snapshot`` (prometheus_client's ``Collector``
+    protocol: ``describe`` and ``collect``, registered in a registry made for this render)."""
+
     def __init__(self, snap: Snapshot) -> None:
         self._snap = snap
 
@@ -101,10 +106,11 @@ class _SnapshotCollector(Collector):
                 f["nanwatch_events_total"].add_metric([run_id, kind], n)
             if run.live is None:
                 continue
-            fo = run.first_offender
+            fo = run.first_offender_event
             if fo is not None:
+                where = first_nonfinite(fo)
                 f["nanwatch_first_offender_info"].add_metric(
-                    [run_id, fo.site or "", str(fo.detail.get("phase") or ""), str(fo.detail.get("stage") or "train"),
+                    [run_id, fo.site or "", str(where.get("phase") or ""), str(where.get("stage") or "train"),
                      "" if fo.rank is None else str(fo.rank)], 1)
             live = run.live
             f["nanwatch_live_ranks"].add_metric([run_id], len(live))
@@ -118,9 +124,9 @@ class _SnapshotCollector(Collector):
                 for pass_, kind in _PASSES:
                     f["nanwatch_nonfinite_values_total"].add_metric(
                         [run_id, rank, pass_, kind], counters.get(("nonfinite", (rank, pass_, kind)), 0.0))
-                f["nanwatch_attention_mode"].add_metric([run_id, rank, st.mode], 1)
+                f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
                 f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
-                f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped)
+                f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
                 f["nanwatch_skipped_steps_total"].add_metric([run_id, rank], counters.get(("skipped", (rank,)), 0.0))
                 for layer, bound in st.logits.items():
                     layers.setdefault(layer, []).append(bound)
@@ -157,7 +163,7 @@ def render(snap: Snapshot, accept: str, gzipped: bool) -> tuple[bytes, str]:
     """The exposition of ``snap`` in the format ``accept`` asks for (prometheus_client's encoders)."""
     encoder, content_type = choose_encoder(accept)
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_SnapshotCollector(snap))
+    registry.register(_SnapshotMetrics(snap))
     body = encoder(registry)
     return (gzip.compress(body) if gzipped else body), content_type
 
@@ -177,9 +183,9 @@ class MetricsRenderer:
     interval, and they wait for it rather than taking the CPU that ingest needs (a scrape answered at once
     from a cache would let a few scrape loops spin the collector at thousands of requests a second)."""
 
-    def __init__(self, state: CollectorState, directives: DirectiveLog, *, logit_tau: float,
+    def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
                  min_interval_s: float = 3.0) -> None:
-        self._state, self._directives, self._tau = state, directives, logit_tau
+        self._state, self._directive_log, self._tau = state, directive_log, logit_tau
         self._min_interval_s = min_interval_s
         self._lock = asyncio.Lock()
         self._pending: dict[tuple[str, bool], asyncio.Future] = {}
@@ -206,7 +212,7 @@ class MetricsRenderer:
                 del self._pending[fmt]  # from now on, new scrapes wait for the next render
             try:
                 started, version = time.monotonic(), self._state.version()
-                snap = snapshot(self._state, self._directives, logit_tau=self._tau)
+                snap = snapshot(self._state, self._directive_log, logit_tau=self._tau)
                 self._last_start = started
                 body, content_type = await asyncio.to_thread(render, snap, accept, gzipped)
                 self._last[fmt] = _Rendered(version, body, content_type)

@@ -1,5 +1,6 @@
 """The one table of metric names, types, labels and help. The exporter is driven by it; dashboards, alert
-rules and tests are checked against it. Names marked "design" are public API (design.md): keep them.
+rules and tests are checked against it. Every name here is public API (dashboards, alert rules and
+people's queries use them): rename none. The first group is the project's original public set.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class MetricSpec:
 
 
 _SPECS = (
-    # design.md's public names
+    # the original public set
     MetricSpec("nanwatch_nonfinite_values_total", "counter", ("run_id", "rank", "pass", "kind"),
                "Measured calls, at all sites, whose tensor held a NaN (kind=nan) or an Inf and no NaN (kind=inf); "
                "pass: forward or backward. Exact element counts are in the incident drill-down."),
@@ -42,7 +43,7 @@ _SPECS = (
                "Unix time the collector last received a report from the rank."),
     MetricSpec("nanwatch_reports_dropped_total", "counter", ("run_id", "rank"),
                "Reports the trainer could not deliver (cumulative per trainer incarnation)."),
-    # added by the collector (not in design.md's table)
+    # added since, by the collector
     MetricSpec("nanwatch_skipped_steps_total", "counter", ("run_id", "rank"),
                "Optimizer steps the weight guard skipped because the step saw a non-finite value."),
     MetricSpec("nanwatch_incidents_total", "counter", ("run_id", "class"),

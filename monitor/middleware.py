@@ -20,22 +20,15 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nanwatch.monitor.schemas import Problem, WireJSON
+from nanwatch.monitor.exception_handlers import answer_refusal
+from nanwatch.monitor.refusal import Refused
 
-__all__ = ["IngressGuard", "count_rejection"]
+__all__ = ["IngressGuard"]
 
 
 def _takes_body(method: str, path: str) -> bool:
     """The routes with a JSON body: POST /v1/reports and PUT /v1/directives/{run_id}."""
     return (method, path) == ("POST", "/v1/reports") or (method == "PUT" and path.startswith("/v1/directives/"))
-
-
-def count_rejection(app_state, reason: str) -> None:
-    """Count a refused request by reason (``nanwatch_collector_requests_rejected_total``), if the
-    collector's resources are open."""
-    res = getattr(app_state, "resources", None)
-    if res is not None:
-        res.state.rejected[reason] += 1
 
 
 class _TooLarge(Exception):
@@ -124,8 +117,8 @@ class IngressGuard:
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, reason: str, status: int, detail: str, *,
                       close: bool = False, retry_after: str | None = None) -> None:
-        count_rejection(scope["app"].state, reason)
         headers = {"Connection": "close"} if close else {}  # the rest of the body is not read
         if retry_after is not None:
             headers["Retry-After"] = retry_after
-        await WireJSON(Problem(detail=detail), status, headers=headers)(scope, receive, send)
+        refusal = Refused(detail, status=status, reason=reason, headers=headers)
+        await answer_refusal(scope["app"].state, refusal)(scope, receive, send)

@@ -1,71 +1,87 @@
-"""The declarative policy (``Settings.rules``) applied to each new report: events, and directives.
+"""The rule engine: the declarative rules (``Settings.rules``) applied to each new report, turned into
+events and directives.
 
-Always recorded, whatever the policy: the run's first non-finite value, and each attention-mode change
+Always recorded, whatever the rules: the run's first non-finite value, and each attention-mode change
 that ranks report (fallback applied or reverted). Events are deduplicated per run by a key, so a
-condition that persists for hours is one event, not one per step and rank.
+condition that persists for hours is one event, not one per step and rank. The engine decides; it writes
+only through the ledger (:class:`RuleWrites`), inside the ledger's ingest transaction.
 """
 
 from __future__ import annotations
 
-from nanwatch.monitor.directive_log import DirectiveLog
-from nanwatch.monitor.event_log import EventLog
+from typing import Any, Protocol
+
+from nanwatch.monitor.event_log import FirstNonfinite, ModeChange
 from nanwatch.monitor.state import RankState
 from nanwatch.monitor.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
-from nanwatch.wire import DirectiveSpec, StepReport
+from nanwatch.wire import Directive, DirectiveSpec, StepReport
 
-__all__ = ["Policy"]
+__all__ = ["RuleEngine", "RuleWrites"]
 
 
-class Policy:
-    def __init__(self, rules: list[Rule], *, logit_tau: float, directives: DirectiveLog, events: EventLog) -> None:
+class RuleWrites(Protocol):
+    """What the rule engine reads and writes through (``nanwatch.monitor.ledger.Ledger``)."""
+
+    def has_event(self, run_id: str, dedupe: str) -> bool: ...
+
+    def record_event(self, ev: EventRow) -> bool: ...
+
+    def directive(self, run_id: str) -> Directive: ...
+
+    def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive: ...
+
+
+class RuleEngine:
+    def __init__(self, rules: list[Rule], *, logit_tau: float) -> None:
         self._rules = rules
         self._tau = logit_tau
-        self._directives = directives
-        self._events = events
 
-    def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float) -> None:
-        """Record what ``r`` shows (call inside the ingest transaction)."""
-        directives = self._directives
+    def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float, *,
+                into: RuleWrites) -> None:
+        """Record what ``r`` shows (inside the ingest transaction)."""
         run_id = r.run_id
 
-        def event(kind: str, key: str, *, site: str | None = None, actor: str = "", **detail) -> None:
-            self._events.record(EventRow(run_id, now, kind, key, r.rank, r.step, site, actor, detail))
+        def event(kind: str, key: str, detail: FirstNonfinite | ModeChange | dict[str, Any], *,
+                  site: str | None = None) -> None:
+            into.record_event(EventRow(run_id, now, kind, key, r.rank, r.step, site, "", detail))
 
         n = rank.nonfinite if rank is not None else r.nonfinite_total
-        if (n or r.first_offender) and not self._events.has(run_id, "first_nonfinite"):
+        if (n or r.first_offender) and not into.has_event(run_id, "first_nonfinite"):
             site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
             if site is None:
                 hit = next(s for s in r.sites if s.nan or s.inf)
                 site, phase, stage = hit.site, hit.phase, hit.stage
-            event("first_nonfinite", "first_nonfinite", site=site, phase=phase, stage=stage or "train", nonfinite=n)
+            event("first_nonfinite", "first_nonfinite",
+                  FirstNonfinite(phase=phase, stage=stage or "train", nonfinite=n), site=site)
         if r.incident is not None:
             inc = r.incident
             # everything the replay found, the drill-down's birth, parameters and path included
-            event("incident", f"incident:{r.rank}:{inc.step}", site=inc.site,
-                  **inc.model_dump(mode="json", exclude={"site", "step"}))
-        if previous_mode is not None and rank is not None and rank.mode != previous_mode:
-            if rank.mode == "none":
-                event("mode_reverted", f"reverted:{r.directive_version}", previous_mode=previous_mode,
-                      directive_version=r.directive_version)
-                cur = directives.current(run_id)
+            event("incident", f"incident:{r.rank}:{inc.step}", inc.model_dump(mode="json", exclude={"site", "step"}),
+                  site=inc.site)
+        if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
+            if rank.attention_mode == "none":
+                event("mode_reverted", f"reverted:{r.directive_version}",
+                      ModeChange(previous_mode=previous_mode, directive_version=r.directive_version))
+                cur = into.directive(run_id)
                 if (cur.mode != "none" and cur.version == r.directive_version and cur.revert_after_clean_steps
                         and r.rank == 0):
                     # The trainers reverted on their own (clean steps), as the directive allowed: record it
                     # as a new version so the directive metric matches what ranks apply, and a rule can
                     # issue a fresh directive. Only the rank that decides reverts (rank 0, whose agreement
                     # every rank follows) and only the incarnation that applied the mode can end it.
-                    directives.set(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
-                                                         reason=f"rank {r.rank} reverted after clean steps"),
-                                   actor="trainer:auto-revert")
+                    into.issue_directive(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
+                                                               reason=f"rank {r.rank} reverted after clean steps"),
+                                         actor="trainer:auto-revert")
             else:
-                event("mode_applied", f"applied:{rank.mode}:{r.directive_version}", mode=rank.mode,
-                      previous_mode=previous_mode, directive_version=r.directive_version)
+                event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
+                      ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
+                                 directive_version=r.directive_version))
         for rule in self._rules:
             for key, site, detail in matches(rule, r, logit_tau=self._tau):
-                event(rule.when, f"{rule.when}:{key}", site=site, rule=rule.name, **detail)
+                event(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)
                 mode = remedy(rule, r)
-                if mode is not None and directives.current(run_id).mode == "none":
+                if mode is not None and into.directive(run_id).mode == "none":
                     spec = DirectiveSpec(mode=mode, revert_after_clean_steps=rule.revert_after_clean_steps,
                                          reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})")
-                    directives.set(run_id, spec, actor=f"rule:{rule.name}")
+                    into.issue_directive(run_id, spec, actor=f"rule:{rule.name}")

@@ -3,7 +3,8 @@
 Answers are strict JSON, which every client parses (``JSON.parse`` refuses a bare ``NaN``): a non-finite
 float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, and the OpenAPI document says
 so (:data:`ApiFloat`). Only the trainer-to-collector wire keeps its documented ``NaN`` constants. Routes
-return models through ``WireJSON`` (``model_dump_json``).
+return models through ``ApiJSON`` (``model_dump_json``). Views of the state (``RankView``, ``EventView``)
+are read from it by attribute (``from_attributes``): one name per field, the wire's, end to end.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import JSONResponse
 
-from nanwatch.monitor.ingest import IngestResult
+from nanwatch.monitor.event_log import first_nonfinite
+from nanwatch.monitor.store import EventRow
 from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
-           "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "WireJSON"]
+           "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -28,6 +30,19 @@ ApiFloat = Annotated[float, WithJsonSchema(
 
 class _Out(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
+class _View(_Out):
+    """A response read from a state object's attributes of the same names."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings", from_attributes=True)
+
+
+class IngestResult(_View):
+    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+
+    accepted: int
+    duplicates: int
 
 
 class Problem(_Out):
@@ -62,9 +77,14 @@ class FirstOffender(_Out):
     step: int | None
     time: ApiFloat
 
+    @classmethod
+    def of(cls, ev: EventRow) -> FirstOffender:
+        """From the run's ``first_nonfinite`` event."""
+        return cls(site=ev.site, phase=first_nonfinite(ev).get("phase"), rank=ev.rank, step=ev.step, time=ev.time)
 
-class RankView(_Out):
-    """The latest report of one live rank, summarised."""
+
+class RankView(_View):
+    """The latest report of one live rank, summarised (``RankState``)."""
 
     rank: int
     incarnation: str
@@ -83,7 +103,7 @@ class RankView(_Out):
     logit_max: ApiFloat | None
 
 
-class EventView(_Out):
+class EventView(_View):
     time: ApiFloat
     kind: str
     rank: int | None
@@ -121,7 +141,7 @@ class RunDetail(RunSummary):
     events: list[EventView]
 
 
-class WireJSON(JSONResponse):
+class ApiJSON(JSONResponse):
     """JSON rendered by pydantic, keeping NaN/Infinity (routes still declare ``response_model``)."""
 
     def render(self, content: Any) -> bytes:

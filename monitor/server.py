@@ -1,22 +1,15 @@
-"""Running the collector: ``serve`` (blocking, for ``nanwatch serve``), ``BackgroundServer`` (a real
-uvicorn server on a thread, for the demo and for embedding the collector in a trainer-side process), and
-``CollectorProcess`` (``nanwatch serve`` as a child process on loopback, for the load benchmark and for
-tests that crash and restart it)."""
+"""Running the collector: ``serve`` (blocking, for ``nanwatch serve``) and ``BackgroundServer`` (a real
+uvicorn server on a thread, for the demo and for embedding the collector in a trainer-side process). The
+collector as a child process, for the load benchmark and tests, is ``nanwatch.bench.serve``."""
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import resource
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import uvicorn
 
@@ -24,7 +17,7 @@ from nanwatch.monitor.app import create_app
 from nanwatch.monitor.protocol import guarded_protocol
 from nanwatch.monitor.settings import Settings
 
-__all__ = ["BackgroundServer", "CollectorProcess", "free_port", "raise_fd_limit", "serve"]
+__all__ = ["BackgroundServer", "raise_fd_limit", "serve"]
 
 
 class _RedactQuery(logging.Filter):
@@ -115,74 +108,3 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class CollectorProcess:
-    """``nanwatch serve`` on 127.0.0.1 in a child process; settings through ``NANWATCH_*`` env (the
-    parent's ``NANWATCH_*`` variables are not inherited, so ``env`` says everything).
-
-    Example usage::
-
-        with CollectorProcess(db_path=tmp_path / "c.db", env={"NANWATCH_RANK_TTL_S": "1"}) as c:
-            urllib.request.urlopen(c.url + "/metrics")
-    """
-
-    def __init__(self, *, db_path: str | Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.db_path = str(db_path)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
-        self.env.update({"NANWATCH_LOG_LEVEL": "warning", **(env or {})})
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, *, timeout_s: float = 30.0) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--db", self.db_path]
-        if self.log_path:
-            with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
-                self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)
-        else:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"collector exited with {self.proc.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"collector not ready on {self.url} after {timeout_s}s")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown handlers, no flush -- a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def __enter__(self) -> CollectorProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

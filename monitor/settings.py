@@ -7,19 +7,21 @@ use the cached ``get_settings()``.
 from __future__ import annotations
 
 import ipaddress
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from nanwatch.policy import Rule, RuleName, default_rules
+from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
+from nanwatch.tokens import check_token, read_token_file
 
-__all__ = ["Rule", "Settings", "get_settings", "is_loopback"]
+__all__ = ["Rule", "Settings", "TokenName", "get_settings", "is_loopback"]
 
-_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+#: A token's audit name (the key of ``NANWATCH_TOKENS`` / ``NANWATCH_ADMIN_TOKENS``), written to the audit
+#: log of every directive change it makes.
+TokenName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 def is_loopback(host: str) -> bool:
@@ -53,9 +55,9 @@ class Settings(BaseSettings):
     """Reader-only token (``NANWATCH_METRICS_TOKEN``), audit name ``metrics``: for Prometheus, which then
     cannot ingest or change directives. Reading (``/metrics``, ``/v1/runs``) takes any token kind."""
     metrics_token_file: Path | None = None
-    tokens: dict[RuleName, SecretStr] = {}
+    tokens: dict[TokenName, SecretStr] = {}
     """More ingest tokens by name: ``{"team-a": "..."}``."""
-    admin_tokens: dict[RuleName, SecretStr] = {}
+    admin_tokens: dict[TokenName, SecretStr] = {}
     """More admin tokens by name; the name is written to the audit log of every directive change."""
     rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
     """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
@@ -98,7 +100,7 @@ class Settings(BaseSettings):
     torch.distributed (from the cadence the ranks report)."""
     max_wait_s: Annotated[float, Field(ge=0)] = 60.0
     """Longest long-poll the collector holds open; longer ``wait`` values are clamped."""
-    logit_tau: float = 100.0
+    logit_tau: float = DEFAULT_LOGIT_TAU
     """Attention-logit bound above which ``logit_over_tau`` fires (Kimi K2 clips at 100)."""
     rules: list[Rule] = Field(default_factory=default_rules)
     events_shown: Annotated[int, Field(ge=1, le=10_000)] = 200
@@ -138,21 +140,12 @@ class Settings(BaseSettings):
 
 
 def _collect(name: str, token: SecretStr | None, path: Path | None, named: dict[str, SecretStr]) -> dict[str, str]:
-    out = {k: v.get_secret_value() for k, v in named.items()}
+    """Every token of one kind by audit name, each checked (``nanwatch.tokens``)."""
+    out = {k: check_token(k, v.get_secret_value()) for k, v in named.items()}
     if token is not None and token.get_secret_value():
-        out[name] = token.get_secret_value()
+        out[name] = check_token(name, token.get_secret_value())
     if path is not None:
-        try:
-            text = path.read_text().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the {name} token file {str(path)!r}: {e}") from e
-        if not text:
-            raise ValueError(f"the {name} token file {str(path)!r} is empty")
-        out[f"{name}-file"] = text
-    for key, value in out.items():
-        if not _VISIBLE_ASCII.fullmatch(value):
-            raise ValueError(f"the {key} token must be visible ASCII (letters, digits, punctuation; no spaces): "
-                             "HTTP carries header bytes, and a non-ASCII token would match only one encoding")
+        out[f"{name}-file"] = read_token_file(name, path)
     return out
 
 

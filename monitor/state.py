@@ -12,7 +12,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from nanwatch.monitor.counters import RequestCounters
 from nanwatch.monitor.store import EventRow, Loaded
+from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat, StepReport, dtype_name
 
 __all__ = ["CollectorState", "RankState", "RunState"]
@@ -25,6 +27,9 @@ _PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
 @dataclass(slots=True)
 class RankState:
+    """A live rank's latest report, summarised. Fields keep the wire's names (``StepReport``), which are
+    also the API's (``RankView``, built from this by attribute)."""
+
     rank: int
     incarnation: str
     seq: int
@@ -34,15 +39,21 @@ class RankState:
     seen: float
     world_size: int = 1
     agree_every: int | None = None
-    mode: str = "none"
+    attention_mode: str = "none"
     directive_version: int = 0
-    dropped: int = 0
+    dropped_reports: int = 0
     nonfinite: int = 0
     first_offender: str | None = None
     first_offender_phase: str | None = None
     headroom: dict[str, float] = field(default_factory=dict)
     logits: dict[str, float] = field(default_factory=dict)
+    """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
+
+    @property
+    def logit_max(self) -> float | None:
+        """The largest logit bound over the rank's layers in its latest step (None: none reported)."""
+        return max(self.logits.values(), default=None)
 
 
 @dataclass(slots=True)
@@ -55,7 +66,8 @@ class RunState:
     series: int = 0
     series_dropped: int = 0
     last_seen: float = -math.inf
-    first_offender: EventRow | None = None
+    #: the run's ``first_nonfinite`` event (the wire's ``first_offender`` is a site name; this is the event)
+    first_offender_event: EventRow | None = None
     event_keys: set[str] = field(default_factory=set)
     event_counts: Counter[str] = field(default_factory=Counter)
     #: (rank, incarnation) high-water marks the run holds
@@ -87,15 +99,11 @@ class CollectorState:
         self.max_events = max_events
         self.runs: dict[str, RunState] = {}
         self.hwm: dict[tuple[str, int, str], int] = {}
-        self.accepted = 0
-        self.duplicates = 0
-        self.rejected: Counter[str] = Counter()
+        #: reports applied and requests refused (written by the ledger and the refusal handler alone)
+        self.requests = RequestCounters()
         #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
         self.caps_hit: Counter[str] = Counter()
         self._writes = 0
-        #: runs a failed write touched while the store could not be re-read (``nanwatch.monitor.atomic``):
-        #: memory may hold what was never committed; None when memory agrees with the store
-        self.unsynced: set[str] | None = None
         if loaded is not None:
             self._restore(loaded)
 
@@ -132,7 +140,7 @@ class CollectorState:
         for (run_id, kind), n in loaded.event_counts.items():
             self.ensure_run(run_id).event_counts[kind] = n
         for run_id, ev in loaded.first_offenders.items():
-            self.ensure_run(run_id).first_offender = ev
+            self.ensure_run(run_id).first_offender_event = ev
         for run_id in loaded.directives:  # every run the store holds is a run in memory
             self.ensure_run(run_id)
 
@@ -142,8 +150,7 @@ class CollectorState:
 
     def version(self) -> tuple:
         """Changes whenever anything a scrape shows may have: a cached render is reused only while equal."""
-        return (self._writes, self.accepted, self.duplicates, sum(self.rejected.values()),
-                sum(self.caps_hit.values()))
+        return (self._writes, *self.requests.version(), sum(self.caps_hit.values()))
 
     def ensure_run(self, run_id: str) -> RunState:
         """The run's state, created empty if the run is new (write paths only: ingest, events)."""
@@ -179,8 +186,7 @@ class CollectorState:
         latest = max((st.step for st in ranks), default=0)
         world = max((st.world_size for st in ranks), default=1)
         every = max((st.agree_every or 1 for st in ranks), default=1)
-        nxt = latest + 1 if world == 1 or every == 1 else (latest // every + 1) * every
-        return min(nxt, MAX_INT)
+        return min(next_apply_step(latest, world_size=world, agree_every=every), MAX_INT)
 
     def is_new(self, r: StepReport) -> bool:
         """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
@@ -242,12 +248,12 @@ class CollectorState:
         logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
         prev = run.ranks.get(r.rank)
         # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
-        previous_mode = prev.mode if prev is not None and prev.incarnation == r.incarnation else None
+        previous_mode = prev.attention_mode if prev is not None and prev.incarnation == r.incarnation else None
         run.ranks[r.rank] = st = RankState(
             rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
-            seen=seen, world_size=r.world_size, agree_every=r.agree_every, mode=r.attention_mode,
+            seen=seen, world_size=r.world_size, agree_every=r.agree_every, attention_mode=r.attention_mode,
             directive_version=r.directive_version,
-            dropped=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
+            dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
             first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
         return st, previous_mode, changed
 

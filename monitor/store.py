@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanwatch.wire import Directive
 
-__all__ = ["SCHEMA_VERSION", "EventRow", "ForeignDatabase", "Loaded", "Store"]
+__all__ = ["DB_SCHEMA_VERSION", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -44,9 +45,10 @@ CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY, value TEXT NOT NULL
 );
 """
-#: ``PRAGMA user_version`` of this schema. 0 is a file from before the version was kept: accepted when its
-#: tables are a subset of these, with exactly these columns (then upgraded); anything else is refused.
-SCHEMA_VERSION = 2
+#: ``PRAGMA user_version`` of this database schema (not the wire's ``SCHEMA_VERSION``). 0 is a file from
+#: before the version was kept: accepted when its tables are a subset of these, with exactly these columns
+#: (then upgraded); anything else is refused.
+DB_SCHEMA_VERSION = 2
 _COLUMNS = {
     "events": ["id", "run_id", "time", "kind", "dedupe", "rank", "step", "site", "actor", "detail"],
     "directives": ["run_id", "version", "body"],
@@ -64,6 +66,9 @@ class ForeignDatabase(ValueError):
 
 @dataclass(slots=True)
 class EventRow:
+    """One event of a run's log, as stored. ``detail`` is the kind's own record (typed per kind in
+    ``nanwatch.monitor.event_log``), stored as JSON."""
+
     run_id: str
     time: float
     kind: str
@@ -72,7 +77,7 @@ class EventRow:
     step: int | None = None
     site: str | None = None
     actor: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -110,18 +115,18 @@ class Store:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
                   if not r[0].startswith("sqlite_")}
-        if version == SCHEMA_VERSION:
+        if version == DB_SCHEMA_VERSION:
             return
         if version != 0:
             raise ForeignDatabase(f"{self._path}: schema version {version}; this collector speaks "
-                                  f"{SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
+                                  f"{DB_SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
         foreign = sorted(t for t in tables if t not in _COLUMNS or
                          [c[1] for c in db.execute(f"PRAGMA table_info({t})")] != _COLUMNS[t])
         if foreign:
             raise ForeignDatabase(f"{self._path} is not a nanwatch collector database (unexpected tables or "
                                   f"columns: {', '.join(foreign)}); point --db at a new file")
         try:
-            db.executescript(_SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
+            db.executescript(_SCHEMA + f"PRAGMA user_version={DB_SCHEMA_VERSION};")
         except sqlite3.Error:
             if not tables:  # a read-only fresh file: let probe() report it, and load() read nothing
                 return

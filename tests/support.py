@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanwatch.bench.collector import synthetic_report as step_report
-from nanwatch.monitor.server import CollectorProcess as _CollectorProcess
-from nanwatch.monitor.server import free_port
+from nanwatch.bench.load import synthetic_report as step_report
+from nanwatch.bench.serve import CollectorProcess as _CollectorProcess
+from nanwatch.bench.serve import free_port
 from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",

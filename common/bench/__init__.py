@@ -3,7 +3,8 @@
 * ``nanwatch bench [options]``: what the trainer-side hooks cost a training step
   (:mod:`nanwatch.bench.step`);
 * ``nanwatch bench collector [options]``: a load generator against a real collector, many ranks
-  reporting at once (:mod:`nanwatch.bench.collector`);
+  reporting at once (:mod:`nanwatch.bench.load`; the collector runs as a child process,
+  :mod:`nanwatch.bench.serve`);
 * ``nanwatch bench fallback [options]``: steps and seconds from the first non-finite step to the
   fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`).
 
@@ -21,9 +22,9 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv or ())
     if argv[:1] == ["collector"]:
-        from nanwatch.bench import collector
+        from nanwatch.bench import load
 
-        return collector.main(argv[1:])
+        return load.main(argv[1:])
     if argv[:1] == ["fallback"]:
         from nanwatch.bench import fallback
 

@@ -77,7 +77,7 @@ def run(*, ranks: int, spike_at: int = 5, steps: int = 12) -> dict:
     """One measurement with ``ranks`` processes (1: in this process); returns a JSON-ready dict."""
     import torch.multiprocessing as mp
 
-    from nanwatch.monitor.server import CollectorProcess, free_port
+    from nanwatch.bench.serve import CollectorProcess, free_port
 
     with tempfile.TemporaryDirectory(prefix="nanwatch-fallback-") as tmp, \
             CollectorProcess(db_path=os.path.join(tmp, "c.db")) as c:

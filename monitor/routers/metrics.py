@@ -11,7 +11,7 @@ from prometheus_client.exposition import gzip_accepted
 from starlette.responses import Response
 
 from nanwatch.monitor.deps import MetricsReader, ResourcesDep
-from nanwatch.monitor.routers._errors import AUTH
+from nanwatch.monitor.routers._problems import AUTH
 
 router = APIRouter(tags=["metrics"])
 

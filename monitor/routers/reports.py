@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from nanwatch.monitor.atomic import StoreUnavailable, Unstorable
+from nanwatch.monitor.body import parse_batch
 from nanwatch.monitor.deps import IngestToken, ResourcesDep
-from nanwatch.monitor.ingest import BadBody, IngestResult, ingest, parse_batch
-from nanwatch.monitor.routers._errors import AUTH, BODY, INVALID, NOT_READY, refused, write_failed
-from nanwatch.monitor.schemas import Problem, WireJSON
+from nanwatch.monitor.routers._problems import AUTH, BODY, INVALID, NOT_READY
+from nanwatch.monitor.schemas import ApiJSON, IngestResult, Problem
 from nanwatch.wire import ReportBatch
 
 router = APIRouter(tags=["reports"])
@@ -19,25 +18,16 @@ SCHEMA_MODELS = (ReportBatch,)
 
 
 @router.post(
-    "/v1/reports", response_model=IngestResult, response_class=WireJSON,
+    "/v1/reports", response_model=IngestResult, response_class=ApiJSON,
     openapi_extra={"requestBody": _BODY},
     responses={400: {"model": Problem, "description": "malformed JSON, or an unsupported schema major version"},
                **BODY,
                429: {"model": Problem, "description": "a cap was reached (runs, or a run's incarnations)"},
                **AUTH, **INVALID, **NOT_READY},
 )
-async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken) -> WireJSON:
+async def post_reports(request: Request, res: ResourcesDep, _token: IngestToken) -> ApiJSON:
     """Apply a batch of step reports. Replays of applied reports (same run_id, rank, incarnation, seq)
-    are acknowledged as ``duplicates`` and not applied twice, so senders may retry freely."""
-    raw = await request.body()
-    try:
-        batch = parse_batch(raw)
-    except BadBody as e:
-        return refused(res, e)
-    try:
-        result = ingest(batch, state=res.state, directives=res.directives, policy=res.policy, store=res.store)
-    except BadBody as e:
-        return refused(res, e)
-    except (StoreUnavailable, Unstorable) as e:
-        return write_failed(res, e)
-    return WireJSON(result)
+    are acknowledged as ``duplicates`` and not applied twice, so senders may retry freely. A refusal
+    (``nanwatch.monitor.refusal``) is answered by the app's handler."""
+    batch = parse_batch(await request.body())
+    return ApiJSON(IngestResult.model_validate(res.ledger.ingest(batch)))

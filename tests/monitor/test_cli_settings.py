@@ -60,7 +60,7 @@ def test_missing_delegate_is_an_error_not_a_crash(capsys, monkeypatch):
 @pytest.mark.parametrize("module,banned", [
     ("nanwatch.monitor", ("torch",)),
     ("nanwatch.monitor.app", ("torch",)),
-    ("nanwatch.bench.collector", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
+    ("nanwatch.bench.load", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
     ("nanwatch.wire", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),
     ("nanwatch.hooks", ("fastapi", "uvicorn", "starlette", "prometheus_client")),
     ("nanwatch.cli", ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client")),

@@ -189,7 +189,7 @@ def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
     monkeypatch.setattr(exporter, "render", counted)
     state = CollectorState(ttl_s=300, series_cap=100)
     # no run: the snapshot never asks the directive log
-    renderer = exporter.MetricsRenderer(state, directives=None, logit_tau=100.0, min_interval_s=0.2)
+    renderer = exporter.MetricsRenderer(state, directive_log=None, logit_tau=100.0, min_interval_s=0.2)
     answered = []
 
     async def flood() -> None:

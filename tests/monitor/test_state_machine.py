@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 from support import JSON, scrape, step_report
 
-from nanwatch.monitor import atomic
+from nanwatch.monitor.ledger import Ledger
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
@@ -466,7 +466,7 @@ def test_the_machine_catches_a_collector_that_keeps_a_failed_write(monkeypatch, 
     high-water mark (its retry is then a duplicate: lost). Deterministic (derandomized, no shrinking), a
     few seconds each."""
     if sabotage == "no reload":
-        monkeypatch.setattr(atomic, "_restore", lambda store, state, directives, runs: None)
+        monkeypatch.setattr(Ledger, "_restore", lambda self, runs: None)
         match = None
     else:
         monkeypatch.setattr(CollectorState, "reload", _keep_hwm(CollectorState.reload))

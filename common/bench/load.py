@@ -593,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="attackers of each kind (default: " +
                         ", ".join(f"{k} {n}" for k, n in DEFAULT_ATTACKERS.items()) + ")")
     args = p.parse_args(argv)
-    from nanwatch.monitor.server import CollectorProcess, raise_fd_limit
+    from nanwatch.bench.serve import CollectorProcess
+    from nanwatch.monitor.server import raise_fd_limit
 
     nofile = raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
     plan = _plan_attack(args, nofile)

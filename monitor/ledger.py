@@ -1,0 +1,189 @@
+"""The one door for every write: reports, directives, events and retention change the store and memory
+together, through the ``Ledger`` alone, all or nothing.
+
+A request's changes to memory, to SQLite and to long-pollers happen together after the COMMIT succeeds,
+or not at all. Changes are made in memory inside the store's transaction (so that the rules of one report
+see the reports before it in the same batch); if anything fails -- the database (a full disk, a read-only
+file) or the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is
+reloaded from the store, and no poller was woken (``Store.after_commit``). The client gets a 503 to retry,
+or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the reload
+fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from nanwatch.monitor.directive_log import DirectiveLog
+from nanwatch.monitor.event_log import DirectiveChange, EventLog
+from nanwatch.monitor.ingest import Ingested, fold
+from nanwatch.monitor.refusal import CapReached, StoreUnavailable, Unstorable
+from nanwatch.monitor.rules import RuleEngine
+from nanwatch.monitor.state import CollectorState
+from nanwatch.monitor.store import EventRow, Store
+from nanwatch.policy import Rule
+from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
+
+__all__ = ["Ledger"]
+
+log = logging.getLogger("nanwatch.monitor")
+T = TypeVar("T")
+
+
+class Ledger:
+    """Owns the store, the state, the directive and event logs and the rule engine; routes write through
+    its public methods and nothing else writes around it. Reads (polls, scrapes, ``/v1/runs``) go to the
+    state and the directive log directly, after ``resync``.
+
+    Example usage::
+
+        ledger = Ledger(store=store, state=state, directive_log=DirectiveLog(polls=LongPoll()), rules=rules,
+                        logit_tau=100.0, margin_steps=0)
+        ledger.ingest(batch)                       # Ingested(accepted=..., duplicates=...)
+        ledger.set_directive("run-1", DirectiveSpec(mode="fp32"), actor="alice")
+    """
+
+    def __init__(self, *, store: Store, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
+                 logit_tau: float, margin_steps: int) -> None:
+        self.store = store
+        self.state = state
+        self.directive_log = directive_log
+        self.events = EventLog(state)
+        self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
+        self._margin = margin_steps
+        #: runs a failed write touched while the store could not be re-read: memory may hold what was never
+        #: committed; None when memory agrees with the store
+        self._unsynced: set[str] | None = None
+
+    # ---- the requests' writes ----------------------------------------------------------------------------
+
+    def ingest(self, batch: ReportBatch) -> Ingested:
+        """Apply the batch all or nothing; raises ``CapReached`` (429), ``StoreUnavailable`` (retry) or
+        ``Unstorable`` (a value that can never be stored)."""
+        runs = {r.run_id for r in batch.reports}
+        self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports}, runs)
+        done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
+                                                   rule_engine=self.rule_engine, into=self))
+        self.state.requests.applied(done.accepted, done.duplicates)
+        return done
+
+    def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
+        """A new version, all or nothing: a poller never sees a version the store does not hold."""
+        self._check_caps(set(), {run_id})
+        return self._atomically({run_id}, lambda: self.issue_directive(run_id, spec, actor=actor))
+
+    def clear_directive(self, run_id: str, *, actor: str) -> Directive:
+        """Back to the model's own attention path: a new version with mode ``none``."""
+        return self.set_directive(run_id, DirectiveSpec(mode="none", reason="cleared"), actor=actor)
+
+    # ---- the sweeper's ---------------------------------------------------------------------------------
+
+    def sweep(self, now: float) -> int:
+        """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
+        return self.state.sweep(now)
+
+    def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
+        """Forget runs past retention: their history deleted from the store first, then from memory (at most
+        ``limit`` a call, so a backlog never stalls the loop). Returns how many went."""
+        expired = self.state.expired(now, retention_s, limit=limit)
+        if not expired:
+            return 0
+        try:
+            with self.store.transaction():
+                self.store.delete_runs(expired)
+        except sqlite3.Error:
+            log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
+            return 0
+        self.state.forget(expired)
+        self.directive_log.forget(expired)
+        log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
+        return len(expired)
+
+    def resync(self) -> bool:
+        """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
+        hold what was never committed, until a reload succeeds (tried here: before every write, and before
+        every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
+        if self._unsynced is not None:
+            self._restore(self._unsynced)
+        return self._unsynced is None
+
+    # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
+
+    def has_event(self, run_id: str, dedupe: str) -> bool:
+        return self.events.has(run_id, dedupe)
+
+    def directive(self, run_id: str) -> Directive:
+        return self.directive_log.current(run_id)
+
+    def record_event(self, ev: EventRow) -> bool:
+        """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
+        if not self.events.admits(ev):
+            return False
+        self.events.add(ev, stored=self.store.add_event(ev))
+        return True
+
+    def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
+        """Record a new version with its audit event (inside a transaction) and wake the run's pollers once
+        it has committed."""
+        cur = self.directive_log.current(run_id)
+        step = spec.apply_at_step
+        if step is None:
+            step = min(self.state.next_apply_step(run_id, time.monotonic()) + self._margin, MAX_INT)
+        d = self.directive_log.successor(run_id, spec, apply_at_step=step, actor=actor)
+        self.store.put_directive(d)
+        self.store.touch({run_id}, d.created_at)
+        self.state.ensure_run(run_id).touched = time.monotonic()
+        kind = "directive_cleared" if spec.mode == "none" else "directive_set"
+        audit = DirectiveChange(version=d.version, mode=d.mode, reason=d.reason, previous_mode=cur.mode,
+                                previous_version=cur.version)
+        self.record_event(EventRow(run_id, d.created_at, kind, f"directive:{d.version}", step=step, actor=actor,
+                                   detail=audit))
+        self.directive_log.put(d)
+        self.store.after_commit(lambda: self.directive_log.announce(run_id))  # a failed commit wakes nobody
+        return d
+
+    # ---- all or nothing --------------------------------------------------------------------------------
+
+    def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str]) -> None:
+        over = self.state.over_caps(keys, run_ids)
+        if over is not None:
+            raise CapReached(over)
+
+    def _atomically(self, runs: set[str], write: Callable[[], T]) -> T:
+        """``write()`` in one transaction; ``runs``: the runs it may change."""
+        if not self.resync():
+            raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
+                                   "was applied, retry")
+        try:
+            with self.store.transaction():
+                result = write()
+        except Exception as e:
+            self._restore(runs)
+            if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
+                raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); nothing was applied") from e
+            if not isinstance(e, sqlite3.Error):
+                log.exception("nanwatch collector: a write failed and was rolled back")
+            raise StoreUnavailable(f"could not persist the request ({type(e).__name__}: {str(e)[:200]}); "
+                                   "nothing was applied, retry") from e
+        self.state.wrote()
+        return result
+
+    def _restore(self, runs: set[str]) -> None:
+        """Memory back to what the store holds (the touched runs' per-rank latest views come back with their
+        next reports; other runs keep theirs). If the store cannot be read, the runs are remembered as
+        unsynced, and ``resync`` tries again."""
+        try:
+            loaded = self.store.load()
+        except sqlite3.Error:
+            log.exception("nanwatch collector: could not reload the store after a failed write")
+            self._unsynced = (self._unsynced or set()) | runs
+            return
+        self.state.reload(loaded, touched=runs)
+        self.directive_log.reload(loaded.directives)
+        self._unsynced = None
+        self.state.wrote()

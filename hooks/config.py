@@ -16,7 +16,7 @@ from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["DirectiveSource", "MonitorConfig", "default_is_attention"]
+__all__ = ["DirectiveSource", "MonitorConfig", "default_is_attention", "resolve_config"]
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
 _RUN_ID = TypeAdapter(RunId)
@@ -141,3 +141,24 @@ class MonitorConfig:
             check_collector_url(self.collector)
         if self.token is None:
             self.token = token_from_env("NANWATCH_TOKEN")
+
+
+def resolve_config(config: MonitorConfig | None, *, run_id: str | None, collector: str | None,
+                   **options) -> MonitorConfig:
+    """The config an ``attach(...)`` call means: ``config`` as given, or one built from the arguments.
+    Arguments beside a ``config`` that say something else would be silently dropped: a ValueError instead
+    (repeating the config's own values is fine)."""
+    if config is None:
+        if run_id is None:
+            raise TypeError("nanwatch.attach() needs run_id= (or config=)")
+        return MonitorConfig(run_id=run_id, collector=collector, **options)
+    for key, value in {"run_id": run_id, "collector": collector, **options}.items():
+        if value is None and key in ("run_id", "collector"):
+            continue
+        field = "directive_source" if key == "policy" else key
+        if field not in MonitorConfig.__dataclass_fields__:
+            raise ValueError(f"nanwatch.attach(): {key}= is not a MonitorConfig field")
+        if getattr(config, field) != value:
+            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{field}="
+                             f"{getattr(config, field)!r}; set it in the config, or pass one of the two")
+    return config

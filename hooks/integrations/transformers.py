@@ -23,10 +23,10 @@ KL health without a subclass.
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from typing import Any
 
+from nanwatch.hooks.call_stack import nearest_self
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.facade import Monitor
 
@@ -45,17 +45,14 @@ def _trainer_base() -> type:
 
 def _find_trainer(callback: object, max_depth: int = 12) -> Any | None:
     """The Trainer firing this event: the nearest ``self`` up the call stack whose callback handler holds
-    ``callback`` (callbacks are not handed the trainer, and TRL's adapter needs it)."""
-    f = sys._getframe(2)
-    for _ in range(max_depth):
-        if f is None:
-            return None
-        obj = f.f_locals.get("self")
+    ``callback`` (callbacks are not handed the trainer, and TRL's adapter needs it), starting at the
+    frame that called the event method (two above this one)."""
+
+    def holds_callback(obj: object) -> object | None:
         handler = getattr(obj, "callback_handler", None)
-        if handler is not None and callback in getattr(handler, "callbacks", ()):
-            return obj
-        f = f.f_back
-    return None
+        return obj if handler is not None and callback in getattr(handler, "callbacks", ()) else None
+
+    return nearest_self(holds_callback, skip=2, max_depth=max_depth)
 
 
 class NanwatchCallback(_trainer_base()):

@@ -199,7 +199,7 @@ def test_a_non_fused_optimizer_is_guarded_under_the_skip_step_directive(tmp_path
             self.cb = cb
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.cb.monitor.directives.offer(Directive(run_id="guard", version=1, mode="skip_step",
+            self.cb.monitor.directive_state.offer(Directive(run_id="guard", version=1, mode="skip_step",
                                                        apply_at_step=0))
 
     with pytest.warns(RuntimeWarning, match="cannot skip a step of AdamW without a host sync"):

@@ -13,9 +13,23 @@ ranks agree at the steps ``nanwatch.policy.is_agreement_step`` names, then apply
 together, at most K steps after any rank learned of the directive. Outside those steps nothing is
 communicated.
 
-Threads (see ``nanwatch.hooks.facade`` for the whole trainer side): the training thread owns ``mode``,
-``version``, ``revert_after`` and the agreement; the reporter thread offers directives and counts clean
-steps. ``_offered`` and ``_clean_streak`` are the two fields both touch, so both sit behind ``_lock``.
+Threads: which one owns which field of the trainer side (the one place this is written down).
+
+=================  ======================================================================================
+training thread    every hook and Monitor write: Probes and their flags, Recorder.state and its buffers
+                   (autograd's per-device threads run gradient hooks too: SlotBuffer locks allocation),
+                   here ``mode``/``version``/``revert_after``, the agreement and ModeEffects; ParamSweep;
+                   the compiled counts; it copies ``mode``/``version`` into each step's StepContext
+reporter thread    a StepState once ``Recorder.swap()`` handed it over; ReportBuilder; LocalRuleEngine;
+                   ``on_report``. It *offers* directives and counts clean steps: ``_offered`` and
+                   ``_clean_streak`` here, which the training thread reads and resets, sit behind ``_lock``
+sender thread      ReportSender's queue consumer and connection (``dropped`` under its own lock)
+poller thread      DirectivePoller.latest: one reference, replaced whole, read by the training thread
+=================  ======================================================================================
+
+Reporter's pool and counters are behind its Condition, WarnOnce's set behind its lock. The reporter
+thread's reads of ``mode``/``version`` (the rule engine's "is one active?") may be one step stale: a
+directive offered twice is the same directive.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Example usage::
 
-    from nanwatch.integrations.transformers import NanwatchCallback
+    from nanwatch.hooks.integrations.transformers import NanwatchCallback
 
     trainer = Trainer(model, args, train_dataset=ds,
                       callbacks=[NanwatchCallback(run_id="sft-0412", collector="http://collector:8000")])
@@ -16,7 +16,7 @@ stage. A step that raises is still reported: the Monitor reports its open step w
 interpreter exit. The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a
 non-finite value does not update the weights, at no cost with a fused optimizer (HF's default
 ``adamw_torch_fused``); others are guarded under the ``skip_step`` directive.
-For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.integrations.trl`) adds logprob, ratio and
+For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.hooks.integrations.trl`) adds logprob, ratio and
 KL health without a subclass.
 """
 
@@ -39,7 +39,7 @@ def _trainer_base() -> type:
     try:
         from transformers import TrainerCallback
     except ImportError as e:  # pragma: no cover - transformers is the point of this module
-        raise ImportError("nanwatch.integrations.transformers needs transformers installed") from e
+        raise ImportError("nanwatch.hooks.integrations.transformers needs transformers installed") from e
     return TrainerCallback
 
 
@@ -82,7 +82,7 @@ class NanwatchCallback(_trainer_base()):
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         if trainer is not None and type(trainer).__module__.startswith("trl."):
-            from nanwatch.integrations.trl import instrument
+            from nanwatch.hooks.integrations.trl import instrument
 
             handle = instrument(trainer, self.monitor)
             if handle is not None:

@@ -27,13 +27,12 @@ from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
 from nanwatch.hooks.install import install, user_model
-from nanwatch.hooks.local_rules import LocalRuleEngine
 from nanwatch.hooks.param_sweep import ParamSweep
 from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.hooks.replay import classify
-from nanwatch.hooks.report import ReportBuilder, StepContext
-from nanwatch.hooks.reporter import Pending, Reporter
+from nanwatch.hooks.report import StepContext
+from nanwatch.hooks.report_flow import ReportFlow
 from nanwatch.hooks.rlhf import checked_kl, record_rlhf
 from nanwatch.hooks.weight_guard import WeightGuard
 from nanwatch.wire import MAX_INT, StepReport
@@ -95,18 +94,9 @@ class Monitor:
         self._sweep = ParamSweep(self._model, optimizers=lambda: [g.optimizer for g in self._guards],
                                  every=config.param_check_every)
         self._incident_done = False
-        source = config.directive_source
-        self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=self.directive_state,
-                                      logit_tau=config.logit_tau) if source == "local" or (
-            source == "auto" and not config.collector) else None
-        self._sender = None
-        self._builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
-                                      incarnation=self.incarnation, rec=self._rec, warn=self._warn_once,
-                                      dropped_reports=lambda: self.dropped_reports,
-                                      expects_logits=lambda: self._probes is not None and self._probes.head is not None,
-                                      agree_every=config.directive_check_every if self.world_size > 1 else None)
-        self._reporter = Reporter(self._build_report, on_report=self._deliver,
-                                  max_pending=config.max_pending_reports)
+        self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
+                                rec=self._rec, warn=self._warn_once, directive_state=self.directive_state,
+                                expects_logits=lambda: self._probes is not None and self._probes.head is not None)
 
     @property
     def directives(self) -> DirectiveState:
@@ -139,7 +129,7 @@ class Monitor:
             if cfg.collector:
                 from nanwatch.hooks.transport import DirectivePoller, ReportSender
 
-                self._sender = ReportSender(cfg.collector, token=cfg.token)
+                self._flow.send_to(ReportSender(cfg.collector, token=cfg.token))
                 if cfg.directive_source in ("auto", "collector") and self.rank == 0:  # the others: by agreement
                     self.directive_state.follow(DirectivePoller(cfg.collector, cfg.run_id, token=cfg.token))
             if optimizer is not None:
@@ -153,7 +143,7 @@ class Monitor:
     def close(self, timeout: float = 10.0) -> None:
         """Remove every hook, restore the patched functions, flush the last reports (bounded wait)."""
         if not self._active:
-            self._reporter.close(timeout)  # never attached (or already closed): just the thread
+            self._flow.close(timeout)  # never attached (or already closed): just the thread
             return
         if self._open_step is not None:  # e.g. the training loop raised inside a step: report it
             guarded(self.end_step)
@@ -162,9 +152,7 @@ class Monitor:
         while self._handles:  # last installed, first removed
             self._handles.pop().remove()
         self.directive_state.close()
-        self._reporter.close(timeout)
-        if self._sender is not None:
-            self._sender.close(timeout_s=timeout)
+        self._flow.close(timeout)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool = False) -> WeightGuard:
         """Protect the weights: a step in which a monitored site saw a non-finite value does not update
@@ -228,7 +216,7 @@ class Monitor:
             guarded(self._classify, n)
         data = self._rec.flat()
         ctx = StepContext(self._rec.swap(), self.directive_state.mode, self.directive_state.version, time.time())
-        if not self._reporter.capture(data, n, ctx):
+        if not self._flow.capture(data, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self.config.max_pending_reports, n)
 
@@ -243,7 +231,7 @@ class Monitor:
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""
-        return self._reporter.last_report(timeout)
+        return self._flow.last_report(timeout)
 
     def should_skip_step(self) -> bool:
         """With the opt-in ``skip_step`` directive active: True if this step saw a non-finite value, so
@@ -252,7 +240,8 @@ class Monitor:
 
     @property
     def dropped_reports(self) -> int:
-        return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
+        """Reports that never reached the collector: behind the reporter, or queued and dropped to send."""
+        return self._flow.dropped
 
     # ---- public probes ---------------------------------------------------------------------------
     def watch(self, name: str, tensor: torch.Tensor, *, kind: str = "tensor") -> torch.Tensor:
@@ -280,20 +269,6 @@ class Monitor:
         guarded(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
                 old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps,
                 kl_optimised=kl_optimised)
-
-    # ---- reporter thread ---------------------------------------------------------------------------
-    def _build_report(self, pending: Pending, values: list[float]) -> StepReport:
-        report = self._builder.build(pending, values)
-        self.directive_state.note_report(report.first_offender is None)
-        if self._rules is not None:
-            self._rules.observe(report)
-        return report
-
-    def _deliver(self, report: StepReport) -> None:
-        if self._sender is not None:
-            self._sender.submit(report)
-        if self.config.on_report is not None:
-            self.config.on_report(report)
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,

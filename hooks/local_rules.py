@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.policy import Rule, default_rules, matches, remedy
 from nanwatch.wire import Directive, StepReport
+
+if TYPE_CHECKING:  # pragma: no cover - an annotation only: the rules themselves need no torch
+    from nanwatch.hooks.directive_state import DirectiveState
 
 __all__ = ["LocalRuleEngine"]
 

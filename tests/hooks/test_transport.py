@@ -150,6 +150,7 @@ def test_the_transport_imports_without_torch():
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import nanwatch.hooks.transport, nanwatch.hooks.directive_decision, nanwatch.hooks.call_stack\n"
+        "import nanwatch.hooks.local_rules, nanwatch.hooks.compiled, nanwatch.hooks.failsafe\n"
         "import nanwatch.tiny_models\n"
         "from nanwatch.hooks import __all__ as names\n"
         "assert names == ['Monitor', 'MonitorConfig', 'attach'], names\n"

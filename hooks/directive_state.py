@@ -28,8 +28,8 @@ poller thread      DirectivePoller.latest: one reference, replaced whole, read b
 =================  ======================================================================================
 
 Reporter's pool and counters are behind its Condition, WarnOnce's set behind its lock. The reporter
-thread's reads of ``mode``/``version`` (the rule engine's "is one active?") may be one step stale: a
-directive offered twice is the same directive.
+thread's reads of ``mode``/``version`` (the rule engine's "is one active?") may be a step stale; at worst
+it re-offers a version already offered, which ``offer`` then replaces with an equal one: no effect.
 """
 
 from __future__ import annotations

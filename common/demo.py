@@ -41,10 +41,10 @@ def _batch(step: int, seq: int = 32):
 
 
 def _get(url: str) -> bytes:
-    from nanwatch.hooks.config import default_token
+    from nanwatch.tokens import token_from_env
 
     req = urllib.request.Request(url)
-    token = default_token()
+    token = token_from_env("NANWATCH_TOKEN")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=10) as r:

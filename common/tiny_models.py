@@ -1,5 +1,6 @@
 """Tiny HF causal LMs built from configs (never downloaded): the model of ``nanwatch demo`` and
-``nanwatch bench``. transformers is imported inside the builders, so importing this module costs nothing.
+``nanwatch bench``. torch and transformers are imported inside the builders, so importing this module
+costs nothing (the collector side may import it without either).
 
 Example usage::
 
@@ -8,9 +9,10 @@ Example usage::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["TINY_QWEN3", "tiny_causal_lm", "tiny_qwen3"]
 
@@ -24,6 +26,8 @@ def tiny_causal_lm(config_cls: type, model_cls: type, *, impl: str = "sdpa", dty
                    seed: int = 0, **config: Any) -> torch.nn.Module:
     """``model_cls(config_cls(attn_implementation=impl, **config))``, its weights drawn after
     ``torch.manual_seed(seed)`` so that a seed names one model."""
+    import torch
+
     torch.manual_seed(seed)
     model = model_cls(config_cls(attn_implementation=impl, **config))
     return model if dtype is None else model.to(dtype)

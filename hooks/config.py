@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-import urllib.parse
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -11,13 +11,17 @@ from typing import Literal
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.hooks.transport import default_token
+from nanwatch.hooks.transport import check_collector_url
+from nanwatch.policy import DEFAULT_LOGIT_TAU
+from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["MonitorConfig", "default_is_attention", "default_token"]
+__all__ = ["DirectiveSource", "MonitorConfig", "default_is_attention", "resolve_config"]
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
 _RUN_ID = TypeAdapter(RunId)
+#: Who issues the directives a trainer applies (``MonitorConfig.directive_source``).
+DirectiveSource = Literal["auto", "local", "collector", "off"]
 
 
 def default_is_attention(name: str, module: torch.nn.Module) -> bool:
@@ -88,12 +92,17 @@ class MonitorConfig:
     keeps it under 0.1% of the benchmark's 150 ms step (README, 'Speed'). Without torch.distributed there is
     nothing to agree on: a directive applies at the next step boundary."""
 
-    policy: Literal["auto", "local", "collector", "off"] = "auto"
-    """Who decides directives: ``collector`` (its rules), ``local`` (the same default rules, in the trainer:
-    a remedy without a service), ``auto`` (local without a collector, the collector's with one), ``off``."""
+    directive_source: DirectiveSource = "auto"
+    """Who issues directives: ``collector`` (its rules), ``local`` (the same default rules, run in the trainer
+    by ``LocalRuleEngine``: a remedy without a service), ``auto`` (local without a collector, the
+    collector's with one), ``off``."""
 
-    logit_tau: float = 100.0
-    """The local policy's attention-logit threshold (the collector has its own: NANWATCH_LOGIT_TAU)."""
+    policy: DirectiveSource | None = None
+    """Deprecated name of ``directive_source`` ("policy" now means only the shared rules,
+    ``nanwatch.policy``); still accepted, with a DeprecationWarning, and copied into ``directive_source``."""
+
+    logit_tau: float = DEFAULT_LOGIT_TAU
+    """The local rule engine's attention-logit threshold (the collector has its own: NANWATCH_LOGIT_TAU)."""
 
     replay: bool | None = None
     """Classify the run's first non-finite step by a differential replay (``nanwatch.hooks.replay``).
@@ -101,6 +110,16 @@ class MonitorConfig:
     flag is then free); True: also on a GPU, at one host read of that flag per step."""
 
     def __post_init__(self) -> None:
+        if self.policy is not None:
+            warnings.warn("MonitorConfig(policy=...) is deprecated: use directive_source=... (same values)",
+                          DeprecationWarning, stacklevel=3)
+            if self.directive_source not in ("auto", self.policy):
+                raise ValueError(f"policy={self.policy!r} (deprecated) and directive_source="
+                                 f"{self.directive_source!r} disagree: pass directive_source alone")
+            self.directive_source, self.policy = self.policy, None
+        if self.directive_source not in ("auto", "local", "collector", "off"):
+            raise ValueError(f"directive_source must be 'auto', 'local', 'collector' or 'off', "
+                             f"got {self.directive_source!r}")
         try:
             _RUN_ID.validate_python(self.run_id, strict=True)
         except ValidationError:
@@ -119,13 +138,27 @@ class MonitorConfig:
         if self.directive_check_every < 1:
             raise ValueError(f"directive_check_every must be >= 1, got {self.directive_check_every}")
         if self.collector is not None:
-            try:
-                u = urllib.parse.urlsplit(self.collector)
-                ok = u.scheme in ("http", "https") and bool(u.hostname)
-                u.port  # noqa: B018 - raises ValueError for a port that is not a number
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"collector must be an http(s)://host[:port] URL, got {self.collector!r}")
+            check_collector_url(self.collector)
         if self.token is None:
-            self.token = default_token()
+            self.token = token_from_env("NANWATCH_TOKEN")
+
+
+def resolve_config(config: MonitorConfig | None, *, run_id: str | None, collector: str | None,
+                   **options) -> MonitorConfig:
+    """The config an ``attach(...)`` call means: ``config`` as given, or one built from the arguments.
+    Arguments beside a ``config`` that say something else would be silently dropped: a ValueError instead
+    (repeating the config's own values is fine)."""
+    if config is None:
+        if run_id is None:
+            raise TypeError("nanwatch.attach() needs run_id= (or config=)")
+        return MonitorConfig(run_id=run_id, collector=collector, **options)
+    for key, value in {"run_id": run_id, "collector": collector, **options}.items():
+        if value is None and key in ("run_id", "collector"):
+            continue
+        field = "directive_source" if key == "policy" else key
+        if field not in MonitorConfig.__dataclass_fields__:
+            raise ValueError(f"nanwatch.attach(): {key}= is not a MonitorConfig field")
+        if getattr(config, field) != value:
+            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{field}="
+                             f"{getattr(config, field)!r}; set it in the config, or pass one of the two")
+    return config

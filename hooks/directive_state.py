@@ -1,35 +1,63 @@
 """Directives on the trainer side: which attention path this rank applies, switched only at step
 boundaries, and at the same step on every rank.
 
-Rank 0 long-polls the collector on a background thread; any rank's local policy may offer a directive too.
-Under torch.distributed, every K steps all ranks agree on (version, mode, apply_at_step, revert) through
-one small int64 all-reduce (MAX) on a CPU (gloo) group, never on the GPU, so agreeing costs no device sync;
-then they apply once ``step >= apply_at_step``. Since every rank evaluates the same rule on the same
-numbers, they switch together, at most K steps after rank 0 (or any rank) learned of the directive.
-Outside those K-step points nothing is communicated.
+Three parts, one job each: the decision (``directive_decision``: pure, what to apply at this step), the
+agreement (``directive_agreement``: the one collective, every K steps under torch.distributed) and the
+effects (``mode_effects``: what a mode does to the model). :class:`DirectiveState` holds the directive in
+force and runs the three at each step boundary.
+
+Directives arrive from the collector (rank 0's poller, see ``Monitor.attach``), from the local rule engine
+(``nanwatch.hooks.local_rules``) or from the trainer's own code (``offer``). Under torch.distributed all
+ranks agree at the steps ``nanwatch.policy.is_agreement_step`` names, then apply once
+``step >= apply_at_step``: every rank evaluates the same rule on the same numbers, so they switch
+together, at most K steps after any rank learned of the directive. Outside those steps nothing is
+communicated.
+
+Threads: which one owns which field of the trainer side (the one place this is written down).
+
+=================  ======================================================================================
+training thread    every hook and Monitor write: Probes and their flags, Recorder.state and its buffers
+                   (autograd's per-device threads run gradient hooks too: SlotBuffer locks allocation),
+                   here ``mode``/``version``/``revert_after``, the agreement and ModeEffects; ParamSweep;
+                   the compiled counts; it copies ``mode``/``version`` into each step's StepContext
+reporter thread    a StepState once ``Recorder.swap()`` handed it over; ReportBuilder; LocalRuleEngine;
+                   ``on_report``. It *offers* directives and counts clean steps: ``_offered`` and
+                   ``_clean_streak`` here, which the training thread reads and resets, sit behind ``_lock``
+sender thread      ReportSender's queue consumer and connection (``dropped`` under its own lock)
+poller thread      DirectivePoller.latest: one reference, replaced whole, read by the training thread
+=================  ======================================================================================
+
+Reporter's pool and counters are behind its Condition, WarnOnce's set behind its lock. The reporter
+thread's reads of ``mode``/``version`` (the rule engine's "is one active?") may be a step stale; at worst
+it re-offers a version already offered, which ``offer`` then replaces with an equal one: no effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nanwatch.hooks.directive_agreement import RankAgreement, world_size
+from nanwatch.hooks.directive_decision import (
+    Candidate,
+    InForce,
+    decide,
+    local_candidate,
+    newest,
+    still_pending,
+)
+from nanwatch.hooks.mode_effects import ModeEffects
 from nanwatch.hooks.recorder import Recorder
-from nanwatch.wire import MODES, Directive
+from nanwatch.policy import is_agreement_step
+from nanwatch.wire import Directive
 
 __all__ = ["DirectiveState"]
 
 log = logging.getLogger("nanwatch")
-_FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-
-
-def _dist_group_size() -> int:
-    d = torch.distributed
-    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
 
 
 class DirectiveState:
@@ -38,92 +66,88 @@ class DirectiveState:
     def __init__(self, *, model: Callable[[], torch.nn.Module | None], rec: Recorder, rank: int,
                  check_every: int) -> None:
         """``model`` is a weak reference to the monitored model (switched between eager and SDPA);
-        ``rec`` the step's recorder (warnings, and the non-finite count ``skip_step`` reads)."""
-        self._model = model
+        ``rec`` the step's recorder (warnings, and the non-finite flag ``skip_step`` reads);
+        ``check_every`` the agreement cadence K under torch.distributed."""
         self._rec = rec
         self._rank = rank
         self._check_every = check_every
+        self._effects = ModeEffects(model=model, rec=rec)
+        self._agreement = RankAgreement()
         self.mode: str = "none"
         self.version = 0
         self.revert_after: int | None = None
-        self.clean_streak = 0
+        self._lock = threading.Lock()  # _offered and _clean_streak: reporter thread and training thread
         self._offered: Directive | None = None
-        self._agreed: tuple[int, int, int, int] | None = None
+        self._clean_streak = 0
         self._revert_next: int | None = None
+        self._agreed: Candidate | None = None
         self._poller = None
-        self._prev_impl: str | None = None
-        self._cpu_group = None
-        self.fallbacks = 0
 
     # ---- inputs ----------------------------------------------------------------------------------
-    def start_polling(self, url: str, run_id: str, token: str | None) -> None:
-        if self._rank != 0:
-            return  # rank 0 polls; the others learn through the broadcast
-        from nanwatch.hooks.transport import DirectivePoller
-
-        self._poller = DirectivePoller(url, run_id, token=token)
+    def follow(self, poller) -> None:
+        """Take directives from ``poller`` (a ``DirectivePoller``, rank 0's); closed with this state."""
+        self._poller = poller
 
     def offer(self, directive: Directive) -> None:
-        """Hand a directive over in-process (tests, the demo, or a trainer's own logic)."""
-        self._offered = directive
+        """Hand a directive over in-process (the local rule engine, tests, the demo, a trainer's own logic)."""
+        with self._lock:
+            self._offered = directive
 
     def note_report(self, clean: bool) -> None:
         """Reporter thread: count consecutive clean steps for auto-revert."""
-        self.clean_streak = self.clean_streak + 1 if clean else 0
+        with self._lock:
+            self._clean_streak = self._clean_streak + 1 if clean else 0
+
+    @property
+    def clean_streak(self) -> int:
+        """Consecutive clean steps reported since the last directive was applied."""
+        with self._lock:
+            return self._clean_streak
+
+    @property
+    def fallbacks(self) -> int:
+        """SDPA calls the ``fused`` mode ran in fp32 because no fused kernel fitted."""
+        return self._effects.fallbacks
 
     def close(self) -> None:
         if self._poller is not None:
             self._poller.close()
         self._set_mode("none", self.version)
 
-    # ---- step boundary -------------------------------------------------------------------------------
-    def _local_candidate(self) -> tuple[int, int, int, int]:
-        """(version, mode index, apply_at_step, revert_flag) as this rank sees it now. Auto-revert follows
-        rank 0's clean-step streak (the others say 0), so one rank's streak decides for all."""
-        newest = self._offered
+    # ---- step boundary (training thread) -------------------------------------------------------------
+    def _local_candidate(self) -> Candidate:
+        """This rank's candidate now. Auto-revert follows rank 0's clean-step streak (the others say 0)."""
         polled = self._poller.latest if self._poller is not None else None
-        if polled is not None and (newest is None or polled.version > newest.version):
-            newest = polled
-        if newest is not None and newest.version > self.version:
-            self._revert_next = newest.revert_after_clean_steps
-            return newest.version, MODES.index(newest.mode), newest.apply_at_step, 0
-        revert = int(self._rank == 0 and self.mode != "none" and self.revert_after is not None
-                     and self.clean_streak >= self.revert_after)
-        return self.version, MODES.index(self.mode), 0, revert
+        now = InForce(self.mode, self.version, self.revert_after)
+        with self._lock:
+            latest, streak = newest(self._offered, polled), self._clean_streak
+        if latest is not None and latest.version > self.version:
+            self._revert_next = latest.revert_after_clean_steps
+        return local_candidate(now, latest, clean_streak=streak, decides_revert=self._rank == 0)
 
     def at_step_boundary(self, step: int) -> None:
-        world = _dist_group_size()
+        world = world_size()
         if world == 1:
             cand = self._local_candidate()
-        elif step % self._check_every == 0:
-            cand = self._agree()
+        elif is_agreement_step(step, self._check_every):
+            cand = self._agreement.agree(self._local_candidate())
         else:
             cand = self._agreed
         if cand is None:
             return
-        version, mode_idx, apply_at, revert = cand
-        if version > self.version and step >= apply_at:
+        decision = decide(InForce(self.mode, self.version, self.revert_after), cand, step=step)
+        if decision.action == "apply":
             self.revert_after = self._revert_next
-            self.clean_streak = 0
-            self._set_mode(MODES[mode_idx], version)
-            log.warning("nanwatch: step %d: applying directive v%d mode=%s", step, version, self.mode)
-        elif revert and self.mode != "none":
+            with self._lock:
+                self._clean_streak = 0
+            self._set_mode(decision.mode, decision.version)
+            log.warning("nanwatch: step %d: applying directive v%d mode=%s", step, decision.version, self.mode)
+        elif decision.action == "revert":
             log.warning("nanwatch: step %d: %d clean steps, reverting mode %s", step, self.clean_streak,
                         self.mode)
             self._set_mode("none", self.version)
         if world > 1:
-            self._agreed = None if (version, revert) == (self.version, 0) else cand
-
-    def _agree(self) -> tuple[int, int, int, int]:
-        """One all-reduce (MAX) of four int64 on the host, over gloo: the only collective nanwatch issues,
-        once every K steps. Every rank calls it at the same step (step % K == 0), so the first call can
-        create the CPU group (a collective call on all ranks) when the default group is not gloo."""
-        d = torch.distributed
-        if d.get_backend() != "gloo" and self._cpu_group is None:
-            self._cpu_group = d.new_group(backend="gloo")
-        t = torch.tensor(self._local_candidate(), dtype=torch.int64)
-        d.all_reduce(t, op=d.ReduceOp.MAX, group=self._cpu_group)
-        return tuple(int(x) for x in t.tolist())  # sync-ok: a CPU tensor (gloo), no device sync
+            self._agreed = cand if still_pending(cand, version_after=self.version) else None
 
     # ---- effects -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -137,18 +161,7 @@ class DirectiveState:
             self._set_mode(saved, self.version)
 
     def _set_mode(self, mode: str, version: int) -> None:
-        # fp32/fused act inside the SDPA wrapper, so an HF model running eager attention is routed
-        # through SDPA for them too; the previous implementation comes back when the mode ends.
-        model = self._model()
-        wants_sdpa = mode in ("fp32", "fused", "eager_to_sdpa")
-        if not wants_sdpa and self._prev_impl is not None and model is not None:
-            model.set_attn_implementation(self._prev_impl)
-            self._prev_impl = None
-        if wants_sdpa and self._prev_impl is None and model is not None:
-            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-            if impl == "eager" and hasattr(model, "set_attn_implementation"):
-                self._prev_impl = impl
-                model.set_attn_implementation("sdpa")
+        self._effects.switch(mode)
         self.mode, self.version = mode, version
 
     def should_skip_step(self) -> bool:
@@ -162,13 +175,4 @@ class DirectiveState:
 
     def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""
-        try:
-            with sdpa_kernel(_FUSED):
-                return call()
-        except RuntimeError as exc:
-            self.fallbacks += 1
-            msg = f"directive 'fused': no fused kernel fits at {site}; ran fp32 instead"
-            if self._rec.warn(msg):
-                log.warning("nanwatch: %s (%s)", msg, str(exc).splitlines()[0] if str(exc) else exc)
-            upcast()
-            return call()
+        return self._effects.fused_call(site, call, upcast)

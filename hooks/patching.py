@@ -13,13 +13,13 @@ Under ``torch.compile`` both wrappers are a plain call to the original: the eage
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 
 from nanwatch.hooks import compiled
+from nanwatch.hooks.call_stack import nearest_self
 from nanwatch.hooks.failsafe import probe_failed
 from nanwatch.hooks.probes import Frame, Probes, top
 from nanwatch.hooks.sdpa_probe import scores_probe, sdpa_call
@@ -34,21 +34,20 @@ _lock = threading.Lock()
 _installed: list[Probes] = []
 
 
+def _site_of(obj: object) -> tuple[Probes, str] | None:
+    """``obj``'s SDPA site, if it is a module of an attached model, with that model's Probes."""
+    if isinstance(obj, torch.nn.Module):
+        for probes in _installed:
+            name = probes.sdpa_site_of(obj)
+            if name is not None:
+                return probes, name
+    return None
+
+
 def _owner_of_caller(max_depth: int = 8) -> tuple[Probes, str] | None:
     """For SDPA calls outside any hooked attention module: the nearest ``self`` on the call stack that is
-    a module of an attached model. A few frame lookups; only taken on that rare path."""
-    f = sys._getframe(2)
-    for _ in range(max_depth):
-        if f is None:
-            return None
-        obj = f.f_locals.get("self")
-        if isinstance(obj, torch.nn.Module):
-            for probes in _installed:
-                name = probes.sdpa_site_of(obj)
-                if name is not None:
-                    return probes, name
-        f = f.f_back
-    return None
+    a module of an attached model, starting at ``_sdpa``'s frame (two above this one)."""
+    return nearest_self(_site_of, skip=2, max_depth=max_depth)
 
 
 def _frame_for_call() -> Frame | None:
@@ -100,15 +99,25 @@ def is_installed() -> bool:
     return F.scaled_dot_product_attention is _sdpa
 
 
-def install(probes: Probes) -> None:
-    """Route attention calls to ``probes`` too (the first install patches ``F``)."""
+class _Uninstall:
+    """The handle :func:`install` returns: ``remove()`` stops routing to its Probes."""
+
+    def __init__(self, probes: Probes) -> None:
+        self._probes = probes
+
+    def remove(self) -> None:
+        uninstall(self._probes)
+
+
+def install(probes: Probes) -> _Uninstall:
+    """Route attention calls to ``probes`` too (the first install patches ``F``); the handle undoes it."""
     with _lock:
-        if probes in _installed:
-            return
-        _installed.append(probes)
-        if len(_installed) == 1:
-            F.scaled_dot_product_attention = _sdpa
-            F.softmax = _softmax
+        if probes not in _installed:
+            _installed.append(probes)
+            if len(_installed) == 1:
+                F.scaled_dot_product_attention = _sdpa
+                F.softmax = _softmax
+    return _Uninstall(probes)
 
 
 def uninstall(probes: Probes) -> None:

@@ -3,8 +3,9 @@ attention wrappers measure into.
 
 A :class:`Probes` is the one object hook bodies and the SDPA/softmax wrappers see. It holds the
 recorder, the step's sampling flag, the masks already counted in this forward, the directive state (which
-attention path runs) and the module names. The Monitor creates it, registers its methods as hooks, and
-turns it on and off; no probe reaches into the Monitor.
+attention path runs) and the module names. ``nanwatch.hooks.install`` creates it and registers its methods
+as hooks; its flags change only through its own methods and context managers (``enable``, ``generating``,
+``replaying_forward``, ``keep_forward_inputs``); no probe reaches into the Monitor.
 
 Sites are named by the innermost instrumented module, tracked with a thread-local stack of
 :class:`Frame` s that the attention modules' pre/post hooks maintain.
@@ -24,13 +25,16 @@ Three situations change what a probe may do:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from nanwatch.hooks import compiled
 from nanwatch.hooks.directive_state import DirectiveState
@@ -38,10 +42,13 @@ from nanwatch.hooks.failsafe import guarded
 from nanwatch.hooks.fingerprint import position_layout, record_forward_inputs
 from nanwatch.hooks.kept_forward import keep
 from nanwatch.hooks.recorder import ForwardMeta, Recorder
+from nanwatch.wire import SiteKind, SiteName
 
 __all__ = ["Frame", "Probes", "first_tensor", "pop", "push", "recomputing", "top"]
 
 _is_compiling = torch.compiler.is_compiling
+_SITE_KINDS = frozenset(typing.get_args(SiteKind))
+_SITE_NAME = TypeAdapter(SiteName)
 _graph_task_id = torch._C._current_graph_task_id
 _tls = threading.local()
 
@@ -96,6 +103,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class _Disable:
+    """The handle :meth:`Probes.enable` returns: ``remove()`` turns that Probes' hooks off."""
+
+    def __init__(self, probes: Probes) -> None:
+        self._probes = probes
+
+    def remove(self) -> None:
+        self._probes._active = False
+
+
 def first_tensor(output) -> torch.Tensor | None:
     """The tensor a module's output stands for: itself, the first of a tuple, or ``.logits``."""
     if isinstance(output, torch.Tensor):
@@ -107,29 +124,27 @@ def first_tensor(output) -> torch.Tensor | None:
 
 
 class Probes:
-    """What every probe of one Monitor shares. Hooks registered with its methods do nothing while
-    ``active`` is False, and nothing inside ``torch.compile`` tracing (they would add graph breaks)."""
+    """What every probe of one Monitor shares. Hooks registered with its methods do nothing while it is
+    not ``active`` (see :meth:`enable`), and nothing inside ``torch.compile`` tracing (they would add graph
+    breaks). Its flags are its own: others change them through the methods and context managers below."""
 
-    def __init__(self, *, rec: Recorder, directives: DirectiveState, fqns: dict[int, str], grads: bool,
+    def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
                  exact_chunk_elems: int, forward_signature: inspect.Signature | None,
                  model: Callable[[], torch.nn.Module | None], head: str | None) -> None:
         self.rec = rec
-        self.directives = directives
+        self.directive_state = directive_state
         self.grads = grads
         self.exact_chunk_elems = exact_chunk_elems
-        self.active = False
+        self._active = False
         #: this step computes the exact per-head logit max (``exact_logit_every``)
         self.sampled = False
         #: the output head's site name, when the model has one (its logits are expected every step)
         self.head = head
-        #: inside ``generate()`` (depth: generate may nest)
-        self.generating = 0
-        #: the differential replay is re-running a forward: route attention (the forced path) but measure
-        #: nothing, except whether each attention call's query and output stayed finite (device flags)
-        self.replaying = False
-        self.replay_finite: list[torch.Tensor] = []
-        #: keep each training forward's inputs for a replay (``nanwatch.hooks.replay``), in ``kept``
-        self.keep_inputs = False
+        self._generating = 0  # depth inside ``generate()`` (generate may nest)
+        self._replaying = False
+        self._replay_finite: list[torch.Tensor] = []
+        self._keep_inputs = False
+        #: this step's training forwards, kept for a replay while :attr:`keep_inputs`
         self.kept: list = []
         self._fqns = fqns
         self._signature = forward_signature
@@ -139,11 +154,65 @@ class Probes:
         #: modules whose output is a coarse site (``nanwatch.hooks.structure``)
         self.coarse_ids: set[int] = set()
 
+    # ---- flags, owned here --------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Attached: hooks measure (between :meth:`enable` and its handle's ``remove()``)."""
+        return self._active
+
+    def enable(self) -> _Disable:
+        """Turn the hooks on; the returned handle's ``remove()`` turns them off (with the other handles)."""
+        self._active = True
+        return _Disable(self)
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Forwards inside belong to the ``generate`` stage (``model.generate()``, which may nest)."""
+        self._generating += 1
+        try:
+            yield
+        finally:
+            self._generating -= 1
+
+    @property
+    def replaying(self) -> bool:
+        """The differential replay is re-running a forward: attention is routed (the forced path) but
+        nothing is measured, except whether each attention call's query and output stayed finite."""
+        return self._replaying
+
+    @contextlib.contextmanager
+    def replaying_forward(self) -> Iterator[list[torch.Tensor]]:
+        """Re-run a forward for the replay; yields the list of device flags (finite or not) that attention
+        calls inside add to through :meth:`replayed`."""
+        finite = self._replay_finite = []
+        self._replaying = True
+        try:
+            yield finite
+        finally:
+            self._replaying = False
+
+    def replayed(self, *tensors: torch.Tensor) -> None:
+        """Inside :meth:`replaying_forward`: note whether each of ``tensors`` is finite (device flags)."""
+        self._replay_finite += [torch.isfinite(t).all() for t in tensors]
+
+    @property
+    def keep_inputs(self) -> bool:
+        """Each training forward's inputs are kept for a replay (``nanwatch.hooks.replay``), in ``kept``."""
+        return self._keep_inputs
+
+    def keep_forward_inputs(self, on: bool) -> None:
+        """Keep (or stop keeping) each training forward's inputs, from the next forward on."""
+        self._keep_inputs = on
+
     @property
     def measuring(self) -> bool:
         """Hooks measure: attached and stepping, and not inside the differential replay (which routes
         attention but measures nothing)."""
-        return self.active and not self.replaying
+        return self._active and not self._replaying
+
+    def mark_coarse(self, module: torch.nn.Module) -> None:
+        """``module``'s output is a coarse site: an SDPA call it makes itself is named ``<site>.sdpa``."""
+        self.coarse_ids.add(id(module))
 
     def begin_step(self, *, sampled: bool) -> None:
         self.sampled = sampled
@@ -152,14 +221,14 @@ class Probes:
 
     def stage(self) -> str:
         """The stage of the forward running now: ``generate``, ``train`` or ``eval`` (model.training)."""
-        if self.generating:
+        if self._generating:
             return "generate"
         model = self._model()
         return "train" if model is None or model.training else "eval"
 
     def fqn_of(self, module: torch.nn.Module) -> str | None:
         """The module's name in the attached model, or None (not ours, or detached)."""
-        return self._fqns.get(id(module)) if self.active else None
+        return self._fqns.get(id(module)) if self._active else None
 
     def sdpa_site_of(self, module: torch.nn.Module) -> str | None:
         """The site of an SDPA call made by ``module`` outside any attention module: its name, with
@@ -178,6 +247,20 @@ class Probes:
         return True
 
     # ---- measuring a site ----------------------------------------------------------------------------
+    def watch(self, name: str, kind: str, x: torch.Tensor, warn: Callable[[str], None]) -> None:
+        """``Monitor.watch``: measure ``x`` as site ``name`` if the name and kind are valid; else warn and
+        measure nothing (a bad argument must not cost the step's report)."""
+        try:
+            _SITE_NAME.validate_python(name)
+            ok = kind in _SITE_KINDS
+        except ValidationError:
+            ok = False
+        if not ok:
+            warn(f"watch({name!r}, kind={kind!r}) ignored: the name must be 1-256 printable characters and "
+                 f"kind one of {sorted(_SITE_KINDS)}")
+            return
+        self.site(name, kind, x)
+
     def site(self, site: str, kind: str, x: torch.Tensor | None) -> None:
         """Measure ``x`` (forward) and, through a tensor hook, the gradient flowing back into it."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not self.measuring:
@@ -192,14 +275,14 @@ class Probes:
             x.register_hook(partial(self._grad_hook, site, kind, stage))
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
-        if self.active and grad is not None:
+        if self._active and grad is not None:
             guarded(self.rec.tensor, site, kind, "backward", grad, stage)
 
     # ---- module hooks (registered by the Monitor) ----------------------------------------------------
     def attn_pre(self, name: str, module, args) -> None:
         if _is_compiling():
             compiled.count("attention")  # replayed after each run of the graph: no graph break
-        elif self.active:
+        elif self._active:
             push(Frame(self, name, attention=True))
 
     def attn_post(self, module, args, output) -> None:
@@ -227,7 +310,7 @@ class Probes:
     def check_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Step start: floating parameters or optimizer state, read once (forward order first, so that a
         tensor already non-finite before the step is named before any activation it poisons)."""
-        if not self.active:
+        if not self._active:
             return
         for name, t in tensors:  # read at each step: a wrapper may swap a parameter's .data between steps
             guarded(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
@@ -242,9 +325,9 @@ class Probes:
         self._head_seen = False
         train = self.stage() == "train"
         self.rec.cover(forwards=1, train=train)
-        if self.keep_inputs and train:
+        if self._keep_inputs and train:
             self.kept.append(keep(args, kwargs))
-        if self._signature is not None and not self.generating:
+        if self._signature is not None and not self._generating:
             guarded(record_forward_inputs, self.rec, self._signature, args, kwargs)
 
     def root_post(self, module, args, kwargs, output) -> None:
@@ -262,7 +345,7 @@ class Probes:
 
     def rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
-        if not self.measuring or _is_compiling() or self.generating or recomputing():
+        if not self.measuring or _is_compiling() or self._generating or recomputing():
             return
         fwd = self.rec.current_forward()
         if fwd is None or fwd.position_ids != "none":
@@ -280,12 +363,12 @@ class Probes:
     def boundary_post(self, module, args, output) -> None:
         """The wrapper returned: if the head's own hook did not run (it was inside a compiled graph),
         measure the logits here, at the boundary, in eager."""
-        if self.active and not _is_compiling() and not self._head_seen and self.head is not None:
+        if self._active and not _is_compiling() and not self._head_seen and self.head is not None:
             self.output_hook(self.head, "logits", module, args, output)
 
     def param_grad(self, name: str, grad: torch.Tensor) -> None:
         """A parameter's gradient (its hook runs outside any compiled graph). Measured only in steps
         where compiled code ran, when the activations could not be."""
-        if not self.active or grad is None or not compiled.ran():
+        if not self._active or grad is None or not compiled.ran():
             return
         guarded(self.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

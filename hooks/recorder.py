@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,12 +21,15 @@ from nanwatch.hooks.observations import BufKey, ObservationLog
 from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, Incident, LogitStat, SdpaCall, SiteStat, dtype_name
 
-__all__ = ["Counts", "ForwardMeta", "Recorder", "SiteKey", "StepState"]
+__all__ = ["GUARD_SKIPPED", "Counts", "ForwardMeta", "Recorder", "SiteKey", "StepSoFar", "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
 #: Site kinds reported only when non-finite (checked every step, named only when they matter).
 QUIET_KINDS = frozenset({"param"})
+
+#: The slot holding 1 when the weight guard skipped the step's update (max over the step's optimizer steps).
+GUARD_SKIPPED = ("guard", "skipped")
 
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
@@ -100,9 +104,19 @@ class StepState:
     incident: Incident | None = None
 
 
+class StepSoFar(NamedTuple):
+    """The open step as the differential replay needs it (``Recorder.so_far``)."""
+
+    first: SiteKey | None
+    masked_rows: int
+    compiled: bool
+
 
 class Recorder:
-    """Writes one step's stats; ``swap()`` hands the finished step over and starts the next."""
+    """Writes one step's stats; ``swap()`` hands the finished step over and starts the next.
+
+    Training thread, except ``decode``/``getter``/``step_skipped``, which the reporter thread calls on a
+    step already handed over (a StepState from ``swap``): no caller reaches into its buffers."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.buf = SlotBuffer(device)
@@ -161,6 +175,43 @@ class Recorder:
         else:
             self.buf.maximize(key, self._local(value))
 
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """The dtype slots accumulate in (float64; float32 on MPS): sum into it to stay exact."""
+        return self.buf.dtype
+
+    def slot_add(self, key, value: torch.Tensor) -> None:
+        """Add a 0-d device value into the sum slot ``key`` (RLHF sums and counts)."""
+        self.buf.add(key, value)
+
+    def slot_max(self, key, value: torch.Tensor) -> None:
+        """Max a 0-d device value into the max slot ``key``."""
+        self.buf.maximize(key, value)
+
+    def mark_rlhf(self, kl_optimised: str | None) -> None:
+        """This step has RLHF stats; ``kl_optimised`` names the KL estimator the loss uses, if known."""
+        self.state.rlhf = kl_optimised or True
+
+    def note_guard_skipped(self, flag: torch.Tensor) -> None:
+        """The weight guard's decision for one optimizer step (a device flag, 1.0: skipped)."""
+        self.buf.maximize(GUARD_SKIPPED, flag)
+
+    def fold_compiled(self, counts: dict[str, int]) -> None:
+        """Step end: what ran inside compiled graphs (``nanwatch.hooks.compiled``), counted, not probed."""
+        sdpa_calls = 0
+        for key, calls in counts.items():
+            if key.startswith("sdpa:"):
+                sdpa_calls += calls
+                self.sdpa("<compiled>", "compiled", "compiled", False, key.removeprefix("sdpa:"), "", None,
+                          calls=calls)
+        # an attention module may call SDPA (both counted) or not (eager attention): count each call once
+        attention = max(sdpa_calls, counts.get("attention", 0))
+        self.cover(compiled_forwards=counts.get("forward", 0), attention=attention, compiled=attention)
+
+    def set_incident(self, incident: Incident) -> None:
+        """The differential replay's verdict on the open step."""
+        self.state.incident = incident
+
     def cover(self, *, forwards: int = 0, train: bool = False, compiled_forwards: int = 0, attention: int = 0,
               probed: int = 0, recomputed: int = 0, compiled: int = 0, logits: bool = False,
               layer: str | None = None, params_checked: int = 0) -> None:
@@ -217,6 +268,14 @@ class Recorder:
         self.state.layout = layout
         return torch.cat([*parts, self.buf.data[: self.buf.size].to(torch.float64)])
 
+    def so_far(self) -> StepSoFar:
+        """The open step decoded on the host now: one sync (the replay's, once per run)."""
+        values = self.flat().tolist()  # sync-ok: once per run, to find the first offender
+        _, _, _, prints, first = self.decode(self.state, values)
+        c = self.state.coverage
+        return StepSoFar(first, sum(f.fully_masked_rows for f in prints),
+                         bool(c.compiled_forwards or c.compiled_calls))
+
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""
         state, self.state = self.state, StepState()
@@ -238,6 +297,11 @@ class Recorder:
             return default if i is None or base + i >= len(values) else values[base + i]
 
         return get
+
+    def step_skipped(self, state: StepState, values: list[float]) -> bool | None:
+        """Whether a weight guard skipped the step's update; None when no guard decided in it."""
+        skipped = self.getter(state, values)("max", GUARD_SKIPPED, -math.inf)
+        return None if skipped == -math.inf else skipped > 0
 
     def decode(self, state: StepState, values: list[float]):
         """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender)."""

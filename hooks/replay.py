@@ -27,6 +27,7 @@ guard (the weights already moved). The incident then says ``not_classified`` and
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from functools import partial
@@ -38,9 +39,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.kept_forward import KeptForward
 from nanwatch.hooks.probes import Probes, first_tensor
+from nanwatch.hooks.recorder import Recorder
 from nanwatch.wire import Incident
 
-__all__ = ["replay"]
+__all__ = ["classify", "replay"]
+
+log = logging.getLogger("nanwatch")
 
 
 def _nonfinite_input(kept: KeptForward) -> bool:
@@ -63,23 +67,19 @@ def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch
     """Re-run one forward without grad on its own RNG state; True when it is non-finite at ``watch``'s
     output, at any attention call's query or output (a fused kernel can hide a NaN query), or at the
     model's output."""
-    seen = probes.replay_finite = []
-
     def record(module, args, output) -> None:
         t = first_tensor(output)
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            seen.append(torch.isfinite(t).all())
+            probes.replayed(t)
 
     handle = watch.register_forward_hook(record) if watch is not None else None
     torch.set_rng_state(kept.cpu_rng)
     if kept.cuda_rng:
         torch.cuda.set_rng_state_all(kept.cuda_rng)
-    probes.replaying = True
     try:
-        with torch.no_grad():
+        with probes.replaying_forward() as seen, torch.no_grad():
             record(model, (), model(*kept.args, **kept.kwargs))
     finally:
-        probes.replaying = False
         if handle is not None:
             handle.remove()
     return not bool(torch.stack(seen).all()) if seen else False  # sync-ok: replay, once per run
@@ -141,7 +141,7 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
     return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path}
 
 
-def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState, kept: list[KeptForward],
+def replay(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
            step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
            compiled: bool, rank: int) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a replay that fails is
@@ -169,9 +169,9 @@ def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
         base.update(_drill(model, probes, culprit))
-        with directives.forced("fp32"):
+        with directive_state.forced("fp32"):
             fp32 = _run(model, probes, culprit, watch)
-        with directives.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
+        with directive_state.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
             math_ = _run(model, probes, culprit, watch)
         outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
                     "math": "nonfinite" if math_ else "finite"}
@@ -188,3 +188,17 @@ def replay(*, model: torch.nn.Module, probes: Probes, directives: DirectiveState
         torch.set_rng_state(saved_rng)
         if saved_cuda:
             torch.cuda.set_rng_state_all(saved_cuda)
+
+
+def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
+             step: int, guarded: bool, rank: int) -> Incident:
+    """The open step, known to be non-finite: classify it by a replay and put the verdict into the
+    recorder, for the step's report (one host read of the step's values, once per run)."""
+    so_far = rec.so_far()
+    first = so_far.first
+    incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
+                      step=step, site=first[0] if first else None, phase=first[1] if first else None,
+                      masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank)
+    rec.set_incident(incident)
+    log.warning("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
+    return incident

@@ -4,7 +4,6 @@ attention measured) attached and told once."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,7 +11,6 @@ from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.recorder import Recorder, StepState
 from nanwatch.hooks.reporter import Pending
 from nanwatch.hooks.rlhf import decode_rlhf
-from nanwatch.hooks.weight_guard import GUARD_SKIPPED
 from nanwatch.wire import Coverage, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]
@@ -52,7 +50,6 @@ class ReportBuilder:
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
         coverage = self._coverage(state, sites, logits, warns)
-        skipped = self._rec.getter(state, values)("max", GUARD_SKIPPED, -math.inf)  # -inf: no guard decided this step
         for w in warns:
             self._warn(w)
         return StepReport(
@@ -63,7 +60,7 @@ class ReportBuilder:
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             first_offender_stage=first[2] if first else None,
-            step_skipped=None if skipped == -math.inf else skipped > 0, incident=state.incident,
+            step_skipped=self._rec.step_skipped(state, values), incident=state.incident,
             dropped_reports=self._dropped(), warnings=warns[:64])
 
     def _coverage(self, state: StepState, sites: list[SiteStat], logits: list[LogitStat],

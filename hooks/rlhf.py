@@ -9,13 +9,14 @@ readable while the counts say how much was left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.wire import RlhfStat
 
-__all__ = ["record_rlhf", "decode_rlhf", "RLHF_TENSORS"]
+__all__ = ["RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf"]
 
 RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
@@ -24,11 +25,19 @@ _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
 
 
 def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
-    rec.buf.add(("rlhf", name), x.sum(dtype=rec.buf.dtype))
+    rec.slot_add(("rlhf", name), x.sum(dtype=rec.acc_dtype))
 
 
 def _where(ok: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(ok, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+def checked_kl(kl_optimised: str | None, warn: Callable[[str], None]) -> str | None:
+    """``kl_optimised`` if it names an estimator nanwatch reports (k1, k3, k3_ratio), else None, warned."""
+    if kl_optimised not in (None, "k1", "k3", "k3_ratio"):
+        warn(f"rlhf(kl_optimised={kl_optimised!r}) ignored: use 'k1', 'k3' or 'k3_ratio'")
+        return None
+    return kl_optimised
 
 
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
@@ -36,8 +45,12 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
                 mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None) -> None:
     """Launch the device ops for one batch; several calls in a step accumulate. ``kl_optimised`` names
     the KL estimator the trainer's loss uses (``k3_ratio``: k3 weighted by the importance ratio, TRL's
-    GRPO default); it is reported as such, and ``k3_ratio`` is computed too."""
-    rec.state.rlhf = kl_optimised or True
+    GRPO default); it is reported as such, and ``k3_ratio`` is computed too. ``advantages`` may be per
+    token (the mask's shape) or per sequence (``[B]``, as GRPO's are)."""
+    if (advantages is not None and mask is not None and advantages.dim() == 1 and mask.dim() == 2
+            and advantages.shape[0] == mask.shape[0]):
+        advantages = advantages.unsqueeze(1).expand_as(mask)
+    rec.mark_rlhf(kl_optimised)
     lp = logprobs.detach().float()
     m = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.detach().to(torch.bool)
     tensors = {"logprobs": lp, "ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs,
@@ -54,34 +67,34 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
             _count(rec, name, bad)
     ok = m & torch.isfinite(lp)
     _count(rec, "tokens", m)
-    rec.buf.maximize(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax())
+    rec.slot_max(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax())
     if old_logprobs is not None:
         ratio = torch.exp(lp - old_logprobs.detach().float())
         rok = ok & torch.isfinite(ratio)
         _count(rec, "ratio_n", rok)
         _count(rec, "clipped", rok & ((ratio - 1.0).abs() > clip_eps))
-        rec.buf.maximize(("rlhf", "ratio_max"), _where(rok, ratio, -math.inf).amax())
+        rec.slot_max(("rlhf", "ratio_max"), _where(rok, ratio, -math.inf).amax())
     if ref_logprobs is not None:
         d = ref_logprobs.detach().float() - lp  # log(ref/policy)
         k1 = -d
         k3 = torch.exp(d) - d - 1.0
         kok = ok & torch.isfinite(k3)
         _count(rec, "kl_n", kok)
-        rec.buf.add(("rlhf", "k1_sum"), _where(kok, k1, 0.0).sum(dtype=rec.buf.dtype))
-        rec.buf.add(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.buf.dtype))
-        rec.buf.maximize(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax())
-        rec.buf.maximize(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax())
+        rec.slot_add(("rlhf", "k1_sum"), _where(kok, k1, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot_add(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot_max(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax())
+        rec.slot_max(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax())
         if kl_optimised == "k3_ratio":  # ratio 1 where there are no old logprobs (TRL: one iteration)
             k3r = k3 if old_logprobs is None else k3 * ratio  # the ratio computed above
             rok = kok & torch.isfinite(k3r)
             _count(rec, "k3r_n", rok)
-            rec.buf.add(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.buf.dtype))
+            rec.slot_add(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.acc_dtype))
     if advantages is not None:
         a = advantages.detach().float()
         aok = torch.isfinite(a) & (m if a.shape == m.shape else True)
         _count(rec, "adv_n", aok)
-        rec.buf.add(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.buf.dtype))
-        rec.buf.add(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.buf.dtype))
+        rec.slot_add(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot_add(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.acc_dtype))
 
 
 def decode_rlhf(get, kl_optimised: str | None = None) -> RlhfStat:

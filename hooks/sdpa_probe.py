@@ -42,8 +42,8 @@ def autocast_dtype(orig, q: torch.Tensor) -> torch.dtype | None:
 def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
     """One SDPA call: apply the directive's attention path, run it, measure it. Exceptions from the
     call itself are the user's and propagate; the measuring is guarded."""
-    directives = probes.directives
-    mode = directives.mode
+    directive_state = probes.directive_state
+    mode = directive_state.mode
     autocast = autocast_dtype(orig, q)
     out_dtype = autocast or q.dtype  # what the caller would have got without nanwatch
     args = [q, k, v, mask]
@@ -71,9 +71,9 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
         except Exception as exc:
             probe_failed(exc)
             predicted, reason = "unknown", None
-    out = directives.fused_call(frame.site, call, upcast) if mode == "fused" else call()
+    out = directive_state.fused_call(frame.site, call, upcast) if mode == "fused" else call()
     if probes.replaying:  # the differential replay: the forced path; only whether it stayed finite
-        probes.replay_finite += [torch.isfinite(args[0]).all(), torch.isfinite(out).all()]
+        probes.replayed(args[0], out)
     elif recompute:
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
@@ -132,7 +132,7 @@ def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> 
         rows = ~mask.any(dim=-1)
     else:
         rows = mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
-    probes.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=probes.rec.buf.dtype), how="max")
+    probes.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=probes.rec.acc_dtype), how="max")
 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
@@ -146,4 +146,4 @@ def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     fwd = rec.current_forward()
     if fwd is not None and s.is_floating_point():
         dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
-        rec.forward_count(fwd, "masked_rows", dead.sum(dtype=rec.buf.dtype), how="max")
+        rec.forward_count(fwd, "masked_rows", dead.sum(dtype=rec.acc_dtype), how="max")

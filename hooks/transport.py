@@ -1,13 +1,14 @@
 """Trainer -> collector transport: a report sender and a directive poller, each on a daemon thread.
 
-Stdlib only (``http.client``, ``threading``, ``queue``): the trainer must not need the web stack, and
-nothing here imports torch. The one rule: monitoring never blocks or crashes training. ``submit`` never
+Stdlib only (``http.client``, ``threading``, ``queue``) plus the wire schema: the trainer must not need
+the web stack, and nothing here imports torch (``import nanwatch.hooks.transport`` works without it, so
+the collector's tests and ``nanwatch status`` can use it). The one rule: monitoring never blocks or crashes training. ``submit`` never
 waits (a full queue drops and counts the report), nothing raises into the caller, and problems are
 logged as rate-limited warnings on the ``nanwatch.transport`` logger.
 
 Example usage::
 
-    sender = ReportSender("http://collector:8000", token=os.environ.get("NANWATCH_TOKEN"))
+    sender = ReportSender("http://collector:8000", token=token_from_env("NANWATCH_TOKEN"))
     sender.submit(report)          # from the training loop; returns at once
     poller = DirectivePoller("http://collector:8000", "run-1", on_directive=print)
     ...
@@ -20,7 +21,6 @@ from __future__ import annotations
 import email.utils
 import http.client
 import logging
-import os
 import queue
 import random
 import socket
@@ -29,9 +29,10 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
+from nanwatch.tokens import token_from_env
 from nanwatch.wire import Directive, ReportBatch, StepReport
 
-__all__ = ["DirectivePoller", "ReportSender", "default_token"]
+__all__ = ["DirectivePoller", "ReportSender", "check_collector_url"]
 
 log = logging.getLogger("nanwatch.transport")
 
@@ -39,18 +40,19 @@ log = logging.getLogger("nanwatch.transport")
 _RETRY = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
-def default_token() -> str | None:
-    """The ingest token from the environment: ``NANWATCH_TOKEN``, else the file ``NANWATCH_TOKEN_FILE``
-    names (a mounted secret), else None."""
-    token = os.environ.get("NANWATCH_TOKEN")
-    path = os.environ.get("NANWATCH_TOKEN_FILE")
-    if not token and path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the ingest token file NANWATCH_TOKEN_FILE={path!r}: {e}") from e
-    return token or None
+def check_collector_url(url: str) -> urllib.parse.SplitResult:
+    """``url`` split, if it is an ``http(s)://host[:port][/prefix]`` collector URL; else a ValueError that
+    says what is expected. The one check: ``MonitorConfig`` runs it at construction, the sender and the
+    poller when they open a connection."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except (ValueError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"collector must be an http(s)://host[:port] URL, got {url!r}")
+    return u
 
 
 class _Warn:
@@ -72,14 +74,12 @@ class _Http:
     """One keep-alive connection to the collector, reopened after any error."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
-        u = urllib.parse.urlsplit(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"collector URL must be http(s)://host[:port], got {url!r}")
+        u = check_collector_url(url)
         self._cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         self._host, self._port, self.prefix = u.hostname, u.port, u.path.rstrip("/")
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        token = token if token is not None else default_token()
+        token = token if token is not None else token_from_env("NANWATCH_TOKEN")
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
@@ -172,7 +172,7 @@ class ReportSender:
     Up to ``batch_max`` queued reports go in one request. Connection errors, 408/429/5xx are retried with
     exponential backoff and jitter, at least ``Retry-After`` apart, for as long as the sender is open (the
     queue bound is what limits memory, not a retry count); other 4xx give the batch up and count it
-    (413 splits it first). The token comes from ``token`` or ``NANWATCH_TOKEN``.
+    (413 splits it first). The token comes from ``token``, else ``NANWATCH_TOKEN`` (or its ``_FILE``).
 
     Drops reach the collector in ``dropped_reports``: the caller sets its own cumulative count (including
     ``sender.dropped``) and the sender adds the drops counted between ``submit`` and the send.

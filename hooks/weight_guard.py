@@ -25,12 +25,9 @@ from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.recorder import Recorder
 
-__all__ = ["GUARD_SKIPPED", "WeightGuard", "inner_optimizer"]
+__all__ = ["WeightGuard", "inner_optimizer"]
 
 log = logging.getLogger("nanwatch")
-
-#: The slot holding 1 when the guard skipped the step's update (max over the step's optimizer steps).
-GUARD_SKIPPED = ("guard", "skipped")
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -47,7 +44,7 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class WeightGuard:
     """Wraps one optimizer's ``step`` on the instance; ``remove()`` puts it back."""
 
-    def __init__(self, optimizer: Any, *, rec: Recorder, directives: DirectiveState, sync: bool,
+    def __init__(self, optimizer: Any, *, rec: Recorder, directive_state: DirectiveState, sync: bool,
                  warn: WarnOnce) -> None:
         opt = self.optimizer = inner_optimizer(optimizer)
         self.fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
@@ -61,10 +58,10 @@ class WeightGuard:
 
         @functools.wraps(original)  # GradScaler inspects step()'s signature: keep the original's
         def step(*args, **kwargs):
-            if not (self.fused or sync or directives.mode == "skip_step"):
+            if not (self.fused or sync or directive_state.mode == "skip_step"):
                 return original(*args, **kwargs)  # unguarded (warned): the flag would go unused
             flag = rec.nonfinite_flag()  # device ops over this step's training observations
-            rec.buf.maximize(GUARD_SKIPPED, flag)
+            rec.note_guard_skipped(flag)
             if self.fused:
                 scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
                 opt.found_inf = flag if scaler_flag is None else torch.maximum(

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, port: int, url: str, spike_at: int, steps: in
             ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(n))
             start = time.perf_counter()
             with mon.step(n):
-                mode = mon.directives.mode
+                mode = mon.directive_state.mode
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad()

@@ -2,7 +2,7 @@
 
 Example usage::
 
-    from nanwatch.integrations.transformers import NanwatchCallback
+    from nanwatch.hooks.integrations.transformers import NanwatchCallback
 
     trainer = Trainer(model, args, train_dataset=ds,
                       callbacks=[NanwatchCallback(run_id="sft-0412", collector="http://collector:8000")])
@@ -16,17 +16,17 @@ stage. A step that raises is still reported: the Monitor reports its open step w
 interpreter exit. The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a
 non-finite value does not update the weights, at no cost with a fused optimizer (HF's default
 ``adamw_torch_fused``); others are guarded under the ``skip_step`` directive.
-For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.integrations.trl`) adds logprob, ratio and
+For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.hooks.integrations.trl`) adds logprob, ratio and
 KL health without a subclass.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from typing import Any
 
+from nanwatch.hooks.call_stack import nearest_self
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.facade import Monitor
 
@@ -39,23 +39,20 @@ def _trainer_base() -> type:
     try:
         from transformers import TrainerCallback
     except ImportError as e:  # pragma: no cover - transformers is the point of this module
-        raise ImportError("nanwatch.integrations.transformers needs transformers installed") from e
+        raise ImportError("nanwatch.hooks.integrations.transformers needs transformers installed") from e
     return TrainerCallback
 
 
 def _find_trainer(callback: object, max_depth: int = 12) -> Any | None:
     """The Trainer firing this event: the nearest ``self`` up the call stack whose callback handler holds
-    ``callback`` (callbacks are not handed the trainer, and TRL's adapter needs it)."""
-    f = sys._getframe(2)
-    for _ in range(max_depth):
-        if f is None:
-            return None
-        obj = f.f_locals.get("self")
+    ``callback`` (callbacks are not handed the trainer, and TRL's adapter needs it), starting at the
+    frame that called the event method (two above this one)."""
+
+    def holds_callback(obj: object) -> object | None:
         handler = getattr(obj, "callback_handler", None)
-        if handler is not None and callback in getattr(handler, "callbacks", ()):
-            return obj
-        f = f.f_back
-    return None
+        return obj if handler is not None and callback in getattr(handler, "callbacks", ()) else None
+
+    return nearest_self(holds_callback, skip=2, max_depth=max_depth)
 
 
 class NanwatchCallback(_trainer_base()):
@@ -85,7 +82,7 @@ class NanwatchCallback(_trainer_base()):
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         if trainer is not None and type(trainer).__module__.startswith("trl."):
-            from nanwatch.integrations.trl import instrument
+            from nanwatch.hooks.integrations.trl import instrument
 
             handle = instrument(trainer, self.monitor)
             if handle is not None:

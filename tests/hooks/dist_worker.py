@@ -36,13 +36,13 @@ def _steps(mon, model, rank, collector):
     modes, applied_at = [], None
     for n in range(MAX_STEPS if collector else 14):
         if not collector and rank == 0 and n in offers:  # stands in for rank 0's collector poller
-            mon.directives.offer(offers[n])
+            mon.directive_state.offer(offers[n])
         with mon.step(n):
-            modes.append([n, mon.directives.mode, mon.directives.version])
+            modes.append([n, mon.directive_state.mode, mon.directive_state.version])
             model(torch.randn(2, 8, 16)).sum().backward()
         if collector:
             time.sleep(0.02)  # a training step takes time; give the test room to set the directive
-            applied_at = applied_at if applied_at is not None or mon.directives.version == 0 else n
+            applied_at = applied_at if applied_at is not None or mon.directive_state.version == 0 else n
             done = torch.tensor([applied_at is not None and n - applied_at >= AFTER], dtype=torch.int32)
             dist.all_reduce(done, op=dist.ReduceOp.MIN)  # stop together (test harness, not nanwatch)
             if done.item():

@@ -32,7 +32,7 @@ def _attend_under_autocast(mode: str):
     model = Attend()
     with nanwatch.attach(model, run_id="ac", is_attention=lambda n, m: isinstance(m, Attend)) as mon:
         if mode != "none":
-            mon.directives.offer(Directive(run_id="ac", version=1, mode=mode, apply_at_step=0))
+            mon.directive_state.offer(Directive(run_id="ac", version=1, mode=mode, apply_at_step=0))
         with mon.step(0), torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(q, k, v)
         report = mon.last_report()

@@ -32,7 +32,7 @@ def test_fp32_directive_rescues_fp16_eager_overflow_from_apply_at_step():
     with nanwatch.attach(model, run_id="rescue") as mon:
         for n in range(6):
             if n == 1:
-                mon.directives.offer(Directive(run_id="rescue", version=1, mode="fp32", apply_at_step=3))
+                mon.directive_state.offer(Directive(run_id="rescue", version=1, mode="fp32", apply_at_step=3))
             with mon.step(n):
                 out = model(input_ids=token_ids(seed=1))
             r = mon.last_report()
@@ -56,13 +56,13 @@ def test_auto_revert_after_clean_steps():
     model = tiny_qwen3("sdpa")
     modes = []
     with nanwatch.attach(model, run_id="revert") as mon:
-        mon.directives.offer(Directive(run_id="revert", version=1, mode="fp32", apply_at_step=1,
+        mon.directive_state.offer(Directive(run_id="revert", version=1, mode="fp32", apply_at_step=1,
                                        revert_after_clean_steps=3))
         for n in range(8):
             with mon.step(n):
                 model(input_ids=token_ids(seed=1))
             mon.last_report()  # the clean streak is counted from finished reports
-            modes.append(mon.directives.mode)
+            modes.append(mon.directive_state.mode)
     assert modes[0] == "none" and modes[1] == "fp32"
     first_none = modes.index("none", 1)
     assert modes[1:first_none] == ["fp32"] * (first_none - 1) and 4 <= first_none <= 5
@@ -72,7 +72,7 @@ def test_auto_revert_after_clean_steps():
 def test_fused_directive_falls_back_to_fp32_when_no_fused_kernel_fits():
     model = tiny_qwen3("sdpa")
     with nanwatch.attach(model, run_id="fused") as mon:
-        mon.directives.offer(Directive(run_id="fused", version=1, mode="fused", apply_at_step=0))
+        mon.directive_state.offer(Directive(run_id="fused", version=1, mode="fused", apply_at_step=0))
         with mon.step(0):
             model(input_ids=token_ids(seed=1))  # causal, no mask: the CPU flash kernel fits
         ok = mon.last_report()
@@ -83,7 +83,7 @@ def test_fused_directive_falls_back_to_fp32_when_no_fused_kernel_fits():
             out = model(input_ids=token_ids(seed=1))
         r = mon.last_report()
     assert {c.backend for c in ok.sdpa} == {"cpu_flash"} and ok.warnings == []
-    assert mon.directives.fallbacks == 2
+    assert mon.directive_state.fallbacks == 2
     assert sorted(w for w in r.warnings if "no fused kernel fits" in w) == [
         f"directive 'fused': no fused kernel fits at model.layers.{i}.self_attn; ran fp32 instead" for i in (0, 1)]
     assert {(c.backend, c.dtype) for c in r.sdpa} == {("math", "float32")}
@@ -96,7 +96,7 @@ def test_skip_step_costs_nothing_unless_active_and_then_sees_nan():
         with mon.step(0):
             model(input_ids=token_ids(seed=1))
             assert mon.should_skip_step() is False  # no directive: free, always False
-        mon.directives.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=1))
+        mon.directive_state.offer(Directive(run_id="skip", version=1, mode="skip_step", apply_at_step=1))
         with mon.step(1):
             model(input_ids=token_ids(seed=1))
             clean = mon.should_skip_step()

@@ -111,7 +111,7 @@ def _run(name: str, impl: str, fault: str, seed: int, **attach):
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="loc", optimizer=opt, policy="off", on_report=reports.append,
+        with nanwatch.attach(model, run_id="loc", optimizer=opt, directive_source="off", on_report=reports.append,
                              **attach) as mon:
             for n in range(STEPS):
                 if target is not None:

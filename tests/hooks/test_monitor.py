@@ -404,3 +404,37 @@ def test_the_ingest_token_comes_from_the_environment_or_a_secret_file(tmp_path, 
     monkeypatch.setenv("NANWATCH_TOKEN_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="NANWATCH_TOKEN_FILE"):
         MonitorConfig(run_id="t")
+
+
+def test_attach_with_a_config_refuses_arguments_that_say_otherwise():
+    from nanwatch.hooks.config import MonitorConfig
+
+    model = tiny_qwen3()
+    cfg = MonitorConfig(run_id="cfg", grads=False)
+    for kwargs, field in [({"run_id": "other"}, "run_id"), ({"collector": "http://127.0.0.1:1"}, "collector"),
+                          ({"grads": True}, "grads"), ({"no_such_option": 1}, "no_such_option")]:
+        with pytest.raises(ValueError, match=field):
+            nanwatch.attach(model, config=cfg, **kwargs)
+    assert _hook_dicts(model) == {}
+    with nanwatch.attach(model, run_id="cfg", config=cfg, grads=False) as mon:  # the same values are fine
+        assert mon.config is cfg
+    with pytest.raises(TypeError, match="run_id"):
+        nanwatch.attach(model)
+
+
+def test_the_old_names_still_work_and_say_they_are_deprecated():
+    from nanwatch.hooks.config import MonitorConfig
+
+    with pytest.warns(DeprecationWarning, match="directive_source"):
+        cfg = MonitorConfig(run_id="old", policy="off")
+    assert cfg.directive_source == "off"
+    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
+        MonitorConfig(run_id="old", policy="off", directive_source="local")
+    with pytest.raises(ValueError, match="directive_source"):
+        MonitorConfig(run_id="old", directive_source="sometimes")
+    model = tiny_qwen3()
+    with pytest.warns(DeprecationWarning, match="directive_source"):
+        mon = nanwatch.attach(model, run_id="old", policy="off")
+    with mon:
+        with pytest.warns(DeprecationWarning, match="directive_state"):
+            assert mon.directives is mon.directive_state

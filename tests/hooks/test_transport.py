@@ -138,3 +138,34 @@ def test_transport_imports_neither_torch_nor_the_web_stack():
             "'requests') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_transport_imports_without_torch():
+    """What its docstring promises: the package ``__init__`` is lazy, so only the leaf's own imports run."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import nanwatch.hooks.transport, nanwatch.hooks.directive_decision, nanwatch.hooks.call_stack\n"
+        "import nanwatch.hooks.local_rules, nanwatch.hooks.compiled, nanwatch.hooks.failsafe\n"
+        "import nanwatch.tiny_models\n"
+        "from nanwatch.hooks import __all__ as names\n"
+        "assert names == ['Monitor', 'MonitorConfig', 'attach'], names\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_one_collector_url_check():
+    from nanwatch.hooks.transport import check_collector_url
+
+    assert check_collector_url("https://c.example:8443/prefix").port == 8443
+    for bad in ("http://", "http://host:notaport", "ftp://host", "host:80"):
+        with pytest.raises(ValueError, match="collector"):
+            check_collector_url(bad)
+    with pytest.raises(ValueError, match="collector"):
+        ReportSender("http://host:notaport")

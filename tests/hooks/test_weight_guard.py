@@ -177,7 +177,7 @@ def test_a_non_fused_optimizer_warns_and_is_guarded_with_sync():
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model2, run_id="sgd-sync", policy="off") as mon:
+        with nanwatch.attach(model2, run_id="sgd-sync", directive_source="off") as mon:
             mon.guard(opt2, sync=True)
             overflow_attention(model2)
             with mon.step(0):

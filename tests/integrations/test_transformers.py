@@ -19,7 +19,7 @@ from support import CollectorProcess, tiny_qwen3
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from nanwatch.integrations.transformers import NanwatchCallback  # noqa: E402
+from nanwatch.hooks.integrations.transformers import NanwatchCallback  # noqa: E402
 from nanwatch.wire import Directive  # noqa: E402
 
 GA, LAYERS = 4, ("model.layers.0.self_attn", "model.layers.1.self_attn")
@@ -199,7 +199,7 @@ def test_a_non_fused_optimizer_is_guarded_under_the_skip_step_directive(tmp_path
             self.cb = cb
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.cb.monitor.directives.offer(Directive(run_id="guard", version=1, mode="skip_step",
+            self.cb.monitor.directive_state.offer(Directive(run_id="guard", version=1, mode="skip_step",
                                                        apply_at_step=0))
 
     with pytest.warns(RuntimeWarning, match="cannot skip a step of AdamW without a host sync"):
@@ -214,7 +214,7 @@ _CRASH = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from support import tiny_qwen3
     from datasets import Dataset
-    from nanwatch.integrations.transformers import NanwatchCallback
+    from nanwatch.hooks.integrations.transformers import NanwatchCallback
     warnings.simplefilter("ignore")
     model = tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0)).tolist()
@@ -245,3 +245,18 @@ def test_a_crashing_steps_report_reaches_the_collector(tmp_path):
     assert run["latest_step"] == 1  # the step that crashed was reported, at interpreter exit
     assert run["first_offender"]["site"] == "model.layers.0.mlp" and run["first_offender"]["step"] == 1
     assert run["nonfinite_total"] > 0
+
+
+def test_the_old_import_path_still_works_and_says_it_moved():
+    import importlib
+    import sys
+
+    from nanwatch.hooks.integrations import trl as new_trl
+
+    for name in ("nanwatch.integrations.transformers", "nanwatch.integrations.trl"):
+        sys.modules.pop(name, None)
+    with pytest.warns(DeprecationWarning, match="nanwatch.hooks.integrations.transformers"):
+        old = importlib.import_module("nanwatch.integrations.transformers")
+    with pytest.warns(DeprecationWarning, match="nanwatch.hooks.integrations.trl"):
+        old_trl = importlib.import_module("nanwatch.integrations.trl")
+    assert old.NanwatchCallback is NanwatchCallback and old_trl.instrument is new_trl.instrument

@@ -16,8 +16,8 @@ pytest.importorskip("datasets")
 
 import trl  # noqa: E402
 
-from nanwatch.integrations.transformers import NanwatchCallback  # noqa: E402
-from nanwatch.integrations.trl import instrument  # noqa: E402
+from nanwatch.hooks.integrations.transformers import NanwatchCallback  # noqa: E402
+from nanwatch.hooks.integrations.trl import instrument  # noqa: E402
 
 
 def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False):

@@ -1,0 +1,82 @@
+"""Where a finished step goes, on the reporter thread: built into a StepReport, observed by the directive
+state (the clean-step streak) and the local rule engine, then delivered to the collector's sender and the
+user's ``on_report``. One object owns that chain, so the Monitor hands it a step and nothing more.
+
+Example usage::
+
+    flow = ReportFlow(config, rank=0, world_size=1, incarnation="ab12", rec=rec, warn=WarnOnce(),
+                      directive_state=state, expects_logits=lambda: True)
+    flow.capture(rec.flat(), step, StepContext(rec.swap(), state.mode, state.version, time.time()))
+    flow.last_report()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.local_rules import LocalRuleEngine
+from nanwatch.hooks.recorder import Recorder
+from nanwatch.hooks.report import ReportBuilder, StepContext
+from nanwatch.hooks.reporter import Pending, Reporter
+from nanwatch.wire import StepReport
+
+__all__ = ["ReportFlow"]
+
+
+class ReportFlow:
+    """The reporter thread's side of one Monitor: the builder, the rules, the sender, the callback."""
+
+    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, rec: Recorder,
+                 warn: WarnOnce, directive_state: DirectiveState, expects_logits: Callable[[], bool]) -> None:
+        self._on_report = config.on_report
+        self._directive_state = directive_state
+        source = config.directive_source
+        local = source == "local" or (source == "auto" and not config.collector)
+        self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=directive_state,
+                                      logit_tau=config.logit_tau) if local else None
+        self._sender = None
+        self._builder = ReportBuilder(
+            run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, rec=rec, warn=warn,
+            dropped_reports=lambda: self.dropped, expects_logits=expects_logits,
+            agree_every=config.directive_check_every if world_size > 1 else None)
+        self._reporter = Reporter(self._build, on_report=self._deliver, max_pending=config.max_pending_reports)
+
+    def send_to(self, sender) -> None:
+        """Deliver every report to ``sender`` too (a ``ReportSender``); closed with this flow."""
+        self._sender = sender
+
+    def capture(self, data: torch.Tensor, step: int, ctx: StepContext) -> bool:
+        """Training thread, step end: hand the step over (False: dropped, the reporter is too far behind)."""
+        return self._reporter.capture(data, step, ctx)
+
+    def last_report(self, timeout: float | None) -> StepReport | None:
+        return self._reporter.last_report(timeout)
+
+    @property
+    def dropped(self) -> int:
+        """Reports that never reached the collector: behind the reporter, or queued and dropped to send."""
+        return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
+
+    def close(self, timeout: float) -> None:
+        self._reporter.close(timeout)
+        if self._sender is not None:
+            self._sender.close(timeout_s=timeout)
+
+    # ---- reporter thread ---------------------------------------------------------------------------
+    def _build(self, pending: Pending, values: list[float]) -> StepReport:
+        report = self._builder.build(pending, values)
+        self._directive_state.note_report(report.first_offender is None)
+        if self._rules is not None:
+            self._rules.observe(report)
+        return report
+
+    def _deliver(self, report: StepReport) -> None:
+        if self._sender is not None:
+            self._sender.submit(report)
+        if self._on_report is not None:
+            self._on_report(report)

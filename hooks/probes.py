@@ -110,7 +110,7 @@ class _Disable:
         self._probes = probes
 
     def remove(self) -> None:
-        self._probes._active = False
+        self._probes.disable()
 
 
 def first_tensor(output) -> torch.Tensor | None:
@@ -164,6 +164,10 @@ class Probes:
         """Turn the hooks on; the returned handle's ``remove()`` turns them off (with the other handles)."""
         self._active = True
         return _Disable(self)
+
+    def disable(self) -> None:
+        """Turn the hooks off (every hook returns at once from then on)."""
+        self._active = False
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[None]:

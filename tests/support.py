@@ -148,7 +148,7 @@ def guarded_step(mon, model, opt, n: int) -> tuple:
     mode the step ran in, whether the update was skipped, the loss, whether every weight is finite)."""
     ids = token_ids(2, 32, seed=n, vocab=64)
     with mon.step(n):
-        mode = mon.directives.mode
+        mode = mon.directive_state.mode
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

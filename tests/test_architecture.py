@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zipfile
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,21 +54,38 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """Every module ``name`` imports, anywhere in the file, resolved to dotted names."""
+def _import_nodes(body: list[ast.stmt], *, import_time: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements in ``body``: all of them, or (``import_time``) those that run when the module
+    is imported -- module level, ``try``/``if`` blocks and class bodies, not function bodies nor
+    ``if TYPE_CHECKING:`` blocks."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if import_time and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if import_time and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _import_nodes(node.orelse, import_time=True)
+            continue
+        yield from _import_nodes([c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))],
+                                 import_time=import_time)
+
+
+def _imports(name: str, path: Path, *, import_time: bool = False) -> set[str]:
+    """Every module ``name`` imports (anywhere in the file, or only at import time), as dotted names."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _import_nodes(tree.body, import_time=import_time):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:  # ``from pkg import mod`` imports the submodule when there is one
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:  # ``from pkg import mod`` imports the submodule when there is one
+            found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return found
 
 
@@ -102,7 +120,7 @@ _NEUTRAL = ("nanwatch.cli", "nanwatch.demo", "nanwatch.bench")
     ("monitor", ("nanwatch.hooks", "nanwatch.integrations", *_NEUTRAL), {"torch", "transformers", "trl"}),
 ])
 def test_each_side_keeps_to_its_room_at_any_depth(folder, banned_modules, banned_packages):
-    """A room is a source folder: hooks/ (nanwatch.hooks and nanwatch.integrations) or monitor/."""
+    """A room is a source folder: hooks/ (nanwatch.hooks, including nanwatch.hooks.integrations) or monitor/."""
     members = [m for m, path in MODULES.items() if path.is_relative_to(ROOT / folder)]
     assert len(members) > 5, members
     for mod in members:
@@ -178,10 +196,14 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the test above can fail
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+#: deprecated re-exports kept for users of the old import path: they share the real modules' names on purpose
+ALIASES = ("nanwatch.integrations.",)
+
+
 def test_no_two_shipped_files_share_a_name():
     names = defaultdict(list)
     for name, path in MODULES.items():
-        if path.stem != "__init__":
+        if path.stem != "__init__" and not name.startswith(ALIASES):
             names[path.name].append(name)
     assert {n: m for n, m in names.items() if len(m) > 1} == {}
 
@@ -213,3 +235,176 @@ def test_the_wheel_ships_the_product_and_nothing_else(tmp_path):
     # every source file of the product folders is a listed module (a forgotten subpackage would not ship)
     sources = {p for folder in set(PACKAGE_DIRS.values()) for p in (ROOT / folder).rglob("*.py")}
     assert sources == set(MODULES.values()), sorted(map(str, sources - set(MODULES.values())))
+
+
+# ---- each leaf imports with its own dependencies alone ----------------------------------------------------
+#: third-party packages a shipped module may need; the rest of the environment is never blocked
+THIRD_PARTY = {"torch", "numpy", "fastapi", "starlette", "uvicorn", "httptools", "uvloop", "prometheus_client",
+               "pydantic_settings", "transformers", "trl", "accelerate", "datasets", "httpx", "yaml",
+               "safetensors", "tensorboard", "grafana_foundation_sdk"}
+#: what a package brings along when it is imported (so allowing it allows these)
+_BRINGS = {"torch": {"numpy"}, "fastapi": {"starlette"}, "uvicorn": {"httptools", "uvloop"}}
+#: the trainers an integration module hooks into (imported through a function, so the scan cannot see them)
+FRAMEWORKS = {"transformers", "trl", "accelerate", "datasets", "safetensors", "torch", "httpx", "yaml"}
+#: the dependencies a side's modules may need at all (pydantic and the standard library always)
+SIDE_DEPS = {
+    "hooks": {"torch", "numpy"},
+    "monitor": {"fastapi", "starlette", "uvicorn", "httptools", "uvloop", "prometheus_client", "pydantic_settings"},
+}
+
+
+IMPORT_TIME = {name: _imports(name, path, import_time=True) for name, path in MODULES.items()}
+
+
+def own_dependencies(module: str) -> set[str]:
+    """The third-party packages ``module`` itself needs: those it and the project modules it imports at
+    import time import, transitively -- not those of the packages above it, which must not add any."""
+    seen, deps, todo = set(), set(), [module]
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        for imp in IMPORT_TIME[mod]:
+            top = imp.split(".")[0]
+            if imp in MODULES:
+                todo.append(imp)
+            elif top in THIRD_PARTY:
+                deps.add(top)
+    if ".integrations." in module:  # an integration needs the framework it integrates, found at import
+        deps |= FRAMEWORKS
+    for dep in list(deps):
+        deps |= _BRINGS.get(dep, set())
+    return deps
+
+
+_PROBE = r"""
+import importlib, json, os, sys
+jobs = json.loads(sys.argv[1])
+import pydantic  # noqa: F401 - every module may use it
+for name in jobs[0][1]:  # the group's own dependencies, imported once before forking (they are allowed)
+    importlib.import_module(name)
+known = set(json.loads(sys.argv[2]))
+failures = {}
+for module, allowed in jobs:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            importlib.import_module(module)
+            loaded = {m.split(".")[0] for m in list(sys.modules)} & known
+            msg = ", ".join(sorted(loaded - set(allowed)))
+            msg = f"loaded {msg}" if msg else ""
+        except BaseException as e:
+            msg = f"{type(e).__name__}: {e}"
+        os.write(w, msg.encode()[:500])
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 600).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    if msg:
+        failures[module] = msg
+print(json.dumps(failures))
+"""
+
+
+def test_each_shipped_module_imports_with_only_its_own_dependencies():
+    """A module's package ``__init__`` files must not make it need more than it uses: the collector's store
+    imports without the web stack, the trainer's transport without torch, the wire with pydantic alone.
+    Each module is imported in a fresh (forked) interpreter, which must then hold no third-party package
+    the project knows of beyond the module's own."""
+    if not hasattr(__import__("os"), "fork"):
+        pytest.skip("needs fork")
+    for side, allowed in SIDE_DEPS.items():
+        for mod, path in MODULES.items():
+            if path.is_relative_to(ROOT / side) and ".integrations." not in mod:
+                extra = own_dependencies(mod) - allowed
+                assert not extra, f"{mod} needs {sorted(extra)}, beyond the {side} side's dependencies"
+    import json
+
+    groups: dict[frozenset[str], list[str]] = defaultdict(list)
+    for mod in MODULES:  # an integration needs a whole training stack: checked statically above, not here
+        if ".integrations." not in mod:
+            groups[frozenset(own_dependencies(mod))].append(mod)
+    failures = {}
+    for deps, members in groups.items():
+        jobs = [(m, sorted(deps)) for m in members]
+        out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(jobs), json.dumps(sorted(THIRD_PARTY))],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        failures |= json.loads(out.stdout.strip().splitlines()[-1])
+    assert failures == {}
+
+
+def test_the_leaves_that_promise_no_torch_or_web_stack_keep_it():
+    """The light leaves named in their docstrings, checked by name so that a regression is not hidden by
+    the dependency scan above growing with it."""
+    assert own_dependencies("nanwatch.wire") == set()
+    assert own_dependencies("nanwatch.policy") == set()
+    assert own_dependencies("nanwatch.tokens") == set()
+    for light in ("nanwatch.hooks", "nanwatch.hooks.transport", "nanwatch.hooks.directive_decision",
+                  "nanwatch.hooks.call_stack", "nanwatch.hooks.local_rules", "nanwatch.tiny_models"):
+        assert own_dependencies(light) == set(), light
+    for write_path in ("store", "state", "ledger", "ingest", "rules", "body", "event_log", "directive_log"):
+        assert own_dependencies(f"nanwatch.monitor.{write_path}") == set(), write_path
+
+
+# ---- collaborators talk through methods, not through each other's privates --------------------------------
+def _private_names_by_class() -> dict[str, set[str]]:
+    """For each private name (``_x``, not dunder) the project's classes define -- methods, class attributes
+    and ``self._x = ...`` assignments -- the classes that define it."""
+    owners: dict[str, set[str]] = defaultdict(set)
+    for path in MODULES.values():
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                name = None
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in cls.body:
+                    name = node.name
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    name = node.attr
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in cls.body:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for t in targets:
+                        if isinstance(t, ast.Name) and t.id.startswith("_") and not t.id.startswith("__"):
+                            owners[t.id].add(cls.name)
+                if name and name.startswith("_") and not name.startswith("__"):
+                    owners[name].add(cls.name)
+    return owners
+
+
+def private_reach(tree: ast.AST, owners: dict[str, set[str]]) -> list[str]:
+    """``x._name`` where ``_name`` is a private of one of the project's classes and the access is not made
+    from inside a class that defines it (``self._x``, or ``other._x`` within the same class); and
+    ``from nanwatch... import _name``."""
+    bad = []
+
+    def visit(node: ast.AST, inside: str | None) -> None:
+        if isinstance(node, ast.ClassDef):
+            inside = node.name
+        if (isinstance(node, ast.Attribute) and node.attr in owners
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and inside not in owners[node.attr]):
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanwatch"):
+            bad.extend(f"line {node.lineno}: import {a.name}" for a in node.names
+                       if a.name.startswith("_") and not a.name.startswith("__"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, None)
+    return bad
+
+
+def test_no_module_touches_another_classs_private_attributes():
+    owners = _private_names_by_class()
+    found = {name: hits for name, path in MODULES.items() if (hits := private_reach(ast.parse(path.read_text()), owners))}
+    assert found == {}
+
+
+def test_the_private_reach_check_can_fail():
+    tree = ast.parse("class A:\n    def __init__(self):\n        self._buf = 1\n\ndef f(a):\n    return a._buf\n"
+                     "class B:\n    def g(self, a):\n        return a._buf\nfrom nanwatch.x import _y\n")
+    assert private_reach(tree, {"_buf": {"A"}}) == ["line 6: a._buf", "line 9: a._buf", "line 10: import _y"]

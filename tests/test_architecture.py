@@ -92,19 +92,22 @@ def _imports(name: str, path: Path, *, import_time: bool = False) -> set[str]:
 GRAPH: dict[str, set[str]] = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _reach(start: str) -> tuple[set[str], set[str]]:
-    """(project modules reachable from ``start``, third-party top-level names they import). A module's
-    parent packages run too when it is imported, so their imports count, except the root ``nanwatch``,
-    whose only import of another room is lazy (checked on its own below)."""
+def _reach(start: str, graph: dict[str, set[str]] | None = None, *, parents: bool = True) -> tuple[set[str], set[str]]:
+    """(project modules reachable from ``start`` in ``graph`` (default: every import), third-party
+    top-level names they import). A module's parent packages run too when it is imported, so their imports
+    count (``parents``), except the root ``nanwatch``, whose only import of another room is lazy (checked
+    on its own below)."""
+    graph = GRAPH if graph is None else graph
     seen, external, todo = set(), set(), [start]
     while todo:
         mod = todo.pop()
         if mod in seen:
             continue
         seen.add(mod)
-        parents = [".".join(mod.split(".")[:i]) for i in range(2, mod.count(".") + 1)]
-        todo.extend(p for p in parents if p in MODULES)
-        for imp in GRAPH[mod]:
+        if parents:
+            todo.extend(p for p in (".".join(mod.split(".")[:i]) for i in range(2, mod.count(".") + 1))
+                        if p in MODULES)
+        for imp in graph[mod]:
             if imp in MODULES:
                 todo.append(imp)
             elif imp.split(".")[0] != "nanwatch":
@@ -259,18 +262,7 @@ IMPORT_TIME = {name: _imports(name, path, import_time=True) for name, path in MO
 def own_dependencies(module: str) -> set[str]:
     """The third-party packages ``module`` itself needs: those it and the project modules it imports at
     import time import, transitively -- not those of the packages above it, which must not add any."""
-    seen, deps, todo = set(), set(), [module]
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        seen.add(mod)
-        for imp in IMPORT_TIME[mod]:
-            top = imp.split(".")[0]
-            if imp in MODULES:
-                todo.append(imp)
-            elif top in THIRD_PARTY:
-                deps.add(top)
+    deps = _reach(module, IMPORT_TIME, parents=False)[1] & THIRD_PARTY
     if ".integrations." in module:  # an integration needs the framework it integrates, found at import
         deps |= FRAMEWORKS
     for dep in list(deps):
@@ -408,3 +400,73 @@ def test_the_private_reach_check_can_fail():
     tree = ast.parse("class A:\n    def __init__(self):\n        self._buf = 1\n\ndef f(a):\n    return a._buf\n"
                      "class B:\n    def g(self, a):\n        return a._buf\nfrom nanwatch.x import _y\n")
     assert private_reach(tree, {"_buf": {"A"}}) == ["line 6: a._buf", "line 9: a._buf", "line 10: import _y"]
+
+
+# ---- the README's words and map match the tree --------------------------------------------------------------
+README = (ROOT / "README.md").read_text()
+
+
+def _readme_table(heading: str) -> list[list[str]]:
+    """The rows of the first table under ``## heading``, as cells (header and rule dropped)."""
+    section = README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _definitions() -> dict[str, list[tuple[str, ast.AST]]]:
+    """Top-level classes, functions and assigned names of every shipped module (the deprecated aliases
+    aside), by name."""
+    out: dict[str, list[tuple[str, ast.AST]]] = defaultdict(list)
+    for mod, path in MODULES.items():
+        if mod.startswith(ALIASES):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[node.name].append((mod, node))
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(t, ast.Name):
+                        out[t.id].append((mod, node))
+    return out
+
+
+def test_each_word_of_the_glossary_is_defined_once_where_it_says():
+    defs = _definitions()
+    rows = _readme_table("Words")
+    assert len(rows) >= 7, rows
+    for word, _, where in rows:
+        for dotted in (w.strip(" `") for w in where.split(",")):
+            module = max((m for m in MODULES if dotted.startswith(m + ".")), key=len)
+            name, _, attr = dotted[len(module) + 1:].partition(".")
+            places = [m for m, _ in defs[name]]
+            assert places == [module], f"{word}: {name} is defined in {places}, the README says {module}"
+            if attr:
+                (node,) = [n for _, n in defs[name]]
+                members = {getattr(b, "name", None) for b in node.body} | {
+                    b.target.id for b in node.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)}
+                assert attr in members, f"{word}: {name} has no {attr}"
+
+
+#: a word of the glossary -> the only classes whose names may contain it
+WORD_OWNERS = {"Policy": set(), "Monitor": {"Monitor", "MonitorConfig"},
+               "Collector": {"CollectorState", "CollectorProcess"}, "Ledger": {"Ledger"}}
+
+
+def test_no_class_borrows_a_word_of_the_glossary():
+    defs = _definitions()
+    for word, owners in WORD_OWNERS.items():
+        borrowers = {n for n, places in defs.items() if word in n
+                     and any(isinstance(node, ast.ClassDef) for _, node in places)}
+        assert borrowers <= owners, (word, sorted(borrowers - owners))
+
+
+def test_the_readme_map_lists_every_shipped_module():
+    listed: set[Path] = set()
+    folder = None
+    for cells in _readme_table("Layout"):
+        if cells[0]:  # a folder's first row names it; a row without one continues the folder above
+            folder = cells[0].split("`")[1] if cells[0].startswith("`") else folder
+        listed |= {ROOT / folder / n.strip(" `") for n in cells[1].split(",") if n.strip(" `").endswith(".py")}
+    shipped = set(MODULES.values())
+    assert shipped - listed == set(), sorted(str(p.relative_to(ROOT)) for p in shipped - listed)
+    assert listed - shipped == set(), sorted(str(p.relative_to(ROOT)) for p in listed - shipped)

@@ -59,7 +59,7 @@ def _assert_protected_and_fallen_back(rows, *, by: int) -> int:
     return applied
 
 
-def test_without_a_collector_the_local_policy_falls_back_at_the_next_step():
+def test_without_a_collector_the_local_rules_fall_back_at_the_next_step():
     rows = _train()
     assert _assert_protected_and_fallen_back(rows, by=K + 1) == K + 1
     inc = rows[K]["incident"]  # replayed before the next step: fp16 QK overflow is a precision problem

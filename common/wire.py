@@ -34,6 +34,7 @@ __all__ = [
     "Mode",
     "Phase",
     "ReportBatch",
+    "ReportScope",
     "RlhfStat",
     "SdpaCall",
     "SiteKind",
@@ -46,7 +47,15 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.3"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.4"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+#                                        1.4 job-level reports (scope), the guard's cross-rank verdict
+
+#: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
+#: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
+#: ``detail``: a rank's own report, sent beside the job report because it differs (a non-finite value,
+#: another SDPA backend, another attention mode): it names rank and layer, and its run-level figures are
+#: already in the job report. ``heartbeat``: a rank's low-rate liveness in job mode (no measurements).
+ReportScope = Literal["rank", "job", "detail", "heartbeat"]
 
 #: Where a tensor was seen: the forward output, or the gradient flowing back into it.
 Phase = Literal["forward", "backward"]
@@ -256,7 +265,8 @@ class StepReport(_Wire):
         SCHEMA_VERSION, json_schema_extra={"pattern": rf"^0*{SCHEMA_MAJOR}(\.[\s\S]*)?$"},
         description="schema version MAJOR.MINOR; a reader refuses a major it does not speak")
     run_id: RunId
-    rank: Count = 0
+    scope: ReportScope = Field("rank", description="who the report speaks for: rank, job, detail or heartbeat")
+    rank: Count = Field(0, description="the sending rank (in a job report, the rank that posted it)")
     world_size: Positive = 1
     incarnation: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
     seq: Count = Field(description="per (rank, incarnation) report sequence number; the idempotency key")
@@ -278,6 +288,15 @@ class StepReport(_Wire):
     first_offender: SiteName | None = None
     first_offender_phase: Phase | None = None
     first_offender_stage: Stage | None = None
+    first_offender_rank: Count | None = Field(
+        None, description="the rank that held first_offender: in a job report, the rank whose first offender came "
+        "earliest in execution order (ties: the lowest rank); in a rank or detail report, the sender")
+    ranks_reporting: Positive | None = Field(
+        None, description="job reports: how many ranks the reduction covered (world_size when all took part)")
+    nonfinite_rank: Count | None = Field(
+        None, description="with a weight guard under torch.distributed: the lowest rank whose step held a "
+        "non-finite value, from the guard's reduction across ranks (so every rank's report says who made the "
+        "job skip the step); None when no rank did")
     dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
     warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
 
@@ -290,8 +309,16 @@ class StepReport(_Wire):
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> StepReport:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        for name in ("rank", "first_offender_rank", "nonfinite_rank"):
+            value = getattr(self, name)
+            if value is not None and value >= self.world_size:
+                raise ValueError(f"{name} {value} is outside world_size {self.world_size}")
+        if self.ranks_reporting is not None and self.ranks_reporting > self.world_size:
+            raise ValueError(f"ranks_reporting {self.ranks_reporting} exceeds world_size {self.world_size}")
+        if self.scope == "heartbeat" and (self.sites or self.sdpa or self.logits or self.rlhf or self.fingerprints
+                                          or self.incident):
+            raise ValueError("a heartbeat carries no measurements (sites, sdpa, logits, rlhf, fingerprints, "
+                             "incident): send them as a rank, job or detail report")
         return self
 
     @property

@@ -49,3 +49,27 @@ def test_wire_imports_neither_torch_nor_web_stack():
             "'prometheus_client') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_1_3_report_is_still_read_as_a_rank_report():
+    old = {"v": "1.3", "run_id": "r", "incarnation": "abc", "seq": 0, "step": 1, "time": 0.0}
+    r = StepReport.model_validate_json(json.dumps(old), strict=True)
+    assert r.scope == "rank" and r.first_offender_rank is None and r.nonfinite_rank is None
+
+
+@pytest.mark.parametrize("field", ["first_offender_rank", "nonfinite_rank"])
+def test_a_rank_named_in_a_report_lies_inside_its_world(field):
+    assert getattr(_report(world_size=4, **{field: 3}), field) == 3
+    with pytest.raises(ValidationError, match=f"{field} 4 is outside world_size 4"):
+        _report(world_size=4, **{field: 4})
+    with pytest.raises(ValidationError, match="ranks_reporting 5 exceeds"):
+        _report(scope="job", world_size=4, ranks_reporting=5)
+
+
+def test_a_heartbeat_carries_no_measurements():
+    beat = _report(scope="heartbeat", rank=3, world_size=8, attention_mode="fp32", dropped_reports=2)
+    assert beat.nonfinite_total == 0
+    site = SiteStat(site="s", kind="mlp", phase="forward", dtype="float32", numel=1, nan=1, inf=0, amax=0.0,
+                    headroom=0.0)
+    with pytest.raises(ValidationError, match="a heartbeat carries no measurements"):
+        _report(scope="heartbeat", sites=[site])

@@ -6,7 +6,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -109,6 +109,18 @@ class MonitorConfig:
     None: on when the model is on the CPU and a weight guard is attached (reading the step's non-finite
     flag is then free); True: also on a GPU, at one host read of that flag per step."""
 
+    process_group: Any = None
+    """The training process group (a ``torch.distributed`` ProcessGroup) the weight guard reduces its
+    non-finite flag over, so that every rank skips a step any rank saw a non-finite value in. None: the
+    default group. Pass the data-parallel group when ranks of other groups hold other parameters (tensor or
+    pipeline parallelism) and must not skip with it. A CPU model needs a group that reduces CPU tensors
+    (gloo); with None and an NCCL default group, nanwatch makes a gloo group once."""
+
+    guard_reduce: bool = True
+    """Under torch.distributed, reduce the weight guard's flag across ``process_group`` (one async
+    all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.collective``). False only when the
+    ranks share no gradients (independent models): each rank then decides alone."""
+
     def __post_init__(self) -> None:
         if self.policy is not None:
             warnings.warn("MonitorConfig(policy=...) is deprecated: use directive_source=... (same values)",
@@ -137,6 +149,10 @@ class MonitorConfig:
             raise ValueError(f"logit_tau must be > 0, got {self.logit_tau}")
         if self.directive_check_every < 1:
             raise ValueError(f"directive_check_every must be >= 1, got {self.directive_check_every}")
+        if self.process_group is not None and not (torch.distributed.is_available()
+                                                   and isinstance(self.process_group, torch.distributed.ProcessGroup)):
+            raise ValueError(f"process_group must be a torch.distributed ProcessGroup (or None: the default "
+                             f"group), got {type(self.process_group).__name__}")
         if self.collector is not None:
             check_collector_url(self.collector)
         if self.token is None:

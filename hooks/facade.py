@@ -82,7 +82,7 @@ class Monitor:
             self._device = next(model.parameters()).device
         except StopIteration:
             self._device = torch.device("cpu")
-        self._rec = Recorder(self._device)
+        self._rec = Recorder(self._device, group=config.process_group, reduce=config.guard_reduce)
         self._handles: list = []
         self._active = False
         self._open_step: int | None = None

@@ -16,12 +16,13 @@ from typing import NamedTuple
 
 import torch
 
+from nanwatch.hooks.collective import FlagReduction, reduction_active
 from nanwatch.hooks.dtypes import finfo_max
 from nanwatch.hooks.observations import BufKey, ObservationLog
 from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, Incident, LogitStat, SdpaCall, SiteStat, dtype_name
 
-__all__ = ["GUARD_SKIPPED", "Counts", "ForwardMeta", "Recorder", "SiteKey", "StepSoFar", "StepState"]
+__all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "Recorder", "SiteKey", "StepSoFar", "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
@@ -30,6 +31,10 @@ QUIET_KINDS = frozenset({"param"})
 
 #: The slot holding 1 when the weight guard skipped the step's update (max over the step's optimizer steps).
 GUARD_SKIPPED = ("guard", "skipped")
+
+#: The slot holding ``-r``, ``r`` the lowest rank whose step held a non-finite value, from the guard's
+#: reduction across ranks (``nanwatch.hooks.collective``): max over the step's optimizer steps.
+NONFINITE_RANK = ("guard", "nonfinite_rank")
 
 #: Forwards fingerprinted per step; the wire allows 256, a training step rarely has more than a few.
 MAX_FORWARDS = 64
@@ -118,8 +123,12 @@ class Recorder:
     Training thread, except ``decode``/``getter``/``step_skipped``, which the reporter thread calls on a
     step already handed over (a StepState from ``swap``): no caller reaches into its buffers."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, group=None, reduce: bool = True) -> None:
+        """``group``: the training process group the guard's flag is reduced over (None: the default
+        group); ``reduce=False``: each rank decides alone (``MonitorConfig.guard_reduce``)."""
         self.buf = SlotBuffer(device)
+        self._group = group
+        self._reduction = FlagReduction(group) if reduce else None
         #: training calls apart from the rest (eval, generate): the weight guard's flag is one log's rows
         self.obs = {"train": ObservationLog(), "other": ObservationLog()}
         self.state = StepState()
@@ -248,6 +257,17 @@ class Recorder:
             return torch.zeros((), dtype=torch.float32, device=self.buf.device)
         return self._local(flag).to(torch.float32)
 
+    def job_nonfinite_flag(self) -> torch.Tensor:
+        """:meth:`nonfinite_flag`, reduced (MAX) over the training process group under torch.distributed:
+        a collective, so every rank calls it under the same condition, never a local value. The lowest
+        faulting rank goes into the buffer for the report (``nonfinite_rank``): device ops only."""
+        flag = self.nonfinite_flag()
+        if self._reduction is None or not reduction_active(self._group):
+            return flag
+        flag, lowest = self._reduction.reduce(flag)
+        self.buf.maximize(NONFINITE_RANK, self._local(lowest))
+        return self._local(flag)
+
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Bring a small result to the buffer's device. Asynchronous towards a GPU; towards a CPU buffer
         (a CUDA tensor in a model whose parameters are on the CPU) it must be blocking, or CPU ops
@@ -302,6 +322,12 @@ class Recorder:
         """Whether a weight guard skipped the step's update; None when no guard decided in it."""
         skipped = self.getter(state, values)("max", GUARD_SKIPPED, -math.inf)
         return None if skipped == -math.inf else skipped > 0
+
+    def nonfinite_rank(self, state: StepState, values: list[float]) -> int | None:
+        """The lowest rank whose step held a non-finite value, from the guard's reduction; None when no
+        rank's did, or nothing was reduced."""
+        lowest = self.getter(state, values)("max", NONFINITE_RANK, -math.inf)
+        return int(-lowest) if math.isfinite(lowest) else None
 
     def decode(self, state: StepState, values: list[float]):
         """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender)."""

@@ -23,6 +23,15 @@ forward, no more), once per run, plus one host read of the step's non-finite fla
 on. It does not run when it cannot be sound: a NaN born in backward (the replay re-runs forwards), no kept
 forward, compiled code in the step (the probes, and so the fp32 path, are off inside graphs), or no weight
 guard (the weights already moved). The incident then says ``not_classified`` and why.
+
+Many ranks: the replay runs on the rank whose step was non-finite, alone, outside the user's step. That is
+sound only where a forward issues no collective. Under DDP it calls the inner module (the Monitor's model
+is the user's, inside the wrapper), whose forward communicates nothing, and every rank skipped the step
+(the guard's reduction), so the weights are those the step ran with. Under FSDP, DTensor parameters,
+DeepSpeed ZeRO-3 or SyncBatchNorm a forward gathers from every rank: one rank re-running it hung the job
+(measured, FSDP2 on 2 gloo ranks), so there the replay does not run and the incident says which wrapper
+(``nanwatch.hooks.collective.collective_forward``). Running it on every rank together would need the
+ranks to agree on every branch of the search (which micro-batch, which path), a collective per branch.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nanwatch.hooks.collective import collective_forward
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.kept_forward import KeptForward
 from nanwatch.hooks.probes import Probes, first_tensor
@@ -153,7 +163,10 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
     def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
         return Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
 
-    why_not = ("the non-finite value was born in backward; the replay re-runs forwards only" if phase == "backward"
+    wrapper = collective_forward(model)
+    why_not = (f"{wrapper}: a forward re-run on this rank alone would wait for the other ranks (a hang), "
+               "so the replay does not run under it" if wrapper
+               else "the non-finite value was born in backward; the replay re-runs forwards only" if phase == "backward"
                else "no training forward was kept this step" if not kept
                else "compiled code ran in the step: inside a graph the fp32 path is not applied" if compiled
                else "no weight guard: the weights moved since the step, so a replay would not be that step"

@@ -1,0 +1,163 @@
+"""One rank of the cross-rank weight-guard tests (started by torchrun from test_dist_guard.py, gloo, 2 ranks):
+a tiny Qwen3, a NaN injected on rank 1 only at step K (a forward hook on one MLP, run before nanwatch's),
+trained under each wrapper named on the command line in turn, in one process group. Every step's
+report fields and the weights' (or local shards') finiteness go to ``<out>/<wrapper>.rank<r>.json``.
+
+Wrappers: ``ddp`` (DistributedDataParallel, 2 micro-batches per step, the NaN in the first, under
+``no_sync``), ``fsdp2`` (``fully_shard`` per layer and root, CPU defaults: replay on), ``accelerate``
+(``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2).
+"""
+
+import contextlib
+import datetime
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support import SMALL, tiny_qwen3, token_ids  # noqa: E402
+
+import nanwatch  # noqa: E402
+
+K, STEPS = 2, 5
+LAYER = "model.layers.0.mlp"
+VOCAB = 64
+CONFIG = dict(SMALL, vocab_size=VOCAB, use_cache=False)
+
+
+class Fault:
+    """Turns one MLP's output NaN on rank 1 in the forwards fed ``bad`` (so a replay of that micro-batch
+    meets it again, and the others do not); registered first, so nanwatch measures the NaN."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.bad: torch.Tensor | None = None
+        self._fed: torch.Tensor | None = None
+        self.handles = [model.register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True),
+                        model.get_submodule(LAYER).register_forward_hook(self._hook, prepend=True)]
+
+    def _feed(self, module, args, kwargs):
+        self._fed = kwargs.get("input_ids", args[0] if args else None)
+
+    def _hook(self, module, args, output):
+        hit = self.bad is not None and self._fed is not None and self._fed.data_ptr() == self.bad.data_ptr()
+        return output * float("nan") if hit and dist.get_rank() == 1 else None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+               for p in model.parameters())
+
+
+def _row(n: int, r, model) -> dict:
+    inc = r.incident
+    return {"step": n, "skipped": r.step_skipped, "nonfinite_rank": r.nonfinite_rank, "first": r.first_offender,
+            "incident": None if inc is None else {"cls": inc.cls, "note": inc.note, "birth": inc.birth},
+            "params_checked": r.coverage.params_checked, "finite": _finite(model)}
+
+
+def _loop(model, opt, train, *, micro: int = 1, no_sync=None) -> list[dict]:
+    """STEPS steps of ``micro`` micro-batches (``train(ids)``: forward and backward); the fault is on for the
+    first micro-batch of step K."""
+    fault, rows = Fault(model if not hasattr(model, "module") else model.module), []
+    with nanwatch.attach(model, run_id="dist-guard", optimizer=opt) as mon:
+        for n in range(STEPS):
+            with mon.step(n):
+                for m in range(micro):
+                    ids = token_ids(2, 16, seed=100 * n + 10 * m + dist.get_rank(), vocab=VOCAB)
+                    if n == K and m == 0:
+                        fault.bad = ids
+                    with no_sync() if no_sync is not None and m < micro - 1 else contextlib.nullcontext():
+                        train(ids)
+                opt.step()
+                opt.zero_grad()
+            rows.append(_row(n, mon.last_report(), model))
+    fault.remove()
+    return rows
+
+
+def ddp() -> list[dict]:
+    model = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **CONFIG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), micro=2,
+                 no_sync=model.no_sync)
+
+
+def fsdp2() -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_qwen3("sdpa", **CONFIG)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward())
+
+
+def accelerate() -> list[dict]:
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = tiny_qwen3("sdpa", **CONFIG)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+
+    return _loop(model, opt, lambda ids: acc.backward(model(input_ids=ids, labels=ids).loss))
+
+
+def trainer(out: Path) -> list[dict]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from nanwatch.hooks.integrations.transformers import NanwatchCallback
+
+    model = tiny_qwen3("sdpa", **CONFIG)
+    fault = Fault(model)
+    reports: list = []
+
+    class Inject(TrainerCallback):  # the first micro-batch of step K: the Trainer's root forward sees it
+        def on_step_begin(self, args, state, control, **kw):
+            self.left = 1 if state.global_step == K else 0
+
+    inject = Inject()
+
+    def mark(module, args, kwargs):
+        if inject.left:
+            inject.left -= 1
+            fault.bad = kwargs.get("input_ids")
+
+    rows = [token_ids(1, 16, seed=i, vocab=VOCAB)[0] for i in range(2 * 2 * 2 * STEPS)]
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    args = TrainingArguments(output_dir=str(out / "trainer"), use_cpu=True, ddp_backend="gloo", max_steps=STEPS,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0)
+    cb = NanwatchCallback(run_id="dist-guard-trainer", on_report=reports.append)
+    model.register_forward_pre_hook(mark, with_kwargs=True, prepend=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[inject, cb]).train()
+    fault.remove()
+    finite = _finite(model)
+    return [{**_row(r.step, r, model), "finite": finite} for r in reports]
+
+
+def main(out_dir: str, *wrappers: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang raises, not waits
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    out = Path(out_dir)
+    for name in wrappers:
+        rows = trainer(out) if name == "trainer" else globals()[name]()
+        Path(out, f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(rows))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

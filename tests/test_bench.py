@@ -125,3 +125,23 @@ def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
     assert printed.count("sustained: ") == 2 and printed.count("ingest latency: ") == 2
     assert "scrape x2: " in printed.split("phase 2", 1)[1]
     assert "p99 under attack / p99 unloaded = " in printed
+
+
+@pytest.mark.slow
+def test_guard_mode_times_the_reduction_on_and_off_side_by_side(capsys, tmp_path):
+    from nanwatch.bench import main
+
+    out = tmp_path / "guard.json"
+    assert main(["guard", "--rounds", "2", "--warmup", "0", "--seq", "8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step, reduction off" in printed and "step, reduction on" in printed and "the reduction alone" in printed
+    r = json.loads(out.read_text())
+    assert (r["ranks"], r["device"], r["rounds"]) == (2, "cpu", 2) and r["step_off_s"] > 0 and r["reduce_s"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "1"], ["--rounds", "0"]])
+def test_guard_mode_refuses_what_it_cannot_measure(capsys, argv):
+    from nanwatch.bench import main
+
+    assert main(["guard", *argv]) == 2
+    assert "nanwatch bench guard:" in capsys.readouterr().out

@@ -6,7 +6,9 @@
   reporting at once (:mod:`nanwatch.bench.load`; the collector runs as a child process,
   :mod:`nanwatch.bench.serve`);
 * ``nanwatch bench fallback [options]``: steps and seconds from the first non-finite step to the
-  fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`).
+  fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`);
+* ``nanwatch bench guard [options]``: what the weight guard's cross-rank reduction costs a data-parallel
+  step, with it on and off side by side (:mod:`nanwatch.bench.guard`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -29,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import fallback
 
         return fallback.main(argv[1:])
+    if argv[:1] == ["guard"]:
+        from nanwatch.bench import guard
+
+        return guard.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

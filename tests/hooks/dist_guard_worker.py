@@ -5,7 +5,9 @@ report fields and the weights' (or local shards') finiteness go to ``<out>/<wrap
 
 Wrappers: ``ddp`` (DistributedDataParallel, 2 micro-batches per step, the NaN in the first, under
 ``no_sync``), ``fsdp2`` (``fully_shard`` per layer and root, CPU defaults: replay on), ``accelerate``
-(``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2).
+(``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2),
+``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``subgroups`` (no wrapper, each rank its own
+``process_group``).
 """
 
 import contextlib
@@ -63,11 +65,12 @@ def _row(n: int, r, model) -> dict:
             "params_checked": r.coverage.params_checked, "finite": _finite(model)}
 
 
-def _loop(model, opt, train, *, micro: int = 1, no_sync=None) -> list[dict]:
-    """STEPS steps of ``micro`` micro-batches (``train(ids)``: forward and backward); the fault is on for the
-    first micro-batch of step K."""
+def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, **options) -> list[dict]:
+    """STEPS steps of ``micro`` micro-batches (``train(ids)``: forward and backward, then ``step()``, by
+    default ``opt``'s step and zero_grad; ``options``: MonitorConfig fields); the fault is on for the first
+    micro-batch of step K."""
     fault, rows = Fault(model if not hasattr(model, "module") else model.module), []
-    with nanwatch.attach(model, run_id="dist-guard", optimizer=opt) as mon:
+    with nanwatch.attach(model, run_id="dist-guard", optimizer=opt, **options) as mon:
         for n in range(STEPS):
             with mon.step(n):
                 for m in range(micro):
@@ -76,8 +79,11 @@ def _loop(model, opt, train, *, micro: int = 1, no_sync=None) -> list[dict]:
                         fault.bad = ids
                     with no_sync() if no_sync is not None and m < micro - 1 else contextlib.nullcontext():
                         train(ids)
-                opt.step()
-                opt.zero_grad()
+                if step is not None:
+                    step()
+                else:
+                    opt.step()
+                    opt.zero_grad()
             rows.append(_row(n, mon.last_report(), model))
     fault.remove()
     return rows
@@ -88,6 +94,16 @@ def ddp() -> list[dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), micro=2,
                  no_sync=model.no_sync)
+
+
+def subgroups() -> list[dict]:
+    """Independent models, each rank its own ``process_group``: the ranks share no gradients, so rank 0
+    must not skip for rank 1 (the option reaches the guard)."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    model = tiny_qwen3("sdpa", **CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(),
+                 process_group=groups[dist.get_rank()])
 
 
 def fsdp2() -> list[dict]:
@@ -111,6 +127,24 @@ def accelerate() -> list[dict]:
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
 
     return _loop(model, opt, lambda ids: acc.backward(model(input_ids=ids, labels=ids).loss))
+
+
+def zero(stage: int) -> list[dict]:
+    """DeepSpeed ZeRO-``stage`` (1 or 2) on the CPU, torch's fused AdamW as the client optimizer."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # the process group is there already: it is used
+    model = tiny_qwen3("sdpa", **CONFIG)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "zero_allow_untested_optimizer": True}
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config=cfg)
+
+    def train(ids):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+
+    # the engine steps the ZeRO optimizer, which steps the guarded torch optimizer inside it
+    return _loop(engine.module, opt, train, step=engine.step)
 
 
 def trainer(out: Path) -> list[dict]:
@@ -153,7 +187,8 @@ def main(out_dir: str, *wrappers: str) -> None:
     warnings.simplefilter("ignore")
     out = Path(out_dir)
     for name in wrappers:
-        rows = trainer(out) if name == "trainer" else globals()[name]()
+        rows = (trainer(out) if name == "trainer" else zero(int(name[-1])) if name.startswith("zero")
+                else globals()[name]())
         Path(out, f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(rows))
         dist.barrier()
     dist.destroy_process_group()

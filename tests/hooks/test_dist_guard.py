@@ -12,6 +12,7 @@ is a failure.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -27,7 +28,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 WORKER = Path(__file__).with_name("dist_guard_worker.py")
-WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer")
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer", "subgroups", *(("zero1", "zero2") if DEEPSPEED else ()))
 K, LAYER, TIMEOUT_S = 2, "model.layers.0.mlp", 300
 
 
@@ -50,7 +52,8 @@ def _run_job(out: Path) -> str | None:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
     """{wrapper: [rank 0's rows, rank 1's rows]}, from the one job of this session."""
-    root = tmp_path_factory.getbasetemp().parent  # shared by the xdist workers of this session
+    root = tmp_path_factory.getbasetemp()  # this session's (under xdist: the worker's; its parent the session's)
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
     out = root / "dist-guard"
     with FileLock(str(root / "dist-guard.lock")):
         if not (out / "done.json").exists():
@@ -105,3 +108,28 @@ def test_hf_trainer_with_the_callback_under_torchrun_every_rank_skips_the_nan_st
     rank0, rank1 = runs["trainer"]
     _assert_the_job_skipped_step_k(rank0, rank1)
     assert rank1[K]["incident"]["birth"] == LAYER
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEEPSPEED, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_keeps_every_rank_finite_and_the_guard_never_hangs(runs, stage):
+    """ZeRO-1/2 (fp32, CPU): DeepSpeed's own check (a global gradient norm, reduced over its data-parallel
+    group) skips step K on every rank before its optimizer reaches the guarded torch optimizer, so the
+    guard does not decide at K (``step_skipped`` None on both ranks, no reduction issued by either); at
+    every other step it decides, and reduces, on both."""
+    rank0, rank1 = runs[f"zero{stage}"]
+    for rows in (rank0, rank1):
+        assert [r["skipped"] for r in rows] == [None if n == K else False for n in range(len(rows))], rows
+        assert all(r["finite"] for r in rows), rows
+    assert rank1[K]["first"] == LAYER and rank1[K]["incident"]["birth"] == LAYER  # no collective in forward
+
+
+@pytest.mark.slow
+def test_each_rank_its_own_process_group_decides_alone(runs):
+    """``MonitorConfig.process_group`` reaches the guard: ranks that share no gradients, each its own group,
+    do not skip for each other."""
+    rank0, rank1 = runs["subgroups"]
+    assert [r["skipped"] for r in rank1] == [n == K for n in range(len(rank1))]
+    assert not any(r["skipped"] for r in rank0) and all(r["finite"] for r in rank0 + rank1)
+    assert all(r["nonfinite_rank"] is None for r in rank0 + rank1)  # a group of one reduces nothing

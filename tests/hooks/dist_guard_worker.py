@@ -6,7 +6,8 @@ report fields and the weights' (or local shards') finiteness go to ``<out>/<wrap
 Wrappers: ``ddp`` (DistributedDataParallel, 2 micro-batches per step, the NaN in the first, under
 ``no_sync``), ``fsdp2`` (``fully_shard`` per layer and root, CPU defaults: replay on), ``accelerate``
 (``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2),
-``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``subgroups`` (no wrapper, each rank its own
+``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``ddp_sync`` (a non-fused optimizer guarded
+with ``sync=True``), ``subgroups`` (no wrapper, each rank its own
 ``process_group``).
 """
 
@@ -65,12 +66,14 @@ def _row(n: int, r, model) -> dict:
             "params_checked": r.coverage.params_checked, "finite": _finite(model)}
 
 
-def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, **options) -> list[dict]:
+def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, sync: bool = False,
+          **options) -> list[dict]:
     """STEPS steps of ``micro`` micro-batches (``train(ids)``: forward and backward, then ``step()``, by
-    default ``opt``'s step and zero_grad; ``options``: MonitorConfig fields); the fault is on for the first
-    micro-batch of step K."""
+    default ``opt``'s step and zero_grad; ``sync``: the guard's; ``options``: MonitorConfig fields); the fault
+    is on for the first micro-batch of step K."""
     fault, rows = Fault(model if not hasattr(model, "module") else model.module), []
-    with nanwatch.attach(model, run_id="dist-guard", optimizer=opt, **options) as mon:
+    with nanwatch.attach(model, run_id="dist-guard", **options) as mon:
+        mon.guard(opt, sync=sync)
         for n in range(STEPS):
             with mon.step(n):
                 for m in range(micro):
@@ -94,6 +97,13 @@ def ddp() -> list[dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), micro=2,
                  no_sync=model.no_sync)
+
+
+def ddp_sync() -> list[dict]:
+    """A non-fused AdamW, guarded with ``sync=True``: the host reads the job's flag, not the rank's."""
+    model = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **CONFIG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), sync=True)
 
 
 def subgroups() -> list[dict]:

@@ -29,7 +29,7 @@ pytest.importorskip("accelerate")
 
 WORKER = Path(__file__).with_name("dist_guard_worker.py")
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer", "subgroups", *(("zero1", "zero2") if DEEPSPEED else ()))
+WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer", "ddp_sync", "subgroups", *(("zero1", "zero2") if DEEPSPEED else ()))
 K, LAYER, TIMEOUT_S = 2, "model.layers.0.mlp", 300
 
 
@@ -82,6 +82,11 @@ def test_ddp_with_gradient_accumulation_every_rank_skips_the_step_rank_1_saw_a_n
     rank0, rank1 = runs["ddp"]
     _assert_the_job_skipped_step_k(rank0, rank1)
     assert rank1[K]["incident"]["birth"] == LAYER and rank0[K]["incident"] is None
+
+
+@pytest.mark.slow
+def test_a_non_fused_optimizer_guarded_with_sync_reads_the_jobs_flag(runs):
+    _assert_the_job_skipped_step_k(*runs["ddp_sync"])
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """What a job report's reduction costs the reporter thread per step, and how it grows with sites.
 
-Run: ``torchrun --nproc_per_node 2 benchmarks/job_reduce.py`` (gloo, CPU). Each rank routes the same
+Run: ``torchrun --nproc_per_node 2 -m nanwatch.bench.job_reduce`` (gloo, CPU). Each rank routes the same
 synthetic reports (``nanwatch.bench.load.synthetic_report``: per layer an attention site forward and backward,
 an SDPA signature and a logit bound) through ``JobReporting.route``, as the reporter thread does; rank 0 prints
 the median time per step of the whole route (header + SUM + MAX all-reduce + building the job report) and of its

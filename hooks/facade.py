@@ -126,6 +126,7 @@ class Monitor:
                                                   directive_state=self.directive_state, model_ref=self._model)
             self._active = True
             _open.add(self)
+            self._flow.open_job()  # job scope: a collective (every rank attaches), on this thread
             if cfg.collector:
                 from nanwatch.hooks.transport import DirectivePoller, ReportSender
 

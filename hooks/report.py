@@ -59,7 +59,7 @@ class ReportBuilder:
             if state.rlhf else None,
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
-            first_offender_stage=first[2] if first else None,
+            first_offender_stage=first[2] if first else None, first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=self._rec.step_skipped(state, values), incident=state.incident,
             nonfinite_rank=self._rec.nonfinite_rank(state, values),
             dropped_reports=self._dropped(), warnings=warns[:64])

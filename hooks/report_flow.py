@@ -12,6 +12,7 @@ Example usage::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -19,13 +20,17 @@ import torch
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.job_report import JobReporting, open_job_reporting
 from nanwatch.hooks.local_rules import LocalRuleEngine
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.hooks.report import ReportBuilder, StepContext
 from nanwatch.hooks.reporter import Pending, Reporter
+from nanwatch.hooks.rlhf import rlhf_slots
 from nanwatch.wire import StepReport
 
 __all__ = ["ReportFlow"]
+
+log = logging.getLogger("nanwatch")
 
 
 class ReportFlow:
@@ -35,6 +40,9 @@ class ReportFlow:
                  warn: WarnOnce, directive_state: DirectiveState, expects_logits: Callable[[], bool]) -> None:
         self._on_report = config.on_report
         self._directive_state = directive_state
+        self._config, self._rank, self._world, self._rec = config, rank, world_size, rec
+        self._job: JobReporting | None = None
+        self._rlhf: dict | None = None  # the step's raw RLHF slots, from _build to _deliver (reporter thread)
         source = config.directive_source
         local = source == "local" or (source == "auto" and not config.collector)
         self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=directive_state,
@@ -44,7 +52,16 @@ class ReportFlow:
             run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, rec=rec, warn=warn,
             dropped_reports=lambda: self.dropped, expects_logits=expects_logits,
             agree_every=config.directive_check_every if world_size > 1 else None)
-        self._reporter = Reporter(self._build, on_report=self._deliver, max_pending=config.max_pending_reports)
+        self._reporter = Reporter(self._build, on_report=self._deliver, max_pending=config.max_pending_reports,
+                                  on_close=self._close_job)
+
+    def open_job(self) -> bool:
+        """Training thread, at attach, on every rank together (a collective when the scope is ``job``): report
+        per job from now on (``nanwatch.hooks.job_report``). False: per rank."""
+        cfg = self._config
+        self._job = open_job_reporting(scope=cfg.report_scope, rank=self._rank, world_size=self._world,
+                                       heartbeat_s=cfg.heartbeat_s, timeout_s=cfg.report_reduce_timeout_s)
+        return self._job is not None
 
     def send_to(self, sender) -> None:
         """Deliver every report to ``sender`` too (a ``ReportSender``); closed with this flow."""
@@ -73,10 +90,23 @@ class ReportFlow:
         self._directive_state.note_report(report.first_offender is None)
         if self._rules is not None:
             self._rules.observe(report)
+        if self._job is not None:
+            state = pending.context.state
+            self._rlhf = rlhf_slots(self._rec.getter(state, values)) if state.rlhf else None
         return report
 
     def _deliver(self, report: StepReport) -> None:
-        if self._sender is not None:
-            self._sender.submit(report)
-        if self._on_report is not None:
-            self._on_report(report)
+        """Send what this rank posts for the step: its own report, or (job scope) the job's, a detail or a
+        heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own."""
+        for out in (self._job.route(report, self._rlhf) if self._job is not None else [report]):
+            if self._sender is not None:
+                self._sender.submit(out)
+            if self._on_report is not None:
+                try:
+                    self._on_report(out)
+                except Exception:
+                    log.exception("nanwatch: on_report callback failed for step %s", out.step)
+
+    def _close_job(self) -> None:
+        if self._job is not None:
+            self._job.close()

@@ -40,9 +40,11 @@ class Reporter:
     """Owns the host-buffer pool and the thread that turns ``Pending`` steps into ``StepReport``s."""
 
     def __init__(self, build: Callable[[Pending, list[float]], StepReport], *,
-                 on_report: Callable[[StepReport], None] | None = None, max_pending: int = 8) -> None:
+                 on_report: Callable[[StepReport], None] | None = None, max_pending: int = 8,
+                 on_close: Callable[[], None] | None = None) -> None:
         self._build = build
         self._on_report = on_report
+        self._on_close = on_close  # the thread's last act, after every queued step (job reports: tell peers)
         self._queue: queue.Queue[Pending | None] = queue.Queue()
         self._free: list[torch.Tensor] = []
         self._outstanding = 0
@@ -105,6 +107,11 @@ class Reporter:
         while True:
             item = self._queue.get()
             if item is None:
+                if self._on_close is not None:
+                    try:
+                        self._on_close()
+                    except Exception:
+                        log.exception("nanwatch: reporter close hook failed")
                 return
             report = None
             try:

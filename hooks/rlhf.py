@@ -16,12 +16,17 @@ import torch
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.wire import RlhfStat
 
-__all__ = ["RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf"]
+__all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_slots"]
 
 RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
          "adv_sq")
 _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
+#: Every slot ``decode_rlhf`` reads, as (kind, name): what a job report reduces across ranks (sums summed,
+#: maxima maxed) before decoding once, so its means are token-weighted and its std pooled exactly.
+RLHF_SLOTS: tuple[tuple[str, str], ...] = (
+    *(("sum", k) for k in (*_SUMS, *(t + pad for t in RLHF_TENSORS for pad in ("", "_pad")))),
+    *(("max", k) for k in _MAXES))
 
 
 def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
@@ -95,6 +100,16 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         _count(rec, "adv_n", aok)
         rec.slot_add(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.acc_dtype))
         rec.slot_add(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.acc_dtype))
+
+
+def rlhf_slots(get) -> dict[tuple[str, str], float]:
+    """The RLHF slots a step wrote (``get`` as for ``decode_rlhf``); a slot never written is left out."""
+    out = {}
+    for kind, name in RLHF_SLOTS:
+        v = get(kind, ("rlhf", name), None)
+        if v is not None:
+            out[(kind, name)] = v
+    return out
 
 
 def decode_rlhf(get, kl_optimised: str | None = None) -> RlhfStat:

@@ -179,14 +179,17 @@ def test_concurrent_scrapes_all_see_what_was_acknowledged_before_them(collector)
 def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
     """Eight scrape loops and a write every millisecond for 1.2 s: every scrape after a change waits for
     the next render, renders start at least ``min_interval_s`` apart (0.2 s: at most 7 in 1.2 s, however
-    fast or slow the machine), and the scrapers share them."""
-    renders, render = [], exporter.render
+    fast or slow the machine), and the scrapers share them. A render starts on the event loop, with its
+    snapshot (the formatting runs later, in a worker thread whose start a loaded machine can delay), so
+    that is where the starts are counted; the spacing allows 20 ms of scheduling between the renderer's
+    clock read and the snapshot."""
+    renders, snapshot = [], exporter.snapshot
 
-    def counted(snap, accept, gzipped):
+    def counted(*args, **kwargs):
         renders.append(time.monotonic())
-        return render(snap, accept, gzipped)
+        return snapshot(*args, **kwargs)
 
-    monkeypatch.setattr(exporter, "render", counted)
+    monkeypatch.setattr(exporter, "snapshot", counted)
     state = CollectorState(ttl_s=300, series_cap=100)
     # no run: the snapshot never asks the directive log
     renderer = exporter.MetricsRenderer(state, directive_log=None, logit_tau=100.0, min_interval_s=0.2)
@@ -211,7 +214,7 @@ def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
 
     asyncio.run(flood())
     assert 1 <= len(renders) <= 7, renders
-    assert all(b - a >= 0.2 - 1e-3 for a, b in zip(renders, renders[1:], strict=False)), renders
+    assert all(b - a >= 0.2 - 0.02 for a, b in zip(renders, renders[1:], strict=False)), renders
     assert len(answered) >= 8 * (len(renders) - 1)  # every loop got every render but perhaps the last
 
 

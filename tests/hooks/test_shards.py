@@ -1,0 +1,56 @@
+"""Collector shards: the trainer picks one of several collectors by rendezvous hashing of its run id. Stable
+(every rank, any list order), uniform enough, and adding an Nth shard moves only ~1/N of the runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.transport import collector_urls, pick_collector
+
+SHARDS = [f"http://collector-{i}.nanwatch:9464" for i in range(4)]
+RUNS = [f"run-{i}" for i in range(4000)]
+
+
+def test_the_choice_is_stable_and_ignores_the_lists_order_and_a_trailing_slash():
+    for run in RUNS[:200]:
+        got = pick_collector(SHARDS, run)
+        assert pick_collector(list(reversed(SHARDS)), run) == got
+        assert pick_collector([u + "/" for u in SHARDS], run).rstrip("/") == got
+
+
+def test_runs_spread_evenly_over_the_shards():
+    counts = {u: 0 for u in SHARDS}
+    for run in RUNS:
+        counts[pick_collector(SHARDS, run)] += 1
+    expected = len(RUNS) / len(SHARDS)
+    assert all(abs(n - expected) < 0.1 * expected for n in counts.values()), counts  # 4000 runs: ~±3% is 2 sigma
+
+
+def test_adding_a_shard_moves_only_about_one_run_in_n_and_only_onto_the_new_one():
+    more = [*SHARDS, "http://collector-4.nanwatch:9464"]
+    moved = [run for run in RUNS if pick_collector(SHARDS, run) != pick_collector(more, run)]
+    assert all(pick_collector(more, run) == more[-1] for run in moved)
+    assert abs(len(moved) / len(RUNS) - 1 / len(more)) < 0.03  # 1/5 = 20%
+
+
+def test_a_config_with_several_collectors_holds_the_one_its_run_picks():
+    listed = MonitorConfig(run_id="run-7", collector=SHARDS)
+    comma = MonitorConfig(run_id="run-7", collector=" , ".join(SHARDS))
+    assert listed.collector == comma.collector == pick_collector(SHARDS, "run-7")
+    assert listed.collectors == comma.collectors == tuple(SHARDS)
+    one = MonitorConfig(run_id="run-7", collector=SHARDS[0])
+    assert (one.collector, one.collectors) == (SHARDS[0], (SHARDS[0],))
+
+
+@pytest.mark.parametrize("bad", ["", "http://a:1,,http://b:2", ["http://a:1", "ftp://b"], []])
+def test_a_bad_collector_list_is_refused_with_what_is_expected(bad):
+    with pytest.raises(ValueError, match="collector must be"):
+        collector_urls(bad)
+
+
+def test_report_options_are_checked_at_construction():
+    for kw in ({"report_scope": "node"}, {"heartbeat_s": 0}, {"report_reduce_timeout_s": -1}):
+        with pytest.raises(ValueError):
+            MonitorConfig(run_id="r", **kw)
+

@@ -1,5 +1,6 @@
 """Folding a batch of step reports into the state and the store (the ledger calls this inside its
-transaction): drop replays, update the per-rank views and counters, let the rule engine record what the
+transaction): drop replays, update the per-rank views and counters (each scope feeds its own part:
+``nanwatch.monitor.scopes``), let the rule engine record what the
 reports show, and write the high-water marks and counter totals, so that a replay is never counted twice.
 """
 
@@ -9,6 +10,7 @@ import time
 from typing import NamedTuple
 
 from nanwatch.monitor.rules import RuleEngine, RuleWrites
+from nanwatch.monitor.scopes import apply_report, is_new
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
 from nanwatch.wire import ReportBatch
@@ -31,13 +33,14 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
     hwm_rows: list[tuple[str, int, str, int, int]] = []
     counter_rows: dict[tuple[str, str, tuple], float] = {}
     for r in batch.reports:
-        if not state.is_new(r):
+        if not is_new(state, r):
             dupes += 1
             continue
-        rank, previous_mode, changed = state.apply(r, received=now, seen=mono)
+        rank, previous_mode, changed = apply_report(state, r, received=now, seen=mono)
         for fam, labels, value in changed:
             counter_rows[(r.run_id, fam, labels)] = value
-        hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
+        if r.scope != "heartbeat":  # a heartbeat counts nothing: its replay is harmless, so no mark is kept
+            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
         rule_engine.observe(r, rank, previous_mode, now, into=into)
         accepted += 1
     store.put_hwm(hwm_rows)

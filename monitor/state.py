@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from nanwatch.monitor.counters import RequestCounters
 from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
-from nanwatch.wire import MAX_INT, RlhfStat, StepReport, dtype_name
+from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CollectorState", "RankState", "RunState"]
+__all__ = ["RANK_SERIES", "CollectorState", "RankState", "RunState"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
-_RANK_SERIES = 8
+RANK_SERIES = 8
 #: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
 _PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
@@ -33,6 +33,10 @@ class RankState:
     rank: int
     incarnation: str
     seq: int
+    scope: str
+    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``beat``: known only
+    through heartbeats (and, for the rank that posts them, job reports): liveness alone; ``job``: the
+    run's job view (``RunState.job``), never in ``RunState.ranks``."""
     step: int
     time: float
     received: float
@@ -49,6 +53,9 @@ class RankState:
     logits: dict[str, float] = field(default_factory=dict)
     """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
+    beat_seq: int = -1
+    """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
+    store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
 
     @property
     def logit_max(self) -> float | None:
@@ -60,6 +67,8 @@ class RankState:
 class RunState:
     run_id: str
     ranks: dict[int, RankState] = field(default_factory=dict)
+    #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
+    job: RankState | None = None
     latest_step: int = 0
     counters: dict[tuple[str, tuple], float] = field(default_factory=dict)
     admitted: set[tuple] = field(default_factory=set)
@@ -111,13 +120,14 @@ class CollectorState:
         """Take the store's view after a failed commit, when memory may hold changes the database does not.
         The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
         next reports); every other run keeps its own, which the write did not change."""
-        views = {run_id: (run.ranks, run.last_seen) for run_id, run in self.runs.items() if run_id not in touched}
+        views = {run_id: (run.ranks, run.job, run.last_seen) for run_id, run in self.runs.items()
+                 if run_id not in touched}
         self.runs = {}
         self._restore(loaded)
-        for run_id, (ranks, last_seen) in views.items():
+        for run_id, (ranks, job, last_seen) in views.items():
             run = self.runs.get(run_id)
             if run is not None:
-                run.ranks, run.last_seen = ranks, last_seen
+                run.ranks, run.job, run.last_seen = ranks, job, last_seen
 
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
@@ -133,7 +143,7 @@ class CollectorState:
             run = self.ensure_run(run_id)
             run.counters[(fam, labels)] = value
             per_rank = fam in _PER_RANK_FAMILIES
-            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), _RANK_SERIES if per_rank else 1,
+            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
                       self.series_cap)
         for run_id, keys in loaded.event_keys.items():
             self.ensure_run(run_id).event_keys.update(keys)
@@ -159,18 +169,25 @@ class CollectorState:
             run = self.runs[run_id] = RunState(run_id)
         return run
 
-    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str]) -> str | None:
+    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+                  beats: set[tuple[str, int, str]] = frozenset()) -> str | None:
         """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
-        counted), or None. Checked before anything is applied."""
+        counted), or None. Checked before anything is applied. ``beats``: the heartbeats' keys, which hold
+        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs."""
         new_runs = {r for r in run_ids if r not in self.runs}
         if new_runs and len(self.runs) + len(new_runs) > self.max_runs:
             self.caps_hit["runs"] += 1
             return (f"the collector keeps at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this request "
                     f"adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S")
         fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
+        for run_id, rank, inc in beats:
+            run = self.runs.get(run_id)
+            held = run.ranks.get(rank) if run is not None else None
+            if (held is None or held.incarnation != inc) and (run_id, rank, inc) not in keys:
+                fresh[run_id] += 1
         for run_id, n in fresh.items():
             run = self.runs.get(run_id)
-            if (run.incarnations if run is not None else 0) + n > self.max_incarnations:
+            if (max(run.incarnations, len(run.ranks)) if run is not None else 0) + n > self.max_incarnations:
                 self.caps_hit["incarnations"] += 1
                 return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
@@ -184,82 +201,18 @@ class CollectorState:
         run = self.runs.get(run_id)
         ranks = self.live_ranks(run, now) if run is not None else []
         latest = max((st.step for st in ranks), default=0)
-        world = max((st.world_size for st in ranks), default=1)
+        world = max((st.world_size for st in ranks), default=1)  # heartbeats and job reports carry it too
         every = max((st.agree_every or 1 for st in ranks), default=1)
         return min(next_apply_step(latest, world_size=world, agree_every=every), MAX_INT)
-
-    def is_new(self, r: StepReport) -> bool:
-        """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
-        return r.seq > self.hwm.get((r.run_id, r.rank, r.incarnation), -1)
-
-    def apply(self, r: StepReport, *, received: float, seen: float) -> tuple[RankState | None, str | None,
-                                                                          list[tuple[str, tuple, float]]]:
-        """Fold one new report into the state. Returns the rank's state (None if capped), the rank's
-        previous attention mode (None if unknown) and the counter rows that changed (for the store)."""
-        key = (r.run_id, r.rank, r.incarnation)
-        run = self.ensure_run(r.run_id)
-        if key not in self.hwm:
-            run.incarnations += 1
-        self.hwm[key] = r.seq
-        cap = self.series_cap
-        run.latest_step = max(run.latest_step, r.step)
-        run.last_seen = run.touched = seen
-        changed: list[tuple[str, tuple, float]] = []
-        counters = run.counters
-
-        def bump(fam: str, labels: tuple, n: float) -> None:
-            value = counters.get((fam, labels), 0.0) + n
-            counters[(fam, labels)] = value
-            changed.append((fam, labels, value))
-
-        rank_ok = run.admit(("rank", r.rank), _RANK_SERIES, cap)
-        rank_label = str(r.rank)
-        headroom: dict[str, float] = {}
-        nonfinite = 0
-        for s in r.sites:
-            kind = "grad" if s.phase == "backward" else s.kind
-            h, cur = s.headroom, headroom.get(kind)
-            if cur is None or h > cur or h != h:  # a NaN wins and stays: it must show
-                headroom[kind] = h
-            if s.nan or s.inf:
-                nonfinite += s.nan + s.inf
-                if run.admit(("site", s.site, s.phase), 1, cap):
-                    bump("site", (s.site, s.phase), s.nan + s.inf)
-                if rank_ok:
-                    if s.nan:
-                        bump("nonfinite", (rank_label, s.phase, "nan"), s.nan)
-                    if s.inf:
-                        bump("nonfinite", (rank_label, s.phase, "inf"), s.inf)
-        for c in r.sdpa:
-            labels = (c.backend, dtype_name(c.dtype), c.stage)
-            if run.admit(("sdpa", *labels), 1, cap):
-                bump("sdpa", labels, c.calls)
-        for reason in r.coverage.unmeasured if r.coverage is not None else ():
-            if run.admit(("unmeasured", reason), 1, cap):
-                bump("unmeasured", (reason,), 1)
-        if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
-            bump("incident", (r.incident.cls,), 1)
-        if r.step_skipped and rank_ok:
-            bump("skipped", (rank_label,), 1)
-        if not rank_ok:
-            return None, None, changed
-        for kind in headroom:
-            run.admit(("headroom", kind), 1, cap)
-        logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
-        prev = run.ranks.get(r.rank)
-        # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
-        previous_mode = prev.attention_mode if prev is not None and prev.incarnation == r.incarnation else None
-        run.ranks[r.rank] = st = RankState(
-            rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
-            seen=seen, world_size=r.world_size, agree_every=r.agree_every, attention_mode=r.attention_mode,
-            directive_version=r.directive_version,
-            dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
-            first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
-        return st, previous_mode, changed
 
     def live_ranks(self, run: RunState, now: float) -> list[RankState]:
         horizon = now - self.ttl_s
         return [st for st in run.ranks.values() if st.seen >= horizon]
+
+    def live_job(self, run: RunState, now: float) -> RankState | None:
+        """The run's latest job report's view, while within the TTL (job mode's run-level gauges)."""
+        job = run.job
+        return job if job is not None and job.seen >= now - self.ttl_s else None
 
     def is_live(self, run: RunState, now: float) -> bool:
         return run.last_seen >= now - self.ttl_s
@@ -270,6 +223,9 @@ class CollectorState:
         for run in self.runs.values():
             for rank in [k for k, st in run.ranks.items() if st.seen < now - self.ttl_s]:
                 del run.ranks[rank]
+                gone += 1
+            if run.job is not None and run.job.seen < now - self.ttl_s:
+                run.job = None
                 gone += 1
         if gone:
             self.wrote()

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from nanwatch.monitor.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.scopes import RUN_LEVEL_SCOPES
-from nanwatch.monitor.state import RankState
+from nanwatch.monitor.state import RUN_LEVEL_SCOPES, RankState
 from nanwatch.monitor.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport

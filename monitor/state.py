@@ -17,10 +17,12 @@ from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["RANK_SERIES", "CollectorState", "RankState", "RunState"]
+__all__ = ["RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "RankState", "RunState"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 RANK_SERIES = 8
+#: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
+RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
 #: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
 _PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 

@@ -33,7 +33,7 @@ import urllib.parse
 
 from nanwatch.wire import LogitStat, ReportBatch, SdpaCall, SiteStat, StepReport
 
-__all__ = ["main", "synthetic_report"]
+__all__ = ["heartbeat", "job_step", "main", "synthetic_report"]
 
 ATTACKS = ("scrape", "slow-headers", "slow-body")
 DEFAULT_ATTACKERS = {"scrape": 4, "slow-headers": 1000, "slow-body": 256}
@@ -48,7 +48,7 @@ def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | 
                      incarnation: str = "inc0", layers: int = 4, dtype: str = "bfloat16",
                      nan_at: str | None = None, nan: int = 0, inf: int = 0, backend: str = "flash",
                      logit: float = 12.5, mode: str = "none", dropped: int = 0,
-                     time_s: float | None = None) -> StepReport:
+                     time_s: float | None = None, skipped: bool | None = None) -> StepReport:
     """A realistic report of one rank's step: per layer an attention site (forward) and its gradient,
     one SDPA signature per layer, the logits and logprob sites, and a logit bound per layer.
     ``nan_at`` names the site that holds ``nan``/``inf`` non-finite values (forward)."""
@@ -72,9 +72,73 @@ def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | 
     return StepReport(run_id=run_id, rank=rank, world_size=world_size or rank + 1, incarnation=incarnation, seq=seq,
                       step=step,
                       time=time.time() if time_s is None else time_s, sites=sites, sdpa=sdpa, logits=logits,
-                      attention_mode=mode, dropped_reports=dropped,
+                      attention_mode=mode, dropped_reports=dropped, step_skipped=skipped,
                       first_offender=nan_at if (nan or inf) else None,
                       first_offender_phase="forward" if (nan or inf) else None)
+
+
+def _reduce_sites(reports: list[StepReport]) -> list[SiteStat]:
+    """Per (site, phase, stage): calls, elements and non-finite calls summed, amax and headroom maxed (a NaN
+    headroom wins, as in the collector) -- the reduction a job report carries."""
+    out: dict[tuple, SiteStat] = {}
+    for r in reports:
+        for s in r.sites:
+            key = (s.site, s.phase, s.stage)
+            cur = out.get(key)
+            if cur is None:
+                out[key] = s.model_copy()
+                continue
+            nan_h = cur.headroom != cur.headroom or s.headroom != s.headroom
+            out[key] = cur.model_copy(update=dict(
+                calls=cur.calls + s.calls, numel=cur.numel + s.numel, nan=cur.nan + s.nan, inf=cur.inf + s.inf,
+                amax=max(cur.amax, s.amax) if cur.amax == cur.amax and s.amax == s.amax else float("nan"),
+                headroom=float("nan") if nan_h else max(cur.headroom, s.headroom)))
+    return list(out.values())
+
+
+def job_step(reports: list[StepReport], *, seq: int | None = None) -> tuple[StepReport, list[StepReport]]:
+    """One step's rank reports (all ranks, the same step) as wire 1.4 sends them in job mode: the job report
+    (posted by the lowest rank: sites reduced, SDPA calls summed, logit bounds maxed, the first offender the
+    earliest in execution order, ties to the lowest rank) and the detail reports of the ranks that differ
+    (a non-finite value, another backend or attention mode than the poster's). A reference reduction for
+    the bench and the collector's tests; the trainer's is ``nanwatch.hooks``'."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    head = reports[0]
+    sdpa: dict[tuple, SdpaCall] = {}
+    for c in (c for r in reports for c in r.sdpa):
+        key = (c.site, c.backend, c.dtype, c.stage, c.shape)
+        sdpa[key] = sdpa[key].model_copy(update={"calls": sdpa[key].calls + c.calls}) if key in sdpa else c
+    logits: dict[str, LogitStat] = {}
+    for lg in (lg for r in reports for lg in r.logits):
+        if lg.layer not in logits or lg.bound > logits[lg.layer].bound:
+            logits[lg.layer] = lg
+    order = {(s.site, s.phase): i for i, s in enumerate(head.sites)}
+    offenders = [(order.get((r.first_offender, r.first_offender_phase), len(order)), r.rank, r)
+                 for r in reports if r.first_offender is not None]
+    first = min(offenders, key=lambda t: t[:2])[2] if offenders else None
+    skipped = [r.step_skipped for r in reports if r.step_skipped is not None]
+    job = head.model_copy(update=dict(
+        scope="job", seq=head.seq if seq is None else seq, sites=_reduce_sites(reports), sdpa=list(sdpa.values()),
+        logits=list(logits.values()), ranks_reporting=len(reports),
+        step_skipped=any(skipped) if skipped else None,
+        incident=first.incident if first is not None else None,
+        first_offender=first.first_offender if first else None,
+        first_offender_phase=first.first_offender_phase if first else None,
+        first_offender_stage=first.first_offender_stage if first else None,
+        first_offender_rank=first.rank if first else None))
+    backends = {(c.site, c.backend) for c in head.sdpa}
+    details = [r.model_copy(update={"scope": "detail", "first_offender_rank": r.rank if r.first_offender else None})
+               for r in reports if r.nonfinite_total or r.attention_mode != head.attention_mode
+               or {(c.site, c.backend) for c in r.sdpa} != backends]
+    return job, details
+
+
+def heartbeat(*, run_id: str, rank: int, world_size: int, seq: int, step: int, incarnation: str = "inc0",
+              mode: str = "none", dropped: int = 0, time_s: float | None = None) -> StepReport:
+    """A rank's job-mode heartbeat: liveness, mode, dropped reports; no measurements."""
+    return StepReport(run_id=run_id, scope="heartbeat", rank=rank, world_size=world_size, incarnation=incarnation,
+                      seq=seq, step=step, time=time.time() if time_s is None else time_s, attention_mode=mode,
+                      dropped_reports=dropped)
 
 
 def _template(run_id: str, rank: int, sites: int) -> tuple[bytes, bytes]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from support import JSON, TOKEN, CollectorProcess, scrape, step_report
 
-from nanwatch.bench.load import heartbeat, job_step
+from nanwatch.bench.jobs import heartbeat, job_step
 from nanwatch.wire import ReportBatch, StepReport
 
 AUTH = {**JSON, "Authorization": f"Bearer {TOKEN}"}

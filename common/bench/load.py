@@ -41,6 +41,8 @@ ATTACKS = ("scrape", "slow-headers", "slow-body")
 DEFAULT_ATTACKERS = {"scrape": 4, "slow-headers": 1000, "slow-body": 256}
 REQUEST_TIMEOUT_S = 30.0
 """A legitimate request unanswered this long counts as status ``timeout``."""
+IDLE_REUSE_S = 4.0
+"""A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
 SLOW_BODY_BYTES = 100_000
 """The Content-Length a slow-body attacker announces (and never sends)."""
 
@@ -146,7 +148,7 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
     auth = _auth(args.token)
     conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     loop = asyncio.get_running_loop()
-    n = 0
+    n, last = 0, -math.inf
     try:
         while True:
             await asyncio.sleep(max(0.0, start_at + sender.offset + n * sender.every - loop.time()))
@@ -156,8 +158,11 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
             head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
                     f"Content-Length: {len(body)}\r\n\r\n").encode()
             t0 = loop.time()
+            if conn is not None and t0 - last > IDLE_REUSE_S:  # the server closes idle keep-alives (5 s)
+                conn[1].close()
+                conn = None
             status, conn = await _send_report(host, port, conn, head, body)
-            t1 = loop.time()
+            t1 = last = loop.time()
             if (phase := _phase_at(stats, t0)) is not None:
                 phase["lat"].append(t1 - t0)
                 phase["by_kind"].setdefault(sender.kind, []).append(t1 - t0)

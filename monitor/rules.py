@@ -83,6 +83,8 @@ class RuleEngine:
                 event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
                       ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
                                  directive_version=r.directive_version))
+        if r.scope == "heartbeat":
+            return  # no measurements: only its mode can change (above); the most frequent report, kept cheap
         for rule in self._rules:
             for key, site, detail in matches(rule, r, logit_tau=self._tau):
                 event(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)

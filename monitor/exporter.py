@@ -60,7 +60,9 @@ class RunSnapshot:
     run_id: str
     series_dropped: int
     event_counts: dict[str, int]
-    live: list[RankState] | None  # None: no live rank, only the run's totals are exported
+    live: list[RankState] | None  # the ranks with per-rank series; None: no live rank, only the run's totals
+    live_count: int
+    world_size: int
     job: RankState | None  # the live job view (job mode), else None
     counters: dict[tuple[str, tuple], float]
     first_offender_event: EventRow | None
@@ -77,23 +79,28 @@ class Snapshot:
     caps_hit: dict[str, int]
     late_before: float = -math.inf
     """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
+    until: float = math.inf
+    """Monotonic time at which the next heartbeat-only rank turns late: the render is stale then."""
 
 
 def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
              late_s: float = math.inf) -> Snapshot:
-    """What a scrape shows, copied on the event loop (cheap: no metric objects are built here)."""
+    """What a scrape shows, copied on the event loop (cheap: no metric objects are built here, and a job's
+    ranks known only by heartbeats are counted, not copied)."""
     now = time.monotonic()
-    runs = []
+    runs, until = [], math.inf
     for run_id, run in state.runs.items():
         live = state.is_live(run, now)
+        count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
+        if live:
+            until = min(until, state.next_late(run, now, late_s))
         runs.append(RunSnapshot(
-            run_id, run.series_dropped, dict(run.event_counts),
-            state.live_ranks(run, now) if live else None, state.live_job(run, now) if live else None,
-            dict(run.counters) if live else {},
+            run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
+            max(run.worlds, default=1), state.live_job(run, now) if live else None, dict(run.counters) if live else {},
             run.first_offender_event if live else None, directive_log.current(run_id) if live else None))
     req = state.requests
     return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit),
-                    now - late_s)
+                    now - late_s, until)
 
 
 class _SnapshotMetrics(Collector):
@@ -126,7 +133,7 @@ class _SnapshotMetrics(Collector):
                     [run_id, fo.site or "", str(where.get("phase") or ""), str(where.get("stage") or "train"),
                      "" if fo.rank is None else str(fo.rank)], 1)
             live = run.live
-            f["nanwatch_live_ranks"].add_metric([run_id], len(live))
+            f["nanwatch_live_ranks"].add_metric([run_id], run.live_count)
             d = run.directive
             f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
             counters = run.counters
@@ -134,7 +141,7 @@ class _SnapshotMetrics(Collector):
             job_skipped = counters.get(("job_skipped", ()), 0.0)
             poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
             measured = [st for st in live if st.scope == "rank"] + ([job] if job is not None else [])
-            f["nanwatch_run_world_size"].add_metric([run_id], max(st.world_size for st in [*live, *measured]))
+            f["nanwatch_run_world_size"].add_metric([run_id], max(run.world_size, job.world_size if job else 1))
             for pass_, kind in _PASSES:
                 f["nanwatch_run_nonfinite_values_total"].add_metric(
                     [run_id, pass_, kind], counters.get(("run_nonfinite", (pass_, kind)), 0.0))
@@ -200,17 +207,6 @@ def render(snap: Snapshot, accept: str, gzipped: bool) -> tuple[bytes, str]:
     return (gzip.compress(body) if gzipped else body), content_type
 
 
-def next_late(snap: Snapshot, late_s: float) -> float:
-    """Monotonic time at which the next heartbeat-only rank of ``snap`` turns late, and so /metrics
-    changes without a write (a render is reused only until then)."""
-    return min((st.seen + late_s for run in snap.runs for st in run.live or ()
-                if st.scope == "beat" and st.seen >= snap.late_before), default=math.inf)
-
-
-def _render_until(snap: Snapshot, accept: str, gzipped: bool, late_s: float) -> tuple[bytes, str, float]:
-    return (*render(snap, accept, gzipped), next_late(snap, late_s))
-
-
 @dataclass(frozen=True, slots=True)
 class _Rendered:
     version: tuple
@@ -259,9 +255,8 @@ class MetricsRenderer:
                 started, version = time.monotonic(), self._state.version()
                 snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s)
                 self._last_start = started
-                body, content_type, until = await asyncio.to_thread(_render_until, snap, accept, gzipped,
-                                                                    self._late_s)
-                self._last[fmt] = _Rendered(version, body, content_type, until)
+                body, content_type = await asyncio.to_thread(render, snap, accept, gzipped)
+                self._last[fmt] = _Rendered(version, body, content_type, snap.until)
                 fut.set_result((body, content_type))
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
                 fut.set_exception(e)

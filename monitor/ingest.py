@@ -155,8 +155,9 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     same = prev is not None and prev.incarnation == r.incarnation
     # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
     previous_mode = prev.attention_mode if same else None
-    run.ranks[r.rank] = st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope,
-                                       beat_seq=prev.beat_seq if same else -1, **view)
+    st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope, beat_seq=prev.beat_seq if same else -1,
+                   **view)
+    run.hold(st, shown=True)
     return st, previous_mode, changed
 
 
@@ -175,7 +176,12 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
                    rlhf=held.rlhf, beat_seq=r.seq if beat else held.beat_seq)
-    run.ranks[r.rank] = st
+    # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
+    job = run.job
+    shown = (held.scope != "beat" or not beat or r.dropped_reports > 0
+             or r.attention_mode != (job.attention_mode if job is not None else "none")
+             or (job is not None and job.rank == r.rank))
+    run.hold(st, shown=shown)
     return st, prev.attention_mode if same else None
 
 

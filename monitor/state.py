@@ -69,6 +69,13 @@ class RankState:
 class RunState:
     run_id: str
     ranks: dict[int, RankState] = field(default_factory=dict)
+    """Live ranks' views, in the order they last reported (``hold``): the silent ones come first, so a scrape
+    finds the late ones and the sweep the expired ones without walking a 65,536-rank job."""
+    shown: set[int] = field(default_factory=set)
+    """Ranks with per-rank series of their own: their own reports (rank, detail), the job's poster, or a
+    heartbeat that differs from the job (another mode, dropped reports)."""
+    worlds: Counter[int] = field(default_factory=Counter)
+    """World sizes the held ranks' latest reports give, counted: the run's world size is the largest."""
     #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
     job: RankState | None = None
     latest_step: int = 0
@@ -85,6 +92,25 @@ class RunState:
     incarnations: int = 0
     #: monotonic time of the run's last write (report, directive, event): retention counts from it
     touched: float = field(default_factory=time.monotonic)
+
+    def hold(self, st: RankState, *, shown: bool) -> None:
+        """``st`` is the rank's latest view: moved to the end of ``ranks`` (the most recent)."""
+        prev = self.ranks.pop(st.rank, None)
+        if prev is not None:
+            self._unworld(prev.world_size)
+        self.ranks[st.rank] = st
+        self.worlds[st.world_size] += 1
+        (self.shown.add if shown else self.shown.discard)(st.rank)
+
+    def drop(self, rank: int) -> None:
+        st = self.ranks.pop(rank)
+        self._unworld(st.world_size)
+        self.shown.discard(rank)
+
+    def _unworld(self, world_size: int) -> None:
+        self.worlds[world_size] -= 1
+        if not self.worlds[world_size]:
+            del self.worlds[world_size]
 
     def admit(self, key: tuple, cost: int, cap: int) -> bool:
         """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
@@ -122,14 +148,14 @@ class CollectorState:
         """Take the store's view after a failed commit, when memory may hold changes the database does not.
         The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
         next reports); every other run keeps its own, which the write did not change."""
-        views = {run_id: (run.ranks, run.job, run.last_seen) for run_id, run in self.runs.items()
-                 if run_id not in touched}
+        views = {run_id: (run.ranks, run.shown, run.worlds, run.job, run.last_seen)
+                 for run_id, run in self.runs.items() if run_id not in touched}
         self.runs = {}
         self._restore(loaded)
-        for run_id, (ranks, job, last_seen) in views.items():
+        for run_id, (ranks, shown, worlds, job, last_seen) in views.items():
             run = self.runs.get(run_id)
             if run is not None:
-                run.ranks, run.job, run.last_seen = ranks, job, last_seen
+                run.ranks, run.shown, run.worlds, run.job, run.last_seen = ranks, shown, worlds, job, last_seen
 
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
@@ -182,14 +208,15 @@ class CollectorState:
             return (f"the collector keeps at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this request "
                     f"adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S")
         fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
-        for run_id, rank, inc in beats:
+        held = Counter()  # ranks held in memory (heartbeats), bounded alike
+        for run_id, rank, _inc in beats:
             run = self.runs.get(run_id)
-            held = run.ranks.get(rank) if run is not None else None
-            if (held is None or held.incarnation != inc) and (run_id, rank, inc) not in keys:
-                fresh[run_id] += 1
-        for run_id, n in fresh.items():
+            if run is None or rank not in run.ranks:
+                held[run_id] += 1
+        for run_id, n in (*fresh.items(), *held.items()):
             run = self.runs.get(run_id)
-            if (max(run.incarnations, len(run.ranks)) if run is not None else 0) + n > self.max_incarnations:
+            now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
+            if now_held + n > self.max_incarnations:
                 self.caps_hit["incarnations"] += 1
                 return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
@@ -211,6 +238,29 @@ class CollectorState:
         horizon = now - self.ttl_s
         return [st for st in run.ranks.values() if st.seen >= horizon]
 
+    def ranks_view(self, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:
+        """(live ranks, the ranks with per-rank series now: ``shown`` ones and late ones), walking only the
+        silent front of ``ranks`` besides the shown ones."""
+        horizon, late_before = now - self.ttl_s, now - late_s
+        expired, late = 0, []
+        for st in run.ranks.values():
+            if st.seen >= late_before:
+                break
+            if st.seen < horizon:
+                expired += 1
+            elif st.rank not in run.shown:
+                late.append(st)
+        shown = [st for k in run.shown if (st := run.ranks[k]).seen >= horizon]
+        return len(run.ranks) - expired, shown + late
+
+    def next_late(self, run: RunState, now: float, late_s: float) -> float:
+        """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
+        late_before = now - late_s
+        for st in run.ranks.values():
+            if st.seen >= late_before:
+                return st.seen + late_s
+        return math.inf
+
     def live_job(self, run: RunState, now: float) -> RankState | None:
         """The run's latest job report's view, while within the TTL (job mode's run-level gauges)."""
         job = run.job
@@ -223,9 +273,14 @@ class CollectorState:
         """Forget the latest view of ranks silent past the TTL (totals stay). Returns how many went."""
         gone = 0
         for run in self.runs.values():
-            for rank in [k for k, st in run.ranks.items() if st.seen < now - self.ttl_s]:
-                del run.ranks[rank]
-                gone += 1
+            expired = []
+            for k, st in run.ranks.items():  # in the order they last reported: the silent ones first
+                if st.seen >= now - self.ttl_s:
+                    break
+                expired.append(k)
+            for rank in expired:
+                run.drop(rank)
+            gone += len(expired)
             if run.job is not None and run.job.seen < now - self.ttl_s:
                 run.job = None
                 gone += 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from nanwatch.wire import LogitStat, ReportBatch, SdpaCall, SiteStat, StepReport
 
-__all__ = ["Sender", "heartbeat", "job_step", "matrix_configs", "senders"]
+__all__ = ["Sender", "heartbeat", "job_step", "matrix_configs", "priming", "senders"]
 
 _MARK = '"seq":0,"step":0'
 
@@ -125,10 +125,22 @@ class _RankTemplate:
         return self._head + f'"rank":{rank},'.encode() + f'"seq":{n},"step":{n}'.encode().join(self._tail)
 
 
-def _round_robin(templates: list[_Template]) -> Callable[[int], bytes]:
-    """Body ``n``: template ``n % len`` at round ``n // len`` (each rank's seq rises by one a round)."""
+def _round_robin(templates: list[_Template], *, first: int = 0) -> Callable[[int], bytes]:
+    """Body ``n``: template ``n % len`` at round ``first + n // len`` (each rank's seq rises by one a round)."""
     k = len(templates)
-    return lambda n: templates[n % k].fill(n // k)
+    return lambda n: templates[n % k].fill(first + n // k)
+
+
+def priming(args: argparse.Namespace) -> list[bytes]:
+    """Job mode: every rank's heartbeat once (seq 0, 256 to a request), posted before the clock starts, so
+    that the collector holds every rank from the first measured second, as it does a job in its stride
+    (the timed heartbeats start at seq 1)."""
+    if args.scope != "job":
+        return []
+    runs = [args.run_id if args.jobs == 1 else f"{args.run_id}-{j}" for j in range(args.jobs)]
+    return [ReportBatch(reports=[heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0)
+                                 for k in range(a, min(a + 256, args.ranks))]).model_dump_json().encode()
+            for run_id in runs for a in range(0, args.ranks, 256)]
 
 
 def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list[Sender]:
@@ -172,7 +184,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
                                     for k in g]) for g in mine]
             out.append(Sender("heartbeat", args.heartbeat_every / len(mine),
                               (j + i / lanes) * args.heartbeat_every / len(runs) / max(1, len(mine)),
-                              args.heartbeat_batch, _round_robin(templates)))
+                              args.heartbeat_batch, _round_robin(templates, first=1)))
     return out
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 import urllib.parse
 
-from nanwatch.bench.jobs import Sender, matrix_configs, senders
+from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
 from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
 __all__ = ["main", "synthetic_report"]
@@ -172,6 +172,19 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
     finally:
         if conn is not None:
             conn[1].close()
+
+
+async def _prime(host: str, port: int, args: argparse.Namespace) -> None:
+    """Post ``nanwatch.bench.jobs.priming``'s bodies, one after another, before the clock starts."""
+    conn = None
+    for body in priming(args):
+        head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"{_auth(args.token)}Content-Length: {len(body)}\r\n\r\n").encode()
+        status, conn = await _send_report(host, port, conn, head, body)
+        if status != 200:
+            raise SystemExit(f"nanwatch bench: priming the collector got {status}")
+    if conn is not None:
+        conn[1].close()
 
 
 async def _send_report(host: str, port: int, conn: tuple | None, head: bytes,
@@ -354,6 +367,7 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
     unloaded and an attacked window, alternating so that drift on the machine falls on both alike."""
     u = urllib.parse.urlsplit(url)
     loop = asyncio.get_running_loop()
+    await _prime(u.hostname, u.port, args)
     start = loop.time() + 0.5
     t = start + args.warmup
     phases = []

@@ -134,7 +134,10 @@ def test_each_run_is_charted_from_its_own_shard(shards):
 
 
 def test_every_rule_evaluates_without_error_across_shards(shards):
-    time.sleep(3)  # a few evaluations with both shards' series
+    # both shards' series in (one tau per shard: a join on () would fail on them), then a few evaluations
+    _wait_for(lambda: len(_query(shards["prometheus"], "nanwatch_collector_logit_tau")) == 2
+              and _query(shards["prometheus"], "nanwatch_attention_logit_max"), ALERT_WITHIN_S, "both shards' series")
+    time.sleep(3)
     with urllib.request.urlopen(f"{shards['prometheus']}/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     bad = [(rule["name"], rule.get("lastError")) for g in groups for rule in g["rules"] if rule["health"] != "ok"]

@@ -235,14 +235,19 @@ def overview_panels() -> list[Any]:
                                       order=["site", "pass", "stage", "rank"],
                                       rename={"site": "Site", "pass": "Pass", "stage": "Stage", "rank": "Rank"})))
     return [
-        stat_panel("Live ranks", "Ranks that reported within the collector's TTL.",
-                   query(f"nanwatch_live_ranks{{{RUN}}}"), thresholds((None, RED), (1, GREEN))),
-        stat_panel("Non-finite values", "Calls that held a NaN or Inf so far on the selected ranks (forward and "
-                   "backward).", query(f"sum(nanwatch_nonfinite_values_total{{{RUN_RANK}}})"),
-                   thresholds((None, GREEN), (1, RED))),
+        stat_panel("Live ranks", "Ranks that reported (a report or a heartbeat) within the collector's TTL.",
+                   query(f"nanwatch_live_ranks{{{RUN}}}"), thresholds((None, RED), (1, GREEN)), w=3),
+        stat_panel("Ranks missing", "The run's world size less its live ranks: ranks that never reported, or "
+                   "went silent past the TTL (NanwatchRanksMissing).",
+                   query(f"max(nanwatch_run_world_size{{{RUN}}}) - max(nanwatch_live_ranks{{{RUN}}})"),
+                   thresholds((None, GREEN), (1, RED)), w=3),
+        stat_panel("Non-finite values", "Calls that held a NaN or Inf so far, on every rank (forward and "
+                   "backward): the run-level count, the same whether ranks report one by one or as a job.",
+                   query(f"sum(nanwatch_run_nonfinite_values_total{{{RUN}}})"),
+                   thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Active directive", "The run's active directive (mode and version).",
                    query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"),
-                   thresholds((None, "blue")), text_mode=cm.BigValueTextMode.NAME),
+                   thresholds((None, "blue")), text_mode=cm.BigValueTextMode.NAME, w=3),
         first_offender,
     ]
 
@@ -256,7 +261,8 @@ def nonfinite_panels() -> list[Any]:
         ts_panel("Non-finite values by site and pass",
                  "Calls that held a NaN or Inf, per interval, by module site and pass, summed over ranks.",
                  query(by_site, "{{site}} ({{pass}})")),
-        ts_panel("Non-finite values by rank and kind", "Calls that held a NaN or Inf, per interval, on the selected ranks.",
+        ts_panel("Non-finite values by rank and kind", "Calls that held a NaN or Inf, per interval, on the selected "
+                 "ranks (in job mode the ranks that held one send their own detail reports).",
                  query(by_rank, "rank {{rank}} {{pass}} {{kind}}")),
     ]
 
@@ -318,8 +324,10 @@ def mode_panels() -> list[Any]:
 
 def guard_panels() -> list[Any]:
     skipped = ts_panel("Optimizer steps skipped", "Steps whose update the weight guard skipped because they saw "
-                       "a non-finite value (the weights stayed as they were).",
-                       query(f"sum by (rank) (increase(nanwatch_skipped_steps_total{{{RUN_RANK}}}"
+                       "a non-finite value (the weights stayed as they were). Under torch.distributed the skip is "
+                       "the job's, so each rank shown counts the same steps; job mode shows the reporting rank "
+                       "and the ranks with detail reports.",
+                       query(f"max by (rank) (increase(nanwatch_skipped_steps_total{{{RUN_RANK}}}"
                              "[$__rate_interval]))", "rank {{rank}}"), w=12)
     # incidents exist only once a step was replayed
     incidents = or_none(f"sum by (class) (nanwatch_incidents_total{{{RUN}}})", "class")
@@ -331,7 +339,8 @@ def guard_panels() -> list[Any]:
 
 def reporting_panels() -> list[Any]:
     age = (ts_panel("Report age per rank", "Seconds since the collector last received a report from the rank "
-                    "(the stale-rank alert fires above 120 s).",
+                    "(the stale-rank alert fires above 120 s). In job mode a rank known only by its heartbeats "
+                    "appears here once it is late (NANWATCH_RANK_LATE_S, 60 s).",
                     query(f"time() - nanwatch_last_report_timestamp_seconds{{{RUN_RANK}}}", "rank {{rank}}"),
                     unit="s", w=8)
            .thresholds(thresholds((None, GREEN), (60, ORANGE), (120, RED)))
@@ -403,6 +412,7 @@ FLEET_COLUMNS = (
     Column("F", "Directive", "max by (run_id, mode) (nanwatch_directive_info)", label="mode"),
     Column("G", "Worst report age", "max by (run_id) (run_id_rank:nanwatch_report_age:seconds)",
            ((None, GREEN), (60, ORANGE), (120, RED)), unit="s"),
+    Column("H", "Ranks missing", f"max by (run_id) (nanwatch_run_world_size) - {LIVE}", ((None, GREEN), (1, RED))),
 )
 
 

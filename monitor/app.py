@@ -49,7 +49,7 @@ def _resources(settings: Settings) -> Resources:
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
-                              min_interval_s=settings.metrics_min_interval_s)
+                              min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
     enc = {k: v.encode() for k, v in settings.ingest_tokens().items()}
     adm = {k: v.encode() for k, v in settings.admin_token_map().items()}
     met = {k: v.encode() for k, v in settings.metrics_token_map().items()}

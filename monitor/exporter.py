@@ -4,6 +4,13 @@ render at a time and at most one per interval (``MetricsRenderer``), so that scr
 however fast, neither stall ingest nor multiply the work.
 
 Per-layer and per-site series are aggregated over ranks here (max or sum): never a rank x layer series.
+
+Job mode (wire 1.4): the run-level gauges come from the job report (and per-rank reports, never detail
+ones); a rank known only through heartbeats has no per-rank series, so that a 65,536-rank job exports what
+a few ranks do, except what a person must see by rank: its last report time once it is late
+(``late_s``), its attention mode when it differs from the job's, its dropped reports when there are any.
+The rank that posts the job reports stands for the job's per-rank figures (its skipped steps are the
+job's), as do ranks with detail reports.
 """
 
 from __future__ import annotations
@@ -53,7 +60,10 @@ class RunSnapshot:
     run_id: str
     series_dropped: int
     event_counts: dict[str, int]
-    live: list[RankState] | None  # None: no live rank, only the run's totals are exported
+    live: list[RankState] | None  # the ranks with per-rank series; None: no live rank, only the run's totals
+    live_count: int
+    world_size: int
+    job: RankState | None  # the live job view (job mode), else None
     counters: dict[tuple[str, tuple], float]
     first_offender_event: EventRow | None
     directive: Directive | None
@@ -67,20 +77,30 @@ class Snapshot:
     duplicates: int
     rejected: dict[str, int]
     caps_hit: dict[str, int]
+    late_before: float = -math.inf
+    """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
+    until: float = math.inf
+    """Monotonic time at which the next heartbeat-only rank turns late: the render is stale then."""
 
 
-def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float) -> Snapshot:
-    """What a scrape shows, copied on the event loop (cheap: no metric objects are built here)."""
+def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
+             late_s: float = math.inf) -> Snapshot:
+    """What a scrape shows, copied on the event loop (cheap: no metric objects are built here, and a job's
+    ranks known only by heartbeats are counted, not copied)."""
     now = time.monotonic()
-    runs = []
+    runs, until = [], math.inf
     for run_id, run in state.runs.items():
         live = state.is_live(run, now)
+        count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
+        if live:
+            until = min(until, state.next_late(run, now, late_s))
         runs.append(RunSnapshot(
-            run_id, run.series_dropped, dict(run.event_counts),
-            state.live_ranks(run, now) if live else None, dict(run.counters) if live else {},
+            run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
+            max(run.worlds, default=1), state.live_job(run, now) if live else None, dict(run.counters) if live else {},
             run.first_offender_event if live else None, directive_log.current(run_id) if live else None))
     req = state.requests
-    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit))
+    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit),
+                    now - late_s, until)
 
 
 class _SnapshotMetrics(Collector):
@@ -113,21 +133,40 @@ class _SnapshotMetrics(Collector):
                     [run_id, fo.site or "", str(where.get("phase") or ""), str(where.get("stage") or "train"),
                      "" if fo.rank is None else str(fo.rank)], 1)
             live = run.live
-            f["nanwatch_live_ranks"].add_metric([run_id], len(live))
+            f["nanwatch_live_ranks"].add_metric([run_id], run.live_count)
             d = run.directive
             f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
             counters = run.counters
-            layers: dict[str, list[float]] = {}
-            kinds: dict[str, list[float]] = {}
+            job = run.job
+            job_skipped = counters.get(("job_skipped", ()), 0.0)
+            poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
+            measured = [st for st in live if st.scope == "rank"] + ([job] if job is not None else [])
+            f["nanwatch_run_world_size"].add_metric([run_id], max(run.world_size, job.world_size if job else 1))
+            for pass_, kind in _PASSES:
+                f["nanwatch_run_nonfinite_values_total"].add_metric(
+                    [run_id, pass_, kind], counters.get(("run_nonfinite", (pass_, kind)), 0.0))
             for st in live:
                 rank = str(st.rank)
-                for pass_, kind in _PASSES:
-                    f["nanwatch_nonfinite_values_total"].add_metric(
-                        [run_id, rank, pass_, kind], counters.get(("nonfinite", (rank, pass_, kind)), 0.0))
-                f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
-                f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
-                f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
-                f["nanwatch_skipped_steps_total"].add_metric([run_id, rank], counters.get(("skipped", (rank,)), 0.0))
+                if st.scope != "beat" or st.rank == poster:
+                    for pass_, kind in _PASSES:
+                        f["nanwatch_nonfinite_values_total"].add_metric(
+                            [run_id, rank, pass_, kind], counters.get(("nonfinite", (rank, pass_, kind)), 0.0))
+                    f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
+                    f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
+                    f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
+                    f["nanwatch_skipped_steps_total"].add_metric(
+                        [run_id, rank], counters.get(("skipped", (rank,)), 0.0) + job_skipped)
+                    continue
+                # known through heartbeats alone: only what must be seen by rank
+                if st.seen < snap.late_before:
+                    f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
+                if st.attention_mode != job_mode:
+                    f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
+                if st.dropped_reports:
+                    f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
+            layers: dict[str, list[float]] = {}
+            kinds: dict[str, list[float]] = {}
+            for st in measured:
                 for layer, bound in st.logits.items():
                     layers.setdefault(layer, []).append(bound)
                 for kind, h in st.headroom.items():
@@ -137,7 +176,7 @@ class _SnapshotMetrics(Collector):
             for kind, hs in kinds.items():
                 f["nanwatch_tensor_headroom_ratio"].add_metric([run_id, kind], _max(hs))
             for stat, combine in _RLHF.items():
-                values = [v for st in live if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
+                values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
                 if values:
                     f["nanwatch_rlhf_stat"].add_metric([run_id, stat], combine(values))
             for (fam, labels), value in counters.items():
@@ -173,6 +212,8 @@ class _Rendered:
     version: tuple
     body: bytes
     content_type: str
+    until: float = math.inf
+    """Monotonic time after which the render is stale even without a write (a rank turns late)."""
 
 
 class MetricsRenderer:
@@ -184,8 +225,8 @@ class MetricsRenderer:
     from a cache would let a few scrape loops spin the collector at thousands of requests a second)."""
 
     def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
-                 min_interval_s: float = 3.0) -> None:
-        self._state, self._directive_log, self._tau = state, directive_log, logit_tau
+                 min_interval_s: float = 3.0, late_s: float = 60.0) -> None:
+        self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
         self._min_interval_s = min_interval_s
         self._lock = asyncio.Lock()
         self._pending: dict[tuple[str, bool], asyncio.Future] = {}
@@ -195,7 +236,7 @@ class MetricsRenderer:
     async def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
         fmt = (choose_encoder(accept)[1], gzipped)
         last = self._last.get(fmt)
-        if last is not None and last.version == self._state.version():
+        if last is not None and last.version == self._state.version() and time.monotonic() < last.until:
             return last.body, last.content_type
         fut = self._pending.get(fmt)
         if fut is None:
@@ -212,10 +253,10 @@ class MetricsRenderer:
                 del self._pending[fmt]  # from now on, new scrapes wait for the next render
             try:
                 started, version = time.monotonic(), self._state.version()
-                snap = snapshot(self._state, self._directive_log, logit_tau=self._tau)
+                snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s)
                 self._last_start = started
                 body, content_type = await asyncio.to_thread(render, snap, accept, gzipped)
-                self._last[fmt] = _Rendered(version, body, content_type)
+                self._last[fmt] = _Rendered(version, body, content_type, snap.until)
                 fut.set_result((body, content_type))
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
                 fut.set_exception(e)

@@ -65,7 +65,8 @@ class Ledger:
         """Apply the batch all or nothing; raises ``CapReached`` (429), ``StoreUnavailable`` (retry) or
         ``Unstorable`` (a value that can never be stored)."""
         runs = {r.run_id for r in batch.reports}
-        self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports}, runs)
+        self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}, runs,
+                         {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
         done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
                                                    rule_engine=self.rule_engine, into=self))
         self.state.requests.applied(done.accepted, done.duplicates)
@@ -148,8 +149,9 @@ class Ledger:
 
     # ---- all or nothing --------------------------------------------------------------------------------
 
-    def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str]) -> None:
-        over = self.state.over_caps(keys, run_ids)
+    def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+                    beats: set[tuple[str, int, str]] = frozenset()) -> None:
+        over = self.state.over_caps(keys, run_ids, beats)
         if over is not None:
             raise CapReached(over)
 

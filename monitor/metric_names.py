@@ -62,7 +62,15 @@ _SPECS = (
     MetricSpec("nanwatch_events_total", "counter", ("run_id", "kind"),
                "Events recorded in the run's event log (first non-finite, math fallback, directive changes...)."),
     MetricSpec("nanwatch_live_ranks", "gauge", ("run_id",),
-               "Ranks that reported within the TTL."),
+               "Ranks that reported (any report, heartbeats included) within the TTL."),
+    # added for job-level reporting (wire 1.4): the run-level figures alerts and dashboards are written on
+    MetricSpec("nanwatch_run_nonfinite_values_total", "counter", ("run_id", "pass", "kind"),
+               "Measured calls, at all sites and on all ranks, whose tensor held a NaN (kind=nan) or an Inf and "
+               "no NaN (kind=inf): the sum over ranks of nanwatch_nonfinite_values_total, counted from job "
+               "reports in job mode (so it holds even where a rank's detail report is missing)."),
+    MetricSpec("nanwatch_run_world_size", "gauge", ("run_id",),
+               "The run's world size (max over its live ranks' and job reports); compare with "
+               "nanwatch_live_ranks: a rank that never reported, or stopped, is missing."),
     MetricSpec("nanwatch_collector_reports_accepted_total", "counter", (),
                "Step reports applied to the state."),
     MetricSpec("nanwatch_collector_reports_duplicate_total", "counter", (),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from nanwatch.monitor.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.state import RankState
+from nanwatch.monitor.state import RUN_LEVEL_SCOPES, RankState
 from nanwatch.monitor.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
@@ -42,12 +42,18 @@ class RuleEngine:
         """Record what ``r`` shows (inside the ingest transaction)."""
         run_id = r.run_id
 
+        # a job report speaks for the rank that held its first offender (wire 1.4), not for its poster
+        who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank
+
         def event(kind: str, key: str, detail: FirstNonfinite | ModeChange | dict[str, Any], *,
                   site: str | None = None) -> None:
-            into.record_event(EventRow(run_id, now, kind, key, r.rank, r.step, site, "", detail))
+            into.record_event(EventRow(run_id, now, kind, key, who, r.step, site, "", detail))
 
         n = rank.nonfinite if rank is not None else r.nonfinite_total
-        if (n or r.first_offender) and not into.has_event(run_id, "first_nonfinite"):
+        # the first offender is the run's: a detail report's is one rank's, and the job report of its step
+        # (reduced in execution order across ranks) names the first
+        if (r.scope in RUN_LEVEL_SCOPES and (n or r.first_offender)
+                and not into.has_event(run_id, "first_nonfinite")):
             site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
             if site is None:
                 hit = next(s for s in r.sites if s.nan or s.inf)
@@ -57,7 +63,7 @@ class RuleEngine:
         if r.incident is not None:
             inc = r.incident
             # everything the replay found, the drill-down's birth, parameters and path included
-            event("incident", f"incident:{r.rank}:{inc.step}", inc.model_dump(mode="json", exclude={"site", "step"}),
+            event("incident", f"incident:{who}:{inc.step}", inc.model_dump(mode="json", exclude={"site", "step"}),
                   site=inc.site)
         if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
             if rank.attention_mode == "none":
@@ -77,6 +83,8 @@ class RuleEngine:
                 event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
                       ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
                                  directive_version=r.directive_version))
+        if r.scope == "heartbeat":
+            return  # no measurements: only its mode can change (above); the most frequent report, kept cheap
         for rule in self._rules:
             for key, site, detail in matches(rule, r, logit_tau=self._tau):
                 event(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)

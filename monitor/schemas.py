@@ -89,6 +89,8 @@ class RankView(_View):
     rank: int
     incarnation: str
     seq: int
+    scope: str = Field(description="rank or detail: the rank's own measured report; beat: known by heartbeats "
+                       "(job mode)")
     step: int
     time: ApiFloat
     received: ApiFloat

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from nanwatch.monitor.counters import RequestCounters
 from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
-from nanwatch.wire import MAX_INT, RlhfStat, StepReport, dtype_name
+from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CollectorState", "RankState", "RunState"]
+__all__ = ["RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "RankState", "RunState"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
-_RANK_SERIES = 8
+RANK_SERIES = 8
+#: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
+RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
 #: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
 _PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
@@ -33,6 +35,10 @@ class RankState:
     rank: int
     incarnation: str
     seq: int
+    scope: str
+    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``beat``: known only
+    through heartbeats (and, for the rank that posts them, job reports): liveness alone; ``job``: the
+    run's job view (``RunState.job``), never in ``RunState.ranks``."""
     step: int
     time: float
     received: float
@@ -49,6 +55,9 @@ class RankState:
     logits: dict[str, float] = field(default_factory=dict)
     """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
+    beat_seq: int = -1
+    """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
+    store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
 
     @property
     def logit_max(self) -> float | None:
@@ -60,6 +69,15 @@ class RankState:
 class RunState:
     run_id: str
     ranks: dict[int, RankState] = field(default_factory=dict)
+    """Live ranks' views, in the order they last reported (``hold``): the silent ones come first, so a scrape
+    finds the late ones and the sweep the expired ones without walking a 65,536-rank job."""
+    shown: set[int] = field(default_factory=set)
+    """Ranks with per-rank series of their own: their own reports (rank, detail), the job's poster, or a
+    heartbeat that differs from the job (another mode, dropped reports)."""
+    worlds: Counter[int] = field(default_factory=Counter)
+    """World sizes the held ranks' latest reports give, counted: the run's world size is the largest."""
+    #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
+    job: RankState | None = None
     latest_step: int = 0
     counters: dict[tuple[str, tuple], float] = field(default_factory=dict)
     admitted: set[tuple] = field(default_factory=set)
@@ -74,6 +92,25 @@ class RunState:
     incarnations: int = 0
     #: monotonic time of the run's last write (report, directive, event): retention counts from it
     touched: float = field(default_factory=time.monotonic)
+
+    def hold(self, st: RankState, *, shown: bool) -> None:
+        """``st`` is the rank's latest view: moved to the end of ``ranks`` (the most recent)."""
+        prev = self.ranks.pop(st.rank, None)
+        if prev is not None:
+            self._unworld(prev.world_size)
+        self.ranks[st.rank] = st
+        self.worlds[st.world_size] += 1
+        (self.shown.add if shown else self.shown.discard)(st.rank)
+
+    def drop(self, rank: int) -> None:
+        st = self.ranks.pop(rank)
+        self._unworld(st.world_size)
+        self.shown.discard(rank)
+
+    def _unworld(self, world_size: int) -> None:
+        self.worlds[world_size] -= 1
+        if not self.worlds[world_size]:
+            del self.worlds[world_size]
 
     def admit(self, key: tuple, cost: int, cap: int) -> bool:
         """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
@@ -111,13 +148,14 @@ class CollectorState:
         """Take the store's view after a failed commit, when memory may hold changes the database does not.
         The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
         next reports); every other run keeps its own, which the write did not change."""
-        views = {run_id: (run.ranks, run.last_seen) for run_id, run in self.runs.items() if run_id not in touched}
+        views = {run_id: (run.ranks, run.shown, run.worlds, run.job, run.last_seen)
+                 for run_id, run in self.runs.items() if run_id not in touched}
         self.runs = {}
         self._restore(loaded)
-        for run_id, (ranks, last_seen) in views.items():
+        for run_id, (ranks, shown, worlds, job, last_seen) in views.items():
             run = self.runs.get(run_id)
             if run is not None:
-                run.ranks, run.last_seen = ranks, last_seen
+                run.ranks, run.shown, run.worlds, run.job, run.last_seen = ranks, shown, worlds, job, last_seen
 
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
@@ -133,7 +171,7 @@ class CollectorState:
             run = self.ensure_run(run_id)
             run.counters[(fam, labels)] = value
             per_rank = fam in _PER_RANK_FAMILIES
-            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), _RANK_SERIES if per_rank else 1,
+            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
                       self.series_cap)
         for run_id, keys in loaded.event_keys.items():
             self.ensure_run(run_id).event_keys.update(keys)
@@ -159,18 +197,26 @@ class CollectorState:
             run = self.runs[run_id] = RunState(run_id)
         return run
 
-    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str]) -> str | None:
+    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+                  beats: set[tuple[str, int, str]] = frozenset()) -> str | None:
         """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
-        counted), or None. Checked before anything is applied."""
+        counted), or None. Checked before anything is applied. ``beats``: the heartbeats' keys, which hold
+        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs."""
         new_runs = {r for r in run_ids if r not in self.runs}
         if new_runs and len(self.runs) + len(new_runs) > self.max_runs:
             self.caps_hit["runs"] += 1
             return (f"the collector keeps at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this request "
                     f"adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S")
         fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
-        for run_id, n in fresh.items():
+        held = Counter()  # ranks held in memory (heartbeats), bounded alike
+        for run_id, rank, _inc in beats:
             run = self.runs.get(run_id)
-            if (run.incarnations if run is not None else 0) + n > self.max_incarnations:
+            if run is None or rank not in run.ranks:
+                held[run_id] += 1
+        for run_id, n in (*fresh.items(), *held.items()):
+            run = self.runs.get(run_id)
+            now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
+            if now_held + n > self.max_incarnations:
                 self.caps_hit["incarnations"] += 1
                 return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
@@ -184,82 +230,41 @@ class CollectorState:
         run = self.runs.get(run_id)
         ranks = self.live_ranks(run, now) if run is not None else []
         latest = max((st.step for st in ranks), default=0)
-        world = max((st.world_size for st in ranks), default=1)
+        world = max((st.world_size for st in ranks), default=1)  # heartbeats and job reports carry it too
         every = max((st.agree_every or 1 for st in ranks), default=1)
         return min(next_apply_step(latest, world_size=world, agree_every=every), MAX_INT)
-
-    def is_new(self, r: StepReport) -> bool:
-        """False for a replay: the sender delivers in order, so seq <= high-water mark was applied."""
-        return r.seq > self.hwm.get((r.run_id, r.rank, r.incarnation), -1)
-
-    def apply(self, r: StepReport, *, received: float, seen: float) -> tuple[RankState | None, str | None,
-                                                                          list[tuple[str, tuple, float]]]:
-        """Fold one new report into the state. Returns the rank's state (None if capped), the rank's
-        previous attention mode (None if unknown) and the counter rows that changed (for the store)."""
-        key = (r.run_id, r.rank, r.incarnation)
-        run = self.ensure_run(r.run_id)
-        if key not in self.hwm:
-            run.incarnations += 1
-        self.hwm[key] = r.seq
-        cap = self.series_cap
-        run.latest_step = max(run.latest_step, r.step)
-        run.last_seen = run.touched = seen
-        changed: list[tuple[str, tuple, float]] = []
-        counters = run.counters
-
-        def bump(fam: str, labels: tuple, n: float) -> None:
-            value = counters.get((fam, labels), 0.0) + n
-            counters[(fam, labels)] = value
-            changed.append((fam, labels, value))
-
-        rank_ok = run.admit(("rank", r.rank), _RANK_SERIES, cap)
-        rank_label = str(r.rank)
-        headroom: dict[str, float] = {}
-        nonfinite = 0
-        for s in r.sites:
-            kind = "grad" if s.phase == "backward" else s.kind
-            h, cur = s.headroom, headroom.get(kind)
-            if cur is None or h > cur or h != h:  # a NaN wins and stays: it must show
-                headroom[kind] = h
-            if s.nan or s.inf:
-                nonfinite += s.nan + s.inf
-                if run.admit(("site", s.site, s.phase), 1, cap):
-                    bump("site", (s.site, s.phase), s.nan + s.inf)
-                if rank_ok:
-                    if s.nan:
-                        bump("nonfinite", (rank_label, s.phase, "nan"), s.nan)
-                    if s.inf:
-                        bump("nonfinite", (rank_label, s.phase, "inf"), s.inf)
-        for c in r.sdpa:
-            labels = (c.backend, dtype_name(c.dtype), c.stage)
-            if run.admit(("sdpa", *labels), 1, cap):
-                bump("sdpa", labels, c.calls)
-        for reason in r.coverage.unmeasured if r.coverage is not None else ():
-            if run.admit(("unmeasured", reason), 1, cap):
-                bump("unmeasured", (reason,), 1)
-        if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
-            bump("incident", (r.incident.cls,), 1)
-        if r.step_skipped and rank_ok:
-            bump("skipped", (rank_label,), 1)
-        if not rank_ok:
-            return None, None, changed
-        for kind in headroom:
-            run.admit(("headroom", kind), 1, cap)
-        logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
-        prev = run.ranks.get(r.rank)
-        # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
-        previous_mode = prev.attention_mode if prev is not None and prev.incarnation == r.incarnation else None
-        run.ranks[r.rank] = st = RankState(
-            rank=r.rank, incarnation=r.incarnation, seq=r.seq, step=r.step, time=r.time, received=received,
-            seen=seen, world_size=r.world_size, agree_every=r.agree_every, attention_mode=r.attention_mode,
-            directive_version=r.directive_version,
-            dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
-            first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
-        return st, previous_mode, changed
 
     def live_ranks(self, run: RunState, now: float) -> list[RankState]:
         horizon = now - self.ttl_s
         return [st for st in run.ranks.values() if st.seen >= horizon]
+
+    def ranks_view(self, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:
+        """(live ranks, the ranks with per-rank series now: ``shown`` ones and late ones), walking only the
+        silent front of ``ranks`` besides the shown ones."""
+        horizon, late_before = now - self.ttl_s, now - late_s
+        expired, late = 0, []
+        for st in run.ranks.values():
+            if st.seen >= late_before:
+                break
+            if st.seen < horizon:
+                expired += 1
+            elif st.rank not in run.shown:
+                late.append(st)
+        shown = [st for k in run.shown if (st := run.ranks[k]).seen >= horizon]
+        return len(run.ranks) - expired, shown + late
+
+    def next_late(self, run: RunState, now: float, late_s: float) -> float:
+        """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
+        late_before = now - late_s
+        for st in run.ranks.values():
+            if st.seen >= late_before:
+                return st.seen + late_s
+        return math.inf
+
+    def live_job(self, run: RunState, now: float) -> RankState | None:
+        """The run's latest job report's view, while within the TTL (job mode's run-level gauges)."""
+        job = run.job
+        return job if job is not None and job.seen >= now - self.ttl_s else None
 
     def is_live(self, run: RunState, now: float) -> bool:
         return run.last_seen >= now - self.ttl_s
@@ -268,8 +273,16 @@ class CollectorState:
         """Forget the latest view of ranks silent past the TTL (totals stay). Returns how many went."""
         gone = 0
         for run in self.runs.values():
-            for rank in [k for k, st in run.ranks.items() if st.seen < now - self.ttl_s]:
-                del run.ranks[rank]
+            expired = []
+            for k, st in run.ranks.items():  # in the order they last reported: the silent ones first
+                if st.seen >= now - self.ttl_s:
+                    break
+                expired.append(k)
+            for rank in expired:
+                run.drop(rank)
+            gone += len(expired)
+            if run.job is not None and run.job.seen < now - self.ttl_s:
+                run.job = None
                 gone += 1
         if gone:
             self.wrote()

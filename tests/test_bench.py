@@ -92,6 +92,40 @@ def test_collector_mode_loads_a_real_collector(capsys):
     assert "/metrics: " in printed and "collector RSS" in printed
 
 
+@pytest.mark.slow
+def test_collector_job_mode_matrix_sends_both_ways_side_by_side(capsys):
+    """--matrix: each size per rank and per job against a fresh collector, then one table; job mode primes
+    every rank (a heartbeat each) and sends job reports, details and heartbeats, all answered 200."""
+    from nanwatch.bench import main
+
+    assert main(["collector", "--matrix", "--matrix-ranks", "16", "--matrix-scrapes", "0.5", "--sites", "8",
+                 "--duration", "1.5", "--warmup", "0.5", "--heartbeat-every", "1", "--heartbeat-batch", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "job-level: a job report + 2 details at 1.0/s, heartbeats every 1 s in batches of 4" in printed
+    assert "  job: p50 " in printed and "  heartbeat: p50 " in printed  # latency by what was sent
+    rows = [line.split(" | ") for line in printed.splitlines() if line.startswith("| 1 x 16 |")]
+    assert [r[1] for r in rows] == ["rank", "job"]
+    assert all(r[-1] == "0 |" for r in rows), rows  # nothing but 200s
+    job_reports = float(rows[1][3].split()[0])
+    assert job_reports > 0 and "(19)" in rows[1][3]  # target: 3 reports a step + 16 heartbeats a second
+
+
+def test_job_step_reduces_like_the_collector_reads_it():
+    from nanwatch.bench.jobs import job_step
+    from nanwatch.bench.load import synthetic_report
+
+    ranks = [synthetic_report(rank=k, world_size=3, nan_at="model.layers.2.self_attn" if k == 2 else
+                              "model.layers.1.self_attn" if k == 1 else None, nan=1 if k else 0, logit=10.0 + k)
+             for k in range(3)]
+    job, details = job_step(ranks)
+    assert (job.scope, job.rank, job.ranks_reporting) == ("job", 0, 3)
+    # the earliest site in execution order, whichever rank held it
+    assert (job.first_offender, job.first_offender_rank) == ("model.layers.1.self_attn", 1)
+    assert job.nonfinite_total == 2 and [d.rank for d in details] == [1, 2]
+    assert max(lg.bound for lg in job.logits) == 12.0 + 3  # rank 2's, layer 3
+    assert sum(c.calls for c in job.sdpa) == 3 * 4
+
+
 def test_the_floor_reads_what_nanwatch_reads():
     """The floor variant reads as many tensors a step as nanwatch does (one aminmax each), and leaves no
     hook behind."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import os
 import statistics
@@ -31,7 +32,8 @@ import tempfile
 import time
 import urllib.parse
 
-from nanwatch.wire import LogitStat, ReportBatch, SdpaCall, SiteStat, StepReport
+from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
+from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
 __all__ = ["main", "synthetic_report"]
 
@@ -39,6 +41,8 @@ ATTACKS = ("scrape", "slow-headers", "slow-body")
 DEFAULT_ATTACKERS = {"scrape": 4, "slow-headers": 1000, "slow-body": 256}
 REQUEST_TIMEOUT_S = 30.0
 """A legitimate request unanswered this long counts as status ``timeout``."""
+IDLE_REUSE_S = 4.0
+"""A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
 SLOW_BODY_BYTES = 100_000
 """The Content-Length a slow-body attacker announces (and never sends)."""
 
@@ -48,7 +52,7 @@ def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | 
                      incarnation: str = "inc0", layers: int = 4, dtype: str = "bfloat16",
                      nan_at: str | None = None, nan: int = 0, inf: int = 0, backend: str = "flash",
                      logit: float = 12.5, mode: str = "none", dropped: int = 0,
-                     time_s: float | None = None) -> StepReport:
+                     time_s: float | None = None, skipped: bool | None = None) -> StepReport:
     """A realistic report of one rank's step: per layer an attention site (forward) and its gradient,
     one SDPA signature per layer, the logits and logprob sites, and a logit bound per layer.
     ``nan_at`` names the site that holds ``nan``/``inf`` non-finite values (forward)."""
@@ -72,19 +76,9 @@ def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | 
     return StepReport(run_id=run_id, rank=rank, world_size=world_size or rank + 1, incarnation=incarnation, seq=seq,
                       step=step,
                       time=time.time() if time_s is None else time_s, sites=sites, sdpa=sdpa, logits=logits,
-                      attention_mode=mode, dropped_reports=dropped,
+                      attention_mode=mode, dropped_reports=dropped, step_skipped=skipped,
                       first_offender=nan_at if (nan or inf) else None,
                       first_offender_phase="forward" if (nan or inf) else None)
-
-
-def _template(run_id: str, rank: int, sites: int) -> tuple[bytes, bytes]:
-    """(prefix, suffix) around the seq/step values of one rank's pre-encoded report."""
-    layers = max(1, (sites - 2) // 2)  # two sites per layer, plus logits and logprobs
-    text = ReportBatch(reports=[synthetic_report(run_id=run_id, rank=rank, seq=0, step=0, layers=layers,
-                                            time_s=1.7e9)]).model_dump_json()
-    marker = '"seq":0,"step":0'
-    head, tail = text.split(marker)
-    return (head + '"seq":').encode(), tail.encode()
 
 
 async def _read_body(reader: asyncio.StreamReader, length: int, chunked: bool) -> bytes:
@@ -140,39 +134,57 @@ def _phase_at(stats: dict, t: float) -> dict | None:
 
 def _new_phase(name: str, t_from: float, t_to: float) -> dict:
     return {"name": name, "from": t_from, "to": t_to, "lat": [], "status": {}, "scrape": [], "scrape_failed": {},
-            "lag": [],
+            "lag": [], "by_kind": {}, "reports": 0,
             "rss": None, "fds": None, "cpu_s": None}
 
 
-async def _rank(host: str, port: int, rank: int, args: argparse.Namespace, stats: dict, stop: float,
-                start_at: float) -> None:
-    """One trainer rank: a report every 1/rate s on a keep-alive connection, reopened (inside the timed
-    request) when the server closes it. Latency is recorded for the phase in which the request was sent;
-    a request unanswered after ``REQUEST_TIMEOUT_S`` counts as status ``timeout`` with its wait as latency."""
-    prefix, suffix = _template(args.run_id, rank, args.sites)
+async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace, stats: dict, stop: float,
+                  start_at: float) -> None:
+    """One stream of POSTs (a rank, a job's poster, or ranks' heartbeats; ``nanwatch.bench.jobs``) on a
+    keep-alive connection, reopened (inside the timed request) when the server closes it. A stream that
+    falls behind sends at once, so the sustained rate shows what the collector took. Latency is recorded
+    for the phase in which the request was sent; a request unanswered after ``REQUEST_TIMEOUT_S`` counts as
+    status ``timeout`` with its wait as latency."""
     auth = _auth(args.token)
-    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = await asyncio.open_connection(host, port)
+    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     loop = asyncio.get_running_loop()
-    seq, next_at = 0, start_at + rank / args.ranks  # spread the ranks over the second
+    n, last = 0, -math.inf
     try:
         while True:
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            await asyncio.sleep(max(0.0, start_at + sender.offset + n * sender.every - loop.time()))
             if loop.time() >= stop:
                 return
-            body = prefix + f'{seq},"step":{seq}'.encode() + suffix
+            body = sender.body(n)
             head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
                     f"Content-Length: {len(body)}\r\n\r\n").encode()
             t0 = loop.time()
+            if conn is not None and t0 - last > IDLE_REUSE_S:  # the server closes idle keep-alives (5 s)
+                conn[1].close()
+                conn = None
             status, conn = await _send_report(host, port, conn, head, body)
-            t1 = loop.time()
+            t1 = last = loop.time()
             if (phase := _phase_at(stats, t0)) is not None:
                 phase["lat"].append(t1 - t0)
+                phase["by_kind"].setdefault(sender.kind, []).append(t1 - t0)
+                phase["reports"] += sender.reports if status == 200 else 0
                 _count(phase["status"], status)
-            seq += 1
-            next_at += 1.0 / args.rate
+            n += 1
     finally:
         if conn is not None:
             conn[1].close()
+
+
+async def _prime(host: str, port: int, args: argparse.Namespace) -> None:
+    """Post ``nanwatch.bench.jobs.priming``'s bodies, one after another, before the clock starts."""
+    conn = None
+    for body in priming(args):
+        head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"{_auth(args.token)}Content-Length: {len(body)}\r\n\r\n").encode()
+        status, conn = await _send_report(host, port, conn, head, body)
+        if status != 200:
+            raise SystemExit(f"nanwatch bench: priming the collector got {status}")
+    if conn is not None:
+        conn[1].close()
 
 
 async def _send_report(host: str, port: int, conn: tuple | None, head: bytes,
@@ -339,13 +351,13 @@ def _plan_attack(args: argparse.Namespace, nofile: int) -> dict[str, int]:
     kinds = list(ATTACKS) if args.attack == "all" else [args.attack] if args.attack != "none" else []
     plan = {k: args.attackers if args.attackers is not None else DEFAULT_ATTACKERS[k] for k in kinds}
     slow = [k for k in plan if k != "scrape"]
-    room = nofile - args.ranks - 64 - plan.get("scrape", 0)
+    room = nofile - args.connections - 64 - plan.get("scrape", 0)
     wanted = sum(plan[k] for k in slow)
     if slow and wanted > room:
         for k in slow:
             plan[k] = max(1, plan[k] * max(room, 0) // wanted)
-        print(f"note: {wanted} slow connections do not fit the open file limit {nofile} with {args.ranks} "
-              f"ranks; capped to {', '.join(f'{k} {plan[k]}' for k in slow)}")
+        print(f"note: {wanted} slow connections do not fit the open file limit {nofile} with {args.connections} "
+              f"connections; capped to {', '.join(f'{k} {plan[k]}' for k in slow)}")
     return plan
 
 
@@ -355,6 +367,7 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
     unloaded and an attacked window, alternating so that drift on the machine falls on both alike."""
     u = urllib.parse.urlsplit(url)
     loop = asyncio.get_running_loop()
+    await _prime(u.hostname, u.port, args)
     start = loop.time() + 0.5
     t = start + args.warmup
     phases = []
@@ -364,7 +377,7 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
             t += args.duration
     stop = phases[-1]["to"]
     stats: dict = {"phases": phases, "attacks": []}
-    tasks = [_rank(u.hostname, u.port, r, args, stats, stop, start) for r in range(args.ranks)]
+    tasks = [_sender(u.hostname, u.port, s, args, stats, stop, start) for s in senders(args, synthetic_report)]
     tasks.append(_scraper(u.hostname, u.port, stats, stop, args.scrape_every, args.token))
     tasks.append(_loop_lag(stats, stop))
     if pid is not None:
@@ -483,11 +496,14 @@ def _phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[
     """Throughput, statuses, ingest latency and /metrics scrapes of one measured phase of ``seconds``."""
     lat = _quantiles(phase["lat"])
     lines = [
-        f"sustained: {len(phase['lat']) / seconds:.0f} reports/s over {seconds:.0f} s "
-        f"(target {args.ranks * args.rate:.0f}); statuses {phase['status']}",
+        f"sustained: {phase['reports'] / seconds:.0f} reports/s in {len(phase['lat']) / seconds:.0f} requests/s "
+        f"over {seconds:.0f} s (target {_target(args):.0f} reports/s); statuses {phase['status']}",
         f"ingest latency: p50 {lat[0] * 1e3:.1f} ms, p99 {lat[1] * 1e3:.1f} ms, max {lat[2] * 1e3:.1f} ms"
         if lat else "ingest latency: no samples",
     ]
+    if len(phase["by_kind"]) > 1:
+        lines += [f"  {kind}: p50 {q[0] * 1e3:.1f} ms, p99 {q[1] * 1e3:.1f} ms ({len(v)} requests)"
+                  for kind, v in phase["by_kind"].items() if (q := _quantiles(v))]
     if scrapes := phase["scrape"]:
         times = [t for t, _, _ in scrapes]
         lines.append(f"/metrics: {len(scrapes)} scrapes, median {statistics.median(times) * 1e3:.0f} ms, "
@@ -495,6 +511,13 @@ def _phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[
     if phase["scrape_failed"]:
         lines.append(f"/metrics failed: {phase['scrape_failed']}")
     return lines
+
+
+def _target(args: argparse.Namespace) -> float:
+    """Reports a second the configuration sends when the collector keeps up."""
+    if args.scope == "rank":
+        return args.jobs * args.ranks * args.rate
+    return args.jobs * ((1 + min(args.details, args.ranks - 1)) * args.rate + args.ranks / args.heartbeat_every)
 
 
 def _attack_lines(counts: dict, duration: float) -> list[str]:
@@ -520,6 +543,9 @@ def _merged(phases: list[dict], name: str) -> dict:
     for p in mine:
         for key in ("lat", "scrape", "lag"):
             out[key] += p[key]
+        out["reports"] += p["reports"]
+        for kind, lat in p["by_kind"].items():
+            out["by_kind"].setdefault(kind, []).extend(lat)
         for key in ("status", "scrape_failed"):
             for k, v in p[key].items():
                 out[key][k] = out[key].get(k, 0) + v
@@ -536,12 +562,21 @@ def _ratio_line(base: dict, hit: dict) -> str:
     return f"p99 under attack / p99 unloaded = {hit[1] / base[1]:.2f} (goal: within 2x)"
 
 
+def _load(args: argparse.Namespace) -> str:
+    jobs = f"{args.jobs} jobs of " if args.jobs > 1 else ""
+    if args.scope == "rank":
+        return f"{jobs}{args.ranks} ranks x {args.sites} sites, per-rank reports at {args.rate}/s per rank"
+    return (f"{jobs}{args.ranks} ranks x {args.sites} sites, job-level: a job report + {args.details} details at "
+            f"{args.rate}/s, heartbeats every {args.heartbeat_every:g} s in batches of {args.heartbeat_batch}")
+
+
 def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
     phases = stats["phases"]
-    lines = [f"machine: {os.cpu_count()} CPUs; load: {args.ranks} ranks x {args.sites} sites at {args.rate}/s "
-             f"per rank"]
+    lines = [f"machine: {os.cpu_count()} CPUs; load: {_load(args)}"]
     if len(phases) == 1:
         lines += _phase_lines(phases[0], args.duration, args)
+        if phases[0]["cpu_s"] is not None:
+            lines.append(f"collector CPU: {100 * phases[0]['cpu_s'] / args.duration:.0f}% of one core")
     else:
         plan = ", ".join(f"{c['kind']} x{c['n']}" for c in stats["attacks"])
         lines.append(f"attack: {plan}; open file limit {stats.get('nofile')}"
@@ -573,12 +608,21 @@ def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanwatch bench collector", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running collector (default: start one on a temp database)")
-    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--ranks", type=int, default=1024, help="ranks of each job")
     p.add_argument("--sites", type=int, default=64)
-    p.add_argument("--rate", type=float, default=1.0, help="reports per second per rank")
+    p.add_argument("--rate", type=float, default=1.0, help="steps per second (a report per rank, or per job)")
+    p.add_argument("--scope", choices=("rank", "job"), default="rank",
+                   help="rank: every rank posts its report (before wire 1.4); job: one job report a step, "
+                        "detail reports, heartbeats")
+    p.add_argument("--jobs", type=int, default=1, help="concurrent jobs (run ids)")
+    p.add_argument("--details", type=int, default=2, help="job mode: detail reports a step (ranks that differ)")
+    p.add_argument("--heartbeat-every", type=float, default=15.0, help="job mode: each rank's heartbeat interval")
+    p.add_argument("--heartbeat-batch", type=int, default=8,
+                   help="job mode: heartbeats a request (8: one request per node of 8 ranks)")
+    p.add_argument("--connections", type=int, default=1024, help="keep-alive connections the senders share")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds (of each window)")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--scrape-every", type=float, default=5.0)
@@ -592,21 +636,78 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attackers", type=int, default=None,
                    help="attackers of each kind (default: " +
                         ", ".join(f"{k} {n}" for k, n in DEFAULT_ATTACKERS.items()) + ")")
-    args = p.parse_args(argv)
+    p.add_argument("--matrix", action="store_true",
+                   help="each of --matrix-ranks per rank and per job at each of --matrix-scrapes, a fresh "
+                        "collector each, then one table")
+    p.add_argument("--matrix-ranks", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096, 65536])
+    p.add_argument("--matrix-scrapes", type=lambda v: [float(x) for x in v.split(",")], default=[5.0, 15.0])
+    p.add_argument("--jobs-sweep", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="job mode: these numbers of concurrent --ranks jobs in turn, then one table")
+    return p
+
+
+def _row(args: argparse.Namespace, stats: dict) -> dict:
+    """One configuration's figures for the side-by-side table."""
+    phase, seconds = stats["phases"][0], args.duration
+    lat = _quantiles(phase["lat"]) or (math.nan,) * 3
+    scrapes = phase["scrape"]
+    return dict(ranks=args.ranks, jobs=args.jobs, scope=args.scope, scrape=args.scrape_every,
+                target=_target(args), reports=phase["reports"] / seconds, requests=len(phase["lat"]) / seconds,
+                p50=lat[0] * 1e3, p99=lat[1] * 1e3, cpu=100 * (phase["cpu_s"] or math.nan) / seconds,
+                metrics_ms=statistics.median(t for t, _, _ in scrapes) * 1e3 if scrapes else math.nan,
+                metrics_mb=scrapes[-1][1] / 1e6 if scrapes else math.nan,
+                errors=sum(n for k, n in phase["status"].items() if k != 200))
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("jobs x ranks", "scope", "scrape", "reports/s (target)", "req/s", "p50 ms", "p99 ms", "CPU %",
+            "/metrics ms, MB", "not 200")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        lines.append(" | ".join((
+            f"{r['jobs']} x {r['ranks']}", r["scope"], f"{r['scrape']:g} s", f"{r['reports']:.0f} ({r['target']:.0f})",
+            f"{r['requests']:.0f}", f"{r['p50']:.1f}", f"{r['p99']:.1f}", f"{r['cpu']:.0f}",
+            f"{r['metrics_ms']:.0f}, {r['metrics_mb']:.2f}", str(r["errors"]))))
+    return "\n".join(f"| {line} |" for line in lines)
+
+
+def _one(args: argparse.Namespace, plan: dict[str, int], nofile: int) -> dict:
+    """One configuration against a fresh collector (or ``--url``); prints its report, returns its stats."""
     from nanwatch.bench.serve import CollectorProcess
+
+    if args.url:
+        stats = asyncio.run(_run(args.url, args, plan))
+        stats["nofile"] = nofile
+        print(_report(stats, args, None), flush=True)
+        return stats
+    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db")) as c:
+        stats = asyncio.run(_run(c.url, args, plan, c.proc.pid))
+        stats["nofile"], stats["collector_nofile"] = nofile, _nofile_of(c.proc.pid)
+        print(_report(stats, args, _rss_mb(c.proc.pid)), flush=True)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     from nanwatch.monitor.server import raise_fd_limit
 
     nofile = raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
     plan = _plan_attack(args, nofile)
-    if args.url:
-        stats = asyncio.run(_run(args.url, args, plan))
-        stats["nofile"] = nofile
-        print(_report(stats, args, None))
+    if not args.matrix and not args.jobs_sweep:
+        _one(args, plan, nofile)
         return 0
-    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db")) as c:
-        stats = asyncio.run(_run(c.url, args, plan, c.proc.pid))
-        stats["nofile"], stats["collector_nofile"] = nofile, _nofile_of(c.proc.pid)
-        print(_report(stats, args, _rss_mb(c.proc.pid)))
+    if args.matrix:
+        configs = matrix_configs(args)
+    else:
+        configs = [dict(scope="job", jobs=n) for n in args.jobs_sweep]
+    rows = []
+    for config in configs:
+        one = argparse.Namespace(**{**vars(args), **config})
+        print(f"--- {_load(one)}, scrapes every {one.scrape_every:g} s", flush=True)
+        rows.append(_row(one, _one(one, {}, nofile)))
+    print(f"machine: {os.cpu_count()} CPUs; {args.duration:g} s measured per configuration after "
+          f"{args.warmup:g} s warmup; {args.sites} sites a report")
+    print(_table(rows))
     return 0
 
 

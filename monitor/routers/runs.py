@@ -33,7 +33,9 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         # steps count per incarnation: the live ranks' latest, else the highest ever stored
         run_id=run.run_id, live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
-        nonfinite_total=sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite"),
+        # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
+        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == "run_nonfinite"),
+                            sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite")),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
     )
@@ -51,12 +53,16 @@ async def list_runs(res: ResourcesDep, _token: ReaderToken) -> ApiJSON:
 @router.get("/v1/runs/{run_id}", response_model=RunDetail, response_class=ApiJSON,
             responses={404: {"model": Problem, "description": "no such run"}, **AUTH, **INVALID, **NOT_READY})
 async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _token: ReaderToken) -> ApiJSON:
-    """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history."""
+    """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history. In
+    job mode, ranks known only through heartbeats are listed only once late (``NANWATCH_RANK_LATE_S``):
+    ``live_ranks`` counts them all."""
     run = res.state.runs.get(run_id)
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     now = time.monotonic()
-    ranks = [RankView.model_validate(st) for st in sorted(res.state.live_ranks(run, now), key=lambda s: s.rank)]
+    late_before = now - settings.rank_late_s
+    shown = [st for st in res.state.live_ranks(run, now) if st.scope != "beat" or st.seen < late_before]
+    ranks = [RankView.model_validate(st) for st in sorted(shown, key=lambda s: s.rank)]
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
             for (fam, labels), v in run.counters.items() if fam == "sdpa"]

@@ -34,7 +34,7 @@ RULES = ROOT / "deploy" / "prometheus" / "rules"
 #: the job the alert rules select (up{job="nanwatch-collector"}), in compose and on Kubernetes alike
 JOB = "nanwatch-collector"
 #: the only ports a person needs, by service: host port -> bound to loopback only?
-PUBLISHED = {"collector": {8000: False}, "grafana": {3000: False}, "prometheus": {9090: True},
+PUBLISHED = {"collector": {8000: False}, "collector-1": {8001: False}, "grafana": {3000: False}, "prometheus": {9090: True},
              "alertmanager": {9093: True}, "trainer": {}}
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
 CRD_GROUPS = {"monitoring.coreos.com"}
@@ -156,8 +156,10 @@ def test_named_volumes_are_declared_and_hold_the_state(compose):
                 assert v["source"] in declared, f"{name}: volume {v['source']} is not declared"
                 used[(name, v["target"])] = v["source"]
     assert declared == set(used.values()), "a declared volume no service uses"
-    for state in (("collector", "/data"), ("prometheus", "/prometheus"), ("grafana", "/var/lib/grafana")):
+    for state in (("collector", "/data"), ("collector-1", "/data"), ("prometheus", "/prometheus"),
+                  ("grafana", "/var/lib/grafana")):
         assert state in used, f"{state[0]}'s {state[1]} is not on a named volume"
+    assert used[("collector", "/data")] != used[("collector-1", "/data")], "two shards on one SQLite file"
 
 
 def test_ports_are_published_only_where_a_person_needs_them(compose):
@@ -218,7 +220,12 @@ def test_prometheus_config_matches_the_stack(compose):
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     targets = [t for sc in jobs[JOB]["static_configs"] for t in sc["targets"]]
-    assert targets == ["collector:8000"]
+    shards = sorted(name for name in services if name == "collector" or name.startswith("collector-"))
+    assert targets == [f"{name}:8000" for name in shards] == ["collector:8000", "collector-1:8000"]
+    for name in shards:  # every shard is the same collector, behind the same tokens
+        assert services[name]["environment"] == services["collector"]["environment"]
+        assert services[name]["image"] == services["collector"]["image"]
+        assert name in services["prometheus"]["depends_on"]
     am = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
     assert am == ["alertmanager:9093"]
     assert {"collector", "alertmanager"} <= set(services)
@@ -400,8 +407,7 @@ def _core(manifests: dict[str, dict]) -> dict[str, dict]:
 
 def test_every_manifest_kind_is_expected(manifests):
     kinds = sorted(m["kind"] for m in manifests.values())
-    assert kinds == ["Deployment", "PersistentVolumeClaim", "PrometheusRule", "Secret", "Service",
-                     "ServiceMonitor"]
+    assert kinds == ["PrometheusRule", "Secret", "Service", "ServiceMonitor", "StatefulSet"]
 
 
 @pytest.mark.parametrize("name", sorted(_core(_manifests())))
@@ -425,18 +431,19 @@ def test_kustomize_builds_and_the_result_validates():
     r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "PersistentVolumeClaim", "PrometheusRule",
-                                               "Service", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
     for d in docs:
         if d["apiVersion"].split("/")[0] not in CRD_GROUPS:
             kubernetes_validate.validate(d, K8S_VERSION, strict=True)
 
 
-def test_deployment(manifests):
-    dep = _of_kind(manifests, "Deployment")
+def test_statefulset_of_shards(manifests):
+    """Collector shards: one pod per identity (never two writers on one SQLite file), each with its own
+    volume from a claim template, named through the headless Service."""
+    dep = _of_kind(manifests, "StatefulSet")
     spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "Recreate"
+    assert spec["replicas"] >= 2 and spec["serviceName"] == _of_kind(manifests, "Service")["metadata"]["name"]
+    assert spec["updateStrategy"]["type"] == "RollingUpdate" and spec["podManagementPolicy"] == "Parallel"
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     [c] = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -457,8 +464,9 @@ def test_deployment(manifests):
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
-    pvc = _of_kind(manifests, "PersistentVolumeClaim")
-    assert volumes[mounts["/data"]]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    [claim] = spec["volumeClaimTemplates"]  # /data: the shard's own volume, not a volume of the pod spec
+    assert mounts["/data"] == claim["metadata"]["name"] and mounts["/data"] not in volumes
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
     assert c["args"][c["args"].index("--db") + 1].startswith("/data/")
 
     # the tokens: files from a Secret, named by *_TOKEN_FILE; never a value in the environment
@@ -476,8 +484,10 @@ def test_deployment(manifests):
 
 def test_service_and_servicemonitor(manifests):
     svc, sm = _of_kind(manifests, "Service"), _of_kind(manifests, "ServiceMonitor")
-    dep = _of_kind(manifests, "Deployment")
+    dep = _of_kind(manifests, "StatefulSet")
     labels = svc["metadata"]["labels"]
+    # headless: each shard its own DNS name and its own scrape target, no virtual IP spreading a run over shards
+    assert svc["spec"]["clusterIP"] == "None"
     assert labels["app.kubernetes.io/name"] == "nanwatch-collector"
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     [port] = svc["spec"]["ports"]
@@ -490,6 +500,7 @@ def test_service_and_servicemonitor(manifests):
     [endpoint] = sm["spec"]["endpoints"]
     assert endpoint["port"] == port["name"]
     assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"} in endpoint["relabelings"]
     # The operator's job label: the value of the Service label named by jobLabel, else the Service's name.
     job = labels[sm["spec"]["jobLabel"]] if "jobLabel" in sm["spec"] else svc["metadata"]["name"]
     assert job == JOB

@@ -166,6 +166,14 @@ def test_every_query_parses_with_promtool(tmp_path):
 _L = 'job="nanwatch-collector", instance="collector:8000"'
 _SCENARIO = [
     ('nanwatch_live_ranks{run_id="r1"}', "2x20"),
+    ('nanwatch_run_world_size{run_id="r1"}', "2x20"),
+    ('nanwatch_run_nonfinite_values_total{run_id="r1", pass="forward", kind="nan"}', "0x4 7x15"),
+    # a second run on a second collector shard: no query may break on two targets' series
+    ('nanwatch_live_ranks{job="nanwatch-collector", instance="collector-1:8000", run_id="r2"}', "4x20"),
+    ('nanwatch_run_world_size{job="nanwatch-collector", instance="collector-1:8000", run_id="r2"}', "4x20"),
+    ('nanwatch_attention_logit_max{job="nanwatch-collector", instance="collector-1:8000", run_id="r2", '
+     'layer="model.layers.0.self_attn"}', "7x20"),
+    ('nanwatch_collector_logit_tau{job="nanwatch-collector", instance="collector-1:8000"}', "30x20"),
     ('nanwatch_nonfinite_values_total{run_id="r1", rank="0", pass="forward", kind="nan"}', "0x4 7x15"),
     ('nanwatch_nonfinite_values_total{run_id="r1", rank="1", pass="forward", kind="nan"}', "0x20"),
     ('nanwatch_site_nonfinite_values_total{run_id="r1", site="model.layers.0.self_attn", pass="forward"}',
@@ -201,6 +209,8 @@ _SCENARIO = [
 
 
 def _with_target_labels(series: str) -> str:
+    if "instance=" in series:  # a series of another shard says which
+        return series
     return series.replace("{", "{" + _L + ", ", 1) if "{" in series else series + "{" + _L + "}"
 
 

@@ -18,7 +18,7 @@ from support import SMALL, tiny_qwen3, token_ids  # noqa: E402
 
 import nanwatch  # noqa: E402
 
-STEPS, NAN_STEP = 5, 2
+STEPS, NAN_STEP, KILLED_RUN_STEPS = 5, 2, 14
 
 
 def main(url: str, run_id: str, scope: str, mode: str) -> None:
@@ -32,8 +32,9 @@ def main(url: str, run_id: str, scope: str, mode: str) -> None:
     mlp = model.get_submodule("model.layers.0.mlp")
     options = dict(report_scope=scope, heartbeat_s=1.0, report_reduce_timeout_s=3.0, replay=False)
     with nanwatch.attach(wrapped, run_id=run_id, collector=url, optimizer=opt, **options) as mon:
-        for n in range(STEPS if mode == "nan" or rank == 0 else NAN_STEP + 1):
-            poison = mlp.register_forward_hook(lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan)) \
+        for n in range(STEPS if mode == "nan" else KILLED_RUN_STEPS if rank == 0 else NAN_STEP + 1):
+            poison = mlp.register_forward_hook(  # before nanwatch's own hook: the NaN is born in the MLP
+                lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan), prepend=True) \
                 if (mode == "nan" and rank == 1 and n == NAN_STEP) else None
             with mon.step(n):
                 ids = token_ids(seed=10 * n + rank)
@@ -44,7 +45,7 @@ def main(url: str, run_id: str, scope: str, mode: str) -> None:
                 poison.remove()
             mon.last_report()
             if mode == "kill" and rank == 0 and n >= NAN_STEP:
-                time.sleep(1.5)  # rank 0 lives on, past rank 1's heartbeat interval
+                time.sleep(1.0)  # rank 0 lives on, well past rank 1's heartbeat interval and the TTL
         if mode == "kill" and rank == 1:
             os._exit(0)  # abruptly: no final report, no close
     finite = all(torch.isfinite(p).all() for p in model.parameters())

@@ -340,7 +340,7 @@ def guard_panels() -> list[Any]:
 def reporting_panels() -> list[Any]:
     age = (ts_panel("Report age per rank", "Seconds since the collector last received a report from the rank "
                     "(the stale-rank alert fires above 120 s). In job mode a rank known only by its heartbeats "
-                    "appears here once it is late (NANWATCH_RANK_LATE_S, 60 s).",
+                    "appears here once it is late (NANWATCH_RANK_LATE_S, 90 s).",
                     query(f"time() - nanwatch_last_report_timestamp_seconds{{{RUN_RANK}}}", "rank {{rank}}"),
                     unit="s", w=8)
            .thresholds(thresholds((None, GREEN), (60, ORANGE), (120, RED)))

@@ -225,7 +225,7 @@ class MetricsRenderer:
     from a cache would let a few scrape loops spin the collector at thousands of requests a second)."""
 
     def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
-                 min_interval_s: float = 3.0, late_s: float = 60.0) -> None:
+                 min_interval_s: float = 3.0, late_s: float = 90.0) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
         self._min_interval_s = min_interval_s
         self._lock = asyncio.Lock()

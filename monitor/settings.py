@@ -61,11 +61,12 @@ class Settings(BaseSettings):
     """More admin tokens by name; the name is written to the audit log of every directive change."""
     rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
     """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
-    rank_late_s: Annotated[float, Field(gt=0)] = 60.0
+    rank_late_s: Annotated[float, Field(gt=0)] = 90.0
     """Job mode: a rank known only through heartbeats has no per-rank series (a 65,536-rank job would
     otherwise export half a million); once it has been silent this long, its last report time is exported
     again (``nanwatch_last_report_timestamp_seconds``), so the stale-rank alert names it. Keep it above the
-    trainers' heartbeat interval and below the alert's 120 s."""
+    trainers' heartbeat interval (60 s is what the benchmark assumes), with a margin for jitter, and below
+    the alert's 120 s."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
     """Request bodies beyond this get 413 before they are buffered."""
     max_buffered_bytes: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024

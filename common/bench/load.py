@@ -656,18 +656,19 @@ def _row(args: argparse.Namespace, stats: dict) -> dict:
                 p50=lat[0] * 1e3, p99=lat[1] * 1e3, cpu=100 * (phase["cpu_s"] or math.nan) / seconds,
                 metrics_ms=statistics.median(t for t, _, _ in scrapes) * 1e3 if scrapes else math.nan,
                 metrics_mb=scrapes[-1][1] / 1e6 if scrapes else math.nan,
-                errors=sum(n for k, n in phase["status"].items() if k != 200))
+                errors=sum(n for k, n in phase["status"].items() if k != 200),
+                lag=(_quantiles(phase["lag"]) or (math.nan,) * 3)[1] * 1e3)
 
 
 def _table(rows: list[dict]) -> str:
     head = ("jobs x ranks", "scope", "scrape", "reports/s (target)", "req/s", "p50 ms", "p99 ms", "CPU %",
-            "/metrics ms, MB", "not 200")
+            "/metrics ms, MB", "not 200", "bench lag p99 ms")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join((
             f"{r['jobs']} x {r['ranks']}", r["scope"], f"{r['scrape']:g} s", f"{r['reports']:.0f} ({r['target']:.0f})",
             f"{r['requests']:.0f}", f"{r['p50']:.1f}", f"{r['p99']:.1f}", f"{r['cpu']:.0f}",
-            f"{r['metrics_ms']:.0f}, {r['metrics_mb']:.2f}", str(r["errors"]))))
+            f"{r['metrics_ms']:.0f}, {r['metrics_mb']:.2f}", str(r["errors"]), f"{r['lag']:.0f}")))
     return "\n".join(f"| {line} |" for line in lines)
 
 

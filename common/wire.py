@@ -293,6 +293,9 @@ class StepReport(_Wire):
         "earliest in execution order (ties: the lowest rank); in a rank or detail report, the sender")
     ranks_reporting: Positive | None = Field(
         None, description="job reports: how many ranks the reduction covered (world_size when all took part)")
+    heartbeat_s: Annotated[float, Field(gt=0, le=86_400)] | None = Field(
+        None, description="heartbeat reports: the sender's heartbeat interval, so the collector holds the rank "
+        "live (and not late) for a few of them however long they are")
     nonfinite_rank: Count | None = Field(
         None, description="with a weight guard under torch.distributed: the lowest rank whose step held a "
         "non-finite value, from the guard's reduction across ranks (so every rank's report says who made the "

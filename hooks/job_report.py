@@ -33,7 +33,7 @@ import torch
 from nanwatch.hooks.job_stats import Contribution, contribution, merge_tables, reduce_job
 from nanwatch.wire import StepReport
 
-__all__ = ["AUTO_JOB_WORLD", "JobReporting", "open_job_reporting", "report_scope"]
+__all__ = ["AUTO_JOB_WORLD", "JobReporting", "heartbeat_interval", "open_job_reporting", "report_scope"]
 
 log = logging.getLogger("nanwatch")
 
@@ -56,7 +56,13 @@ def report_scope(scope: str, world_size: int) -> str:
     return "job" if scope == "job" or world_size >= AUTO_JOB_WORLD else "rank"
 
 
-def open_job_reporting(*, scope: str, rank: int, world_size: int, heartbeat_s: float,
+def heartbeat_interval(heartbeat_s: float | None, world_size: int) -> float:
+    """``MonitorConfig.heartbeat_s``, or its default: 30 s, longer for jobs past 3,000 ranks so that one
+    job's heartbeats stay under 100 requests a second (``MonitorConfig.heartbeat_s`` says why)."""
+    return heartbeat_s if heartbeat_s is not None else max(30.0, world_size / 100)
+
+
+def open_job_reporting(*, scope: str, rank: int, world_size: int, heartbeat_s: float | None,
                        timeout_s: float) -> JobReporting | None:
     """Training thread, at attach, on every rank together: the group job reports are reduced on, or None
     (per-rank reports) when the scope is ``rank`` or the group cannot be made (warned)."""
@@ -67,7 +73,8 @@ def open_job_reporting(*, scope: str, rank: int, world_size: int, heartbeat_s: f
     except Exception as exc:  # noqa: BLE001 - monitoring never breaks training
         log.warning("nanwatch: could not create the gloo group for job reports (%r); reporting per rank", exc)
         return None
-    return JobReporting(group, rank=rank, world_size=world_size, heartbeat_s=heartbeat_s)
+    return JobReporting(group, rank=rank, world_size=world_size,
+                        heartbeat_s=heartbeat_interval(heartbeat_s, world_size))
 
 
 class JobReporting:
@@ -148,7 +155,7 @@ class JobReporting:
         if mine.differs(job) is not None:
             posts.append(mine.report.model_copy(update={"scope": "detail"}))
         elif self.rank != 0 and time.monotonic() - self._last_post >= self._heartbeat_s:
-            posts.append(heartbeat(mine.report))
+            posts.append(heartbeat(mine.report, self._heartbeat_s))
         return posts
 
     def _header(self, values: list[int]) -> list[int]:
@@ -158,9 +165,11 @@ class JobReporting:
         return t.tolist()  # sync-ok: a CPU tensor (gloo), on the reporter thread
 
 
-def heartbeat(own: StepReport) -> StepReport:
-    """A rank's liveness for the step of ``own``: ids, step, directive state and drops, no measurements."""
-    return StepReport(run_id=own.run_id, scope="heartbeat", rank=own.rank, world_size=own.world_size,
+def heartbeat(own: StepReport, every_s: float) -> StepReport:
+    """A rank's liveness for the step of ``own``: ids, step, directive state and drops, no measurements; and
+    the interval the next one comes at (``every_s``)."""
+    return StepReport(run_id=own.run_id, scope="heartbeat", heartbeat_s=every_s, rank=own.rank,
+                      world_size=own.world_size,
                       incarnation=own.incarnation, seq=own.seq, step=own.step, time=own.time,
                       agree_every=own.agree_every, attention_mode=own.attention_mode,
                       directive_version=own.directive_version, step_skipped=own.step_skipped,

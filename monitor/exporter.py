@@ -67,6 +67,8 @@ class RunSnapshot:
     counters: dict[tuple[str, tuple], float]
     first_offender_event: EventRow | None
     directive: Directive | None
+    late_before: float = -math.inf
+    """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +79,6 @@ class Snapshot:
     duplicates: int
     rejected: dict[str, int]
     caps_hit: dict[str, int]
-    late_before: float = -math.inf
-    """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
     until: float = math.inf
     """Monotonic time at which the next heartbeat-only rank turns late: the render is stale then."""
 
@@ -97,10 +97,10 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
         runs.append(RunSnapshot(
             run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
             max(run.worlds, default=1), state.live_job(run, now) if live else None, dict(run.counters) if live else {},
-            run.first_offender_event if live else None, directive_log.current(run_id) if live else None))
+            run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
+            now - state.late_after(run, late_s)))
     req = state.requests
-    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit),
-                    now - late_s, until)
+    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit), until)
 
 
 class _SnapshotMetrics(Collector):
@@ -158,7 +158,7 @@ class _SnapshotMetrics(Collector):
                         [run_id, rank], counters.get(("skipped", (rank,)), 0.0) + job_skipped)
                     continue
                 # known through heartbeats alone: only what must be seen by rank
-                if st.seen < snap.late_before:
+                if st.seen < run.late_before:
                     f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
                 if st.attention_mode != job_mode:
                     f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)

@@ -169,6 +169,8 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
     prev = run.ranks.get(r.rank)
     same = prev is not None and prev.incarnation == r.incarnation
     held = prev if same else _BLANK
+    if r.heartbeat_s is not None and r.heartbeat_s > run.heartbeat_s:
+        run.heartbeat_s = r.heartbeat_s
     st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=r.step, time=r.time,
                    received=received, seen=seen, world_size=r.world_size,
                    agree_every=r.agree_every if r.agree_every is not None else held.agree_every,

@@ -79,6 +79,10 @@ class RunState:
     #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
     job: RankState | None = None
     latest_step: int = 0
+    heartbeat_s: float = 0.0
+    """The longest heartbeat interval the run's ranks announce (wire 1.4 ``heartbeat_s``): a rank known by
+    its heartbeats is late only after two of them and gone after three, however long the trainer chose them
+    (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000 requests a second)."""
     counters: dict[tuple[str, tuple], float] = field(default_factory=dict)
     admitted: set[tuple] = field(default_factory=set)
     series: int = 0
@@ -234,14 +238,24 @@ class CollectorState:
         every = max((st.agree_every or 1 for st in ranks), default=1)
         return min(next_apply_step(latest, world_size=world, agree_every=every), MAX_INT)
 
+    def ttl(self, run: RunState) -> float:
+        """How long a rank of ``run`` stays live after its last report: the TTL, or three heartbeats."""
+        return max(self.ttl_s, 3 * run.heartbeat_s)
+
+    @staticmethod
+    def late_after(run: RunState, late_s: float) -> float:
+        """How long a heartbeat-only rank of ``run`` may be silent before it is late: ``late_s``, or two
+        heartbeats."""
+        return max(late_s, 2 * run.heartbeat_s)
+
     def live_ranks(self, run: RunState, now: float) -> list[RankState]:
-        horizon = now - self.ttl_s
+        horizon = now - self.ttl(run)
         return [st for st in run.ranks.values() if st.seen >= horizon]
 
     def ranks_view(self, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:
         """(live ranks, the ranks with per-rank series now: ``shown`` ones and late ones), walking only the
         silent front of ``ranks`` besides the shown ones."""
-        horizon, late_before = now - self.ttl_s, now - late_s
+        horizon, late_before = now - self.ttl(run), now - self.late_after(run, late_s)
         expired, late = 0, []
         for st in run.ranks.values():
             if st.seen >= late_before:
@@ -255,6 +269,7 @@ class CollectorState:
 
     def next_late(self, run: RunState, now: float, late_s: float) -> float:
         """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
+        late_s = self.late_after(run, late_s)
         late_before = now - late_s
         for st in run.ranks.values():
             if st.seen >= late_before:
@@ -274,8 +289,9 @@ class CollectorState:
         gone = 0
         for run in self.runs.values():
             expired = []
+            horizon = now - self.ttl(run)
             for k, st in run.ranks.items():  # in the order they last reported: the silent ones first
-                if st.seen >= now - self.ttl_s:
+                if st.seen >= horizon:
                     break
                 expired.append(k)
             for rank in expired:

@@ -81,10 +81,11 @@ def job_step(reports: list[StepReport], *, seq: int | None = None) -> tuple[Step
 
 
 def heartbeat(*, run_id: str, rank: int, world_size: int, seq: int, step: int, incarnation: str = "inc0",
-              mode: str = "none", dropped: int = 0, time_s: float = 1.7e9) -> StepReport:
-    """A rank's job-mode heartbeat: liveness, mode, dropped reports; no measurements."""
+              mode: str = "none", dropped: int = 0, time_s: float = 1.7e9, every_s: float | None = None) -> StepReport:
+    """A rank's job-mode heartbeat: liveness, mode, dropped reports, its interval; no measurements."""
     return StepReport(run_id=run_id, scope="heartbeat", rank=rank, world_size=world_size, incarnation=incarnation,
-                      seq=seq, step=step, time=time_s, attention_mode=mode, dropped_reports=dropped)
+                      seq=seq, step=step, time=time_s, attention_mode=mode, dropped_reports=dropped,
+                      heartbeat_s=every_s)
 
 
 # ---- the load: senders -------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def priming(args: argparse.Namespace) -> list[bytes]:
     if args.scope != "job":
         return []
     runs = [args.run_id if args.jobs == 1 else f"{args.run_id}-{j}" for j in range(args.jobs)]
-    return [ReportBatch(reports=[heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0)
+    return [ReportBatch(reports=[heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0, every_s=args.heartbeat_every)
                                  for k in range(a, min(a + 256, args.ranks))]).model_dump_json().encode()
             for run_id in runs for a in range(0, args.ranks, 256)]
 
@@ -180,7 +181,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
         lanes = min(len(groups), beat_lanes)
         for i in range(lanes):
             mine = groups[i::lanes]
-            templates = [_Template([heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0)
+            templates = [_Template([heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0, every_s=args.heartbeat_every)
                                     for k in g]) for g in mine]
             out.append(Sender("heartbeat", args.heartbeat_every / len(mine),
                               (j + i / lanes) * args.heartbeat_every / len(runs) / max(1, len(mine)),

@@ -60,7 +60,7 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     now = time.monotonic()
-    late_before = now - settings.rank_late_s
+    late_before = now - res.state.late_after(run, settings.rank_late_s)
     shown = [st for st in res.state.live_ranks(run, now) if st.scope != "beat" or st.seen < late_before]
     ranks = [RankView.model_validate(st) for st in sorted(shown, key=lambda s: s.rank)]
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]

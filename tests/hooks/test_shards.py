@@ -54,3 +54,15 @@ def test_report_options_are_checked_at_construction():
         with pytest.raises(ValueError):
             MonitorConfig(run_id="r", **kw)
 
+
+
+def test_a_large_jobs_heartbeats_slow_down_so_one_job_costs_a_collector_under_100_requests_a_second():
+    from nanwatch.hooks.job_report import heartbeat, heartbeat_interval
+    from nanwatch.wire import StepReport
+
+    assert heartbeat_interval(None, 16) == heartbeat_interval(None, 3000) == 30.0
+    assert heartbeat_interval(None, 65_536) == 655.36 and 65_536 / heartbeat_interval(None, 65_536) <= 100
+    assert heartbeat_interval(5.0, 65_536) == 5.0  # the user's choice stands
+    own = StepReport(run_id="r", rank=3, world_size=8, incarnation="i", seq=4, step=9, time=1.0)
+    beat = heartbeat(own, 655.36)
+    assert (beat.scope, beat.heartbeat_s, beat.rank, beat.seq) == ("heartbeat", 655.36, 3, 4)

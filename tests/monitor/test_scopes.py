@@ -189,3 +189,29 @@ def test_a_silent_rank_in_job_mode_is_named_then_counted_missing(tmp_path):
                 missing_at = time.monotonic() - t0
             time.sleep(0.2)
         assert late_at is not None and 1 <= late_at < missing_at and missing_at >= 3
+
+
+def test_a_rank_heartbeating_slowly_is_held_for_its_own_interval(tmp_path):
+    """A large job beats slowly (the trainer's default is ``world_size / 100`` s past 3,000 ranks): a rank is
+    late after two of its announced intervals and gone after three, not after the collector's own
+    NANWATCH_RANK_LATE_S and NANWATCH_RANK_TTL_S, which are shorter here (1 s and 2 s, against a 1.5 s
+    interval: late at 3 s, missing at 4.5 s)."""
+    env = {"NANWATCH_RANK_TTL_S": "2", "NANWATCH_RANK_LATE_S": "1"}
+    run, world = "slow-beats", 2
+    with CollectorProcess(db_path=tmp_path / "s.db", env=env) as c:
+        _post(c.url, [heartbeat(run_id=run, rank=k, world_size=world, seq=0, step=0, every_s=1.5) for k in range(world)])
+        t0, seq, seen = time.monotonic(), 0, []
+        while time.monotonic() - t0 < 8:
+            seq += 1  # rank 0 keeps beating; rank 1 fell silent after its first heartbeat
+            _post(c.url, [heartbeat(run_id=run, rank=0, world_size=world, seq=seq, step=seq, every_s=1.5)])
+            s = scrape(c.url)
+            late = ("nanwatch_last_report_timestamp_seconds", frozenset({("run_id", run), ("rank", "1")})) in s
+            seen.append((time.monotonic() - t0, late, s[("nanwatch_live_ranks", frozenset({("run_id", run)}))]))
+            if seen[-1][2] < world:
+                break
+            time.sleep(0.2)
+    held = [(t, late, live) for t, late, live in seen if t < 2.8]  # within two intervals, less slack
+    assert held and all(not late and live == world for _, late, live in held), seen
+    assert any(late for _, late, _ in seen), seen  # then named
+    missing = [t for t, _, live in seen if live < world]
+    assert missing and missing[0] >= 4.5 - 0.1, seen  # and counted missing after three intervals

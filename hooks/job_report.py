@@ -150,7 +150,7 @@ class JobReporting:
         t_max = torch.tensor(maxes, dtype=torch.float64)
         d.all_reduce(t_sum, op=d.ReduceOp.SUM, group=self._group)
         d.all_reduce(t_max, op=d.ReduceOp.MAX, group=self._group)
-        job = reduce_job(mine.report, table, t_sum.tolist(), t_max.tolist(), world=self.world)
+        job = reduce_job(mine.report, table, t_sum.tolist(), t_max.tolist(), world=self.world)  # sync-ok: CPU (gloo)
         posts = [job.report] if self.rank == 0 else []
         if mine.differs(job) is not None:
             posts.append(mine.report.model_copy(update={"scope": "detail"}))

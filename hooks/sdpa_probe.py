@@ -106,11 +106,13 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
     rec.cover(attention=1, probed=1, layer=site if stage == "train" else None)
     rec.sdpa(site, backend, predicted, confirmed is not None, q.dtype, sig,
              None if backend not in ("math", "unknown") else reason, stage=stage)
-    probes.site(site, "attention", out)
     if backend not in ("math", "unknown"):
-        # A fused kernel can return a finite output for a NaN in the query (CPU flash does, measured on
-        # torch 2.13: the NaN only shows in the gradients, one layer too late). Read the query too.
+        # A fused kernel can return a finite output for a NaN in the query (CPU flash does on a CPU with
+        # AVX-512, measured on torch 2.13: the NaN only shows in the gradients, one layer too late; with AVX2
+        # alone it propagates). Read the query too, and before the output: the input of a call comes first
+        # in execution order, so a NaN in q is named at the query whatever the kernel does with it.
         rec.tensor(site + ".query", "attention", "forward", q, stage)
+    probes.site(site, "attention", out)
     lse = lse_of(out)
     if lse is not None:
         rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))

@@ -23,6 +23,7 @@ KL health without a subclass.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -67,13 +68,17 @@ class NanwatchCallback(_trainer_base()):
         MonitorConfig(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
         self._run_id, self._collector, self._options = run_id, collector, options
         self.monitor: Monitor | None = None
+        """The run's Monitor: attached during ``train()``, and still readable after it (``last_report()``)."""
+        self._training = False  # between on_train_begin and close(): step events reach the Monitor
         self._undo: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.close()  # a second train() on the same callback starts afresh
         trainer = _find_trainer(self)
-        target = getattr(trainer, "model_wrapped", None) or model
+        # never by truthiness: a torch.compile'd HF model answers bool() through len(), which it refuses
+        wrapped = getattr(trainer, "model_wrapped", None)
+        target = wrapped if wrapped is not None else model
         if target is None:
             warnings.warn("nanwatch: the trainer handed the callback no model; nothing is monitored",
                           RuntimeWarning, stacklevel=2)
@@ -81,7 +86,8 @@ class NanwatchCallback(_trainer_base()):
         options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
-        if trainer is not None and type(trainer).__module__.startswith("trl."):
+        self._training = True
+        if trainer is not None and "trl" in sys.modules:  # a TRL trainer, or a user's subclass of one
             from nanwatch.hooks.integrations.trl import instrument
 
             handle = instrument(trainer, self.monitor)
@@ -89,11 +95,11 @@ class NanwatchCallback(_trainer_base()):
                 self._undo.append(handle)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.monitor is not None:
+        if self._training:
             self.monitor.begin_step(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.monitor is not None:
+        if self._training:
             # global_step was incremented just before this event: the step that ran is the one opened
             self.monitor.end_step()
 
@@ -101,9 +107,10 @@ class NanwatchCallback(_trainer_base()):
         self.close()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Detach (reporting a step left open) and undo every wrap. Also done at interpreter exit."""
+        """Detach (reporting a step left open) and undo every wrap. Also done at interpreter exit. The
+        Monitor stays readable afterwards (``callback.monitor.last_report()``), until the next ``train()``."""
         while self._undo:
             self._undo.pop().remove()
+        self._training = False
         if self.monitor is not None:
             self.monitor.close(timeout)
-            self.monitor = None

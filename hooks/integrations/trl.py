@@ -97,7 +97,11 @@ def instrument(trainer: Any, monitor: Monitor) -> _Instrumented | None:
         from trl import GRPOTrainer
     except ImportError:
         return None
-    if not isinstance(trainer, GRPOTrainer):
+    if not isinstance(trainer, GRPOTrainer):  # a subclass of GRPOTrainer is one (most users subclass)
+        trl_base = next((c for c in type(trainer).__mro__ if c.__module__.startswith("trl.")), None)
+        if trl_base is not None:  # PPO, RLOO, DPO...: their per-token tensors are not where GRPO's are
+            _fail(f"{type(trainer).__name__} is TRL's {trl_base.__name__}, and the adapter covers GRPOTrainer and "
+                  "its subclasses only (call Monitor.rlhf(...) from your loss for the same figures)")
         return None
     version = _version(trl.__version__)
     if not SUPPORTED[0] <= version <= SUPPORTED[1]:

@@ -48,10 +48,10 @@ def _order(report) -> list[tuple[str, str]]:
 
 def _expected_order(attn_sites, head="lm_head", fused=()) -> list[tuple[str, str]]:
     """Forward in execution order, then backward in reverse (autograd runs it back to front). A fused
-    SDPA site's query is read too, right after its output (forward only)."""
+    SDPA site's query is read too, right before its output (forward only): a call's input comes first."""
     fwd = [(s, "forward") for s in attn_sites] + [(head, "forward")]
     queries = [(s + ".query", "forward") for s in attn_sites if s in fused]
-    order = [x for site in fwd for x in [site] + [q for q in queries if q[0] == site[0] + ".query"]]
+    order = [x for site in fwd for x in [q for q in queries if q[0] == site[0] + ".query"] + [site]]
     return order + [(s, "backward") for s, _ in reversed(fwd)]
 
 
@@ -304,8 +304,8 @@ def test_plain_module_sdpa_site_is_the_callers_fqn():
     torch.manual_seed(0)
     r, warned = _step(TinyNet(vocab=V), loss=_mean_square, input_ids=_ids(5))
     assert any("no attention module found by class name" in w for w in warned)
-    assert _order(r) == [("blocks.0", "forward"), ("blocks.0.query", "forward"), ("blocks.1", "forward"),
-                         ("blocks.1.query", "forward"), ("blocks.1", "backward"), ("blocks.0", "backward")]
+    assert _order(r) == [("blocks.0.query", "forward"), ("blocks.0", "forward"), ("blocks.1.query", "forward"),
+                         ("blocks.1", "forward"), ("blocks.1", "backward"), ("blocks.0", "backward")]
     _assert_all_finite(r)
     _assert_cpu_flash(r, ["blocks.0", "blocks.1"])
     for stat in r.logits:
@@ -321,6 +321,6 @@ def test_plain_module_as_root_still_reports():
     torch.manual_seed(0)
     r, _ = _step(Mixer(), loss=_mean_square, x=torch.randn(B, S, 32))
     assert r is not None
-    assert _order(r) == [("Mixer", "forward"), ("Mixer.query", "forward"), ("Mixer", "backward")]
+    assert _order(r) == [("Mixer.query", "forward"), ("Mixer", "forward"), ("Mixer", "backward")]
     _assert_cpu_flash(r, ["Mixer"])
     _assert_all_finite(r)

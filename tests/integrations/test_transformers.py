@@ -260,3 +260,26 @@ def test_the_old_import_path_still_works_and_says_it_moved():
     with pytest.warns(DeprecationWarning, match="nanwatch.hooks.integrations.trl"):
         old_trl = importlib.import_module("nanwatch.integrations.trl")
     assert old.NanwatchCallback is NanwatchCallback and old_trl.instrument is new_trl.instrument
+
+
+def test_the_monitor_stays_readable_after_train(faulted_run):
+    reports, _, trainer = faulted_run
+    (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
+    last = cb.monitor.last_report(timeout=1)
+    assert last is not None and last.step == reports[-1].step == 3
+
+
+def test_torch_compile_true_trains_with_the_callback(tmp_path):
+    """``TrainingArguments(torch_compile=True)`` made ``on_train_begin`` raise ``TypeError: ... does not support
+    len()`` (the compiled wrapper was tested for truthiness), so the model never trained. ``aot_eager``: the
+    same dynamo graphs without Inductor's C++ compile, too slow for a 2-core CI."""
+    reports = []
+    args = _args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager", gradient_checkpointing=False,
+                 bf16=False, gradient_accumulation_steps=1, max_steps=2)
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset(8),
+                                   callbacks=[NanwatchCallback(run_id="compiled", on_report=reports.append)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert [r.step for r in reports] == [0, 1]
+    assert all(r.coverage.forwards > 0 for r in reports)

@@ -20,7 +20,11 @@ from nanwatch.hooks.integrations.transformers import NanwatchCallback  # noqa: E
 from nanwatch.hooks.integrations.trl import instrument  # noqa: E402
 
 
-def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False):
+class MyGRPO(trl.GRPOTrainer):
+    """What most GRPO users write: a subclass, defined outside TRL's modules."""
+
+
+def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False, cls=trl.GRPOTrainer):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -38,7 +42,7 @@ def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False):
         use_cpu=True, bf16=bf16, save_strategy="no", use_vllm=False, learning_rate=1e-3, seed=0,
         disable_tqdm=True)
     reports = []
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
+    trainer = cls(model=model, reward_funcs=reward, args=args, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": prompts}),
                               callbacks=[NanwatchCallback(run_id="grpo", on_report=reports.append)])
     if poison_ref:
@@ -108,3 +112,12 @@ def test_the_adapter_refuses_a_trl_it_does_not_know(monkeypatch):
     with pytest.warns(RuntimeWarning, match="_compute_loss is not"):
         assert instrument(trainer, FakeMonitor()) is None
     assert instrument(object(), FakeMonitor()) is None  # not a GRPOTrainer: left alone, silently
+    other = trl.SFTTrainer.__new__(trl.SFTTrainer)  # a TRL trainer the adapter does not cover: said so
+    with pytest.warns(RuntimeWarning, match="TRL's SFTTrainer, and the adapter covers GRPOTrainer and its subclasses"):
+        assert instrument(other, FakeMonitor()) is None
+
+
+def test_a_subclass_of_grpo_trainer_gets_the_same_stats(tmp_path):
+    reports, trainer = _grpo(tmp_path, bf16=False, cls=MyGRPO)
+    assert type(trainer) is MyGRPO and [r.step for r in reports] == [0, 1]
+    assert all(r.rlhf is not None and r.rlhf.tokens > 0 and r.rlhf.kl_optimised == "k3_ratio" for r in reports)

@@ -30,6 +30,7 @@ from typing import Any
 from nanwatch.hooks.call_stack import nearest_self
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.facade import Monitor
+from nanwatch.hooks.integrations.log_scalars import LogScalars
 
 __all__ = ["NanwatchCallback"]
 
@@ -70,6 +71,7 @@ class NanwatchCallback(_trainer_base()):
         self.monitor: Monitor | None = None
         """The run's Monitor: attached during ``train()``, and still readable after it (``last_report()``)."""
         self._training = False  # between on_train_begin and close(): step events reach the Monitor
+        self._scalars = LogScalars()
         self._undo: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -84,9 +86,12 @@ class NanwatchCallback(_trainer_base()):
                           RuntimeWarning, stacklevel=2)
             return
         options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
+        options["on_report"] = self._scalars.observer(self._options.get("on_report"))
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         self._training = True
+        if trainer is not None:  # nanwatch/* scalars in the Trainer's own logs (W&B, TensorBoard, MLflow...)
+            self._undo.append(self._scalars.wrap_log(trainer))
         if trainer is not None and "trl" in sys.modules:  # a TRL trainer, or a user's subclass of one
             from nanwatch.hooks.integrations.trl import instrument
 

@@ -283,3 +283,30 @@ def test_torch_compile_true_trains_with_the_callback(tmp_path):
         trainer.train()
     assert [r.step for r in reports] == [0, 1]
     assert all(r.coverage.forwards > 0 for r in reports)
+
+
+def test_tensorboard_gets_the_nanwatch_scalars_through_the_trainers_own_logs(tmp_path):
+    """``report_to="tensorboard"``: the event file HF's TensorBoard integration writes holds ``nanwatch/*``
+    scalars, a NaN step and its skip counted (the guard on a fused AdamW)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, now = _model(), _StepOf()
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan) if now.step == 1 else None)
+    args = _args(tmp_path, report_to="tensorboard", gradient_checkpointing=False,
+                 bf16=False, gradient_accumulation_steps=1, max_steps=3, optim="adamw_torch_fused")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset(8),
+                                   callbacks=[now, NanwatchCallback(run_id="tb")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    (events,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/nanwatch/nonfinite_steps", "train/nanwatch/skipped_steps", "train/nanwatch/logit_max",
+            "train/nanwatch/headroom_max"} <= tags, tags
+    assert [e.value for e in acc.Scalars("train/nanwatch/nonfinite_steps")][-1] == 1.0
+    assert [e.value for e in acc.Scalars("train/nanwatch/skipped_steps")][-1] == 1.0
+    assert "log" not in trainer.__dict__  # the wrap is undone when training ends

@@ -47,7 +47,8 @@ def main(url: str, run_id: str, scope: str, mode: str) -> None:
             if mode == "kill" and rank == 0 and n >= NAN_STEP:
                 time.sleep(1.0)  # rank 0 lives on, well past rank 1's heartbeat interval and the TTL
         if mode == "kill" and rank == 1:
-            os._exit(0)  # abruptly: no final report, no close
+            time.sleep(2.0)  # what it sent reaches the collector (a loaded machine delays the sender thread)
+            os._exit(0)  # then abruptly: no final report, no close
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     Path(os.environ["NW_OUT"], f"{run_id}.rank{rank}").write_text("finite" if finite else "non-finite")
     if mode == "nan":

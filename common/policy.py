@@ -18,12 +18,21 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from nanwatch.wire import Mode, StepReport, is_half
 
-__all__ = ["DEFAULT_LOGIT_TAU", "Rule", "RuleTrigger", "default_rules", "is_agreement_step", "matches",
-           "next_apply_step", "remedy"]
+__all__ = ["DEFAULT_LOGIT_TAU", "QUERY_SUFFIX", "Rule", "RuleTrigger", "default_rules", "is_agreement_step",
+           "matches", "next_apply_step", "precision_helps", "remedy"]
 
 #: The attention-logit threshold both policies use by default (Kimi K2 clips per-head max logits at 100);
 #: the trainer's ``MonitorConfig.logit_tau`` and the collector's ``NANWATCH_LOGIT_TAU`` override it.
 DEFAULT_LOGIT_TAU = 100.0
+
+
+#: An attention call's query is its own site, ``<attention site>.query`` (kind ``attention``): read before the
+#: output, so a NaN that arrives in q is named there. A non-finite query was born upstream, so it is an
+#: input of attention, never evidence against attention's precision.
+QUERY_SUFFIX = ".query"
+
+#: Site kinds whose half-precision overflow a precision directive can cure.
+_PRECISION_KINDS = frozenset({"attention", "logits"})
 
 
 def is_agreement_step(step: int, agree_every: int) -> bool:
@@ -74,7 +83,8 @@ def matches(rule: Rule, r: StepReport, *, logit_tau: float) -> Iterator[tuple[st
     """``(dedupe key, site, detail)`` for every observation in ``r`` that the rule is about."""
     if rule.when == "half_attention_nonfinite":
         for s in r.sites:
-            if (s.nan or s.inf) and s.kind == "attention" and s.phase == "forward" and is_half(s.dtype):
+            if ((s.nan or s.inf) and s.kind == "attention" and s.phase == "forward" and s.stage == "train"
+                    and r.stage == "train" and is_half(s.dtype) and not s.site.endswith(QUERY_SUFFIX)):
                 yield s.site, s.site, {"dtype": s.dtype, "nan": s.nan, "inf": s.inf}
     elif rule.when == "math_backend_half":
         for c in r.sdpa:
@@ -90,13 +100,37 @@ def matches(rule: Rule, r: StepReport, *, logit_tau: float) -> Iterator[tuple[st
             yield "run", None, {}
 
 
+def precision_helps(r: StepReport) -> bool:
+    """Whether a precision directive (``fp32``, ``fused``) can cure what ``r`` shows: only a half-precision
+    overflow born in attention or the logits, in training. The birth decides where the report names one (the
+    incident's replay or drill-down); else the step's first offender, which is the birth when no replay ran
+    (attention downstream of an MLP's NaN comes after it, so the MLP is first). Never for a step classified
+    ``data_mask`` or ``not_reproducible``, an optimizer or parameter birth, a non-finite query (born
+    upstream), or an eval or generate stage value."""
+    if r.stage != "train":
+        return False
+    inc = r.incident
+    if inc is not None:
+        if inc.cls in ("data_mask", "not_reproducible", "optimizer") or inc.phase == "optimizer":
+            return False
+        if inc.birth_kind is not None:
+            return inc.birth_kind in _PRECISION_KINDS and not (inc.birth or "").endswith(QUERY_SUFFIX)
+    if r.first_offender is None or r.first_offender_stage not in (None, "train"):
+        return False
+    if r.first_offender_phase == "optimizer" or r.first_offender.endswith(QUERY_SUFFIX):
+        return False
+    first = next((s for s in r.sites if s.site == r.first_offender and s.phase == r.first_offender_phase
+                  and s.stage == (r.first_offender_stage or "train")), None)
+    # a detail or job report may name a first offender whose site it does not carry: then trust the rule's match
+    return first is None or (first.kind in _PRECISION_KINDS and is_half(first.dtype))
+
+
 def remedy(rule: Rule, r: StepReport) -> Mode | None:
-    """The directive the rule asks for, given what the report's incident (if any) says: a precision
-    fallback only helps a precision problem, so a step classified ``data_mask`` or ``not_reproducible``
-    gets none (the weight guard has skipped it; the incident pages)."""
+    """The directive the rule asks for, given where the step's non-finite value was born: a precision
+    fallback only helps a precision problem (``precision_helps``); anything else gets none (the weight guard
+    has skipped the step; the incident pages)."""
     if rule.directive is None:
         return None
-    if r.incident is not None and rule.directive in ("fp32", "fused") and r.incident.cls in (
-            "data_mask", "not_reproducible"):
+    if rule.directive in ("fp32", "fused") and not precision_helps(r):
         return None
     return rule.directive

@@ -40,6 +40,7 @@ __all__ = [
     "SiteKind",
     "SiteName",
     "SiteStat",
+    "Stage",
     "StepReport",
     "dtype_name",
     "is_half",
@@ -47,8 +48,9 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.4"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
-#                                        1.4 job-level reports (scope), the guard's cross-rank verdict
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.5"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+#                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
+#                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -57,8 +59,9 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.4"  # 1.1 stages, coverage; 1.2 guard, inciden
 #: already in the job report. ``heartbeat``: a rank's low-rate liveness in job mode (no measurements).
 ReportScope = Literal["rank", "job", "detail", "heartbeat"]
 
-#: Where a tensor was seen: the forward output, or the gradient flowing back into it.
-Phase = Literal["forward", "backward"]
+#: Where a tensor was seen: the forward output, the gradient flowing back into it, or (parameters only) what
+#: the optimizer's update wrote into it.
+Phase = Literal["forward", "backward", "optimizer"]
 #: What the work belonged to: the training step itself, an evaluation (the model in eval mode), or text
 #: generation (inside ``generate()``, e.g. GRPO's rollouts). Reported apart so none hides in another.
 Stage = Literal["train", "eval", "generate"]
@@ -71,9 +74,11 @@ Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_
 #: What the differential replay of a run's first non-finite step found (``Incident.cls``):
 #: ``precision`` only the fast path is non-finite (a fallback helps); ``data_mask`` every path is, or the
 #: inputs already were (fully masked rows, non-finite inputs): no precision switch helps; ``not_reproducible``
-#: the same path re-run on the same inputs is finite (suspect hardware or a race); ``not_classified`` the
-#: replay could not run soundly (``Incident.note`` says why).
-IncidentClass = Literal["precision", "data_mask", "not_reproducible", "not_classified"]
+#: the same path re-run on the same inputs is finite (suspect hardware or a race); ``optimizer`` the values were
+#: finite through forward and backward and the optimizer's update wrote the non-finite ones (e.g. fp16 Adam's
+#: eps underflow): no attention switch helps; ``not_classified`` the replay could not run soundly
+#: (``Incident.note`` says why).
+IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer", "not_classified"]
 #: How a replay path ended: non-finite at the first offender or the output, finite, or not run.
 ReplayOutcome = Literal["nonfinite", "finite", "skipped"]
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
@@ -244,6 +249,8 @@ class Incident(_Wire):
         default_factory=dict, max_length=64,
         description="the birth module's own parameters that were already non-finite, with their NaN/Inf count")
     birth_elements: Count = Field(0, description="non-finite elements in the birth module's output (exact)")
+    birth_kind: SiteKind | None = Field(None, description="what the birth module is (attention, mlp, norm, "
+                                        "param...): the remedy is chosen by it")
     path: Annotated[list[SiteName], Field(max_length=16)] = Field(
         default_factory=list, description="the coarse sites (blocks and their children) and the output head "
         "the non-finite value reached next, in order")
@@ -270,7 +277,10 @@ class StepReport(_Wire):
     world_size: Positive = 1
     incarnation: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
     seq: Count = Field(description="per (rank, incarnation) report sequence number; the idempotency key")
-    step: Count
+    step: Count = Field(description="the training step; HF's ``global_step`` under the Trainer integration. An "
+                        "eval report carries the training step it follows")
+    stage: Stage = Field("train", description="train: a training step's report. eval: an evaluation's own report "
+                         "(its figures are never folded into a training step's)")
     time: float = Field(description="unix time the step ended")
     sites: Annotated[list[SiteStat], Field(max_length=4096)] = Field(default_factory=list)
     sdpa: Annotated[list[SdpaCall], Field(max_length=4096)] = Field(default_factory=list)
@@ -300,6 +310,8 @@ class StepReport(_Wire):
         None, description="with a weight guard under torch.distributed: the lowest rank whose step held a "
         "non-finite value, from the guard's reduction across ranks (so every rank's report says who made the "
         "job skip the step); None when no rank did")
+    raised: Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z0-9_.]*$")] | None = Field(
+        None, description="the exception type the step raised (the step never finished): the rank crashed")
     dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
     warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
 

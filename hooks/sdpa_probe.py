@@ -17,6 +17,7 @@ from nanwatch.hooks.logit import exact_max_logit
 from nanwatch.hooks.probes import Frame, Probes, recomputing
 from nanwatch.hooks.recorder import ForwardMeta
 from nanwatch.hooks.sdpa_backend import confirmed_backend, lse_at_recompute, lse_of, predict
+from nanwatch.policy import QUERY_SUFFIX
 from nanwatch.wire import dtype_name
 
 __all__ = ["autocast_dtype", "scores_probe", "sdpa_call"]
@@ -111,7 +112,7 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
         # AVX-512, measured on torch 2.13: the NaN only shows in the gradients, one layer too late; with AVX2
         # alone it propagates). Read the query too, and before the output: the input of a call comes first
         # in execution order, so a NaN in q is named at the query whatever the kernel does with it.
-        rec.tensor(site + ".query", "attention", "forward", q, stage)
+        rec.tensor(site + QUERY_SUFFIX, "attention", "forward", q, stage)
     probes.site(site, "attention", out)
     lse = lse_of(out)
     if lse is not None:

@@ -13,7 +13,7 @@ import torch
 
 from nanwatch.hooks.recorder import ForwardMeta, Recorder
 
-__all__ = ["position_layout", "record_forward_inputs", "mask_kind"]
+__all__ = ["dead_rows", "position_layout", "record_forward_inputs", "mask_kind"]
 
 _LAYOUTS = {2: "2d", 3: "3d_mrope", 4: "4d"}
 
@@ -24,6 +24,15 @@ def mask_kind(mask) -> str:
     if isinstance(mask, torch.Tensor):
         return {2: "padding_2d", 4: "4d"}.get(mask.dim(), "other")
     return "other"
+
+
+def dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``mask[..., q, :]`` leaves query row ``q`` nothing to attend to: a boolean mask with no True in the
+    row, or an additive one whose row is all at the dtype's minimum (HF's masked value). Shape: the mask's
+    without its last dimension."""
+    if mask.dtype == torch.bool:
+        return ~mask.any(dim=-1)
+    return mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
 
 
 def position_layout(rec: Recorder, fwd: ForwardMeta, pos: torch.Tensor,

@@ -115,6 +115,8 @@ class StepSoFar(NamedTuple):
     first: SiteKey | None
     masked_rows: int
     compiled: bool
+    kinds: dict[str, str]
+    """Each site measured so far, by name: its kind (the birth's kind, when the birth is a site)."""
 
 
 class Recorder:
@@ -294,7 +296,8 @@ class Recorder:
         _, _, _, prints, first = self.decode(self.state, values)
         c = self.state.coverage
         return StepSoFar(first, sum(f.fully_masked_rows for f in prints),
-                         bool(c.compiled_forwards or c.compiled_calls))
+                         bool(c.compiled_forwards or c.compiled_calls),
+                         {key[0]: meta.kind for key, meta in self.state.sites.items()})
 
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""

@@ -7,7 +7,9 @@ with):
 
 1. on the same path, same inputs, same RNG: finite means **not reproducible** (suspect hardware or a
    race: the incident names the rank and host);
-2. the inputs themselves: a fully masked query row, or a non-finite floating input, is **data/mask**;
+2. the inputs themselves: non-finite rows that are all fully masked query rows (pad rows of a left-padded
+   batch are fully masked on every clean step too: they are blamed only when they are where the value was
+   born), a non-finite floating input, or a parameter of the birth module already non-finite, is **data/mask**;
 3. under fp32 attention, and on the SDPA math kernel: if either is finite the fast path was at fault,
    **precision** (a fallback helps); if both are non-finite too, **data/mask** (no precision switch helps).
 
@@ -47,6 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanwatch.hooks.collective import collective_forward
 from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.fingerprint import dead_rows
 from nanwatch.hooks.kept_forward import KeptForward
 from nanwatch.hooks.probes import Probes, first_tensor
 from nanwatch.hooks.recorder import Recorder
@@ -108,14 +111,19 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
     input was finite (a leaf such as ``mlp.down_proj``). If its input was already non-finite, the value was
     born in the enclosing module's own code between its children (the attention kernel inside
     ``self_attn``, say): the birth is that parent."""
-    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    masked: list[torch.Tensor] = []  # [B, Q]: the query rows the first 4-D attention mask leaves empty
 
     def watch(name: str, module, args, kwargs, output) -> None:
+        mask = kwargs.get("attention_mask")
+        if not masked and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            masked.append(dead_rows(mask).all(dim=1))
         t = first_tensor(output)
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             bad, x = ~torch.isfinite(t), _first_input(args, kwargs)
             fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
-            records.append((name, module, bad.any(), bad.sum(), fed.to(t.device)))
+            rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
+            records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
 
     handles = [m.register_forward_hook(partial(watch, n), with_kwargs=True) for n, m in model.named_modules() if n]
     try:
@@ -129,12 +137,12 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
     bad = [(r, fed) for r, (flag, fed) in zip(records, flags, strict=True) if flag]
     if not bad:
         return {}
-    (name, module, _, count, _), fed = bad[0]
+    (name, module, _, count, _, rows), fed = bad[0]
     modules = dict(model.named_modules())
     if fed and "." in name and name.rsplit(".", 1)[0] in modules:  # born in the parent's own code
         name = name.rsplit(".", 1)[0]
         module = modules[name]
-        count = next((r[3] for r, _ in bad if r[0] == name), count)
+        count, rows = next(((r[3], r[5]) for r, _ in bad if r[0] == name), (count, rows))
     params = {}
     for pname, t in module.named_parameters(recurse=False):
         n = int((~torch.isfinite(t)).sum())  # sync-ok: the incident, once
@@ -148,15 +156,21 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
         if (later != name and later not in path and len(path) < 16
                 and (not coarse or id(mod) in coarse or later == probes.head)):
             path.append(later)
-    return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path}
+    # The fully masked query rows are to blame only where the birth's non-finite rows are among them (every
+    # clean step of a left-padded batch has them too); where the shapes do not line up, nothing is blamed.
+    rows_masked = (bool(masked) and rows is not None and rows.shape == masked[0].shape
+                   and bool(rows.any()) and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
+    return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
+            "rows_masked": rows_masked}
 
 
 def replay(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
            step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
-           compiled: bool, rank: int) -> Incident:
+           compiled: bool, rank: int, kinds: dict[str, str] | None = None) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a replay that fails is
     ``not_classified`` with the error in ``note``."""
     start = time.perf_counter()
+    kinds = kinds or {}
     base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
             "host": f"{socket.gethostname()} rank {rank}"}
 
@@ -166,9 +180,13 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
     wrapper = collective_forward(model)
     why_not = (f"{wrapper}: a forward re-run on this rank alone would wait for the other ranks (a hang), "
                "so the replay does not run under it" if wrapper
-               else "the non-finite value was born in backward; the replay re-runs forwards only" if phase == "backward"
+               # before "backward": a compiled forward is not probed, so a NaN born inside its graph is first
+               # seen in backward, which does not make backward its birthplace
+               else "compiled code ran in the step: its forward is not probed inside graphs (the value may have "
+               "been born there, whatever pass first showed it) and the fp32 path is not applied" if compiled
+               else "the non-finite value was first seen in backward; the replay re-runs forwards only"
+               if phase == "backward"
                else "no training forward was kept this step" if not kept
-               else "compiled code ran in the step: inside a graph the fp32 path is not applied" if compiled
                else "no weight guard: the weights moved since the step, so a replay would not be that step"
                if not guarded else "")
     if why_not:
@@ -181,15 +199,19 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
         if culprit is None:
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
-        base.update(_drill(model, probes, culprit))
+        drilled = _drill(model, probes, culprit)
+        rows_masked = drilled.pop("rows_masked", False)
+        base.update(drilled)
+        if "birth" in base:
+            base["birth_kind"] = kinds.get(base["birth"], "logits" if base["birth"] == probes.head else "module")
         with directive_state.forced("fp32"):
             fp32 = _run(model, probes, culprit, watch)
         with directive_state.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
             math_ = _run(model, probes, culprit, watch)
         outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
                     "math": "nonfinite" if math_ else "finite"}
-        if masked_rows or _nonfinite_input(culprit) or base.get("birth_params"):
-            note = ("fully masked query rows" if masked_rows else "a non-finite input" if not base.get("birth_params")
+        if rows_masked or _nonfinite_input(culprit) or base.get("birth_params"):
+            note = ("fully masked query rows" if rows_masked else "a non-finite input" if not base.get("birth_params")
                     else f"a parameter of {base['birth']} was already non-finite")
             return done("data_mask", f"{note}: no precision switch helps", **outcomes)
         if fp32 and math_:
@@ -211,7 +233,8 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     first = so_far.first
     incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
                       step=step, site=first[0] if first else None, phase=first[1] if first else None,
-                      masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank)
+                      masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
+                      kinds=so_far.kinds)
     rec.set_incident(incident)
     log.warning("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
     return incident

@@ -13,6 +13,7 @@ import torch
 
 from nanwatch.hooks.dtypes import HALF
 from nanwatch.hooks.failsafe import guarded, probe_failed
+from nanwatch.hooks.fingerprint import dead_rows
 from nanwatch.hooks.logit import exact_max_logit
 from nanwatch.hooks.probes import Frame, Probes, recomputing
 from nanwatch.hooks.recorder import ForwardMeta
@@ -131,10 +132,7 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
 
 
 def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> None:
-    if mask.dtype == torch.bool:
-        rows = ~mask.any(dim=-1)
-    else:
-        rows = mask.amax(dim=-1) <= torch.finfo(mask.dtype).min / 2
+    rows = dead_rows(mask)
     probes.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=probes.rec.acc_dtype), how="max")
 
 

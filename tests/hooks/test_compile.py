@@ -199,3 +199,28 @@ def test_whole_model_compile_reports_the_non_finite_step(attach_to):
         assert reports[2].first_offender in ("lm_head", "model.layers.0.mlp.down_proj.weight")
     else:  # the head ran inside the graph: said, not hidden
         assert head == set() and "no_logits" in reports[0].coverage.unmeasured
+
+
+def test_a_nan_born_in_a_compiled_forward_is_never_said_to_be_born_in_backward():
+    """Under torch.compile the forward inside the graph is not probed: a NaN added to an MLP's output is
+    first seen in backward (the parameter gradients), which is no evidence of a backward birth."""
+    model = _qwen3("sdpa")
+    ids = _ids(4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="compiled-birth", optimizer=opt, on_report=reports.append) as mon:
+            for n in range(3):
+                if n == 2:
+                    model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan)
+                with mon.step(n):
+                    _train_step(compiled, model, ids)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            mon.last_report()
+    r = reports[2]
+    assert r.first_offender is not None and r.first_offender_phase == "backward", r.first_offender
+    assert r.incident is not None and r.incident.cls == "not_classified"
+    assert "compiled" in r.incident.note and "born in backward" not in r.incident.note, r.incident.note

@@ -402,3 +402,36 @@ def test_saved_lse_is_normalised_to_heads_by_rows():
     assert got.shape == (2, 4, 5) and torch.isfinite(got).all()
     flash = torch.zeros(2, 4, 5)
     assert normalize_lse(flash, out) is flash
+
+
+@pytest.mark.parametrize("kernel", ["hides", "propagates"])
+def test_a_nan_query_is_named_first_whatever_the_kernel_does_with_it(monkeypatch, kernel):
+    """CPU flash returns a finite output for a NaN in q on a CPU with AVX-512 and a NaN one with AVX2 alone
+    (torch 2.13): both behaviours are emulated around the real kernel, so the test holds on any CPU. The
+    query is read before the output, so the first offender is the query either way."""
+    pytest.importorskip("transformers")
+    from support import tiny_qwen3, token_ids
+
+    import nanwatch
+    from nanwatch.hooks import patching
+
+    real = patching.ORIGINAL_SDPA
+
+    def kernel_that(query, key, value, *args, **kwargs):
+        out = real(query, key, value, *args, **kwargs)
+        if kernel == "hides":
+            return torch.nan_to_num(out, nan=0.0)
+        return out + query.amax() * 0  # a NaN anywhere in q reaches every output element
+
+    monkeypatch.setattr(patching, "ORIGINAL_SDPA", kernel_that)
+    model = tiny_qwen3("sdpa", vocab_size=64)
+    model.model.layers[1].self_attn.q_norm.register_forward_hook(lambda m, a, out: out * math.nan)
+    with nanwatch.attach(model, run_id="query-first") as mon:
+        # no grad: an op after the kernel would replace its autograd node, and the backend would read as math
+        with mon.step(0), torch.no_grad():
+            model(input_ids=token_ids(2, 16, vocab=64))
+        r = mon.last_report()
+    out = next(s for s in r.sites if s.site == "model.layers.1.self_attn" and s.phase == "forward")
+    assert (out.nan > 0) == (kernel == "propagates")  # the emulation did what it says
+    assert {c.backend for c in r.sdpa} == {"cpu_flash"}, r.sdpa
+    assert r.first_offender == "model.layers.1.self_attn.query", r.first_offender

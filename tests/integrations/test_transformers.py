@@ -108,11 +108,11 @@ def test_a_fault_at_a_known_layer_and_step_is_named_there(faulted_run):
     reports, _, _ = faulted_run
     assert [r.first_offender for r in reports[:2]] == [None, None]
     r = reports[2]
-    # CPU flash hides a NaN query in its output; the query read pins it to the right layer anyway
+    # CPU flash hides a NaN query in its output with AVX-512 and propagates it with AVX2 alone: the query is
+    # read first, so the layer is named at its query on either (both kernels are emulated on any CPU in
+    # tests/hooks/test_sdpa_backend.py::test_a_nan_query_is_named_first_whatever_the_kernel_does_with_it)
     assert (r.first_offender, r.first_offender_phase, r.first_offender_stage) == (
         "model.layers.1.self_attn.query", "forward", "train")
-    out = next(s for s in r.sites if (s.site, s.phase) == ("model.layers.1.self_attn", "forward"))
-    assert out.nan == 0  # the output really was finite: without the query read, this layer looked clean
 
 
 def test_call_counts_equal_real_attention_calls_under_checkpointing(faulted_run):

@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer``: logprob, ratio and KL health without a subclass.
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer``: logprob, ratio and KL health without a subclass.
 
 TRL offers no public hook that sees the per-token tensors (callbacks get no tensors; ``compute_loss_func``
 is not used by GRPO), so this adapter wraps two methods on the trainer *instance*, and checks first that
@@ -15,6 +15,12 @@ The KL is labelled as TRL optimises it: k3 = exp(ref - logp) - (ref - logp) - 1,
 importance ratio when ``use_bias_correction_kl`` is on (TRL's default), reported as ``kl_k3_ratio_mean``
 next to nanwatch's unweighted k1/k3.
 
+``RLOOTrainer`` (TRL 1.x: the same two methods, the same signatures) hands its loss the per-*sequence*
+``old_logps`` and ``advantages``, and puts its KL into the reward, not the loss: its reports carry logprob
+and advantage health and the non-finite counts; no per-token ratio, clip fraction or KL figure (there is no
+per-token tensor of them to read, and a figure made up here would not be the one TRL optimises).
+Subclasses of either are covered (``isinstance``); any other TRL trainer gets a loud warning naming it.
+
 TRL's fused LM head never materialises logits (``lm_head.forward`` does not run in the training forward):
 the Monitor measures the fused head's ``log_probs`` in their place and says so in the report.
 """
@@ -29,10 +35,12 @@ from typing import Any
 
 from nanwatch.hooks.facade import Monitor
 
-__all__ = ["SUPPORTED", "instrument"]
+__all__ = ["COVERED", "SUPPORTED", "instrument"]
 
 log = logging.getLogger("nanwatch")
 
+#: The TRL trainers (and their subclasses) whose loss the adapter reads
+COVERED = ("GRPOTrainer", "RLOOTrainer")
 #: TRL releases this adapter was written and tested against (the methods it wraps are private)
 SUPPORTED = ((1, 14), (1, 16))
 _SIGNATURES = {
@@ -42,7 +50,7 @@ _SIGNATURES = {
 
 
 def _fail(reason: str) -> None:
-    msg = (f"nanwatch: the TRL GRPO adapter is off: {reason}. Logprob, ratio and KL health will be missing "
+    msg = (f"nanwatch: the TRL adapter is off: {reason}. Logprob, ratio and KL health will be missing "
            "from the reports; attention, logits and gradients are still measured.")
     log.error(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -53,6 +61,13 @@ def _version(v: str) -> tuple[int, int]:
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
+def _kl_in_loss(trainer: Any) -> bool:
+    """GRPO puts its KL into the loss; RLOO into the reward (the loss has no KL term to label)."""
+    import trl
+
+    return isinstance(trainer, trl.GRPOTrainer)
+
+
 class _Instrumented:
     def __init__(self, trainer: Any, monitor: Monitor) -> None:
         self._trainer = trainer
@@ -60,7 +75,7 @@ class _Instrumented:
         get_logps, compute_loss = trainer._get_per_token_logps_and_entropies, trainer._compute_loss
         beta = float(getattr(trainer, "beta", 0.0) or 0.0)
         bias_corrected = bool(getattr(trainer.args, "use_bias_correction_kl", False))
-        kl = None if beta == 0.0 else ("k3_ratio" if bias_corrected else "k3")
+        kl = None if beta == 0.0 or not _kl_in_loss(trainer) else ("k3_ratio" if bias_corrected else "k3")
 
         def logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             out = get_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
@@ -89,19 +104,28 @@ class _Instrumented:
             self._trainer.__dict__.pop(name, None)
 
 
+def _covered() -> tuple[type, ...]:
+    """The TRL trainer classes the adapter covers, as this TRL has them."""
+    import trl
+
+    return tuple(c for c in (getattr(trl, name, None) for name in COVERED) if isinstance(c, type))
+
+
 def instrument(trainer: Any, monitor: Monitor) -> _Instrumented | None:
-    """Wrap a TRL ``GRPOTrainer`` instance (other TRL trainers are left alone). Returns a handle whose
-    ``remove()`` undoes it, or None (with a loud warning) when this TRL is not one the adapter knows."""
+    """Wrap a TRL ``GRPOTrainer`` or ``RLOOTrainer`` instance, or a subclass's (other TRL trainers are left
+    alone, loudly). Returns a handle whose ``remove()`` undoes it, or None (with a loud warning) when this
+    TRL is not one the adapter knows."""
     try:
         import trl
-        from trl import GRPOTrainer
     except ImportError:
         return None
-    if not isinstance(trainer, GRPOTrainer):  # a subclass of GRPOTrainer is one (most users subclass)
+    covered = _covered()
+    if not isinstance(trainer, covered):  # a subclass is one (most users subclass)
         trl_base = next((c for c in type(trainer).__mro__ if c.__module__.startswith("trl.")), None)
-        if trl_base is not None:  # PPO, RLOO, DPO...: their per-token tensors are not where GRPO's are
-            _fail(f"{type(trainer).__name__} is TRL's {trl_base.__name__}, and the adapter covers GRPOTrainer and "
-                  "its subclasses only (call Monitor.rlhf(...) from your loss for the same figures)")
+        if trl_base is not None:  # PPO, DPO, SFT...: their per-token tensors are not where GRPO's are
+            _fail(f"{type(trainer).__name__} is TRL's {trl_base.__name__}, and the adapter covers "
+                  f"{' and '.join(COVERED)} and their subclasses only (call Monitor.rlhf(...) from your loss "
+                  "for the same figures)")
         return None
     version = _version(trl.__version__)
     if not SUPPORTED[0] <= version <= SUPPORTED[1]:
@@ -111,6 +135,7 @@ def instrument(trainer: Any, monitor: Monitor) -> _Instrumented | None:
         method = getattr(type(trainer), name, None)
         params = tuple(inspect.signature(method).parameters)[1:] if method is not None else ()
         if params[: len(expected)] != expected:
-            _fail(f"GRPOTrainer.{name} is not ({', '.join(expected)}, ...) in TRL {trl.__version__}")
+            base = next(c.__name__ for c in covered if isinstance(trainer, c))
+            _fail(f"{base}.{name} is not ({', '.join(expected)}, ...) in TRL {trl.__version__}")
             return None
     return _Instrumented(trainer, monitor)

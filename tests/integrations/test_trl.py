@@ -24,7 +24,7 @@ class MyGRPO(trl.GRPOTrainer):
     """What most GRPO users write: a subclass, defined outside TRL's modules."""
 
 
-def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False, cls=trl.GRPOTrainer):
+def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False, cls=trl.GRPOTrainer, config=trl.GRPOConfig):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -36,7 +36,7 @@ def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False, cls=trl.GRPOTrainer
     def reward(completions, **kwargs):  # a toy reward: longer is better
         return [float(len(c.split())) for c in completions]
 
-    args = trl.GRPOConfig(
+    args = config(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=1,
         max_completion_length=8, max_steps=2, num_iterations=2, beta=0.1, report_to="none", logging_steps=1,
         use_cpu=True, bf16=bf16, save_strategy="no", use_vllm=False, learning_rate=1e-3, seed=0,
@@ -105,7 +105,7 @@ def test_the_adapter_refuses_a_trl_it_does_not_know(monkeypatch):
 
     trainer = trl.GRPOTrainer.__new__(trl.GRPOTrainer)
     monkeypatch.setattr(trl, "__version__", "9.0.0")
-    with pytest.warns(RuntimeWarning, match="GRPO adapter is off"):
+    with pytest.warns(RuntimeWarning, match="TRL adapter is off"):
         assert instrument(trainer, FakeMonitor()) is None
     monkeypatch.setattr(trl, "__version__", "1.16.0")
     monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", lambda self, model, batch: None)
@@ -113,7 +113,7 @@ def test_the_adapter_refuses_a_trl_it_does_not_know(monkeypatch):
         assert instrument(trainer, FakeMonitor()) is None
     assert instrument(object(), FakeMonitor()) is None  # not a GRPOTrainer: left alone, silently
     other = trl.SFTTrainer.__new__(trl.SFTTrainer)  # a TRL trainer the adapter does not cover: said so
-    with pytest.warns(RuntimeWarning, match="TRL's SFTTrainer, and the adapter covers GRPOTrainer and its subclasses"):
+    with pytest.warns(RuntimeWarning, match="TRL's SFTTrainer, and the adapter covers GRPOTrainer and RLOOTrainer and their subclasses"):
         assert instrument(other, FakeMonitor()) is None
 
 
@@ -121,3 +121,20 @@ def test_a_subclass_of_grpo_trainer_gets_the_same_stats(tmp_path):
     reports, trainer = _grpo(tmp_path, bf16=False, cls=MyGRPO)
     assert type(trainer) is MyGRPO and [r.step for r in reports] == [0, 1]
     assert all(r.rlhf is not None and r.rlhf.tokens > 0 and r.rlhf.kl_optimised == "k3_ratio" for r in reports)
+
+
+class MyRLOO(trl.RLOOTrainer):
+    """A user's RLOO subclass."""
+
+
+def test_rloo_gets_logprob_and_advantage_health_and_no_made_up_kl(tmp_path):
+    """RLOO's loss reads per-sequence old logprobs and puts the KL in the reward: the report carries what
+    its tensors allow (logprobs, advantages, non-finite counts) and no KL label (none is in the loss)."""
+    reports, trainer = _grpo(tmp_path, bf16=False, cls=MyRLOO, config=trl.RLOOConfig)
+    assert type(trainer) is MyRLOO and len(reports) == 2
+    for r in reports:
+        s = r.rlhf
+        assert s is not None and s.tokens > 0 and {"logprobs", "advantages"} <= set(s.nonfinite), s
+        assert not any(s.nonfinite.values()) and "old_logprobs" not in s.nonfinite and "ref_logprobs" not in s.nonfinite
+        assert s.logprob_min is not None and s.logprob_min < 0 and s.advantage_std is not None
+        assert s.kl_optimised is None and s.ratio_max is None

@@ -240,7 +240,8 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
-    for s in r.get("sdpa") or []:
+    stages = {"train": 0, "eval": 1, "generate": 2}
+    for s in sorted(r.get("sdpa") or [], key=lambda s: (s["backend"], s["dtype"], stages.get(s.get("stage"), 3))):
         out.append(f"  sdpa {s['backend']:<10} {s['dtype']:<9} {s.get('stage', 'train'):<8} {s['calls']:g} calls")
     for st in r.get("ranks") or []:
         head = _headroom_line(st.get("headroom") or {})

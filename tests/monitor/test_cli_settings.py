@@ -27,7 +27,8 @@ def test_status_and_directive_commands(collector, capsys):
     assert "set by alice" in out
     assert main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", collector.admin_token]) == 0
     assert main(["status", "--url", collector.url, "--token", collector.token]) == 0
-    assert "cli: 1 live ranks, step 0, 2 non-finite, directive v2 none" in capsys.readouterr().out
+    assert "cli: live, 1 live ranks, step 0, 2 non-finite site visits, 0 skipped steps, directive v2 none" in (
+        capsys.readouterr().out)
     with pytest.raises(SystemExit, match="HTTP 401"):
         main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", "wrong"])
 

@@ -4,7 +4,8 @@ and a JSONL record of every report on local disk (``nanwatch status --file`` rea
 Both are fed by the report flow (``ReportFlow``), on the reporter thread, with exactly what a collector
 would receive; nothing here runs on the training thread, and nothing here raises into it.
 
-**Log lines** (``logging.getLogger("nanwatch")``, WARNING, one line each, HF's ``logger.warning`` style):
+**Log lines** (``logging.getLogger("nanwatch")``, WARNING, one line each, HF's ``logger.warning`` style),
+from ``rank`` and ``job`` reports (in job scope rank 0 speaks for the job):
 a non-finite *episode* starting (the first non-finite step after clean ones, not every NaN step of a NaN
 run), an incident classified, the step raising, the attention mode changing, and the values turning
 finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps.
@@ -52,7 +53,9 @@ class _Lines:
         self._nonfinite_steps = self._skipped = 0
 
     def observe(self, r: StepReport) -> None:
-        if r.scope == "heartbeat":
+        # a job report speaks for every rank's step (its first offender names the rank); a detail or a
+        # heartbeat would tell the same step again, from each rank that posts one
+        if r.scope not in ("rank", "job"):
             return
         where = f"nanwatch: step {r.step} ({r.stage})"
         self._nonfinite_steps += r.first_offender is not None and r.stage == "train"

@@ -51,6 +51,10 @@ def _call(method: str, url: str, token: str | None, body: dict | None = None) ->
 
 
 def _status(args: argparse.Namespace) -> int:
+    from nanwatch import status_view
+
+    if args.file is not None:
+        return _status_file(args)
     try:
         token = args.token or token_from_env("NANWATCH_TOKEN") or token_from_env("NANWATCH_ADMIN_TOKEN")
     except ValueError as e:
@@ -62,28 +66,32 @@ def _status(args: argparse.Namespace) -> int:
         if not runs:
             print("no runs yet")
         for r in runs:
-            d = r["directive"]
-            print(f"{r['run_id']}: {r['live_ranks']} live ranks, step {r['latest_step']}, "
-                  f"{r['nonfinite_total']:g} non-finite, directive v{d['version']} {d['mode']}")
+            print(status_view.render_summary(r))
         return 0
     r = _call("GET", f"{base}/v1/runs/{args.run}", token)
-    d, fo = r["directive"], r["first_offender"]
-    print(f"run {r['run_id']}: {r['live_ranks']} live ranks, latest step {r['latest_step']}")
-    print(f"  directive: v{d['version']} {d['mode']} from step {d['apply_at_step']} "
-          f"(set by {d['set_by'] or '-'}: {d['reason'] or '-'})")
-    if fo:
-        print(f"  first non-finite: {fo['site']} ({fo['phase']}) on rank {fo['rank']} at step {fo['step']}")
-    else:
-        print("  no non-finite value seen")
-    print(f"  non-finite values: {r['nonfinite_total']:g}")
-    for s in r["sdpa"]:
-        print(f"  sdpa {s['backend']:<10} {s['dtype']:<10} {s['calls']:g} calls")
-    for st in r["ranks"]:
-        print(f"  rank {st['rank']}: step {st['step']} mode {st['attention_mode']} nonfinite {st['nonfinite']} "
-              f"logit_max {st['logit_max']} dropped {st['dropped_reports']}")
-    for e in r["events"][-args.events:]:
-        print(f"  event {e['kind']:<24} step {e['step']} rank {e['rank']} {e['site'] or ''} "
-              f"{e['actor'] or ''} {json.dumps(e['detail'])}")
+    print("\n".join(status_view.render_detail(r, events=args.events)))
+    return 0
+
+
+def _status_file(args: argparse.Namespace) -> int:
+    """``nanwatch status --file PATH``: a trainer's local JSONL record (a file, its backups or a folder)."""
+    from nanwatch import status_view
+
+    if not os.path.exists(args.file):
+        print(f"nanwatch status: no such file or folder: {args.file}", file=sys.stderr)
+        return 2
+    try:
+        runs = status_view.fold(status_view.read_records(args.file), late_s=args.late_after)
+    except OSError as e:
+        print(f"nanwatch status: cannot read {args.file}: {e}", file=sys.stderr)
+        return 2
+    if args.run is not None:
+        runs = [r for r in runs if r["run_id"] == args.run]
+    if not runs:
+        print(f"no reports{f' of run {args.run}' if args.run else ''} in {args.file}")
+        return 1 if args.run else 0
+    for r in runs:
+        print("\n".join(status_view.render_detail(r, events=args.events)))
     return 0
 
 
@@ -132,12 +140,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--db", help="SQLite file for events, directives and counters (default nanwatch.db)")
     s.set_defaults(func=_serve)
 
-    s = sub.add_parser("status", help="summarise runs, or one run")
+    s = sub.add_parser("status", help="summarise runs, or one run (from a collector, or a local file: --file)")
     s.add_argument("run", nargs="?", help="run id (omit to list runs)")
     s.add_argument("--url", default=os.environ.get("NANWATCH_URL", _DEFAULT_URL))
     s.add_argument("--token", help="ingest or admin token (default: NANWATCH_TOKEN or NANWATCH_TOKEN_FILE, "
                                   "else NANWATCH_ADMIN_TOKEN or NANWATCH_ADMIN_TOKEN_FILE)")
     s.add_argument("--events", type=int, default=20, help="how many recent events to show")
+    s.add_argument("--file", help="read a trainer's local JSONL record instead of a collector: a file, a rotated "
+                                 "backup, or a folder of them (MonitorConfig.log_dir / NANWATCH_LOG_DIR)")
+    s.add_argument("--late-after", type=float, default=90.0,
+                   help="with --file: a rank whose latest report is older than this many seconds (and that "
+                        "neither ended nor crashed) is shown as silent (default 90, the collector's)")
     s.set_defaults(func=_status)
 
     s = sub.add_parser("directive", help="set or clear a run's directive (admin token)")

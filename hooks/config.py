@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -153,6 +154,27 @@ class MonitorConfig:
     all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.collective``). False only when the
     ranks share no gradients (independent models): each rank then decides alone."""
 
+    # ---- the local record: log lines and a JSONL file (nanwatch.hooks.local_log) -------------------
+    log_incidents: bool = True
+    """Log one line (``logging.getLogger("nanwatch")``, WARNING) when a non-finite episode starts, when an
+    incident is classified, when the attention mode changes and when the values turn finite again: in the
+    training log, where people already look, even without a collector. Never once per NaN step."""
+
+    log_every: int | None = None
+    """Also log a one-line summary every N training steps (at INFO); None: none."""
+
+    log_dir: str | None = None
+    """Folder for a JSONL record of every report (``nanwatch status --file`` reads it); default: the
+    ``NANWATCH_LOG_DIR`` environment variable; None (and no variable): no file. One file per run, rank and
+    incarnation, written on the reporter thread; an unwritable folder is warned about once, never raised."""
+
+    log_max_bytes: int = 64 << 20
+    """Rotate the JSONL file when it would grow past this many bytes."""
+
+    log_backups: int = 4
+    """Rotated JSONL files kept beside the current one (``.1`` the newest), at least 1: the record is bounded
+    by ``log_max_bytes * (log_backups + 1)``."""
+
     def __post_init__(self) -> None:
         if self.policy is not None:
             warnings.warn("MonitorConfig(policy=...) is deprecated: use directive_source=... (same values)",
@@ -191,6 +213,17 @@ class MonitorConfig:
             raise ValueError(f"heartbeat_s must be > 0 and at most a day (86400), or None, got {self.heartbeat_s}")
         if not self.report_reduce_timeout_s > 0:
             raise ValueError(f"report_reduce_timeout_s must be > 0, got {self.report_reduce_timeout_s}")
+        if self.log_every is not None and self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, or None (no summary lines), got {self.log_every}")
+        if self.log_max_bytes < 1024:
+            raise ValueError(f"log_max_bytes must be >= 1024, got {self.log_max_bytes}")
+        if self.log_backups < 1:
+            raise ValueError(f"log_backups must be >= 1 (the standard library never rotates with 0), "
+                             f"got {self.log_backups}")
+        if self.log_dir is None:
+            self.log_dir = os.environ.get("NANWATCH_LOG_DIR") or None
+        elif not isinstance(self.log_dir, str):
+            self.log_dir = os.fspath(self.log_dir)
         if self.collector is not None:
             self.collectors = tuple(collector_urls(self.collector))
             if len(self.collectors) > 1 or not isinstance(self.collector, str):

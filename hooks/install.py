@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,14 +44,29 @@ __all__ = ["RestoreAttr", "attention_modules", "install", "user_model"]
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, object] = weakref.WeakKeyDictionary()
 
 
+def _module_wrappers() -> tuple[type, ...]:
+    """Wrapper classes that hold the user's model as ``.module``: DDP, DataParallel, and, when their library
+    is already loaded (a wrapper instance implies it; nanwatch never imports them), FSDP and DeepSpeed's
+    engine (HF ``Trainer`` with ``deepspeed=...`` hands the callback a ``DeepSpeedEngine``)."""
+    found: list[type] = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
+    for module, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                         ("deepspeed.runtime.engine", "DeepSpeedEngine")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
 def user_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside the wrappers training stacks put around it: DDP and DataParallel
-    (``.module``), ``torch.compile`` (``._orig_mod``), and their combinations (Accelerate uses these).
-    Site names are then the user's FQNs, and the output head is found."""
+    """The user's model inside the wrappers training stacks put around it: DDP, DataParallel, FSDP and
+    DeepSpeed's engine (``.module``), ``torch.compile`` (``._orig_mod``), and their combinations (Accelerate
+    uses these). Site names are then the user's FQNs, and the output head is found. By type and attribute,
+    never by truthiness or ``len()`` (a compiled HF model refuses ``len()``)."""
+    wrappers = _module_wrappers()
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        if isinstance(model, wrappers) and isinstance(getattr(model, "module", None), torch.nn.Module):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod

@@ -236,5 +236,7 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
                       masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
                       kinds=so_far.kinds)
     rec.set_incident(incident)
-    log.warning("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
+    # INFO: the report's own line (nanwatch.hooks.local_log) tells the incident at WARNING, once, with its step,
+    # site and birth; two lines for one incident would read as two
+    log.info("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
     return incident

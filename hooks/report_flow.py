@@ -1,6 +1,7 @@
 """Where a finished step goes, on the reporter thread: built into a StepReport, observed by the directive
-state (the clean-step streak) and the local rule engine, then delivered to the collector's sender and the
-user's ``on_report``. One object owns that chain, so the Monitor hands it a step and nothing more.
+state (the clean-step streak) and the local rule engine, then delivered to the collector's sender, the local
+log (``nanwatch.hooks.local_log``: log lines and a JSONL file) and the user's ``on_report``. One object owns
+that chain, so the Monitor hands it a step and nothing more.
 
 Example usage::
 
@@ -21,6 +22,7 @@ from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.job_report import JobReporting, open_job_reporting
+from nanwatch.hooks.local_log import LocalLog
 from nanwatch.hooks.local_rules import LocalRuleEngine
 from nanwatch.hooks.recorder import Recorder
 from nanwatch.hooks.report import ReportBuilder, StepContext
@@ -48,12 +50,13 @@ class ReportFlow:
         self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=directive_state,
                                       logit_tau=config.logit_tau) if local else None
         self._sender = None
+        self._local = LocalLog(config, rank=rank, incarnation=incarnation, warn=warn)  # log lines, JSONL file
         self._builder = ReportBuilder(
             run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, rec=rec, warn=warn,
             dropped_reports=lambda: self.dropped, expects_logits=expects_logits,
             agree_every=config.directive_check_every if world_size > 1 else None)
         self._reporter = Reporter(self._build, on_report=self._deliver, max_pending=config.max_pending_reports,
-                                  on_close=self._close_job)
+                                  on_close=self._closing)
 
     def open_job(self) -> bool:
         """Training thread, at attach, on every rank together (a collective when the scope is ``job``): report
@@ -101,12 +104,16 @@ class ReportFlow:
         for out in (self._job.route(report, self._rlhf) if self._job is not None else [report]):
             if self._sender is not None:
                 self._sender.submit(out)
+            self._local.observe(out)
             if self._on_report is not None:
                 try:
                     self._on_report(out)
                 except Exception:
                     log.exception("nanwatch: on_report callback failed for step %s", out.step)
 
-    def _close_job(self) -> None:
+    def _closing(self) -> None:
+        """Reporter thread, after its last report: the job's group and the local log close here, so that
+        nothing writes to them after."""
+        self._local.close()
         if self._job is not None:
             self._job.close()

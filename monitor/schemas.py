@@ -19,7 +19,7 @@ from nanwatch.monitor.store import EventRow
 from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
-           "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
+           "RlhfView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -73,6 +73,7 @@ class FirstOffender(_Out):
 
     site: str | None
     phase: str | None
+    stage: str | None = Field(None, description="train, eval or generate (None: an event from before 1.1)")
     rank: int | None
     step: int | None
     time: ApiFloat
@@ -80,7 +81,26 @@ class FirstOffender(_Out):
     @classmethod
     def of(cls, ev: EventRow) -> FirstOffender:
         """From the run's ``first_nonfinite`` event."""
-        return cls(site=ev.site, phase=first_nonfinite(ev).get("phase"), rank=ev.rank, step=ev.step, time=ev.time)
+        where = first_nonfinite(ev)
+        return cls(site=ev.site, phase=where.get("phase"), stage=where.get("stage"), rank=ev.rank, step=ev.step,
+                   time=ev.time)
+
+
+class RlhfView(_View):
+    """A rank's latest RLHF health (the wire's ``RlhfStat``, its floats as ``ApiFloat``)."""
+
+    nonfinite: dict[str, int]
+    tokens: int
+    logprob_min: ApiFloat | None
+    ratio_max: ApiFloat | None
+    clip_fraction: ApiFloat | None
+    kl_k1_mean: ApiFloat | None
+    kl_k1_max: ApiFloat | None
+    kl_k3_mean: ApiFloat | None
+    kl_k3_max: ApiFloat | None
+    kl_k3_ratio_mean: ApiFloat | None
+    kl_optimised: str | None
+    advantage_std: ApiFloat | None
 
 
 class RankView(_View):
@@ -103,6 +123,9 @@ class RankView(_View):
     first_offender_phase: str | None
     headroom: dict[str, ApiFloat]
     logit_max: ApiFloat | None
+    rlhf: RlhfView | None = None
+    silent_s: ApiFloat = Field(0.0, description="seconds since the collector last heard from the rank")
+    late: bool = Field(False, description="silent past NANWATCH_RANK_LATE_S (or two heartbeats): hung, or gone")
 
 
 class EventView(_View):
@@ -127,7 +150,9 @@ class RunSummary(_Out):
     live_ranks: int
     latest_step: int
     last_report_time: ApiFloat | None
-    nonfinite_total: float
+    nonfinite_total: float = Field(description="non-finite site visits: calls of a site whose tensor held a NaN "
+                                   "or an Inf, summed over steps (not elements)")
+    skipped_steps: float = Field(0, description="optimizer steps the weight guard skipped (the most any rank did)")
     directive: Directive
     first_offender: FirstOffender | None
 

@@ -36,6 +36,9 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
         nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == "run_nonfinite"),
                             sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite")),
+        # a step the guard skipped is skipped on every rank (its flag is reduced): the most any rank counted
+        skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == "skipped"), default=0.0)
+        + run.counters.get(("job_skipped", ()), 0.0),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
     )
@@ -62,7 +65,8 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _
     now = time.monotonic()
     late_before = now - res.state.late_after(run, settings.rank_late_s)
     shown = [st for st in res.state.live_ranks(run, now) if st.scope != "beat" or st.seen < late_before]
-    ranks = [RankView.model_validate(st) for st in sorted(shown, key=lambda s: s.rank)]
+    ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
+             for st in sorted(shown, key=lambda s: s.rank)]
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
             for (fam, labels), v in run.counters.items() if fam == "sdpa"]

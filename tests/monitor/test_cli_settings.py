@@ -23,11 +23,12 @@ def test_status_and_directive_commands(collector, capsys):
     assert "directive v1 fp32 from step 7" in capsys.readouterr().out
     assert main(["status", "cli", "--url", collector.url, "--token", collector.token]) == 0
     out = capsys.readouterr().out
-    assert "first non-finite: model.layers.1.self_attn (forward) on rank 0 at step 0" in out
+    assert "first non-finite: model.layers.1.self_attn (forward, train) on rank 0 at step 0" in out
     assert "set by alice" in out
     assert main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", collector.admin_token]) == 0
     assert main(["status", "--url", collector.url, "--token", collector.token]) == 0
-    assert "cli: 1 live ranks, step 0, 2 non-finite, directive v2 none" in capsys.readouterr().out
+    assert "cli: live, 1 live ranks, step 0, 2 non-finite site visits, 0 skipped steps, directive v2 none" in (
+        capsys.readouterr().out)
     with pytest.raises(SystemExit, match="HTTP 401"):
         main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", "wrong"])
 

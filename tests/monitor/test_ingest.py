@@ -52,8 +52,8 @@ def test_sender_streams_reports_and_metrics_show_them(collector):
     d = httpx.get(f"{collector.url}/v1/directives/stream", headers=AUTH).json()
     assert (d["mode"], d["apply_at_step"], d["set_by"]) == ("fp32", 4, "rule:half_attention_nonfinite")
     run = httpx.get(f"{collector.url}/v1/runs/stream", headers=AUTH).json()
-    assert run["first_offender"] == {"site": "model.layers.2.self_attn", "phase": "forward", "rank": 1, "step": 3,
-                                     "time": run["first_offender"]["time"]}
+    assert run["first_offender"] == {"site": "model.layers.2.self_attn", "phase": "forward", "stage": "train",
+                                     "rank": 1, "step": 3, "time": run["first_offender"]["time"]}
     assert [st["rank"] for st in run["ranks"]] == [0, 1, 2]
     # names, types and labels come from the one table; never job/instance
     seen = {name for name, _ in s}

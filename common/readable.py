@@ -1,0 +1,101 @@
+"""Words for the figures: the one wording of nanwatch's numbers for people, shared by the trainer's log lines
+(``nanwatch.hooks.local_log``) and ``nanwatch status`` (both the collector's and a local file's view).
+
+Every function takes plain values or the JSON form of a wire model (a dict), so that the CLI, which reads
+the collector's JSON, and the trainer, which holds pydantic models, say the same thing in the same words.
+Imports nothing beyond the standard library.
+
+Two figures are easy to misread, so they are spelled out:
+
+* the non-finite counts of ``SiteStat.nan``/``inf`` count *site visits* (calls of a site, in a step, whose
+  tensor held a NaN or an Inf), not elements: a single NaN element that flows through 56 modules is 56
+  visits. Only an incident's ``birth_elements`` counts elements;
+* headroom is ``amax / finfo(dtype).max``: for bf16 and fp32 (max 3.4e38) an ordinary activation gives a
+  figure like ``1.9e-40``, which reads as alarming and means "nowhere near overflow". It is printed as a
+  percent of the dtype's largest value, down to 0.01%; below that, as ``<0.01% of max``: nothing
+  actionable lives there (fp16's max is 65504, so 0.01% is an amax of 6.5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["figure", "headroom", "incident", "rlhf", "visits"]
+
+
+def figure(x: float | str | None) -> str:
+    """A float in four significant figures; None as ``-``; the API's ``"NaN"``/``"Infinity"`` strings and
+    Python's non-finite floats alike as ``NaN``/``inf``/``-inf``."""
+    if x is None:
+        return "-"
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.4g}"
+
+
+def headroom(h: float | str | None) -> str:
+    """``amax / finfo.max`` as a share of the dtype's largest value (see the module docstring)."""
+    if h is None:
+        return "-"
+    h = float(h)
+    if math.isnan(h):
+        return "no finite value"
+    if math.isinf(h) or h >= 1.0:
+        return "overflowed (an Inf was seen)" if math.isinf(h) else "at the overflow edge (100% of max)"
+    if h >= 1e-4:
+        return f"{h * 100:.2g}% of max"
+    return "<0.01% of max"
+
+
+def visits(n: float, *, unit: str = "site visits") -> str:
+    """A non-finite count with its unit: ``56 non-finite site visits`` (calls, not elements)."""
+    return f"{n:g} non-finite {unit}"
+
+
+def incident(inc: Mapping[str, Any]) -> str:
+    """An incident (``Incident.model_dump(mode="json")``, or the collector's incident event detail) in one
+    phrase: its class, the birth module and kind, the elements there, parameters found non-finite."""
+    parts = [f"class {inc.get('cls', '?')}"]
+    birth = inc.get("birth")
+    if birth:
+        kind = inc.get("birth_kind")
+        parts.append(f"born at {birth}" + (f" ({kind})" if kind else ""))
+    n = inc.get("birth_elements") or 0
+    if n:
+        parts.append(f"{n} non-finite element{'s' if n != 1 else ''} there")
+    params = inc.get("birth_params") or {}
+    if params:
+        parts.append("non-finite parameters " + ", ".join(sorted(params)))
+    note = inc.get("note")
+    if note:
+        parts.append(note)
+    return "; ".join(parts)
+
+
+_RLHF = (("logprob_min", "logprob min"), ("ratio_max", "ratio max"), ("kl_k1_mean", "KL k1 mean"),
+         ("kl_k3_mean", "KL k3 mean"), ("kl_k3_max", "k3 max"), ("kl_k3_ratio_mean", "k3*ratio mean"),
+         ("advantage_std", "advantage std"))
+
+
+def rlhf(stat: Mapping[str, Any] | None) -> str:
+    """RLHF health (``RlhfStat`` as JSON) in one line; ``-`` when none was recorded. Non-finite values are
+    counted per tensor, never hidden."""
+    if not stat:
+        return "-"
+    parts = [f"{label} {figure(stat[key])}" for key, label in _RLHF if stat.get(key) is not None]
+    clip = stat.get("clip_fraction")
+    if clip is not None:
+        clip = float(clip)
+        parts.insert(2, f"clip {clip * 100:.3g}%" if math.isfinite(clip) else f"clip {figure(clip)}")
+    if stat.get("kl_optimised"):
+        parts.append(f"loss KL {stat['kl_optimised']}")
+    bad = {k: v for k, v in (stat.get("nonfinite") or {}).items() if v}
+    parts.append("non-finite " + (", ".join(f"{k} {v:g}" for k, v in sorted(bad.items())) if bad else "none"))
+    if stat.get("tokens") is not None:
+        parts.append(f"over {stat['tokens']:g} tokens")
+    return ", ".join(parts)

@@ -1,0 +1,202 @@
+"""nanwatch where people already look, with no collector: a line in the training log when something happens,
+and a JSONL record of every report on local disk (``nanwatch status --file`` reads it).
+
+Both are fed by the report flow (``ReportFlow``), on the reporter thread, with exactly what a collector
+would receive; nothing here runs on the training thread, and nothing here raises into it.
+
+**Log lines** (``logging.getLogger("nanwatch")``, WARNING, one line each, HF's ``logger.warning`` style),
+from ``rank`` and ``job`` reports (in job scope rank 0 speaks for the job):
+a non-finite *episode* starting (the first non-finite step after clean ones, not every NaN step of a NaN
+run), an incident classified, the step raising, the attention mode changing, and the values turning
+finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps.
+
+**The JSONL file**: one report per line (``StepReport.model_dump_json()``: NaN and Inf stay the JSON
+constants ``NaN``/``Infinity``, as on the wire), plus a closing record ``{"nanwatch_log": "closed", ...}``
+when the Monitor closes, so that a reader tells a run that ended from one that went silent. One file per
+run, rank and incarnation, ``<log_dir>/<run_id>.rank<rank>.<incarnation>.jsonl``, size-rotated by the
+standard library's ``RotatingFileHandler`` (``.1`` is the newest backup). A folder that cannot be written
+is warned about once and the run carries on without the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from logging.handlers import RotatingFileHandler
+
+from nanwatch import readable
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.wire import StepReport
+
+__all__ = ["LocalLog", "log_path"]
+
+log = logging.getLogger("nanwatch")
+
+
+def log_path(log_dir: str, *, run_id: str, rank: int, incarnation: str) -> str:
+    """Where one Monitor's JSONL goes (run ids hold no path separator: the wire's alphabet)."""
+    return os.path.join(log_dir, f"{run_id}.rank{rank}.{incarnation}.jsonl")
+
+
+class _Lines:
+    """Decides which reports deserve a line, and words it. Reporter thread only."""
+
+    def __init__(self, *, incidents: bool, every: int | None) -> None:
+        self._incidents, self._every = incidents, every
+        self._episode: dict[str, tuple[int, int]] = {}  # stage -> (first non-finite step, steps so far)
+        self._mode = "none"
+        self._classified: set[tuple[int, int]] = set()  # (rank, step) of incidents already told
+        self._nonfinite_steps = self._skipped = 0
+
+    def observe(self, r: StepReport) -> None:
+        # a job report speaks for every rank's step (its first offender names the rank); a detail or a
+        # heartbeat would tell the same step again, from each rank that posts one
+        if r.scope not in ("rank", "job"):
+            return
+        where = f"nanwatch: step {r.step} ({r.stage})"
+        self._nonfinite_steps += r.first_offender is not None and r.stage == "train"
+        self._skipped += bool(r.step_skipped)
+        if self._incidents:
+            for line in self._events(r, where):
+                log.warning("%s", line)
+        if self._every and r.stage == "train" and r.step % self._every == 0:
+            log.info("%s", self._summary(r, where))
+
+    def _events(self, r: StepReport, where: str) -> list[str]:
+        lines = []
+        rank = r.first_offender_rank if r.first_offender_rank is not None else r.rank
+        episode = self._episode.get(r.stage)
+        if r.first_offender is not None:
+            if episode is None:
+                self._episode[r.stage] = (r.step, 1)
+                n = sum(s.nan + s.inf for s in r.sites)
+                msg = (f"{where}: non-finite at {r.first_offender} ({r.first_offender_phase or '?'}, rank {rank}); "
+                       f"{readable.visits(n)}")
+                inc = r.incident
+                if inc is not None and (r.rank, inc.step) not in self._classified:
+                    self._classified.add((r.rank, inc.step))
+                    msg += "; " + readable.incident(inc.model_dump(mode="json"))
+                if r.step_skipped:
+                    msg += "; step skipped (weights not updated)"
+                lines.append(msg)
+            else:
+                self._episode[r.stage] = (episode[0], episode[1] + 1)
+        elif episode is not None:
+            del self._episode[r.stage]
+            first, n = episode
+            lines.append(f"{where}: finite again after {n} non-finite step{'s' if n != 1 else ''} "
+                         f"(from step {first})")
+        inc = r.incident
+        if inc is not None and (r.rank, inc.step) not in self._classified:
+            self._classified.add((r.rank, inc.step))
+            what = readable.incident(inc.model_dump(mode="json"))
+            lines.append(f"nanwatch: step {inc.step} ({r.stage}) classified: {what}")
+        if r.raised:
+            lines.append(f"{where}: the step raised {r.raised}: rank {r.rank} crashed")
+        if r.attention_mode != self._mode:
+            lines.append(f"{where}: attention mode {self._mode} -> {r.attention_mode} "
+                         f"(directive v{r.directive_version}, rank {r.rank})")
+            self._mode = r.attention_mode
+        return lines
+
+    def _summary(self, r: StepReport, where: str) -> str:
+        bounds = [lg.bound for lg in r.logits]
+        heads = [s.headroom for s in r.sites if s.stage == "train" and not math.isnan(s.headroom)]
+        parts = [f"{self._nonfinite_steps} non-finite steps so far", f"{self._skipped} skipped",
+                 f"mode {r.attention_mode}",
+                 f"logit max {readable.figure(max(bounds)) if bounds else '-'}",
+                 f"headroom {readable.headroom(max(heads)) if heads else '-'}"]
+        if r.rlhf is not None:
+            parts.append("rlhf " + readable.rlhf(r.rlhf.model_dump(mode="json")))
+        return f"{where}: " + "; ".join(parts)
+
+
+class _Jsonl:
+    """The JSONL file. Opened on the first report (on the reporter thread); any OSError is one warning, then
+    the file is given up for the rest of the run."""
+
+    def __init__(self, path: str, *, max_bytes: int, backups: int, warn: WarnOnce) -> None:
+        self.path, self._max, self._backups, self._warn = path, max_bytes, backups, warn
+        self._handler: RotatingFileHandler | None = None
+        self._failed = False
+
+    def write(self, line: str) -> None:
+        if self._failed:
+            return
+        if self._handler is None:
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                handler = RotatingFileHandler(self.path, maxBytes=self._max, backupCount=self._backups,
+                                              encoding="utf-8")
+            except OSError as e:
+                return self._give_up(e)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            handler.handleError = lambda record: self._give_up(None)  # a write that failed: no traceback spam
+            self._handler = handler
+        self._handler.emit(logging.makeLogRecord({"msg": line, "args": None}))
+
+    def _give_up(self, exc: OSError | None) -> None:
+        self._failed = True
+        why = f"{exc}" if exc is not None else "a write failed"
+        self._warn(f"local log: cannot write {self.path} ({why}); the run goes on without the JSONL file")
+        if self._handler is not None:
+            self._handler.close()
+
+    def close(self) -> None:
+        if self._handler is not None:
+            self._handler.close()
+
+
+class LocalLog:
+    """The log lines and the JSONL file of one Monitor. ``observe`` and ``close`` run on the reporter
+    thread's side (``close`` after the reporter has delivered its last report).
+
+    Example usage::
+
+        local = LocalLog(config, rank=0, incarnation="ab12", warn=WarnOnce())
+        local.observe(report)   # each report the flow delivers
+        local.close()
+    """
+
+    def __init__(self, config: MonitorConfig, *, rank: int, incarnation: str, warn: WarnOnce) -> None:
+        self._who = {"run_id": config.run_id, "rank": rank, "incarnation": incarnation}
+        self._lines = (_Lines(incidents=config.log_incidents, every=config.log_every)
+                       if config.log_incidents or config.log_every else None)
+        self._file = None
+        if config.log_dir:
+            self._file = _Jsonl(log_path(config.log_dir, run_id=config.run_id, rank=rank, incarnation=incarnation),
+                                max_bytes=config.log_max_bytes, backups=config.log_backups, warn=warn)
+        self._last_step: int | None = None
+        if config.log_every and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+            warn(f"log_every={config.log_every}: the summary lines are logged at INFO, which the 'nanwatch' "
+                 "logger does not show now (e.g. logging.basicConfig(level=logging.INFO))")
+
+    @property
+    def path(self) -> str | None:
+        """The JSONL file's path (None: no file)."""
+        return None if self._file is None else self._file.path
+
+    def observe(self, report: StepReport) -> None:
+        """Reporter thread: one delivered report (never raises)."""
+        try:
+            self._last_step = report.step
+            if self._lines is not None:
+                self._lines.observe(report)
+            if self._file is not None:
+                self._file.write(report.model_dump_json())
+        except Exception:  # noqa: BLE001 - monitoring never breaks training
+            log.exception("nanwatch: local log failed for step %s", report.step)
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps({"nanwatch_log": "closed", **self._who, "time": time.time(),
+                                         "last_step": self._last_step}))
+            self._file.close()
+        except Exception:  # noqa: BLE001
+            log.exception("nanwatch: closing the local log failed")

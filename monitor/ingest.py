@@ -61,7 +61,9 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
         for fam, labels, value in changed:
             counter_rows[(r.run_id, fam, labels)] = value
         if r.scope != "heartbeat":  # a heartbeat counts nothing: its replay is harmless, so no mark is kept
-            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
+            # an evaluation's step is the training step it follows: the store's step stays the run's
+            step = r.step if r.stage == "train" else state.runs[r.run_id].latest_step
+            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, step))
         rule_engine.observe(r, rank, previous_mode, now, into=into)
         accepted += 1
     store.put_hwm(hwm_rows)
@@ -186,7 +188,8 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
     held = prev if same else _BLANK
     if r.heartbeat_s is not None and r.heartbeat_s > run.heartbeat_s:
         run.heartbeat_s = r.heartbeat_s
-    st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=r.step, time=r.time,
+    step = held.step if same and r.stage != "train" else r.step  # an evaluation moves no step
+    st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=step, time=r.time,
                    received=received, seen=seen, world_size=r.world_size,
                    agree_every=r.agree_every if r.agree_every is not None else held.agree_every,
                    attention_mode=r.attention_mode, directive_version=r.directive_version,

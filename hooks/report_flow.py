@@ -100,10 +100,12 @@ class ReportFlow:
         """Send what this rank posts for the step: its own report, or (job scope) the job's, a detail or a
         heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own. An eval
         report is never reduced (ranks need not evaluate alike, and a collective one rank issued alone would
-        hang): it goes as this rank's own report, numbered in the job's sequence."""
+        hang): it goes as this rank's own report, numbered in the job's sequence; so does a step that raised."""
         if self._job is None:
             outs = [report]
-        elif report.stage != "train":
+        elif report.stage != "train" or report.raised is not None:
+            # a step that raised: this rank is going down, and must not wait on its peers to say so (its
+            # reporter's closing header then releases any peer waiting on this step's reduction)
             outs = self._job.own(report)
         else:
             outs = self._job.route(report, self._rlhf)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import time
 import uuid
 import warnings
@@ -45,9 +46,13 @@ _open: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
 @atexit.register
 def _close_at_exit() -> None:
-    """A run that dies with an exception still reports the step it died in (bounded wait)."""
+    """A run that dies with an exception still reports the step it died in (bounded wait), saying which
+    exception: the interpreter sets ``sys.last_type`` for the one that ended it, before atexit runs."""
+    raised = getattr(sys, "last_type", None)
     for mon in list(_open):
         try:
+            if raised is not None:
+                mon.mark_raised(raised)
             mon.close(timeout=5.0)
         except Exception:  # noqa: BLE001 - the interpreter is going down; say nothing more
             pass
@@ -69,6 +74,14 @@ class Monitor:
                     opt.step()
                 report = mon.last_report()   # optional: waits for that step's async copy
                 print(report.step, report.first_offender)
+                if n % 100 == 0:
+                    with mon.evaluating():   # one stage="eval" report, keyed by step n
+                        evaluate(model)
+
+    Evaluations are reported on their own (``stage="eval"``, ``step`` = the training step they follow): in
+    an ``evaluating()`` window, and also without one, when a forward in eval mode starts outside any
+    training step (that implicit window closes at the next training forward, step, or ``close``). A step
+    that raised says so (``raised``), and its rank is marked crashed by the collector.
     """
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
@@ -86,6 +99,11 @@ class Monitor:
         self._handles: list = []
         self._active = False
         self._open_step: int | None = None
+        self._last_step: int | None = None  # the last training step opened: what an evaluation follows
+        self._eval_step: int | None = None  # the open eval window's step (None: no window)
+        self._eval_implicit = False  # the open window was opened by an eval forward outside a step
+        self._raised: str | None = None  # the exception type the open step raised
+        self._eval_raised: str | None = None  # ... and the open eval window
         self._warn_once = WarnOnce()
         self.directive_state = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                               check_every=config.directive_check_every)
@@ -111,7 +129,9 @@ class Monitor:
             self.attach()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.mark_raised(exc_type)
         self.close()
 
     def attach(self, *, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
@@ -124,6 +144,7 @@ class Monitor:
         try:
             self._probes, self._handles = install(model, outer=self._outer(), owner=self, config=cfg, rec=self._rec,
                                                   directive_state=self.directive_state, model_ref=self._model)
+            self._probes.outside_step(self._forward_outside_step)
             self._active = True
             _open.add(self)
             self._flow.open_job()  # job scope: a collective (every rank attaches), on this thread
@@ -146,6 +167,8 @@ class Monitor:
         if not self._active:
             self._flow.close(timeout)  # never attached (or already closed): just the thread
             return
+        if self._eval_step is not None:  # e.g. the final evaluation, run after the last step
+            guarded(self.end_eval)
         if self._open_step is not None:  # e.g. the training loop raised inside a step: report it
             guarded(self.end_step)
         self._active = False
@@ -182,6 +205,10 @@ class Monitor:
         self.begin_step(n)
         try:
             yield self
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.mark_raised(type(exc))
+            raise
         finally:
             guarded(self.end_step)
 
@@ -190,9 +217,14 @@ class Monitor:
         reported first."""
         if not isinstance(n, int) or not 0 <= n <= MAX_INT:
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {n!r}")
+        if self._eval_step is not None:  # an evaluation between steps ends when training resumes
+            guarded(self.end_eval)
         if self._open_step is not None:
             guarded(self.end_step)
-        self._open_step = n
+        self._open_step = self._last_step = n
+        self._raised = None
+        if self._probes is not None:
+            self._probes.in_step(True)
         every = self.config.exact_logit_every
         if self._probes is not None:
             self._probes.begin_step(sampled=bool(every) and n % every == 0)
@@ -209,17 +241,96 @@ class Monitor:
 
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync)."""
+        if self._eval_step is not None:  # an evaluation inside the step: reported on its own, first
+            guarded(self.end_eval)
         n, self._open_step = self._open_step, None
+        raised, self._raised = self._raised, None
+        if self._probes is not None:
+            self._probes.in_step(False)
         if n is None or not self._active:
             return
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
-        if self._probes.keep_inputs and not self._incident_done:
+        if self._probes.keep_inputs and not self._incident_done and raised is None:
             guarded(self._classify, n)
+        self._hand_over(n, raised)
+
+    def _hand_over(self, n: int, raised: str | None = None) -> None:
+        """The recorder's current record (a training step's, or an evaluation's) to the reporter."""
         data = self._rec.flat()
-        ctx = StepContext(self._rec.swap(), self.directive_state.mode, self.directive_state.version, time.time())
+        ctx = StepContext(self._rec.swap(), self.directive_state.mode, self.directive_state.version, time.time(),
+                          raised=raised)
         if not self._flow.capture(data, n, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self.config.max_pending_reports, n)
+
+    def mark_raised(self, exc: BaseException | type[BaseException]) -> None:
+        """The open eval window, else the open step, raised ``exc`` (an exception or its type): its report
+        says so (``raised``), makes no coverage claim about what the exception cut short, and the collector
+        marks the rank crashed. For integrations that see the exception (``with mon.step(n):``,
+        ``evaluating()`` and ``__exit__`` call it themselves)."""
+        kind = (exc if isinstance(exc, type) else type(exc)).__name__[:128]
+        if self._eval_step is not None:
+            self._eval_raised = self._eval_raised or kind
+        elif self._open_step is not None:
+            self._raised = self._raised or kind
+
+    # ---- evaluations -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def evaluating(self, step: int | None = None) -> Iterator[Monitor]:
+        """An evaluation: everything inside is one ``stage="eval"`` report of its own, keyed by ``step``
+        (default: the last training step opened, or 0). Inside an open training step too: the step's own
+        record is put aside meanwhile, so the evaluation never reaches its figures or its first offender."""
+        self.begin_eval(step)
+        try:
+            yield self
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.mark_raised(type(exc))
+            raise
+        finally:
+            guarded(self.end_eval)
+
+    def begin_eval(self, step: int | None = None) -> None:
+        """Open an eval window (for callbacks; ``with mon.evaluating():`` is the same). A window still open is
+        reported first."""
+        if step is not None and (not isinstance(step, int) or not 0 <= step <= MAX_INT):
+            raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {step!r}")
+        if self._eval_step is not None:
+            guarded(self.end_eval)
+        if not self._active:
+            return
+        if self._open_step is None:  # between steps: what ran outside one so far stays for the next step
+            self._rec.fold_compiled(compiled.drain())
+        self._eval_step = step if step is not None else self._open_step if self._open_step is not None else (
+            self._last_step or 0)
+        self._eval_implicit = False
+        self._eval_raised = None
+        self._rec.enter_eval()
+        self._probes.new_window()
+
+    def end_eval(self) -> None:
+        """Close the eval window and hand its report to the reporter (no host sync)."""
+        n, self._eval_step = self._eval_step, None
+        if n is None or not self._active:
+            return
+        if self._open_step is None:  # compiled eval forwards (inside a step they stay the step's)
+            self._rec.fold_compiled(compiled.drain())
+        raised, self._eval_raised = self._eval_raised, None
+        try:
+            self._hand_over(n, raised)
+        finally:
+            self._rec.leave_eval()
+            self._probes.new_window()
+
+    def _forward_outside_step(self, stage: str) -> None:
+        """Probes: a model forward of ``stage`` starts outside any training step. An eval forward there opens
+        an evaluation's own report (HF's Trainer evaluates between on_step_end and the next on_step_begin);
+        a training forward closes such an implicit window (explicit ones close themselves)."""
+        if stage == "eval" and self._eval_step is None:
+            self.begin_eval()
+            self._eval_implicit = True
+        elif stage != "eval" and self._eval_implicit and self._eval_step is not None:
+            self.end_eval()
 
     def _classify(self, n: int) -> None:
         """Replay mode: read this step's non-finite flag (the one host read it costs) and, the first time

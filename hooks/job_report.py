@@ -96,6 +96,12 @@ class JobReporting:
             self._last_post = time.monotonic()
         return out
 
+    def own(self, report: StepReport) -> list[StepReport]:
+        """This rank's own report, posted as it is (no collective: an evaluation's report), numbered in the
+        sequence the job's reports share, so that the collector's idempotency key stays unique."""
+        self._last_post = time.monotonic()
+        return [report.model_copy(update={"seq": self._next_seq()})]
+
     def close(self) -> None:
         """Reporter thread, at close: tell peers still reducing that this rank will not (no waiting for them
         beyond the group's timeout)."""

@@ -159,6 +159,8 @@ class Contribution:
     def differs(self, job: JobStep) -> str | None:
         """Why this rank's own report must go beside the job's (a ``detail``), or None."""
         r = self.report
+        if r.raised is not None:  # the rank crashed: the collector must hear it from the rank itself
+            return "raised"
         if r.first_offender is not None or (r.rlhf is not None and any(r.rlhf.nonfinite.values())):
             return "nonfinite"
         if any(job.backends.get((c.site, c.stage), c.backend) != c.backend for c in r.sdpa):

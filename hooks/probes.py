@@ -153,6 +153,9 @@ class Probes:
         self._head_seen = False
         #: modules whose output is a coarse site (``nanwatch.hooks.structure``)
         self.coarse_ids: set[int] = set()
+        self._in_step = False  # a training step is open (the Monitor says so through ``in_step``)
+        #: told the stage of each model forward that starts outside any training step (``outside_step``)
+        self._outside: Callable[[str], None] | None = None
 
     # ---- flags, owned here --------------------------------------------------------------------------
     @property
@@ -213,6 +216,21 @@ class Probes:
         """Hooks measure: attached and stepping, and not inside the differential replay (which routes
         attention but measures nothing)."""
         return self._active and not self._replaying
+
+    def in_step(self, open_: bool) -> None:
+        """A training step is open (True) or not: forwards outside one are announced (``outside_step``)."""
+        self._in_step = open_
+
+    def outside_step(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(stage)`` when a model forward starts outside any training step (before anything of
+        it is measured): the Monitor opens an evaluation's own report for an eval forward there, so an
+        evaluation run between steps is never charged to the next one."""
+        self._outside = callback
+
+    def new_window(self) -> None:
+        """The recorder switched records (an eval window opened or closed): forward indices start afresh, so
+        the masks counted so far no longer identify a forward."""
+        self._masks_seen.clear()
 
     def mark_coarse(self, module: torch.nn.Module) -> None:
         """``module``'s output is a coarse site: an SDPA call it makes itself is named ``<site>.sdpa``."""
@@ -327,7 +345,10 @@ class Probes:
         if not self.measuring or recomputing():
             return
         self._head_seen = False
-        train = self.stage() == "train"
+        stage = self.stage()
+        if not self._in_step and self._outside is not None:
+            guarded(self._outside, stage)
+        train = stage == "train"
         self.rec.cover(forwards=1, train=train)
         if self._keep_inputs and train:
             self.kept.append(keep(args, kwargs))

@@ -107,6 +107,10 @@ class StepState:
     attention_layers: set[str] = field(default_factory=set)
     #: the differential replay's verdict on this step (``nanwatch.hooks.replay``), when it ran
     incident: Incident | None = None
+    #: ``train``: a training step; ``eval``: an evaluation window's own record (``Recorder.enter_eval``)
+    stage: str = "train"
+    #: the slot buffer the step wrote into (its slot index decodes the copy); set when handed over
+    slots: SlotBuffer | None = None
 
 
 class StepSoFar(NamedTuple):
@@ -137,6 +141,10 @@ class Recorder:
         #: the last tensor read, its version and row: a tensor read twice in a row, unchanged, is read once
         #: (in backward the same gradient flows into a block's output and its MLP's, through the residual)
         self._last: tuple[weakref.ref, int, str, BufKey, int] | None = None
+        #: an evaluation's own record and buffers, kept for reuse between windows (``enter_eval``)
+        self._eval_set: tuple[StepState, dict[str, ObservationLog], SlotBuffer] | None = None
+        #: while an eval window is open: the training record it put aside (state, logs, buffer, last read)
+        self._aside: tuple | None = None
 
     # ---- hot path -------------------------------------------------------------------------------
     def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor, stage: str = "train") -> None:
@@ -278,6 +286,35 @@ class Recorder:
             return x
         return x.to(self.buf.device, non_blocking=self.buf.device.type == "cuda")
 
+    # ---- evaluation windows ------------------------------------------------------------------------
+    @property
+    def evaluating(self) -> bool:
+        """An eval window is open: measurements go to the evaluation's own record."""
+        return self._aside is not None
+
+    def enter_eval(self) -> None:
+        """Record into an evaluation's own record and buffers from now on, the training step's (open or not)
+        put aside untouched: an evaluation run inside or between training steps is reported on its own, its
+        values never reach the training step's first offender or the weight guard's flag."""
+        if self._aside is not None:
+            return
+        if self._eval_set is None:
+            self._eval_set = (StepState(), {"train": ObservationLog(), "other": ObservationLog()},
+                              SlotBuffer(self.buf.device))
+        self._aside = (self.state, self.obs, self.buf, self._last)
+        self.state, self.obs, self.buf = self._eval_set
+        self.state.stage = "eval"
+        self._last = None
+
+    def leave_eval(self) -> None:
+        """Back to the training record put aside by :meth:`enter_eval` (call :meth:`swap` first to hand the
+        evaluation's record over)."""
+        if self._aside is None:
+            return
+        self._eval_set = (self.state, self.obs, self.buf)
+        self.state, self.obs, self.buf, self._last = self._aside
+        self._aside = None
+
     # ---- step boundary ---------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:
         """Everything the step measured, as one float64 device tensor (device ops only): the used rows of
@@ -301,7 +338,8 @@ class Recorder:
 
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""
-        state, self.state = self.state, StepState()
+        state, self.state = self.state, StepState(stage=self.state.stage)
+        state.slots = self.buf
         self._last = None  # rows are reused from the start: never alias across steps
         for log in self.obs.values():
             log.reset()
@@ -312,7 +350,7 @@ class Recorder:
     def getter(self, state: StepState, values: list[float]):
         """``get(kind, key, default)``: a slot's value in a host copy of ``flat()``, or ``default`` if the
         slot is not in that copy (never written, or allocated after the copy was taken)."""
-        buf = self.buf
+        buf = state.slots if state.slots is not None else self.buf
         base = sum(2 * n for _, _, n in state.layout)  # the slots follow the observation rows
 
         def get(kind: str, key, default: float = 0.0) -> float:
@@ -333,7 +371,9 @@ class Recorder:
         return int(-lowest) if math.isfinite(lowest) else None
 
     def decode(self, state: StepState, values: list[float]):
-        """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender)."""
+        """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender). A training
+        step's first offender is never an eval-stage site (a forward run in eval mode inside the step): the
+        step's remedies and its replay are about training."""
         offsets, off = {}, 0
         for log, bufkey, n in state.layout:
             offsets[(log, bufkey)] = off
@@ -355,7 +395,7 @@ class Recorder:
                 seen.amax = max(seen.amax, -lo, hi)
                 seen.top = max(seen.top, hi)
                 continue
-            if first is None:
+            if first is None and (key[2] != "eval" or state.stage == "eval"):
                 first = key
         sites = []
         for key in state.order:

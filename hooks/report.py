@@ -24,6 +24,8 @@ class StepContext:
     mode: str
     directive_version: int
     time: float
+    #: the exception type the step raised (it never finished), or None
+    raised: str | None = None
 
 
 class ReportBuilder:
@@ -49,11 +51,14 @@ class ReportBuilder:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
                              "causal attention: documents attend across boundaries (HF builds a cache when "
                              "use_cache is left True in training; pass use_cache=False)")
-        coverage = self._coverage(state, sites, logits, warns)
+        if ctx.raised is not None:
+            warns.append(f"the step raised {ctx.raised} before it finished: the rank crashed, and what the step "
+                         "did not reach is missing, not unmeasured")
+        coverage = self._coverage(state, sites, logits, warns, raised=ctx.raised is not None)
         for w in warns:
             self._warn(w)
         return StepReport(
-            **self._ids, seq=pending.seq, step=pending.step, time=ctx.time,
+            **self._ids, seq=pending.seq, step=pending.step, stage=state.stage, raised=ctx.raised, time=ctx.time,
             sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints, coverage=coverage,
             rlhf=decode_rlhf(self._rec.getter(state, values), state.rlhf if isinstance(state.rlhf, str) else None)
             if state.rlhf else None,
@@ -65,8 +70,18 @@ class ReportBuilder:
             dropped_reports=self._dropped(), warnings=warns[:64])
 
     def _coverage(self, state: StepState, sites: list[SiteStat], logits: list[LogitStat],
-                  warns: list[str]) -> Coverage:
-        """What the step measured, and why any part of it was not (with a warning that says what to do)."""
+                  warns: list[str], *, raised: bool = False) -> Coverage:
+        """What the step measured, and why any part of it was not (with a warning that says what to do). A
+        step that raised makes no such claim: its forward stopped where the exception was, so a missing part
+        says nothing about how the model ran (it is not "compiled, or outside the model")."""
+        c = state.coverage
+        unmeasured = [] if raised else self._unmeasured(state, logits, warns)
+        return Coverage(forwards=c.forwards + c.compiled_forwards, sites=len(sites),
+                        attention_calls=c.attention_calls, attention_probed=c.attention_probed,
+                        compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
+                        params_checked=c.params_checked, unmeasured=unmeasured)
+
+    def _unmeasured(self, state: StepState, logits: list[LogitStat], warns: list[str]) -> list[str]:
         c = state.coverage
         unmeasured = []
         if not c.forwards and not c.compiled_forwards:
@@ -91,7 +106,4 @@ class ReportBuilder:
             warns.append(f"no attention-logit figure for {missing[0]}{more}: the kernel saved no log-sum-exp "
                          "(math backend, or saved tensors offloaded) and the step was not an exact_logit_every "
                          "step")
-        return Coverage(forwards=c.forwards + c.compiled_forwards, sites=len(sites),
-                        attention_calls=c.attention_calls, attention_probed=c.attention_probed,
-                        compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
-                        params_checked=c.params_checked, unmeasured=unmeasured)
+        return unmeasured

@@ -90,18 +90,29 @@ class ReportFlow:
     # ---- reporter thread ---------------------------------------------------------------------------
     def _build(self, pending: Pending, values: list[float]) -> StepReport:
         report = self._builder.build(pending, values)
-        self._directive_state.note_report(report.first_offender is None)
+        if report.stage == "train":  # an evaluation is no training step: it neither makes nor breaks a streak
+            self._directive_state.note_report(report.first_offender is None)
         if self._rules is not None:
             self._rules.observe(report)
-        if self._job is not None:
+        if self._job is not None and report.stage == "train":
             state = pending.context.state
             self._rlhf = rlhf_slots(self._rec.getter(state, values)) if state.rlhf else None
         return report
 
     def _deliver(self, report: StepReport) -> None:
         """Send what this rank posts for the step: its own report, or (job scope) the job's, a detail or a
-        heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own."""
-        for out in (self._job.route(report, self._rlhf) if self._job is not None else [report]):
+        heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own. An eval
+        report is never reduced (ranks need not evaluate alike, and a collective one rank issued alone would
+        hang): it goes as this rank's own report, numbered in the job's sequence; so does a step that raised."""
+        if self._job is None:
+            outs = [report]
+        elif report.stage != "train" or report.raised is not None:
+            # a step that raised: this rank is going down, and must not wait on its peers to say so (its
+            # reporter's closing header then releases any peer waiting on this step's reduction)
+            outs = self._job.own(report)
+        else:
+            outs = self._job.route(report, self._rlhf)
+        for out in outs:
             if self._sender is not None:
                 self._sender.submit(out)
             self._local.observe(out)

@@ -69,6 +69,8 @@ class RunSnapshot:
     directive: Directive | None
     late_before: float = -math.inf
     """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
+    crashed: tuple[int, ...] = ()
+    """Ranks whose step raised (``RunState.crashed``), live or not: the run ends crashed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
             run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
             max(run.worlds, default=1), state.live_job(run, now) if live else None, dict(run.counters) if live else {},
             run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
-            now - state.late_after(run, late_s)))
+            now - state.late_after(run, late_s), tuple(sorted(run.crashed))))
     req = state.requests
     return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit), until)
 
@@ -124,6 +126,8 @@ class _SnapshotMetrics(Collector):
                 f["nanwatch_collector_series_dropped_total"].add_metric([run_id], run.series_dropped)
             for kind, n in run.event_counts.items():
                 f["nanwatch_events_total"].add_metric([run_id, kind], n)
+            for rank in run.crashed:
+                f["nanwatch_rank_crashed"].add_metric([run_id, str(rank)], 1)
             if run.live is None:
                 continue
             fo = run.first_offender_event

@@ -18,6 +18,12 @@ the same run-level figures whichever way it arrived:
   a run-level counter, which the job report of that step already holds.
 * ``heartbeat``: liveness only (last report time, mode, directive version, dropped reports); it is not
   kept in the store's high-water marks (it carries no count: a replay cannot double anything).
+
+An evaluation's report (wire 1.5 ``stage="eval"``) counts its non-finite values and SDPA calls (their sites
+and calls keep the ``eval`` stage label), keeps the rank live and is kept in the high-water marks like any
+report; but it is no training step: it moves neither the run's step nor the rank's training view (mode,
+logit bounds, headroom, RLHF: the gauges), and counts no unmeasured step. A report that ``raised`` marks its
+rank crashed (``RunState.crashed``): no longer live, the run ends crashed.
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
         for fam, labels, value in changed:
             counter_rows[(r.run_id, fam, labels)] = value
         if r.scope != "heartbeat":  # a heartbeat counts nothing: its replay is harmless, so no mark is kept
-            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, r.step))
+            # an evaluation's step is the training step it follows: the store's step stays the run's
+            step = r.step if r.stage == "train" else state.runs[r.run_id].latest_step
+            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, step))
         rule_engine.observe(r, rank, previous_mode, now, into=into)
         accepted += 1
     store.put_hwm(hwm_rows)
@@ -95,7 +103,11 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     if key not in state.hwm:
         run.incarnations += 1
     state.hwm[key] = r.seq
-    run.latest_step = max(run.latest_step, r.step)
+    training = r.stage == "train"
+    if training:
+        run.latest_step = max(run.latest_step, r.step)
+    if r.scope != "job":  # a job report speaks for many ranks, and a crash is posted by the rank itself
+        run.note_crash(r.rank, r.incarnation, r.raised, r.step)
     changed: Changed = []
     counters, cap = run.counters, state.series_cap
 
@@ -128,7 +140,7 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
             labels = (c.backend, dtype_name(c.dtype), c.stage)
             if run.admit(("sdpa", *labels), 1, cap):
                 bump("sdpa", labels, c.calls)
-        for reason in r.coverage.unmeasured if r.coverage is not None else ():
+        for reason in r.coverage.unmeasured if r.coverage is not None and training else ():
             if run.admit(("unmeasured", reason), 1, cap):
                 bump("unmeasured", (reason,), 1)
         if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
@@ -140,14 +152,19 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
             bump("job_skipped", (), 1)  # every rank it covered skipped it: the exporter adds it to each
     if r.scope == "detail" and not rank_ok or r.scope == "rank" and not rank_ok:
         return None, None, changed
+    if not training:  # the rank is live, and its training view stays what its last step said
+        _keep_live(run, r, received=received, seen=seen, beat=False)
+        return None, None, changed
     for kind in headroom:
         run.admit(("headroom", kind), 1, cap)
     logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
     view = dict(seq=r.seq, step=r.step, time=r.time, received=received, seen=seen, world_size=r.world_size,
                 agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
                 dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
-                first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf)
+                first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf,
+                crashed=r.raised)
     if r.scope == "job":
+        view["crashed"] = None
         run.job = RankState(rank=r.rank, incarnation=r.incarnation, scope="job", **view)
         _, previous_mode = _keep_live(run, r, received=received, seen=seen, beat=False)
         return run.job, previous_mode, changed
@@ -171,13 +188,15 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
     held = prev if same else _BLANK
     if r.heartbeat_s is not None and r.heartbeat_s > run.heartbeat_s:
         run.heartbeat_s = r.heartbeat_s
-    st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=r.step, time=r.time,
+    step = held.step if same and r.stage != "train" else r.step  # an evaluation moves no step
+    st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=step, time=r.time,
                    received=received, seen=seen, world_size=r.world_size,
                    agree_every=r.agree_every if r.agree_every is not None else held.agree_every,
                    attention_mode=r.attention_mode, directive_version=r.directive_version,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
-                   rlhf=held.rlhf, beat_seq=r.seq if beat else held.beat_seq)
+                   rlhf=held.rlhf, beat_seq=r.seq if beat else held.beat_seq,
+                   crashed=r.raised if r.scope != "job" else held.crashed)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
     job = run.job
     shown = (held.scope != "beat" or not beat or r.dropped_reports > 0

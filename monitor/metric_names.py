@@ -71,6 +71,11 @@ _SPECS = (
     MetricSpec("nanwatch_run_world_size", "gauge", ("run_id",),
                "The run's world size (max over its live ranks' and job reports); compare with "
                "nanwatch_live_ranks: a rank that never reported, or stopped, is missing."),
+    # added for lifecycle (wire 1.5 ``raised``)
+    MetricSpec("nanwatch_rank_crashed", "gauge", ("run_id", "rank"),
+               "1 for each rank whose step raised (the rank crashed; the exception type is in the run's "
+               "rank_crashed event). Kept while the collector holds the run, until the rank reports again "
+               "from a restarted process."),
     MetricSpec("nanwatch_collector_reports_accepted_total", "counter", (),
                "Step reports applied to the state."),
     MetricSpec("nanwatch_collector_reports_duplicate_total", "counter", (),

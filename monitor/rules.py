@@ -1,8 +1,8 @@
 """The rule engine: the declarative rules (``Settings.rules``) applied to each new report, turned into
 events and directives.
 
-Always recorded, whatever the rules: the run's first non-finite value, and each attention-mode change
-that ranks report (fallback applied or reverted). Events are deduplicated per run by a key, so a
+Always recorded, whatever the rules: the run's first non-finite value, each attention-mode change
+that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``). Events are deduplicated per run by a key, so a
 condition that persists for hours is one event, not one per step and rank. The engine decides; it writes
 only through the ledger (:class:`RuleWrites`), inside the ledger's ingest transaction.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from nanwatch.monitor.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.state import RUN_LEVEL_SCOPES, RankState
+from nanwatch.monitor.state import RUN_LEVEL_SCOPES, RankState, crash_key
 from nanwatch.monitor.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
@@ -60,6 +60,10 @@ class RuleEngine:
                 site, phase, stage = hit.site, hit.phase, hit.stage
             event("first_nonfinite", "first_nonfinite",
                   FirstNonfinite(phase=phase, stage=stage or "train", nonfinite=n), site=site)
+        if r.raised is not None and r.scope != "job":  # the rank itself said its step raised: it crashed
+            into.record_event(EventRow(run_id, now, "rank_crashed", crash_key(r.rank, r.incarnation, r.raised),
+                                       r.rank, r.step, r.first_offender, "",
+                                       {"raised": r.raised, "stage": r.stage, "incarnation": r.incarnation}))
         if r.incident is not None:
             inc = r.incident
             # everything the replay found, the drill-down's birth, parameters and path included

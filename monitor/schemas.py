@@ -9,7 +9,7 @@ are read from it by attribute (``from_attributes``): one name per field, the wir
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import JSONResponse
@@ -18,8 +18,8 @@ from nanwatch.monitor.event_log import first_nonfinite
 from nanwatch.monitor.store import EventRow
 from nanwatch.wire import Directive
 
-__all__ = ["ApiFloat", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem", "RankView",
-           "RlhfView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
+__all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
+           "RankView", "RlhfView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -126,6 +126,8 @@ class RankView(_View):
     rlhf: RlhfView | None = None
     silent_s: ApiFloat = Field(0.0, description="seconds since the collector last heard from the rank")
     late: bool = Field(False, description="silent past NANWATCH_RANK_LATE_S (or two heartbeats): hung, or gone")
+    crashed: str | None = Field(None, description="the exception type the rank's step raised: the rank crashed "
+                                "(not counted in live_ranks); None while it runs")
 
 
 class EventView(_View):
@@ -145,9 +147,21 @@ class SdpaView(_Out):
     calls: float
 
 
+class CrashedRank(_Out):
+    """A rank whose step raised (wire 1.5 ``raised``)."""
+
+    rank: int
+    raised: str
+    step: int | None = Field(description="the step it raised in (None: known from before a collector restart)")
+
+
 class RunSummary(_Out):
     run_id: str
-    live_ranks: int
+    status: Literal["live", "crashed", "idle"] = Field(
+        description="crashed: a rank's step raised (the run ends crashed, whatever its other ranks do); live: "
+        "ranks reported within the TTL; idle: none did")
+    live_ranks: int = Field(description="ranks that reported within the TTL, crashed ones excepted")
+    crashed_ranks: list[CrashedRank] = Field(default_factory=list)
     latest_step: int
     last_report_time: ApiFloat | None
     nonfinite_total: float = Field(description="non-finite site visits: calls of a site whose tensor held a NaN "

@@ -11,13 +11,15 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanwatch.monitor.counters import RequestCounters
 from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "RankState", "RunState"]
+__all__ = ["CRASH_KEY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "Crash", "RankState", "RunState",
+           "crash_key"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 RANK_SERIES = 8
@@ -58,11 +60,30 @@ class RankState:
     beat_seq: int = -1
     """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
     store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
+    crashed: str | None = None
+    """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
+    counted live. None while it runs."""
 
     @property
     def logit_max(self) -> float | None:
         """The largest logit bound over the rank's layers in its latest step (None: none reported)."""
         return max(self.logits.values(), default=None)
+
+
+class Crash(NamedTuple):
+    """A rank's step raised (``RunState.crashed``)."""
+
+    raised: str
+    incarnation: str
+    step: int
+
+
+#: event-key prefix of a rank's crash (``rank_crashed:<rank>:<incarnation>:<raised>``): read back at start-up
+CRASH_KEY = "rank_crashed"
+
+
+def crash_key(rank: int, incarnation: str, raised: str) -> str:
+    return f"{CRASH_KEY}:{rank}:{incarnation}:{raised}"
 
 
 @dataclass(slots=True)
@@ -96,6 +117,17 @@ class RunState:
     incarnations: int = 0
     #: monotonic time of the run's last write (report, directive, event): retention counts from it
     touched: float = field(default_factory=time.monotonic)
+    crashed: dict[int, Crash] = field(default_factory=dict)
+    """Ranks whose step raised, by rank: kept after their views expire (the run ends crashed) until the rank
+    reports again from a new incarnation (it was restarted)."""
+
+    def note_crash(self, rank: int, incarnation: str, raised: str | None, step: int) -> None:
+        """What a report says of its rank's lifecycle: ``raised`` marks it crashed; any report of another
+        incarnation (a restart) clears a crash."""
+        if raised is not None:
+            self.crashed[rank] = Crash(raised, incarnation, step)
+        elif rank in self.crashed and self.crashed[rank].incarnation != incarnation:
+            del self.crashed[rank]
 
     def hold(self, st: RankState, *, shown: bool) -> None:
         """``st`` is the rank's latest view: moved to the end of ``ranks`` (the most recent)."""
@@ -178,7 +210,12 @@ class CollectorState:
             run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
                       self.series_cap)
         for run_id, keys in loaded.event_keys.items():
-            self.ensure_run(run_id).event_keys.update(keys)
+            run = self.ensure_run(run_id)
+            run.event_keys.update(keys)
+            for key in keys:  # a crash outlives a restart of the collector (a restarted rank clears it)
+                parts = key.split(":")
+                if parts[0] == CRASH_KEY and len(parts) == 4 and parts[1].isdigit():
+                    run.crashed[int(parts[1])] = Crash(parts[3], parts[2], -1)
         for (run_id, kind), n in loaded.event_counts.items():
             self.ensure_run(run_id).event_counts[kind] = n
         for run_id, ev in loaded.first_offenders.items():
@@ -248,9 +285,16 @@ class CollectorState:
         heartbeats."""
         return max(late_s, 2 * run.heartbeat_s)
 
-    def live_ranks(self, run: RunState, now: float) -> list[RankState]:
+    def held_ranks(self, run: RunState, now: float) -> list[RankState]:
+        """Ranks whose latest view is within the TTL, crashed ones included (the run view lists them)."""
         horizon = now - self.ttl(run)
         return [st for st in run.ranks.values() if st.seen >= horizon]
+
+    def live_ranks(self, run: RunState, now: float) -> list[RankState]:
+        """Ranks that reported within the TTL, crashed ones excepted (a rank whose step raised is not live,
+        whatever it sent as it went down)."""
+        horizon = now - self.ttl(run)
+        return [st for st in run.ranks.values() if st.seen >= horizon and st.crashed is None]
 
     def ranks_view(self, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:
         """(live ranks, the ranks with per-rank series now: ``shown`` ones and late ones), walking only the
@@ -265,7 +309,9 @@ class CollectorState:
             elif st.rank not in run.shown:
                 late.append(st)
         shown = [st for k in run.shown if (st := run.ranks[k]).seen >= horizon]
-        return len(run.ranks) - expired, shown + late
+        crashed = sum(1 for k in run.crashed if (st := run.ranks.get(k)) is not None and st.seen >= horizon
+                      and st.crashed is not None)
+        return len(run.ranks) - expired - crashed, shown + late
 
     def next_late(self, run: RunState, now: float, late_s: float) -> float:
         """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""

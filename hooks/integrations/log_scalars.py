@@ -48,7 +48,10 @@ class LogScalars:
         return observe
 
     def observe(self, report: StepReport) -> None:
-        """Reporter thread: fold one report in."""
+        """Reporter thread: fold one report in (a training step's: an evaluation's report is about the
+        evaluation, which HF logs itself)."""
+        if report.stage != "train":
+            return
         self._nonfinite += report.first_offender is not None and report.first_offender_stage in (None, "train")
         self._skipped += bool(report.step_skipped)
         bounds = [lg.bound for lg in report.logits]

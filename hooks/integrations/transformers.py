@@ -10,21 +10,35 @@ Example usage::
 
 The callback attaches a Monitor when training begins (to the model the trainer calls, so DDP and
 ``torch.compile`` wrappers are seen through and their boundary is measured) and detaches when it ends.
-A nanwatch step is one optimizer step (``state.global_step``), gradient-accumulation micro-batches
-included. Eval forwards (the model in eval mode) and ``generate()`` forwards are labelled with their
-stage. A step that raises is still reported: the Monitor reports its open step when it closes, also at
-interpreter exit. The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a
-non-finite value does not update the weights, at no cost with a fused optimizer (HF's default
-``adamw_torch_fused``); others are guarded under the ``skip_step`` directive.
+A nanwatch step is one optimizer step, gradient-accumulation micro-batches included, numbered as HF
+numbers it in its logs: the ``global_step`` the step ends at (``on_step_begin`` sees it one lower).
+
+Every evaluation is one ``stage="eval"`` report of its own, keyed by HF's ``global_step`` when it ran:
+``trainer.evaluate`` and ``trainer.predict`` are wrapped on the instance (from ``on_init_end``, or
+``on_train_begin`` for a callback added later), so the evaluations during training, the final one, and a
+standalone ``trainer.evaluate()`` (before, after or without ``train()``: the callback attaches for its
+length then) are all reported, and none is charged to a training step. ``generate()`` forwards are
+labelled with their stage.
+
+A step that raises is reported with ``raised`` (the exception's type): ``training_step`` is wrapped while
+training, so the callback sees the exception, reports the step and detaches before it propagates; anything
+else that ends the process is reported at interpreter exit.
+
+The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a non-finite value does
+not update the weights, at no cost with a fused optimizer (HF's default ``adamw_torch_fused``); others are
+guarded under the ``skip_step`` directive.
 For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.hooks.integrations.trl`) adds logprob, ratio and
 KL health without a subclass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from nanwatch.hooks.call_stack import nearest_self
@@ -73,11 +87,19 @@ class NanwatchCallback(_trainer_base()):
         self._training = False  # between on_train_begin and close(): step events reach the Monitor
         self._scalars = LogScalars()
         self._undo: list[Any] = []
+        self._eval_depth = 0  # evaluate() nests (one call per dataset of a dict): the outermost reports
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _find_trainer(self)
+        if trainer is not None:  # a standalone trainer.evaluate() fires no event before its forwards
+            self._wrap_evaluation(trainer)
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.close()  # a second train() on the same callback starts afresh
         trainer = _find_trainer(self)
+        if trainer is not None:
+            self._wrap_evaluation(trainer)
         # never by truthiness: a torch.compile'd HF model answers bool() through len(), which it refuses
         wrapped = getattr(trainer, "model_wrapped", None)
         target = wrapped if wrapped is not None else model
@@ -92,6 +114,7 @@ class NanwatchCallback(_trainer_base()):
         self._training = True
         if trainer is not None:  # nanwatch/* scalars in the Trainer's own logs (W&B, TensorBoard, MLflow...)
             self._undo.append(self._scalars.wrap_log(trainer))
+            self._undo.append(self._wrap_training_step(trainer))
         if trainer is not None and "trl" in sys.modules:  # a TRL trainer, or a user's subclass of one
             from nanwatch.hooks.integrations.trl import instrument
 
@@ -101,11 +124,11 @@ class NanwatchCallback(_trainer_base()):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._training:
-            self.monitor.begin_step(state.global_step)
+            # HF increments global_step after the optimizer step and logs the step under the new value
+            self.monitor.begin_step(state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._training:
-            # global_step was incremented just before this event: the step that ran is the one opened
             self.monitor.end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -119,3 +142,98 @@ class NanwatchCallback(_trainer_base()):
         self._training = False
         if self.monitor is not None:
             self.monitor.close(timeout)
+
+    # ---- wraps on the trainer instance -----------------------------------------------------------------
+    def _wrap_training_step(self, trainer: Any) -> _Unwrap:
+        """See a step's exception: its report says ``raised``, and it is sent (the callback detaches) before
+        the exception leaves ``train()`` (HF skips ``on_train_end`` then)."""
+        original = trainer.training_step
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException as exc:
+                try:
+                    if self._training and self.monitor is not None:
+                        self.monitor.mark_raised(exc)
+                        self.close()
+                except Exception as inner:  # noqa: BLE001 - the trainer's exception is the one to see
+                    log.warning("nanwatch: could not report the step that raised: %r", inner)
+                raise
+
+        trainer.training_step = training_step
+        return _Unwrap(trainer, "training_step")
+
+    def _wrap_evaluation(self, trainer: Any) -> None:
+        """Wrap ``evaluate`` and ``predict`` on the trainer instance, once, for the trainer's life (a
+        standalone evaluation after ``train()`` is reported too); a wrap whose callback left the trainer
+        passes straight through."""
+        for name in ("evaluate", "predict"):
+            current = trainer.__dict__.get(name)
+            if getattr(current, "_nanwatch_callback", None) is self:
+                continue
+            original = getattr(trainer, name)
+
+            def run(*args: Any, _original=original, **kwargs: Any) -> Any:
+                if self not in getattr(trainer.callback_handler, "callbacks", ()):
+                    return _original(*args, **kwargs)
+                with self._evaluation(trainer):
+                    return _original(*args, **kwargs)
+
+            functools.update_wrapper(run, original)
+            run._nanwatch_callback = self
+            setattr(trainer, name, run)
+
+    @contextlib.contextmanager
+    def _evaluation(self, trainer: Any) -> Iterator[None]:
+        """One eval window around an evaluation: on the training Monitor while training, else on a Monitor
+        attached for the evaluation's length (rank reports, local rules: it applies no directive)."""
+        self._eval_depth += 1
+        try:
+            if self._eval_depth > 1:
+                yield
+                return
+            step = int(trainer.state.global_step)
+            mon = self.monitor if self._training else self._attach_for_eval(trainer)
+            if mon is None:
+                yield
+                return
+            try:
+                with mon.evaluating(step):
+                    yield
+            finally:
+                if not self._training:
+                    mon.close()
+        finally:
+            self._eval_depth -= 1
+
+    def _attach_for_eval(self, trainer: Any) -> Monitor | None:
+        wrapped = getattr(trainer, "model_wrapped", None)
+        target = wrapped if wrapped is not None else getattr(trainer, "model", None)
+        if target is None:
+            return None
+        args = trainer.args
+        options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
+        options.pop("policy", None)
+        # no directive is applied outside training, and a report_scope of job would be a collective at attach
+        options.update(report_scope="rank", directive_source="local",
+                       on_report=self._scalars.observer(self._options.get("on_report")))
+        try:
+            config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
+            self.monitor = Monitor(target, config).attach()
+        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the evaluation
+            warnings.warn(f"nanwatch: could not attach for the evaluation ({exc!r}); it is not monitored",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return self.monitor
+
+
+class _Unwrap:
+    """Undoes a wrap set on the trainer instance (the class's method shows through again)."""
+
+    def __init__(self, trainer: Any, name: str) -> None:
+        self._trainer, self._name = trainer, name
+
+    def remove(self) -> None:
+        self._trainer.__dict__.pop(self._name, None)

@@ -11,6 +11,7 @@ from nanwatch.monitor.deps import ReaderToken, Resources, ResourcesDep, RunIdPat
 from nanwatch.monitor.routers._problems import AUTH, INVALID, NOT_READY
 from nanwatch.monitor.schemas import (
     ApiJSON,
+    CrashedRank,
     EventView,
     FirstOffender,
     Problem,
@@ -29,9 +30,12 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     """What a run's list entry says (figures over the run's live ranks and counters)."""
     live = res.state.live_ranks(run, now)
     fo = run.first_offender_event
+    crashed = [CrashedRank(rank=rank, raised=c.raised, step=c.step if c.step >= 0 else None)
+               for rank, c in sorted(run.crashed.items())]
     return dict(
+        run_id=run.run_id, status="crashed" if crashed else "live" if live else "idle", crashed_ranks=crashed,
         # steps count per incarnation: the live ranks' latest, else the highest ever stored
-        run_id=run.run_id, live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
+        live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
         # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
         nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == "run_nonfinite"),
@@ -58,13 +62,15 @@ async def list_runs(res: ResourcesDep, _token: ReaderToken) -> ApiJSON:
 async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _token: ReaderToken) -> ApiJSON:
     """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history. In
     job mode, ranks known only through heartbeats are listed only once late (``NANWATCH_RANK_LATE_S``):
-    ``live_ranks`` counts them all."""
+    ``live_ranks`` counts them all. A crashed rank is listed (``crashed``) while within the TTL, but not
+    counted live."""
     run = res.state.runs.get(run_id)
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     now = time.monotonic()
     late_before = now - res.state.late_after(run, settings.rank_late_s)
-    shown = [st for st in res.state.live_ranks(run, now) if st.scope != "beat" or st.seen < late_before]
+    shown = [st for st in res.state.held_ranks(run, now)
+             if st.scope != "beat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
              for st in sorted(shown, key=lambda s: s.rank)]
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]

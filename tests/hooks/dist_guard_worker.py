@@ -188,7 +188,8 @@ def trainer(out: Path) -> list[dict]:
     Trainer(model=model, args=args, train_dataset=data, callbacks=[inject, cb]).train()
     fault.remove()
     finite = _finite(model)
-    return [{**_row(r.step, r, model), "finite": finite} for r in reports]
+    # the callback numbers steps as HF logs them (global_step after the step, from 1): rows count from 0 here
+    return [{**_row(r.step - 1, r, model), "finite": finite} for r in reports]
 
 
 def main(out_dir: str, *wrappers: str) -> None:

@@ -85,15 +85,17 @@ def faulted_run(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    return reports, real_calls, trainer
+    return [r for r in reports if r.stage == "train"], real_calls, trainer, reports
 
 
 _ATTACHED_HOOKS: list = []
 
 
 def test_trainer_steps_are_reported_once_per_optimizer_step(faulted_run):
-    reports, _, trainer = faulted_run
-    assert [r.step for r in reports] == [0, 1, 2, 3]
+    reports, _, trainer, _ = faulted_run
+    # numbered as HF logs them: the global_step each optimizer step ends at
+    assert [r.step for r in reports] == [1, 2, 3, 4]
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4]
     # detached when training ended: no nanwatch hook is left on the model or its parameters
     def ours(hook) -> bool:
         return getattr(getattr(hook, "func", hook), "__module__", "").startswith("nanwatch")
@@ -105,7 +107,7 @@ def test_trainer_steps_are_reported_once_per_optimizer_step(faulted_run):
 
 
 def test_a_fault_at_a_known_layer_and_step_is_named_there(faulted_run):
-    reports, _, _ = faulted_run
+    reports, _, _, _ = faulted_run
     assert [r.first_offender for r in reports[:2]] == [None, None]
     r = reports[2]
     # CPU flash hides a NaN query in its output with AVX-512 and propagates it with AVX2 alone: the query is
@@ -116,18 +118,19 @@ def test_a_fault_at_a_known_layer_and_step_is_named_there(faulted_run):
 
 
 def test_call_counts_equal_real_attention_calls_under_checkpointing(faulted_run):
-    reports, real_calls, _ = faulted_run
+    reports, real_calls, _, _ = faulted_run
     for r in reports:
-        assert real_calls[r.step] == len(LAYERS) * GA
-        assert sum(c.calls for c in r.sdpa if c.stage == "train") == real_calls[r.step]
+        assert real_calls[r.step - 1] == len(LAYERS) * GA  # the injector counts HF's step before its increment
+        assert sum(c.calls for c in r.sdpa if c.stage == "train") == real_calls[r.step - 1]
         c = r.coverage
-        every = sum(x.calls for x in r.sdpa)  # eval's calls too, labelled eval
+        every = sum(x.calls for x in r.sdpa)
+        assert {x.stage for x in r.sdpa} == {"train"}  # the evaluations are reported on their own
         assert (c.attention_calls, c.attention_probed, c.recomputed_calls) == (every, every, 8), c
         assert sum(s.calls for s in r.sites if (s.site, s.phase, s.stage) == (LAYERS[0], "forward", "train")) == GA
 
 
 def test_the_logit_bound_is_present_every_step(faulted_run):
-    reports, _, _ = faulted_run
+    reports, _, _, _ = faulted_run
     for r in reports:
         assert sorted(lg.layer for lg in r.logits) == sorted(LAYERS), r.step
         assert all(lg.source == "lse" for lg in r.logits)
@@ -136,7 +139,7 @@ def test_the_logit_bound_is_present_every_step(faulted_run):
 
 
 def test_backend_and_dtype_are_what_ran_under_autocast(faulted_run):
-    reports, _, _ = faulted_run
+    reports, _, _, _ = faulted_run
     # the NaN at step 2 comes back on every path the replay tries (the query itself is poisoned), so it is
     # classified data/mask and the local policy (no collector here) issues no fp32 fallback: none helps
     assert reports[2].incident.cls == "data_mask" and reports[2].incident.same == "nonfinite"
@@ -157,15 +160,20 @@ def test_backend_and_dtype_are_what_ran_under_autocast(faulted_run):
     assert out.dtype == torch.bfloat16
 
 
-def test_eval_forwards_are_labelled_and_kept_out_of_the_training_figures(faulted_run):
-    reports, _, _ = faulted_run
-    stages = {s.stage for r in reports for s in r.sites}
-    assert stages == {"train", "eval"}
-    evals = [r for r in reports if any(s.stage == "eval" for s in r.sites)]
-    assert evals, "the evaluation's forwards were not seen"
+def test_evaluations_are_reported_on_their_own(faulted_run):
+    reports, _, trainer, everything = faulted_run
+    assert {s.stage for r in reports for s in r.sites} == {"train"}
+    evals = [r for r in everything if r.stage == "eval"]
+    # eval_steps=2 of 4: after step 2, and the final one after step 4 (before on_train_end), keyed as HF logs them
+    assert [r.step for r in evals] == [2, 4]
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 4]
+    assert [(r.stage, r.step) for r in everything] == [("train", 1), ("train", 2), ("eval", 2), ("train", 3),
+                                                         ("train", 4), ("eval", 4)]
     for r in evals:
-        assert all(s.phase == "forward" for s in r.sites if s.stage == "eval")
-        assert sum(c.calls for c in r.sdpa if c.stage == "train") == len(LAYERS) * GA  # not inflated
+        assert {s.stage for s in r.sites} == {"eval"} and all(s.phase == "forward" for s in r.sites)
+        assert {c.stage for c in r.sdpa} == {"eval"}
+        assert r.coverage.forwards == math.ceil(4 / trainer.args.per_device_eval_batch_size)  # 4 eval samples
+        assert r.first_offender is None and r.coverage.unmeasured == []
 
 
 def _poisoned_at_step_1(tmp_path, *, optim: str, callbacks=()):
@@ -190,7 +198,7 @@ def test_the_weight_guard_keeps_a_nan_step_out_of_the_weights(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert "step" not in type(trainer.optimizer.optimizer).__dict__ or "step" not in trainer.optimizer.optimizer.__dict__
     inc = reports[1].incident  # classified by the replay before the next step (CPU: free)
-    assert inc is not None and inc.step == 1 and inc.same == "nonfinite"
+    assert inc is not None and inc.step == reports[1].step == 2 and inc.same == "nonfinite"
 
 
 def test_a_non_fused_optimizer_is_guarded_under_the_skip_step_directive(tmp_path):
@@ -242,8 +250,10 @@ def test_a_crashing_steps_report_reaches_the_collector(tmp_path):
         assert proc.returncode != 0 and "sampler saw a NaN probability" in proc.stderr, proc.stderr[-2000:]
         with urllib.request.urlopen(f"{c.url}/v1/runs/crash", timeout=10) as resp:
             run = json.loads(resp.read())
-    assert run["latest_step"] == 1  # the step that crashed was reported, at interpreter exit
-    assert run["first_offender"]["site"] == "model.layers.0.mlp" and run["first_offender"]["step"] == 1
+    # the step that crashed (HF's second: global_step 2) was reported, and the run ended crashed
+    assert run["latest_step"] == 2 and run["status"] == "crashed" and run["live_ranks"] == 0
+    assert run["crashed_ranks"] == [{"rank": 0, "raised": "FloatingPointError", "step": 2}]
+    assert run["first_offender"]["site"] == "model.layers.0.mlp" and run["first_offender"]["step"] == 2
     assert run["nonfinite_total"] > 0
 
 
@@ -263,10 +273,10 @@ def test_the_old_import_path_still_works_and_says_it_moved():
 
 
 def test_the_monitor_stays_readable_after_train(faulted_run):
-    reports, _, trainer = faulted_run
+    _, _, trainer, reports = faulted_run
     (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
     last = cb.monitor.last_report(timeout=1)
-    assert last is not None and last.step == reports[-1].step == 3
+    assert last is not None and (last.stage, last.step) == (reports[-1].stage, reports[-1].step) == ("eval", 4)
 
 
 def test_torch_compile_true_trains_with_the_callback(tmp_path):
@@ -281,7 +291,7 @@ def test_torch_compile_true_trains_with_the_callback(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    assert [r.step for r in reports] == [0, 1]
+    assert [r.step for r in reports] == [1, 2]
     assert all(r.coverage.forwards > 0 for r in reports)
 
 
@@ -310,3 +320,98 @@ def test_tensorboard_gets_the_nanwatch_scalars_through_the_trainers_own_logs(tmp
     assert [e.value for e in acc.Scalars("train/nanwatch/nonfinite_steps")][-1] == 1.0
     assert [e.value for e in acc.Scalars("train/nanwatch/skipped_steps")][-1] == 1.0
     assert "log" not in trainer.__dict__  # the wrap is undone when training ends
+
+
+def _trainer(tmp_path, model, reports, *, callbacks=(), options=None, **kw):
+    args = _args(tmp_path, **{**dict(gradient_checkpointing=False, gradient_accumulation_steps=1, max_steps=3,
+                                     logging_nan_inf_filter=False), **kw})
+    cb = NanwatchCallback(run_id="hf", on_report=reports.append, directive_source="local", **(options or {}))
+    return transformers.Trainer(model=model, args=args, train_dataset=_dataset(16), eval_dataset=_dataset(4),
+                                callbacks=[*callbacks, cb])
+
+
+def _poison_values(model, when) -> None:
+    """Layer 1's attention values turn NaN whenever ``when(module)``: its (bf16) attention output is the first
+    non-finite value, born in attention."""
+    model.model.layers[1].self_attn.v_proj.register_forward_hook(
+        lambda m, a, out: out * math.nan if when(m) else out)
+
+
+def test_a_nan_at_hf_step_k_is_reported_at_step_k(tmp_path):
+    model, now, reports = _model(), _StepOf(), []
+    model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan if now.step == 1 else out)
+    trainer = _trainer(tmp_path, model, reports, callbacks=[now], bf16=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    (hit,) = [r for r in reports if r.first_offender is not None]
+    # HF's running loss stays NaN once it held one (NaN - NaN): its first NaN is the step's
+    logged = next(h["step"] for h in trainer.state.log_history if "loss" in h and math.isnan(h["loss"]))
+    assert hit.step == logged == 2
+
+
+@pytest.mark.parametrize("stage", ["eval", "train"])
+def test_an_eval_only_nan_is_the_evaluations_and_asks_for_no_remedy(tmp_path, stage):
+    """bf16 attention turns NaN in every eval forward: the evaluations' reports (after step 2, and the final
+    one) name it, no training report has a first offender, and the local rules ask for no fp32. The control
+    (``train``: the same NaN in training step 2, replay off) does get fp32: the stage is what decides."""
+    model, now, reports = _model(), _StepOf(), []
+
+    _poison_values(model, (lambda m: not m.training) if stage == "eval" else (lambda m: m.training and now.step == 1))
+    trainer = _trainer(tmp_path, model, reports, callbacks=[now], options={"replay": False}, max_steps=4,
+                       eval_strategy="steps", eval_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    train = [r for r in reports if r.stage == "train"]
+    evals = [r for r in reports if r.stage == "eval"]
+    assert [r.step for r in train] == [1, 2, 3, 4] and [r.step for r in evals] == [2, 4]
+    eval_losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    if stage == "eval":
+        assert all(math.isnan(x) for x in eval_losses)
+        assert [(r.first_offender, r.first_offender_stage) for r in evals] == [("model.layers.1.self_attn", "eval")] * 2
+        assert [r.first_offender for r in train] == [None] * 4
+        assert [r.attention_mode for r in reports] == ["none"] * 6
+    else:
+        assert [(r.first_offender, r.first_offender_stage) for r in train] == [
+            (None, None), ("model.layers.1.self_attn", "train"), (None, None), (None, None)]
+        assert [r.attention_mode for r in train] == ["none", "none", "fp32", "fp32"]
+
+
+def test_standalone_and_final_evaluations_are_reported(tmp_path):
+    model, reports = _model(), []
+    _poison_values(model, lambda m: not m.training)
+    trainer = _trainer(tmp_path, model, reports, max_steps=2, eval_strategy="no")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        before = trainer.evaluate()  # no train() yet: the callback attaches for the evaluation
+        trainer.train()
+        after = trainer.evaluate()  # the final evaluation, after train() detached
+    assert math.isnan(before["eval_loss"]) and math.isnan(after["eval_loss"])
+    assert [(r.stage, r.step) for r in reports] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    for r in (reports[0], reports[3]):
+        assert (r.first_offender, r.first_offender_stage, r.coverage.forwards) == (
+            "model.layers.1.self_attn", "eval", 1)
+    assert [r.first_offender for r in reports[1:3]] == [None, None]
+    # detached after each: no nanwatch hook is left on the model
+    assert not [h for m in model.modules() for h in m._forward_hooks.values()
+                if getattr(h, "__module__", "").startswith("nanwatch")]
+
+
+def test_a_step_that_raises_says_so_and_claims_nothing_unmeasured(tmp_path):
+    model, now, reports = _model(), _StepOf(), []
+
+    def explode(module, args, out):
+        if now.step == 1:
+            raise FloatingPointError("sampler saw a NaN probability")
+
+    model.model.layers[0].mlp.register_forward_hook(explode)
+    trainer = _trainer(tmp_path, model, reports, callbacks=[now])
+    with warnings.catch_warnings(), pytest.raises(FloatingPointError):
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert [(r.step, r.raised) for r in reports] == [(1, None), (2, "FloatingPointError")]
+    crashed = reports[-1]
+    assert crashed.coverage.unmeasured == [] and not crashed.coverage.logits  # no "no_logits ... ran compiled"
+    assert any("raised FloatingPointError" in w for w in crashed.warnings)
+    assert "training_step" not in trainer.__dict__  # detached before the exception left train()

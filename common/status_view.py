@@ -183,13 +183,15 @@ def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
 
 def lifecycle(r: dict[str, Any]) -> str:
     """A run's lifecycle in a few words: live, ended, crashed, or silent/hung (which rank, how long). A
-    collector that reports its own (``lifecycle``, ``crashed``, ``ended``) is taken at its word."""
+    collector that reports its own is taken at its word: ``status: crashed`` and ``crashed_ranks`` (the
+    collector's run view), or a rank's ``crashed`` exception type."""
     ranks = r.get("ranks") or []
-    if r.get("lifecycle"):
-        return str(r["lifecycle"])
-    crashed = [v for v in ranks if v.get("state") == "crashed" or v.get("raised")]
-    if r.get("crashed") or crashed:
-        which = ", ".join(f"rank {v['rank']} raised {v.get('raised') or '?'} at step {v['step']}" for v in crashed)
+    crashed = [{"rank": v["rank"], "raised": v.get("raised") or v.get("crashed"), "step": v.get("step")}
+               for v in ranks if v.get("state") == "crashed" or v.get("raised") or v.get("crashed")]
+    crashed += [c for c in r.get("crashed_ranks") or () if c["rank"] not in {v["rank"] for v in crashed}]
+    if r.get("status") == "crashed" or crashed:
+        which = ", ".join(f"rank {c['rank']} raised {c.get('raised') or '?'}"
+                          + (f" at step {c['step']}" if c.get("step") is not None else "") for c in crashed)
         return "crashed" + (f" ({which})" if which else "")
     late = [v for v in ranks if v.get("late")]
     if late:

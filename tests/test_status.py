@@ -131,6 +131,21 @@ def test_a_report_that_raised_reads_as_crashed(tmp_path, capsys):
     assert "rank 0: crashed, step 7" in out
 
 
+def test_the_collector_says_crashed_too(tmp_path, capsys):
+    from nanwatch.hooks.transport import ReportSender
+
+    t = time.time()
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        sender = ReportSender(c.url)
+        for r in (StepReport(run_id="boom", incarnation="a", seq=0, step=6, time=t - 1),
+                  StepReport(run_id="boom", incarnation="a", seq=1, step=7, time=t, raised="FloatingPointError")):
+            assert sender.submit(r)
+        assert sender.close(timeout_s=10) and sender.delivered == 2
+        assert main(["status", "boom", "--url", c.url]) == 0
+    out = capsys.readouterr().out
+    assert "run boom: crashed (rank 0 raised FloatingPointError at step 7)" in out, out
+
+
 def test_a_silent_rank_and_an_ended_one(tmp_path, capsys):
     t = time.time()
     _write(tmp_path / "quiet.rank0.a.jsonl", StepReport(run_id="quiet", incarnation="a", seq=0, step=3, time=t - 600))

@@ -19,7 +19,7 @@ Three situations change what a probe may do:
 * **torch.compile**: while dynamo traces, probes only count (``nanwatch.hooks.compiled``). When compiled
   code ran in a step, parameter gradients are measured instead (their hooks run outside the graph), and a
   wrapper around the compiled model (``OptimizedModule``, DDP) measures the logits at its boundary.
-* **Stages**: a forward belongs to the training step, to an evaluation (the model in eval mode) or to
+* **Stages**: a forward belongs to the training step, to an evaluation (eval mode, grad off) or to
   text generation (inside ``generate()``), and its sites say which.
 """
 
@@ -242,11 +242,14 @@ class Probes:
         self.kept.clear()
 
     def stage(self) -> str:
-        """The stage of the forward running now: ``generate``, ``train`` or ``eval`` (model.training)."""
+        """The stage of the forward running now: ``generate`` (inside ``generate()``), ``eval`` (the model in
+        eval mode and grad off, as every evaluation loop runs it), else ``train``. Eval mode alone is not
+        evaluation: RL trainers often train with ``model.eval()`` to turn dropout off, and that training must
+        keep its first offender."""
         if self._generating:
             return "generate"
         model = self._model()
-        return "train" if model is None or model.training else "eval"
+        return "train" if model is None or model.training or torch.is_grad_enabled() else "eval"
 
     def fqn_of(self, module: torch.nn.Module) -> str | None:
         """The module's name in the attached model, or None (not ours, or detached)."""

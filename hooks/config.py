@@ -70,7 +70,7 @@ class MonitorConfig:
     part where a non-finite value was born, not the next attention layer."""
 
     param_check_every: int = 8
-    """Check every parameter (and, with a weight guard, every optimizer-state tensor) once in this many
+    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch guards or checks) once in this many
     steps, a rotating share at each step start, so that a tensor already non-finite is named as the birth
     site; 0 turns it off."""
 

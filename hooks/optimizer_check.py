@@ -30,15 +30,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from nanwatch.hooks.failsafe import guarded
 from nanwatch.wire import Incident, dtype_name
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only (the recorder imports this module)
-    from nanwatch.hooks.recorder import Recorder
 
 __all__ = ["MAX_NAMED", "BatchSeen", "OptimizerCheck", "ParamBatch", "optimizer_incident", "read_batch"]
 
@@ -99,6 +96,13 @@ def optimizer_incident(seen: BatchSeen, *, step: int) -> Incident:
               "and the learning rate for the parameters' dtype, and restore the weights)"))
 
 
+class _Records(Protocol):
+    """What the check writes into: ``nanwatch.hooks.recorder.Recorder`` (not imported: it imports this
+    module for the batch types)."""
+
+    def param_batch(self, batch: ParamBatch) -> None: ...
+
+
 class OptimizerCheck:
     """One optimizer's post-step check (see the module docstring); ``remove()`` takes it off.
 
@@ -110,7 +114,7 @@ class OptimizerCheck:
         check.remove()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, rec: Recorder, names: dict[int, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, rec: _Records, names: dict[int, str]) -> None:
         self.optimizer = optimizer
         self._rec = rec
         self._names = names

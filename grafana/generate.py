@@ -332,9 +332,9 @@ def guard_panels() -> list[Any]:
     # incidents exist only once a step was replayed
     incidents = or_none(f"sum by (class) (nanwatch_incidents_total{{{RUN}}})", "class")
     return [skipped,
-            ts_panel("Incidents by class", "The differential replay's verdict on non-finite steps: precision (a "
-                     "fallback helps), data_mask and not_reproducible (no fallback helps: a person must look), "
-                     "not_classified.", query(incidents, "{{class}}"), w=12)]
+            ts_panel("Incidents by class", "The trainer's verdict on non-finite steps: precision (a fallback "
+                     "helps), data_mask, not_reproducible and optimizer (born in the optimizer update; no "
+                     "fallback helps: a person must look), not_classified.", query(incidents, "{{class}}"), w=12)]
 
 
 def reporting_panels() -> list[Any]:

@@ -17,7 +17,7 @@ from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["DirectiveSource", "MonitorConfig", "ReportScopeChoice", "default_is_attention", "resolve_config"]
+__all__ = ["DirectiveSource", "GuardChoice", "MonitorConfig", "ReportScopeChoice", "default_is_attention", "resolve_config"]
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
 _RUN_ID = TypeAdapter(RunId)
@@ -25,6 +25,8 @@ _RUN_ID = TypeAdapter(RunId)
 DirectiveSource = Literal["auto", "local", "collector", "off"]
 #: Whom a trainer's reports speak for (``MonitorConfig.report_scope``).
 ReportScopeChoice = Literal["auto", "rank", "job"]
+#: Whether nanwatch guards the optimizers that step the model (``MonitorConfig.guard``).
+GuardChoice = Literal["auto", "off"]
 
 
 def default_is_attention(name: str, module: torch.nn.Module) -> bool:
@@ -69,9 +71,25 @@ class MonitorConfig:
     part where a non-finite value was born, not the next attention layer."""
 
     param_check_every: int = 8
-    """Check every parameter (and, with a weight guard, every optimizer-state tensor) once in this many
+    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch guards or checks) once in this many
     steps, a rotating share at each step start, so that a tensor already non-finite is named as the birth
     site; 0 turns it off."""
+
+    guard: GuardChoice = "auto"
+    """The weight guard (``nanwatch.hooks.weight_guard``): a step in which a monitored site saw a non-finite
+    value does not update the weights. ``auto``: every ``torch.optim.Optimizer`` that steps the model's
+    parameters is guarded, the one passed as ``optimizer=`` and any other found at its first step (a global
+    optimizer-step pre-hook, ``nanwatch.hooks.optimizer_discovery``). Fused optimizers are guarded on the
+    device at no cost; others at one host read of the step's flag per optimizer step (what GradScaler pays
+    for them). ``off``: nanwatch never skips a step and issues no flag reduction (an explicit
+    ``Monitor.guard(opt)`` still guards ``opt``)."""
+
+    optimizer_check: bool = True
+    """After every step of an optimizer nanwatch found (passed or discovered), check the parameters it
+    just wrote: one ``torch._foreach_norm(ord=inf)`` over the parameters that had a gradient, on the device
+    (``nanwatch.hooks.optimizer_check``). A value born in the update (fp16 AdamW's eps underflow, a huge
+    learning rate) is then named at the step it happened (site kind ``param``, phase ``optimizer``), with an
+    incident of class ``optimizer``, instead of at the next forward it poisons."""
 
     fingerprint: bool = True
     """Record each forward's input layout (position_ids, mask kind, packing, fully masked rows)."""
@@ -199,6 +217,8 @@ class MonitorConfig:
             raise ValueError(f"max_pending_reports must be >= 1, got {self.max_pending_reports}")
         if self.param_check_every < 0:
             raise ValueError(f"param_check_every must be >= 0 (0 disables), got {self.param_check_every}")
+        if self.guard not in ("auto", "off"):
+            raise ValueError(f"guard must be 'auto' or 'off', got {self.guard!r}")
         if self.logit_tau <= 0:
             raise ValueError(f"logit_tau must be > 0, got {self.logit_tau}")
         if self.directive_check_every < 1:

@@ -28,6 +28,8 @@ from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
 from nanwatch.hooks.install import install, user_model
+from nanwatch.hooks.optimizer_check import OptimizerCheck
+from nanwatch.hooks.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.param_sweep import ParamSweep
 from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder
@@ -35,7 +37,7 @@ from nanwatch.hooks.replay import classify
 from nanwatch.hooks.report import StepContext
 from nanwatch.hooks.report_flow import ReportFlow
 from nanwatch.hooks.rlhf import checked_kl, record_rlhf
-from nanwatch.hooks.weight_guard import WeightGuard
+from nanwatch.hooks.weight_guard import WeightGuard, drop_grads_if_flagged, guard_of, inner_optimizer
 from nanwatch.wire import MAX_INT, StepReport
 
 __all__ = ["Monitor", "attach"]
@@ -109,8 +111,10 @@ class Monitor:
                                               check_every=config.directive_check_every)
         self._probes: Probes | None = None
         self._guards: list[WeightGuard] = []
-        self._sweep = ParamSweep(self._model, optimizers=lambda: [g.optimizer for g in self._guards],
-                                 every=config.param_check_every)
+        self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
+        self._discovery: OptimizerDiscovery | None = None
+        self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
+        self._sweep = ParamSweep(self._model, optimizers=self._optimizers, every=config.param_check_every)
         self._incident_done = False
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
                                 rec=self._rec, warn=self._warn_once, directive_state=self.directive_state,
@@ -135,8 +139,10 @@ class Monitor:
         self.close()
 
     def attach(self, *, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
-        """Register every probe (and guard ``optimizer``'s weights); on any failure, undo what was done and
-        re-raise (the model is left as it was)."""
+        """Register every probe, and cover ``optimizer`` (its weight guard, unless ``guard="off"``, and its
+        post-step check) and any other optimizer found stepping the model's parameters
+        (``nanwatch.hooks.optimizer_discovery``); on any failure, undo what was done and re-raise (the model
+        is left as it was)."""
         model = self._model()
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
@@ -154,8 +160,13 @@ class Monitor:
                 self._flow.send_to(ReportSender(cfg.collector, token=cfg.token))
                 if cfg.directive_source in ("auto", "collector") and self.rank == 0:  # the others: by agreement
                     self.directive_state.follow(DirectivePoller(cfg.collector, cfg.run_id, token=cfg.token))
+            if cfg.guard == "auto" or cfg.optimizer_check:
+                self._discovery = OptimizerDiscovery(model, on_found=self._found_optimizer)
+                self._handles.append(self._discovery)
             if optimizer is not None:
-                self.guard(optimizer)
+                self._check(optimizer)
+                if cfg.guard == "auto":
+                    self.guard(optimizer)
         except BaseException:
             self._active = True
             self.close(timeout=1.0)
@@ -178,25 +189,65 @@ class Monitor:
         self.directive_state.close()
         self._flow.close(timeout)
 
-    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool = False) -> WeightGuard:
+    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
         """Protect the weights: a step in which a monitored site saw a non-finite value does not update
-        them. Free (no host sync) for fused optimizers; others need ``sync=True`` (one sync per step) or
-        the ``skip_step`` directive (see ``nanwatch.hooks.weight_guard``). Removed when the Monitor closes.
+        them. Free (no host sync) for fused optimizers; others at one host read of the step's flag per
+        optimizer step (see ``nanwatch.hooks.weight_guard``). ``sync``: deprecated, no longer needed
+        (None and True guard alike); ``sync=False`` opts a non-fused optimizer out of the host read, and
+        then only the ``skip_step`` directive protects it. Guards even under ``guard="off"`` (an explicit
+        call); an optimizer already guarded is not guarded twice. Removed when the Monitor closes.
 
         Example usage::
 
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
             mon = nanwatch.attach(model, run_id="r", optimizer=opt)   # or mon.guard(opt)
         """
         if not self._active:
             raise RuntimeError("nanwatch: guard() needs an attached Monitor")
-        g = WeightGuard(optimizer, rec=self._rec, directive_state=self.directive_state, sync=sync,
+        existing = guard_of(optimizer)
+        if existing is not None:
+            if existing not in self._guards:
+                self._warn_once(f"{type(existing.optimizer).__name__} is guarded by another Monitor already; "
+                                "it is not guarded twice")
+            return existing
+        g = WeightGuard(optimizer, rec=self._rec, directive_state=self.directive_state, host_read=sync is not False,
                         warn=self._warn_once)
         self._guards.append(g)
         self._handles.append(g)
+        self._check(optimizer)
         replay_on = self.config.replay if self.config.replay is not None else self._device.type == "cpu"
-        self._probes.keep_forward_inputs(bool(replay_on and g.effective))
+        self._probes.keep_forward_inputs(bool(replay_on and any(x.effective for x in self._guards)))
         return g
+
+    def _check(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check the parameters ``optimizer`` writes after each of its steps (``optimizer_check``)."""
+        opt = inner_optimizer(optimizer)
+        model = self._model()
+        if not self.config.optimizer_check or id(opt) in self._checks or model is None:
+            return
+        check = OptimizerCheck(opt, rec=self._rec, names={id(p): n for n, p in model.named_parameters()})
+        self._checks[id(opt)] = check
+        self._handles.append(check)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers this Monitor guards or checks (their state joins the rotating parameter check)."""
+        opts = {id(c.optimizer): c.optimizer for c in self._checks.values()}
+        opts.update((id(g.optimizer), g.optimizer) for g in self._guards)
+        return list(opts.values())
+
+    def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Discovery (inside ``optimizer``'s first step, training thread): check it and, under
+        ``guard="auto"``, guard it from now on and decide this call by dropping its gradients when the
+        step's flag is set. Every rank finds the same optimizer at the same step, so the flag's reduction
+        is issued on every rank."""
+        if not self._active:
+            return
+        self._check(optimizer)
+        if self.config.guard != "auto" or guard_of(optimizer) is not None:
+            return
+        g = self.guard(optimizer)
+        log.info("nanwatch: guarding %s, found stepping the model's parameters", type(g.optimizer).__name__)
+        drop_grads_if_flagged(g.optimizer, self._rec)
 
     # ---- steps -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -232,6 +283,8 @@ class Monitor:
             self.directive_state.at_step_boundary(n)
         except Exception as exc:
             probe_failed(exc)
+        for check in self._checks.values():  # the weights this step starts from, as the last update left them
+            guarded(check.carry)
         if self.config.param_check_every and self._probes is not None:
             guarded(self._check_params)
 
@@ -250,6 +303,8 @@ class Monitor:
         if n is None or not self._active:
             return
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
+        if self._discovery is not None and not self._checks and not self._guards:
+            guarded(self._note_unfound)
         if self._probes.keep_inputs and not self._incident_done and raised is None:
             guarded(self._classify, n)
         self._hand_over(n, raised)
@@ -332,6 +387,16 @@ class Monitor:
         elif stage != "eval" and self._eval_implicit and self._eval_step is not None:
             self.end_eval()
 
+    def _note_unfound(self) -> None:
+        """No optimizer found yet: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
+        if self._rec.state.coverage.train_forwards or self._rec.state.coverage.compiled_forwards:
+            self._steps_unfound += 1
+        if self._steps_unfound == UNFOUND_AFTER_STEPS:
+            self._warn_once(f"no torch.optim optimizer stepped this model's parameters in {UNFOUND_AFTER_STEPS} "
+                            "training steps: the weights are not guarded and the optimizer update is not "
+                            "checked. Pass attach(..., optimizer=opt), or call monitor.guard(opt); an optimizer "
+                            "that is not a torch.optim.Optimizer cannot be guarded (use should_skip_step())")
+
     def _classify(self, n: int) -> None:
         """Replay mode: read this step's non-finite flag (the one host read it costs) and, the first time
         it is set, classify the step by a differential replay before anything else moves."""
@@ -388,7 +453,9 @@ def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str 
            **options) -> Monitor:
     """Attach nanwatch to ``model`` and return the Monitor (a context manager that detaches on exit).
 
-    ``optimizer``: guard its weights (``Monitor.guard``). ``options`` are MonitorConfig fields
+    ``optimizer``: guard its weights (``Monitor.guard``) and check its updates; without it, the optimizer
+    that steps the model's parameters is found at its first step (``guard=`` and ``optimizer_check=``
+    say what is done with it). ``options`` are MonitorConfig fields
     (``grads=``, ``exact_logit_every=``, ``rank=``, ``directive_source=``, ...). With ``config=``,
     ``run_id``/``collector``/``options`` may only repeat what it says (a differing value is a ValueError).
     """

@@ -19,6 +19,7 @@ import torch
 from nanwatch.hooks.collective import FlagReduction, reduction_active
 from nanwatch.hooks.dtypes import finfo_max
 from nanwatch.hooks.observations import BufKey, ObservationLog
+from nanwatch.hooks.optimizer_check import MAX_NAMED, BatchSeen, ParamBatch, read_batch
 from nanwatch.hooks.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, Incident, LogitStat, SdpaCall, SiteStat, dtype_name
 
@@ -111,6 +112,11 @@ class StepState:
     stage: str = "train"
     #: the slot buffer the step wrote into (its slot index decodes the copy); set when handed over
     slots: SlotBuffer | None = None
+    #: parameters read together after an optimizer step, or carried to this step's start
+    #: (``nanwatch.hooks.optimizer_check``), in execution order among ``rows``
+    batches: list[ParamBatch] = field(default_factory=list)
+    #: how many of ``batches`` the last ``flat()`` holds (its layout, like ``layout``)
+    flat_batches: int = 0
 
 
 class StepSoFar(NamedTuple):
@@ -215,6 +221,13 @@ class Recorder:
         """The weight guard's decision for one optimizer step (a device flag, 1.0: skipped)."""
         self.buf.maximize(GUARD_SKIPPED, flag)
 
+    def param_batch(self, batch: ParamBatch) -> None:
+        """Parameters read together (``nanwatch.hooks.optimizer_check``): placed after the rows recorded so
+        far in execution order; its values brought to the buffer's device as float32 (device ops only)."""
+        batch.pos = len(self.state.rows)
+        batch.values = self._local(batch.values.detach().float())
+        self.state.batches.append(batch)
+
     def fold_compiled(self, counts: dict[str, int]) -> None:
         """Step end: what ran inside compiled graphs (``nanwatch.hooks.compiled``), counted, not probed."""
         sdpa_calls = 0
@@ -263,6 +276,11 @@ class Recorder:
         """1.0 when a training site held NaN or Inf so far in this step, else 0.0: a 0-d float32 tensor on
         the buffer's device, from device ops only (reading it on the host is a sync)."""
         flag = self.obs["train"].any_nonfinite()
+        batches = self.state.batches
+        if batches:  # parameters an optimizer step wrote, or this step started from
+            values = batches[0].values if len(batches) == 1 else torch.cat([b.values for b in batches])
+            bad = ~torch.isfinite(values).all()
+            flag = bad if flag is None else flag.to(bad.device) | bad
         if flag is None:
             return torch.zeros((), dtype=torch.float32, device=self.buf.device)
         return self._local(flag).to(torch.float32)
@@ -325,6 +343,8 @@ class Recorder:
             parts += segs
             layout += [(name, k, n) for k, n in lay]
         self.state.layout = layout
+        self.state.flat_batches = len(self.state.batches)
+        parts += [b.values.to(torch.float64) for b in self.state.batches]
         return torch.cat([*parts, self.buf.data[: self.buf.size].to(torch.float64)])
 
     def so_far(self) -> StepSoFar:
@@ -351,7 +371,8 @@ class Recorder:
         """``get(kind, key, default)``: a slot's value in a host copy of ``flat()``, or ``default`` if the
         slot is not in that copy (never written, or allocated after the copy was taken)."""
         buf = state.slots if state.slots is not None else self.buf
-        base = sum(2 * n for _, _, n in state.layout)  # the slots follow the observation rows
+        # the slots follow the observation rows and the parameter batches
+        base = sum(2 * n for _, _, n in state.layout) + sum(len(b.names) for b in state.batches[: state.flat_batches])
 
         def get(kind: str, key, default: float = 0.0) -> float:
             i = buf.index(kind, key)
@@ -370,6 +391,15 @@ class Recorder:
         lowest = self.getter(state, values)("max", NONFINITE_RANK, -math.inf)
         return int(-lowest) if math.isfinite(lowest) else None
 
+    def batches_seen(self, state: StepState, values: list[float]) -> list[BatchSeen]:
+        """The parameter batches in a host copy of ``flat()``, decoded (reporter thread, or ``so_far``)."""
+        off = sum(2 * n for _, _, n in state.layout)
+        out = []
+        for b in state.batches[: state.flat_batches]:
+            out.append(read_batch(b, values[off : off + len(b.names)]))
+            off += len(b.names)
+        return out
+
     def decode(self, state: StepState, values: list[float]):
         """Turn a host copy of ``flat()`` into (sites, sdpa, logits, fingerprints, first offender). A training
         step's first offender is never an eval-stage site (a forward run in eval mode inside the step): the
@@ -381,7 +411,13 @@ class Recorder:
         get = self.getter(state, values)
         per_site: dict[SiteKey, _Observed] = {}
         first = None
-        for key, log, bufkey, row in state.rows:
+        seen_batches = self.batches_seen(state, values)
+        # a batch's first non-finite parameter, at the batch's place in execution order
+        batch_first = sorted((s.batch.pos, (s.batch.names[s.bad[0][0]], s.batch.phase, "train"))
+                             for s in seen_batches if s.bad)
+        for i, (key, log, bufkey, row) in enumerate(state.rows):
+            if first is None and batch_first and batch_first[0][0] <= i:
+                first = batch_first[0][1]
             base = offsets.get((log, bufkey))
             if base is None:  # a row taken after the copy was made (cannot happen within a step)
                 continue
@@ -397,6 +433,8 @@ class Recorder:
                 continue
             if first is None and (key[2] != "eval" or state.stage == "eval"):
                 first = key
+        if first is None and batch_first:
+            first = batch_first[0][1]
         sites = []
         for key in state.order:
             meta, seen = state.sites[key], per_site.get(key, _Observed())
@@ -408,6 +446,7 @@ class Recorder:
             sites.append(SiteStat(
                 site=key[0], kind=meta.kind, phase=key[1], stage=key[2], dtype=dtype_name(meta.dtype),
                 calls=meta.calls, numel=meta.numel, nan=seen.nan, inf=seen.inf, amax=amax, headroom=headroom))
+        sites += self._batch_sites(state, seen_batches)
         routers = {key[0]: seen.top for key, seen in per_site.items()  # an MoE router's largest logit
                    if key[1] == "forward" and state.sites[key].kind == "router" and seen.top > -math.inf}
         sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
@@ -424,6 +463,23 @@ class Recorder:
                 fully_masked_rows=int(rows) if math.isfinite(rows) and rows > 0 else 0,
                 packed=packed, plain_causal=f.plain_causal, cross_doc_leak=packed and f.plain_causal))
         return sites, sdpa, logits, prints, first
+
+    @staticmethod
+    def _batch_sites(state: StepState, seen_batches: list[BatchSeen]) -> list[SiteStat]:
+        """The non-finite parameters of the step's batches as sites: the first ``MAX_NAMED`` of each, and
+        none that the step's own rows already name (the rotating check reads parameters too)."""
+        sites, named = [], set(state.sites)
+        for s in seen_batches:
+            b = s.batch
+            for i, nan in s.bad[:MAX_NAMED]:
+                key = (b.names[i], b.phase, "train")
+                if key in named:
+                    continue
+                named.add(key)
+                sites.append(SiteStat(site=b.names[i], kind="param", phase=b.phase, stage="train", dtype=b.dtypes[i],
+                                      calls=1, numel=b.numels[i], nan=int(nan), inf=int(not nan), amax=math.nan,
+                                      headroom=math.nan if nan else math.inf))
+        return sites
 
     @staticmethod
     def _decode_logits(state: StepState, get, routers: dict[str, float]) -> list[LogitStat]:

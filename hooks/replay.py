@@ -226,11 +226,15 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
 
 
 def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
-             step: int, guarded: bool, rank: int) -> Incident:
+             step: int, guarded: bool, rank: int) -> Incident | None:
     """The open step, known to be non-finite: classify it by a replay and put the verdict into the
-    recorder, for the step's report (one host read of the step's values, once per run)."""
+    recorder, for the step's report (one host read of the step's values, once per run). None when the
+    value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
+    and the report names it (``nanwatch.hooks.optimizer_check``)."""
     so_far = rec.so_far()
     first = so_far.first
+    if first is not None and first[1] == "optimizer":
+        return None
     incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
                       step=step, site=first[0] if first else None, phase=first[1] if first else None,
                       masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.optimizer_check import MAX_NAMED, optimizer_incident
 from nanwatch.hooks.recorder import Recorder, StepState
 from nanwatch.hooks.reporter import Pending
 from nanwatch.hooks.rlhf import decode_rlhf
@@ -40,12 +41,25 @@ class ReportBuilder:
         self._rec = rec
         self._warn = warn
         self._dropped = dropped_reports
+        self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
 
     def build(self, pending: Pending, values: list[float]) -> StepReport:
         ctx: StepContext = pending.context
         state = ctx.state
         sites, sdpa, logits, prints, first = self._rec.decode(state, values)
         warns = list(state.warnings)
+        incident = state.incident
+        for seen in self._rec.batches_seen(state, values):
+            b = seen.batch
+            if not seen.bad or b.phase != "optimizer":
+                continue
+            more = f" (the first {MAX_NAMED} are sites)" if len(seen.bad) > MAX_NAMED else ""
+            warns.append(f"step {pending.step}: {len(seen.bad)} parameters non-finite after {b.owner}.step(){more}")
+            if (incident is None and not self._optimizer_incident_done and first is not None
+                    and first[:2] == (b.names[seen.bad[0][0]], "optimizer")):
+                self._optimizer_incident_done = True
+                incident = optimizer_incident(seen, step=pending.step)
+                self._warn(f"step {pending.step}: {incident.note}")
         for f in prints:
             if f.cross_doc_leak:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
@@ -65,7 +79,7 @@ class ReportBuilder:
             attention_mode=ctx.mode, directive_version=ctx.directive_version,
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             first_offender_stage=first[2] if first else None, first_offender_rank=self._ids["rank"] if first else None,
-            step_skipped=self._rec.step_skipped(state, values), incident=state.incident,
+            step_skipped=self._rec.step_skipped(state, values), incident=incident,
             nonfinite_rank=self._rec.nonfinite_rank(state, values),
             dropped_reports=self._dropped(), warnings=warns[:64])
 

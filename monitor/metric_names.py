@@ -47,8 +47,9 @@ _SPECS = (
     MetricSpec("nanwatch_skipped_steps_total", "counter", ("run_id", "rank"),
                "Optimizer steps the weight guard skipped because the step saw a non-finite value."),
     MetricSpec("nanwatch_incidents_total", "counter", ("run_id", "class"),
-               "Non-finite steps classified by the trainer's differential replay (precision, data_mask, "
-               "not_reproducible, not_classified), summed over ranks."),
+               "Non-finite steps classified by the trainer: by its differential replay (precision, data_mask, "
+               "not_reproducible, not_classified), or born in the optimizer update (optimizer), summed over "
+               "ranks."),
     MetricSpec("nanwatch_first_offender_info", "gauge", ("run_id", "site", "pass", "stage", "rank"),
                "Where the run's first non-finite value was reported (always 1; from the event log)."),
     MetricSpec("nanwatch_rlhf_stat", "gauge", ("run_id", "stat"),

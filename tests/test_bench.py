@@ -173,6 +173,30 @@ def test_guard_mode_times_the_reduction_on_and_off_side_by_side(capsys, tmp_path
     assert (r["ranks"], r["device"], r["rounds"]) == (2, "cpu", 2) and r["step_off_s"] > 0 and r["reduce_s"] > 0
 
 
+def test_optimizer_mode_times_the_guard_and_the_check_side_by_side(capsys, tmp_path):
+    from nanwatch.bench import main
+
+    out = tmp_path / "optimizer.json"
+    assert main(["optimizer", "--rounds", "2", "--warmup", "0", "--block", "1", "--seq", "8", "--layers", "1",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("guard off, no check", "guard (host read)", "post-step check", "guard + check (default)",
+                 "the check alone"):
+        assert line in printed
+    r = json.loads(out.read_text())
+    assert (r["device"], r["rounds"], r["block"]) == ("cpu", 2, 1)
+    assert all(r[f"step_{arm}_s"] > 0 and r[f"ratio_{arm}"] > 0 for arm in ("bare", "guard", "check", "both"))
+    assert r["check_alone_s"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--block", "0"]])
+def test_optimizer_mode_refuses_what_it_cannot_measure(capsys, argv):
+    from nanwatch.bench import main
+
+    assert main(["optimizer", *argv]) == 2
+    assert "nanwatch bench optimizer:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["--ranks", "1"], ["--rounds", "0"]])
 def test_guard_mode_refuses_what_it_cannot_measure(capsys, argv):
     from nanwatch.bench import main

@@ -8,7 +8,9 @@
 * ``nanwatch bench fallback [options]``: steps and seconds from the first non-finite step to the
   fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`);
 * ``nanwatch bench guard [options]``: what the weight guard's cross-rank reduction costs a data-parallel
-  step, with it on and off side by side (:mod:`nanwatch.bench.guard`).
+  step, with it on and off side by side (:mod:`nanwatch.bench.guard`);
+* ``nanwatch bench optimizer [options]``: what guarding a non-fused optimizer (one host read per step) and
+  checking its update (one ``_foreach_norm``) cost a step, side by side (:mod:`nanwatch.bench.optimizer`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import guard
 
         return guard.main(argv[1:])
+    if argv[:1] == ["optimizer"]:
+        from nanwatch.bench import optimizer
+
+        return optimizer.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

@@ -25,10 +25,13 @@ training, so the callback sees the exception, reports the step and detaches befo
 else that ends the process is reported at interpreter exit.
 
 The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a non-finite value does
-not update the weights, at no cost with a fused optimizer (HF's default ``adamw_torch_fused``); others are
-guarded under the ``skip_step`` directive.
-For a TRL ``GRPOTrainer`` the GRPO adapter (:mod:`nanwatch.hooks.integrations.trl`) adds logprob, ratio and
-KL health without a subclass.
+not update the weights, at no cost with a fused optimizer (HF's default ``adamw_torch_fused``), at one host
+read per step with any other ``torch.optim`` optimizer (``adamw_torch``, ``sgd``, Adafactor, 8-bit ones); an
+optimizer created later (FSDP, DeepSpeed) is found at its first step. ``NanwatchCallback(run_id=...,
+guard="off")`` opts out. Its updates are checked after each step (``optimizer_check``), so a NaN the
+optimizer itself writes is named at that step.
+For a TRL ``GRPOTrainer`` or ``RLOOTrainer`` (or a subclass) the adapter (:mod:`nanwatch.hooks.integrations.trl`)
+adds logprob, ratio and KL health without a subclass of ours.
 """
 
 from __future__ import annotations

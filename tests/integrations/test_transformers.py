@@ -20,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from nanwatch.hooks.integrations.transformers import NanwatchCallback  # noqa: E402
-from nanwatch.wire import Directive  # noqa: E402
 
 GA, LAYERS = 4, ("model.layers.0.self_attn", "model.layers.1.self_attn")
 
@@ -176,12 +175,12 @@ def test_evaluations_are_reported_on_their_own(faulted_run):
         assert r.first_offender is None and r.coverage.unmeasured == []
 
 
-def _poisoned_at_step_1(tmp_path, *, optim: str, callbacks=()):
+def _poisoned_at_step_1(tmp_path, *, optim: str, callbacks=(), **options):
     """Three steps; at step 1 layer 0's MLP output turns NaN in every forward (a bad batch)."""
     model, now = _model(), _StepOf()
     model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan if now.step == 1 else out)
     reports = []
-    cb = NanwatchCallback(run_id="guard", on_report=reports.append)
+    cb = NanwatchCallback(run_id="guard", on_report=reports.append, **options)
     trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=3, optim=optim),
                                    train_dataset=_dataset(), callbacks=[now, cb, *(c(cb) for c in callbacks)])
     with warnings.catch_warnings():
@@ -201,19 +200,21 @@ def test_the_weight_guard_keeps_a_nan_step_out_of_the_weights(tmp_path):
     assert inc is not None and inc.step == reports[1].step == 2 and inc.same == "nonfinite"
 
 
-def test_a_non_fused_optimizer_is_guarded_under_the_skip_step_directive(tmp_path):
-    class Offer(transformers.TrainerCallback):
-        def __init__(self, cb: NanwatchCallback) -> None:
-            self.cb = cb
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.cb.monitor.directive_state.offer(Directive(run_id="guard", version=1, mode="skip_step",
-                                                       apply_at_step=0))
-
-    with pytest.warns(RuntimeWarning, match="cannot skip a step of AdamW without a host sync"):
-        model, reports, _ = _poisoned_at_step_1(tmp_path, optim="adamw_torch", callbacks=[Offer])
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
+def test_a_non_fused_optimizer_is_guarded_by_default(tmp_path, optim):
+    # no fused kernel to take the flag: the guard reads it on the host, once per optimizer step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # guarded without a word: nothing to ask of the user
+        model, reports, trainer = _poisoned_at_step_1(tmp_path, optim=optim)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [r.step_skipped for r in reports] == [False, True, False]
+    assert "step" not in trainer.optimizer.optimizer.__dict__  # the guard is gone with the callback
+
+
+def test_guard_off_through_the_callback_leaves_a_non_fused_optimizer_unguarded(tmp_path):
+    model, reports, _ = _poisoned_at_step_1(tmp_path, optim="adamw_torch", guard="off")
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert [r.step_skipped for r in reports] == [None, None, None]
 
 
 _CRASH = textwrap.dedent("""

@@ -1,0 +1,245 @@
+"""Every optimizer guarded, and a NaN born in the optimizer update named (#17, items 3 and 4).
+
+Non-fused SGD and AdamW, passed to ``attach`` or found by discovery (no optimizer passed): a step whose
+forward went NaN leaves every weight finite, and the next clean step trains. ``guard="off"`` lets the NaN
+into the weights (so these tests can fail). A pure-fp16 AdamW writes NaN into its parameters at step 0
+(eps underflow): the report names the update (site kind ``param``, phase ``optimizer``), the incident is of
+class ``optimizer`` at step 0, and the local rules never offer ``fp32``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import TinyNet, tiny_qwen3, token_ids
+
+import nanwatch
+from nanwatch.hooks.weight_guard import guard_of
+
+pytest.importorskip("transformers")
+
+K = 2  # the step whose forward goes NaN
+
+
+def _model(dtype=None):
+    return tiny_qwen3("eager", dtype=dtype, vocab_size=64, use_cache=False)
+
+
+def _nan_at(model, step_of, k: int = K) -> None:
+    """Layer 0's MLP output turns NaN in the forward of step ``k`` (a bad batch)."""
+    model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan if step_of() == k else out)
+
+
+def _make(kind: str, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=kind == "adamw_foreach" or None,
+                             fused=kind == "adamw_fused" or None)
+
+
+def _run(kind: str, *, passed: bool, steps: int = K + 2, k: int = K, **options):
+    """Train ``steps`` steps with a NaN forward at step ``k``; per step: (report, weights finite, weights
+    moved)."""
+    model = _model()
+    now = [0]
+    _nan_at(model, lambda: now[0], k)
+    opt = _make(kind, model)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="g", optimizer=opt if passed else None, directive_source="off",
+                             **options) as mon:
+            for n in range(steps):
+                now[0] = n
+                before = [p.detach().clone() for p in model.parameters()]
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                r = mon.last_report()
+                rows.append((r, all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                             any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))))
+            guarded = guard_of(opt) is not None
+    assert guard_of(opt) is None and "step" not in opt.__dict__  # removed on close, the optimizer as it was
+    return rows, guarded
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "found"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "adamw_foreach"])
+def test_a_non_fused_optimizer_keeps_a_nan_step_out_of_the_weights(kind, passed):
+    rows, guarded = _run(kind, passed=passed)
+    assert guarded
+    assert [finite for _, finite, _ in rows] == [True] * len(rows)
+    assert [r.step_skipped for r, _, _ in rows] == [False] * K + [True, False]
+    assert [moved for _, _, moved in rows] == [True] * K + [False, True]  # the next clean step trains
+    assert rows[K][0].first_offender == "model.layers.0.mlp"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_a_found_optimizer_whose_first_step_is_nan_drops_that_steps_gradients(kind):
+    # found inside its first step: that call is decided by the discovery hook, the later ones by the guard
+    rows, guarded = _run(kind, passed=False, k=0, steps=2)
+    assert guarded
+    assert [(r.step_skipped, finite, moved) for r, finite, moved in rows] == [(True, True, False), (False, True, True)]
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "found"])
+def test_guard_off_lets_the_nan_into_the_weights(passed):
+    rows, guarded = _run("adamw", passed=passed, guard="off")
+    assert not guarded
+    assert [finite for _, finite, _ in rows] == [True] * K + [False, False]
+    r = rows[K][0]
+    # the forward's NaN stays the first offender; the update's is reported after it, in execution order
+    assert (r.first_offender, r.first_offender_phase) == ("model.layers.0.mlp", "forward")
+    assert any(s.kind == "param" and s.phase == "optimizer" and (s.nan or s.inf) for s in r.sites)
+    assert r.incident is None or r.incident.cls != "optimizer"
+
+
+def test_pure_fp16_adamw_names_the_optimizer_update_at_step_0_and_offers_no_fp32():
+    # A real optimizer-born NaN, no injection: in fp16, eps=1e-8 rounds to 0 and exp_avg_sq underflows
+    # where gradients are small, so AdamW divides 0/0 or x/0 at its first step (checked below: the
+    # forward and backward of step 0 are finite, the weights after it are not).
+    model = _model(torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8)
+    reports, modes = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="fp16", optimizer=opt, directive_source="local") as mon:
+            for n in range(5):
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    modes.append(mon.directive_state.mode)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+            modes.append(mon.directive_state.mode)
+    r0 = reports[0]
+    assert not any(p.isfinite().all() for p in model.parameters())  # the update really wrote NaN/Inf
+    assert not any((s.nan or s.inf) and s.phase != "optimizer" for s in r0.sites)  # forward/backward finite
+    bad = [s for s in r0.sites if s.kind == "param" and s.phase == "optimizer" and (s.nan or s.inf)]
+    assert 0 < len(bad) <= 16
+    assert (r0.first_offender, r0.first_offender_phase) == (bad[0].site, "optimizer")
+    inc = r0.incident
+    assert (inc.cls, inc.step, inc.phase, inc.birth_kind, inc.birth) == ("optimizer", 0, "optimizer", "param",
+                                                                          bad[0].site)
+    n_bad = sum(1 for p in model.parameters() if not p.isfinite().all())
+    assert len(inc.birth_params) == n_bad and f"{n_bad} parameters" in inc.note and "AdamW" in inc.note
+    assert any("parameters non-finite after AdamW.step()" in w for w in r0.warnings)
+    assert not nanwatch.policy.precision_helps(r0)
+    # later steps start from non-finite weights: a parameter is named first (never the attention it poisons)
+    assert all(r.first_offender_phase == "forward" and any(s.site == r.first_offender and s.kind == "param"
+                                                           for s in r.sites) for r in reports[1:])
+    assert all(r.incident is None for r in reports[1:])  # one incident per run
+    assert modes == ["none"] * len(modes)  # the local rules never offered fp32
+
+
+def test_a_carried_value_is_dropped_once_the_weights_are_restored():
+    model = _model(torch.float16)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="restore", optimizer=opt, directive_source="off",
+                             param_check_every=0) as mon:
+            ids = token_ids(2, 16, seed=0, vocab=64)
+            with mon.step(0):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            assert mon.last_report().first_offender_phase == "optimizer"
+            model.load_state_dict(good)  # the user restores the weights (and stops stepping the optimizer)
+            with mon.step(1), torch.no_grad():
+                model(input_ids=ids)
+            assert mon.last_report().first_offender is None
+
+
+def test_a_grad_scaler_with_a_non_fused_optimizer_skips_on_either_flag():
+    torch.manual_seed(0)
+    model = TinyNet(vocab=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    skipped, scales = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="scaler", optimizer=opt, grads=False) as mon:
+            for n in range(3):
+                before = [p.detach().clone() for p in model.parameters()]
+                with mon.step(n):
+                    loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+                    if n == 1:
+                        mon.watch("loss", loss * math.nan)  # nanwatch's flag; the scaler's gradients are finite
+                    boost = 1e38 if n == 2 else 1.0  # the scaler's flag: scaled gradients overflow
+                    scaler.scale(loss * boost).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+                skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)))
+                scales.append(scaler.get_scale())
+    assert skipped == [False, True, True]
+    assert scales == [2.0**16, 2.0**16, 2.0**15]  # the scaler's bookkeeping: only its own overflow halves it
+
+
+def test_other_models_optimizers_are_left_alone_and_nothing_is_guarded_twice():
+    model, other = _model(), TinyNet(vocab=64)
+    opt, other_opt = _make("adamw", model), torch.optim.SGD(other.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="a", optimizer=opt) as mon, nanwatch.attach(other, run_id="b",
+                                                                                       guard="off") as mon_b:
+            g = guard_of(opt)
+            assert mon.guard(opt) is g  # an optimizer is guarded once
+            assert mon_b.guard(opt) is g  # by whichever Monitor guarded it first
+            ids = token_ids(2, 16, seed=0, vocab=64)
+            with mon.step(0):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+            with mon_b.step(0):
+                F.cross_entropy(other(ids).flatten(0, 1), ids.flatten()).backward()
+                other_opt.step()
+            assert guard_of(other_opt) is None and "step" not in other_opt.__dict__
+
+
+def test_an_lr_scheduler_made_after_the_guard_wraps_it_and_close_restores_it():
+    model = _model()
+    opt = _make("adamw", model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "optimizer.step() has been overridden": none
+        with nanwatch.attach(model, run_id="sched", optimizer=opt) as mon:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            ids = token_ids(2, 16, seed=0, vocab=64)
+            with mon.step(0):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                sched.step()
+            assert mon.last_report().step_skipped is False
+        opt.step()  # the scheduler's wrapper still works, passing through the removed guard
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
+def test_without_any_optimizer_it_says_so_loudly():
+    model = _model()
+    with nanwatch.attach(model, run_id="none") as mon:
+        with pytest.warns(RuntimeWarning, match="no torch.optim optimizer stepped this model's parameters"):
+            for n in range(8):
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    with torch.no_grad():
+                        for p in model.parameters():  # a hand-written update nanwatch cannot see
+                            p -= 1e-3 * p.grad
+                            p.grad = None
+
+
+def test_sync_false_opts_one_optimizer_out_of_the_host_read():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with nanwatch.attach(model, run_id="sgd", guard="off") as mon:
+        with pytest.warns(RuntimeWarning, match="skips a step of SGD only under the skip_step directive"):
+            g = mon.guard(opt, sync=False)
+        assert not g.effective

@@ -66,7 +66,7 @@ def test_the_cases_cover_every_pair_of_settings():
 
 
 def _check(facts: dict, *, wrapper_prefixes=("module.", "_orig_mod.", "_fsdp_wrapped_module.")) -> None:
-    steps = list(range(worker.MAX_STEPS))
+    steps = list(range(1, worker.MAX_STEPS + 1))  # numbered as HF logs them (global_step)
     assert facts["train_steps"] == steps, facts  # one report per optimizer step, GA micro-batches included
     assert facts["last_step"] == steps[-1]  # callback.monitor.last_report() after train()
     assert all(n > 0 for n in facts["forwards"]) and all(n > 0 for n in facts["attention_calls"]), facts

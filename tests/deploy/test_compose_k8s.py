@@ -447,7 +447,7 @@ def test_statefulset_of_shards(manifests):
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     [c] = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = c[probe]["httpGet"]
         assert get["path"] == path
         assert ports.get(get["port"], get["port"]) == 8000
@@ -466,7 +466,8 @@ def test_statefulset_of_shards(manifests):
     assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
     [claim] = spec["volumeClaimTemplates"]  # /data: the shard's own volume, not a volume of the pod spec
     assert mounts["/data"] == claim["metadata"]["name"] and mounts["/data"] not in volumes
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    # one pod per volume, enforced by the cluster (and the collector's own <db>.lock)
+    assert claim["spec"]["accessModes"] == ["ReadWriteOncePod"] and claim["spec"]["resources"]["requests"]["storage"]
     assert c["args"][c["args"].index("--db") + 1].startswith("/data/")
 
     # the tokens: files from a Secret, named by *_TOKEN_FILE; never a value in the environment
@@ -508,6 +509,9 @@ def test_service_and_servicemonitor(manifests):
     exprs = " ".join(r["expr"] for g in rules for r in g["rules"])
     selected = set(re.findall(r'job\s*=~?\s*"([^"]*)"', exprs))
     assert selected == {JOB}, f"the rules select job {selected}"
+    # kube-prometheus-stack loads ServiceMonitors and PrometheusRules by its release label: both carry it
+    rule_labels = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["metadata"]["labels"]
+    assert sm["metadata"]["labels"]["release"] == rule_labels["release"] == generate.RELEASE
 
 
 def test_example_secret_holds_placeholders_only(manifests):

@@ -228,6 +228,9 @@ def test_prometheus_config_matches_the_stack(compose):
         assert name in services["prometheus"]["depends_on"]
     am = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
     assert am == ["alertmanager:9093"]
+    # meta-monitoring: Prometheus scrapes itself and the Alertmanager it pages through
+    assert [t for sc in jobs["prometheus"]["static_configs"] for t in sc["targets"]] == ["localhost:9090"]
+    assert [t for sc in jobs["alertmanager"]["static_configs"] for t in sc["targets"]] == am
     assert {"collector", "alertmanager"} <= set(services)
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -202,11 +202,19 @@ class _SnapshotMetrics(Collector):
         yield from f.values()
 
 
+#: prometheus_client's process and platform collectors (``process_resident_memory_bytes``,
+#: ``process_open_fds``, ``process_max_fds``, ``process_cpu_seconds_total``, ``python_info``):
+#: made once, registered in each render's registry beside the snapshot.
+_PROCESS = (ProcessCollector(registry=None), PlatformCollector(registry=None))
+
+
 def render(snap: Snapshot, accept: str, gzipped: bool) -> tuple[bytes, str]:
     """The exposition of ``snap`` in the format ``accept`` asks for (prometheus_client's encoders)."""
     encoder, content_type = choose_encoder(accept)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_SnapshotMetrics(snap))
+    for own in _PROCESS:  # the collector's own health: memory and fds against its pod's limits, CPU
+        registry.register(own)
     body = encoder(registry)
     return (gzip.compress(body) if gzipped else body), content_type
 

@@ -8,7 +8,10 @@ does not fsync, so a commit costs tens of microseconds and survives a process cr
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,7 +21,9 @@ from typing import Any
 
 from nanwatch.wire import Directive
 
-__all__ = ["DB_SCHEMA_VERSION", "EventRow", "ForeignDatabase", "Loaded", "Store"]
+log = logging.getLogger("nanwatch.monitor")
+
+__all__ = ["DB_SCHEMA_VERSION", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -64,6 +69,33 @@ class ForeignDatabase(ValueError):
     """The file is not a nanwatch collector database this version can use."""
 
 
+class DatabaseInUse(ValueError):
+    """Another collector holds the database: two writers would each keep their own totals of one run."""
+
+
+def _lock(path: str) -> int | None:
+    """An exclusive, non-blocking ``flock`` on ``<path>.lock``, held until the fd is closed (also by the
+    kernel when the process dies, so a kill -9 leaves no stale lock). A sidecar file, not the database:
+    SQLite's own locks are POSIX record locks, which must not be mixed with ours on the same file."""
+    if path == ":memory:" or path.startswith("file:"):
+        return None
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:  # a read-only directory: nothing can be written there, by us or another collector
+        log.warning("nanwatch: cannot create %s.lock (%s): running without the one-writer lock", path, e)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise DatabaseInUse(f"{path} is in use by another nanwatch collector (it holds {path}.lock): one "
+                                "database, one collector; give this one its own --db") from None
+        log.warning("nanwatch: cannot lock %s.lock (%s): running without the one-writer lock", path, e)
+        return None
+    return fd
+
+
 @dataclass(slots=True)
 class EventRow:
     """One event of a run's log, as stored. ``detail`` is the kind's own record (typed per kind in
@@ -100,15 +132,25 @@ class Store:
 
     def __init__(self, path: str) -> None:
         self._path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._lock = _lock(path)  # before anything is read: the holder may be mid-write
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except BaseException:
+            self._unlock()
+            raise
         self._after: list[Callable[[], None]] | None = None
         try:
             self._check_schema()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
         except BaseException:
-            self._db.close()
+            self.close()
             raise
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _check_schema(self) -> None:
         db = self._db
@@ -239,6 +281,7 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+        self._unlock()
 
 
 def _event(r: tuple) -> EventRow:

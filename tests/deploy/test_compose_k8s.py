@@ -228,6 +228,9 @@ def test_prometheus_config_matches_the_stack(compose):
         assert name in services["prometheus"]["depends_on"]
     am = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
     assert am == ["alertmanager:9093"]
+    # meta-monitoring: Prometheus scrapes itself and the Alertmanager it pages through
+    assert [t for sc in jobs["prometheus"]["static_configs"] for t in sc["targets"]] == ["localhost:9090"]
+    assert [t for sc in jobs["alertmanager"]["static_configs"] for t in sc["targets"]] == am
     assert {"collector", "alertmanager"} <= set(services)
 
 
@@ -447,7 +450,7 @@ def test_statefulset_of_shards(manifests):
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     [c] = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = c[probe]["httpGet"]
         assert get["path"] == path
         assert ports.get(get["port"], get["port"]) == 8000
@@ -466,7 +469,8 @@ def test_statefulset_of_shards(manifests):
     assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
     [claim] = spec["volumeClaimTemplates"]  # /data: the shard's own volume, not a volume of the pod spec
     assert mounts["/data"] == claim["metadata"]["name"] and mounts["/data"] not in volumes
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    # one pod per volume, enforced by the cluster (and the collector's own <db>.lock)
+    assert claim["spec"]["accessModes"] == ["ReadWriteOncePod"] and claim["spec"]["resources"]["requests"]["storage"]
     assert c["args"][c["args"].index("--db") + 1].startswith("/data/")
 
     # the tokens: files from a Secret, named by *_TOKEN_FILE; never a value in the environment
@@ -508,6 +512,9 @@ def test_service_and_servicemonitor(manifests):
     exprs = " ".join(r["expr"] for g in rules for r in g["rules"])
     selected = set(re.findall(r'job\s*=~?\s*"([^"]*)"', exprs))
     assert selected == {JOB}, f"the rules select job {selected}"
+    # kube-prometheus-stack loads ServiceMonitors and PrometheusRules by its release label: both carry it
+    rule_labels = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["metadata"]["labels"]
+    assert sm["metadata"]["labels"]["release"] == rule_labels["release"] == generate.RELEASE
 
 
 def test_example_secret_holds_placeholders_only(manifests):

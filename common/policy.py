@@ -106,8 +106,8 @@ def precision_helps(r: StepReport) -> bool:
     incident's replay or drill-down); else the step's first offender, which is the birth when no replay ran
     (attention downstream of an MLP's NaN comes after it, so the MLP is first). Never for a step classified
     ``data_mask`` or ``not_reproducible``, an optimizer or parameter birth, a non-finite query (born
-    upstream), or an eval or generate stage value."""
-    if r.stage != "train":
+    upstream), an eval or generate stage value, or a gradient overflow that dynamic loss scaling handled."""
+    if r.stage != "train" or r.scaler_overflow:
         return False
     inc = r.incident
     if inc is not None:

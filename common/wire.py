@@ -48,9 +48,10 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.5"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.6"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
-#                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind
+#                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
+#                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -312,6 +313,15 @@ class StepReport(_Wire):
         "job skip the step); None when no rank did")
     raised: Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z0-9_.]*$")] | None = Field(
         None, description="the exception type the step raised (the step never finished): the rank crashed")
+    final: bool = Field(False, description="the last report of this rank's incarnation: the Monitor closed "
+                        "normally (Monitor exit, the HF callback's on_train_end). A rank that vanishes without one "
+                        "crashed or hung")
+    loss_scale: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="dynamic loss scaling (a GradScaler): the scale after this step's update; None without one")
+    scaler_overflow: bool | None = Field(
+        None, description="dynamic loss scaling handled this step's non-finite values: only gradients were "
+        "non-finite, the scaler found them, skipped the update and lowered the scale. Normal operation, not an "
+        "incident (a collapsing scale is); None without a scaler")
     dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
     warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
 

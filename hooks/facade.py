@@ -250,10 +250,15 @@ class Monitor:
         drop_grads_if_flagged(g.optimizer, self._rec)
 
     # ---- steps -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, n: int) -> Iterator[Monitor]:
+    def step(self, n: int) -> contextlib.AbstractContextManager[Monitor]:
         """Mark one training step; stats of everything inside are reported under step ``n``."""
         self.begin_step(n)
+        return self._window(self.end_step)
+
+    @contextlib.contextmanager
+    def _window(self, end) -> Iterator[Monitor]:
+        """The body of ``step()`` and ``evaluating()``: an exception is the window's ``raised``; ``end``
+        reports it whatever happened."""
         try:
             yield self
         except BaseException as exc:
@@ -261,7 +266,7 @@ class Monitor:
                 self.mark_raised(type(exc))
             raise
         finally:
-            guarded(self.end_step)
+            guarded(end)
 
     def begin_step(self, n: int) -> None:
         """Open step ``n`` (for callbacks; ``with mon.step(n):`` is the same). A step still open is
@@ -330,20 +335,12 @@ class Monitor:
             self._raised = self._raised or kind
 
     # ---- evaluations -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def evaluating(self, step: int | None = None) -> Iterator[Monitor]:
+    def evaluating(self, step: int | None = None) -> contextlib.AbstractContextManager[Monitor]:
         """An evaluation: everything inside is one ``stage="eval"`` report of its own, keyed by ``step``
         (default: the last training step opened, or 0). Inside an open training step too: the step's own
         record is put aside meanwhile, so the evaluation never reaches its figures or its first offender."""
         self.begin_eval(step)
-        try:
-            yield self
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.mark_raised(type(exc))
-            raise
-        finally:
-            guarded(self.end_eval)
+        return self._window(self.end_eval)
 
     def begin_eval(self, step: int | None = None) -> None:
         """Open an eval window (for callbacks; ``with mon.evaluating():`` is the same). A window still open is

@@ -41,6 +41,7 @@ def _arm(dev, *, reduce: bool, seq: int):
     import torch
 
     import nanwatch
+    from nanwatch.bench.step import lm_step
     from nanwatch.tiny_models import tiny_qwen3
 
     model = torch.nn.parallel.DistributedDataParallel(
@@ -49,14 +50,7 @@ def _arm(dev, *, reduce: bool, seq: int):
     mon = nanwatch.attach(model, run_id=f"bench-guard-{'on' if reduce else 'off'}", optimizer=opt,
                           guard_reduce=reduce)
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0)).to(dev)
-
-    def step(n: int) -> None:
-        with mon.step(n):
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-    return mon, step
+    return mon, lm_step(mon, model, opt, ids)
 
 
 def _worker(rank: int, world: int, port: int, device: str, rounds: int, warmup: int, seq: int,

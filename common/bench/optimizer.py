@@ -44,6 +44,7 @@ def _arm(name: str, dev, *, seq: int, layers: int):
     import torch
 
     import nanwatch
+    from nanwatch.bench.step import lm_step
     from nanwatch.tiny_models import tiny_qwen3
 
     model = tiny_qwen3("sdpa", vocab_size=128, use_cache=False, num_hidden_layers=layers).to(dev)
@@ -51,14 +52,7 @@ def _arm(name: str, dev, *, seq: int, layers: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # no fused=: the host-read path
     mon = nanwatch.attach(model, run_id=f"bench-optimizer-{name}", optimizer=opt, replay=False, **ARMS[name])
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0)).to(dev)
-
-    def step(n: int) -> None:
-        with mon.step(n):
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-    return mon, step
+    return mon, lm_step(mon, model, opt, ids)
 
 
 def run(*, device: str = "cpu", rounds: int = 30, warmup: int = 3, block: int = 4, seq: int = 64,

@@ -128,6 +128,18 @@ class _Variant:
     round_medians_ms: list[float] = field(default_factory=list)  # one per round, paired with bare's
 
 
+def lm_step(mon, model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Callable[[int], None]:
+    """``step(n)``: one monitored training step of a causal LM on ``ids`` (the benches' unit of work)."""
+
+    def step(n: int) -> None:
+        with mon.step(n):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return step
+
+
 def _build(cfg: BenchConfig):
     from nanwatch.tiny_models import tiny_qwen3
 

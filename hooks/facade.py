@@ -386,8 +386,7 @@ class Monitor:
 
     def _note_unfound(self) -> None:
         """No optimizer found yet: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
-        if self._rec.state.coverage.train_forwards or self._rec.state.coverage.compiled_forwards:
-            self._steps_unfound += 1
+        self._steps_unfound += self._rec.trained
         if self._steps_unfound == UNFOUND_AFTER_STEPS:
             self._warn_once(f"no torch.optim optimizer stepped this model's parameters in {UNFOUND_AFTER_STEPS} "
                             "training steps: the weights are not guarded and the optimizer update is not "

@@ -304,6 +304,12 @@ class Recorder:
             return x
         return x.to(self.buf.device, non_blocking=self.buf.device.type == "cuda")
 
+    @property
+    def trained(self) -> bool:
+        """The open step ran a training forward (eager or compiled)."""
+        c = self.state.coverage
+        return bool(c.train_forwards or c.compiled_forwards)
+
     # ---- evaluation windows ------------------------------------------------------------------------
     @property
     def evaluating(self) -> bool:

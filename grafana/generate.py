@@ -43,6 +43,8 @@ DATASOURCE_UID = "nanwatch-prometheus"
 RUN_HEALTH_UID = "nanwatch-run-health"
 FLEET_UID = "nanwatch-fleet"
 TAGS = ["nanwatch"]
+#: the runbook's URL: deploy/prometheus/generate.py's DEFAULT_RUNBOOK_BASE (tests/deploy checks they agree)
+RUNBOOK_BASE = "https://github.com/nanwatch/nanwatch/blob/main/deploy/runbook.md"
 
 #: every panel, target and annotation queries the data source the ``datasource`` variable picks
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -173,9 +175,18 @@ def base_dashboard(uid: str, title: str, description: str) -> db.Dashboard:
                   .current(dm.VariableOption(text="Prometheus", value=DATASOURCE_UID)))
     others = (db.DashboardLink("nanwatch").type(dm.DashboardLinkType.DASHBOARDS).tags(TAGS).as_dropdown(True)
               .include_vars(True).keep_time(True))
+    runbook = (db.DashboardLink("Runbook").type(dm.DashboardLinkType.LINK).url(RUNBOOK_BASE)
+               .target_blank(True).icon("doc"))
     return (db.Dashboard(title).uid(uid).description(description).tags(TAGS).time("now-1h", "now")
             .refresh("30s").timezone("browser").tooltip(dm.DashboardCursorSync.CROSSHAIR).editable()
-            .with_variable(datasource).link(others))
+            .with_variable(datasource).link(others).link(runbook))
+
+
+def alerts_annotation(selector: str) -> PromAnnotation:
+    """Prometheus's firing alerts (the ALERTS series) as annotations: one region per alert while it fires."""
+    return (PromAnnotation().name("Alerts").datasource(DS).enable(True).icon_color("orange")
+            .expr(f'ALERTS{{alertstate="firing", {selector}}}').title_format("{{alertname}} ({{severity}})")
+            .text_format("{{alertname}} {{severity}}").tag_keys("alertname,severity"))
 
 
 def builtin_annotation() -> db.AnnotationQuery:
@@ -218,6 +229,7 @@ def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
     changes = (f"max by (mode, version) (\n  ({directive} unless {directive} offset $__rate_interval)\n"
                f"  or 0 * {directive}\n)")
     return (d.annotation(builtin_annotation())
+            .annotation(alerts_annotation(RUN))
             .annotation(PromAnnotation().name("nanwatch events").datasource(DS).enable(True).icon_color(RED)
                         .expr(events).title_format("{{kind}}").text_format("nanwatch event: {{kind}}")
                         .tag_keys("kind"))
@@ -243,7 +255,7 @@ def overview_panels() -> list[Any]:
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Non-finite values", "Calls that held a NaN or Inf so far, on every rank (forward and "
                    "backward): the run-level count, the same whether ranks report one by one or as a job.",
-                   query(f"sum(nanwatch_run_nonfinite_values_total{{{RUN}}})"),
+                   query(f"sum(max by (stage, pass, kind) (nanwatch_run_nonfinite_values_total{{{RUN}}}))"),
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Active directive", "The run's active directive (mode and version).",
                    query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"),
@@ -253,11 +265,25 @@ def overview_panels() -> list[Any]:
 
 
 def nonfinite_panels() -> list[Any]:
-    by_site = (f"sum by (site, pass) (increase(nanwatch_site_nonfinite_values_total{{{RUN}}}"
+    # max by: one value per series however many jobs scrape the collector; counters are born at zero, so
+    # increase() shows the first NaN (a duplicate that missed the zero is covered by the other's max)
+    by_site = (f"max by (site, pass) (increase(nanwatch_site_nonfinite_values_total{{{RUN}}}"
                "[$__rate_interval]))")
-    by_rank = (f"sum by (rank, pass, kind) (increase(nanwatch_nonfinite_values_total{{{RUN_RANK}}}"
+    by_rank = (f"max by (rank, pass, kind) (increase(nanwatch_nonfinite_values_total{{{RUN_RANK}}}"
                "[$__rate_interval]))")
+    by_stage = (f"sum by (stage) (max by (stage, pass, kind) (increase(nanwatch_run_nonfinite_values_total"
+                f"{{{RUN}}}[$__rate_interval])))")
+    latest = (
+        _common(table.Panel(), "Latest offender by stage",
+                "Where the run's most recent non-finite step in each stage began (what the pages name).", 12, 6)
+        .with_target(query(f"max by (stage, site, pass, rank) (nanwatch_latest_offender_info{{{RUN}}})",
+                           instant=True, as_table=True))
+        .with_transformation(organize(exclude=["Time", "Value"], order=["stage", "site", "pass", "rank"],
+                                      rename={"stage": "Stage", "site": "Site", "pass": "Pass", "rank": "Rank"})))
     return [
+        ts_panel("Non-finite values by stage", "Calls that held a NaN or Inf, per interval, by stage: train pages, "
+                 "eval and generate are tickets.", query(by_stage, "{{stage}}")),
+        latest,
         ts_panel("Non-finite values by site and pass",
                  "Calls that held a NaN or Inf, per interval, by module site and pass, summed over ranks.",
                  query(by_site, "{{site}} ({{pass}})")),
@@ -281,7 +307,7 @@ def attention_panels() -> list[Any]:
     logits = (ts_panel("Attention-logit bound per layer vs tau", "Upper bound on the max scaled QK logit, max "
                        "over ranks and heads; the dashed red line is the collector's tau (NANWATCH_LOGIT_TAU).",
                        query(f"nanwatch_attention_logit_max{{{RUN}}}", "{{layer}}"),
-                       query("max(nanwatch_collector_logit_tau)", "tau", ref="B"), w=8)
+                       query(f"run_id:nanwatch_collector_logit_tau:max{{{RUN}}}", "tau", ref="B"), w=8)
               .override_by_name("tau", tau_line))
     headroom = (ts_panel("Headroom by site kind", "amax / finfo.max per site kind, max over sites and ranks "
                          "(log scale). 1 is the overflow edge; +Inf once an Inf was seen. The alert fires above "
@@ -400,14 +426,15 @@ class Column(NamedTuple):
 
 FLEET_COLUMNS = (
     Column("A", "Live ranks", LIVE, ((None, RED), (1, GREEN))),
-    Column("B", "Non-finite (5m)", f"sum by (run_id) (run_id:nanwatch_nonfinite_values:increase5m)\nor 0 * {LIVE}",
+    Column("B", "Non-finite (5m)",
+           f"sum by (run_id) (run_id_stage:nanwatch_nonfinite_values:increase5m)\nor 0 * {LIVE}",
            ((None, GREEN), (0.001, RED))),
     Column("C", "Math-backend half calls (5m)",
            f"sum by (run_id) (run_id_dtype:nanwatch_sdpa_math_half_calls:increase5m)\nor 0 * {LIVE}",
            ((None, GREEN), (0.001, RED))),
     Column("D", "Max logit", "max by (run_id) (run_id:nanwatch_attention_logit_max:max)"),
     Column("E", "Max logit / tau", "max by (run_id) (run_id:nanwatch_attention_logit_max:max)\n"
-           "/ on () group_left () max(nanwatch_collector_logit_tau)",
+           "/ on (run_id) run_id:nanwatch_collector_logit_tau:max",
            ((None, GREEN), (0.8, ORANGE), (1, RED)), unit="percentunit"),
     Column("F", "Directive", "max by (run_id, mode) (nanwatch_directive_info)", label="mode"),
     Column("G", "Worst report age", "max by (run_id) (run_id_rank:nanwatch_report_age:seconds)",
@@ -464,7 +491,8 @@ def fleet() -> db.Dashboard:
                          query("sum(rate(nanwatch_collector_reports_duplicate_total[$__rate_interval]))",
                                "duplicate", ref="B"), unit="reqps", w=24)
     return (base_dashboard(FLEET_UID, "nanwatch fleet", "Every run the collector sees, its health at a glance.")
-            .annotation(builtin_annotation()).with_panel(fleet_table())
+            .annotation(builtin_annotation()).annotation(alerts_annotation('alertname=~"Nanwatch.*"'))
+            .with_panel(fleet_table())
             .with_row(db.Row("Collector")).with_panel(collector))
 
 

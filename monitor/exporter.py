@@ -131,7 +131,7 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
             max(run.worlds, default=1), job, dict(run.counters) if live else {},
             run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
             now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
-            tuple((k, s.received) for k, s in run.silent.items()), run.ended,
+            tuple(state.hung(run, now)), run.ended,
             tuple(run.latest_offenders.items()), run.math_fallback, min(scales, default=None)))
     req = state.requests
     rejected, caps = dict(req.rejected), dict(state.caps_hit)

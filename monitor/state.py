@@ -390,6 +390,18 @@ class CollectorState:
                       and st.crashed is not None)
         return len(run.ranks) - expired - crashed, shown + late
 
+    def hung(self, run: RunState, now: float) -> list[tuple[int, float]]:
+        """(rank, last report wall time) of the run's ranks silent past their TTL without a final report or a
+        crash: the swept ones (``silent``) and those the sweeper has not reached yet (the silent front)."""
+        out = [(k, s.received) for k, s in run.silent.items()]
+        horizon = now - self.ttl(run)
+        for st in run.ranks.values():
+            if st.seen >= horizon:
+                break
+            if st.crashed is None and st.rank not in run.crashed:
+                out.append((st.rank, st.received))
+        return out
+
     def next_late(self, run: RunState, now: float, late_s: float) -> float:
         """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
         late_s = self.late_after(run, late_s)

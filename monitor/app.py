@@ -43,7 +43,7 @@ def _resources(settings: Settings) -> Resources:
     loaded = store.load()
     state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
-                           max_events=settings.max_events_per_run)
+                           max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s)
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives)
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,

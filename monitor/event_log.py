@@ -78,6 +78,8 @@ class EventLog:
         """``ev`` was admitted; ``stored``: whether the store inserted it (else it already held the key)."""
         run = self._state.ensure_run(ev.run_id)
         if stored:
+            if not run.event_counts[ev.kind]:  # a kind new to the run: its events_total series is born at 0
+                run.newborn.add(("events", (ev.kind,)))
             run.event_counts[ev.kind] += 1
             if ev.kind == "first_nonfinite":
                 run.first_offender_event = ev

@@ -37,6 +37,10 @@ from nanwatch.wire import Directive
 
 __all__ = ["MetricsRenderer", "Snapshot", "render", "snapshot"]
 
+#: counter families kept per run (``RunState.counters``) and exported as they are, labels after run_id
+_RUN_COUNTERS = {"site": "nanwatch_site_nonfinite_values_total", "sdpa": "nanwatch_sdpa_calls_total",
+                 "unmeasured": "nanwatch_unmeasured_steps_total", "incident": "nanwatch_incidents_total",
+                 "loss_scale_overflow": "nanwatch_loss_scale_overflows_total"}
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 #: RLHF figures and how they combine over ranks (each rank's latest step)
 _RLHF = {"ratio_max": max, "kl_k1_max": max, "kl_k3_max": max, "logprob_min": min,
@@ -71,6 +75,16 @@ class RunSnapshot:
     """Monotonic time: a heartbeat-only rank last seen before it is late (its last report time is shown)."""
     crashed: tuple[int, ...] = ()
     """Ranks whose step raised (``RunState.crashed``), live or not: the run ends crashed."""
+    born: frozenset[tuple[str, tuple]] = frozenset()
+    """Counter keys born since the last render: shown at 0 this once (born at zero)."""
+    fresh_ranks: frozenset[int] = frozenset()
+    """Ranks whose per-rank series this render shows for the first time: their dropped reports at 0."""
+    silent: tuple[tuple[int, float], ...] = ()
+    """(rank, last report wall time) of ranks gone silent without ending: hung, still alerting."""
+    ended: bool = False
+    latest_offenders: tuple[tuple[str, tuple[str, str, str]], ...] = ()
+    math_fallback: tuple[str, str, str] | None = None
+    loss_scale: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,19 +104,46 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
     """What a scrape shows, copied on the event loop (cheap: no metric objects are built here, and a job's
     ranks known only by heartbeats are counted, not copied)."""
     now = time.monotonic()
-    runs, until = [], math.inf
+    runs, until, consumed = [], math.inf, False
     for run_id, run in state.runs.items():
         live = state.is_live(run, now)
         count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
+        job = state.live_job(run, now) if live else None
+        # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
+        born = frozenset(k for k in run.newborn if k[0] == "events")
+        run.newborn.difference_update(born)
+        fresh = frozenset()
         if live:
             until = min(until, state.next_late(run, now, late_s))
+            # born at zero: what this render shows for the first time is shown at 0, and the next at its value
+            born, run.newborn = born | run.newborn, set()
+            fresh = frozenset(st.rank for st in shown if st.rank not in run.exposed_ranks)
+            run.exposed_ranks.update(fresh)
+            run.exposed = True
+            if run.series_dropped and ("series_dropped", run_id) not in state.exposed:
+                state.exposed.add(("series_dropped", run_id))
+                born |= {("series_dropped", ())}
+        consumed = consumed or bool(born) or bool(fresh)
+        scales = [st.loss_scale for st in (*shown, *([job] if job is not None else []))
+                  if st.loss_scale is not None]
         runs.append(RunSnapshot(
             run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
-            max(run.worlds, default=1), state.live_job(run, now) if live else None, dict(run.counters) if live else {},
+            max(run.worlds, default=1), job, dict(run.counters) if live else {},
             run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
-            now - state.late_after(run, late_s), tuple(sorted(run.crashed))))
+            now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
+            tuple(state.hung(run, now)), run.ended,
+            tuple(run.latest_offenders.items()), run.math_fallback, min(scales, default=None)))
     req = state.requests
-    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, dict(req.rejected), dict(state.caps_hit), until)
+    rejected, caps = dict(req.rejected), dict(state.caps_hit)
+    for kind, counts in (("rejected", rejected), ("caps", caps)):  # born at zero too
+        for label in counts:
+            if (kind, label) not in state.exposed:
+                state.exposed.add((kind, label))
+                counts[label] = 0
+                consumed = True
+    if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
+        state.wrote()
+    return Snapshot(runs, logit_tau, req.accepted, req.duplicates, rejected, caps, until)
 
 
 class _SnapshotMetrics(Collector):
@@ -122,14 +163,30 @@ class _SnapshotMetrics(Collector):
         f = {name: family(name) for name in METRICS}
         for run in snap.runs:
             run_id = run.run_id
+            born = run.born
             if run.series_dropped:
-                f["nanwatch_collector_series_dropped_total"].add_metric([run_id], run.series_dropped)
+                f["nanwatch_collector_series_dropped_total"].add_metric(
+                    [run_id], 0 if ("series_dropped", ()) in born else run.series_dropped)
             for kind, n in run.event_counts.items():
-                f["nanwatch_events_total"].add_metric([run_id, kind], n)
+                f["nanwatch_events_total"].add_metric([run_id, kind], 0 if ("events", (kind,)) in born else n)
             for rank in run.crashed:
                 f["nanwatch_rank_crashed"].add_metric([run_id, str(rank)], 1)
+            for rank, received in run.silent:  # hung: the stale-rank alert keeps firing while it is
+                f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, str(rank)], received)
+            if run.ended:
+                f["nanwatch_run_ended"].add_metric([run_id], 1)
             if run.live is None:
                 continue
+
+            def value(key: tuple[str, tuple], counters=run.counters, born=born) -> float:
+                return 0.0 if key in born else counters.get(key, 0.0)
+
+            for stage, (site, pass_, rank) in run.latest_offenders:
+                f["nanwatch_latest_offender_info"].add_metric([run_id, stage, site, pass_, rank], 1)
+            if run.math_fallback is not None:
+                f["nanwatch_math_fallback_info"].add_metric([run_id, *run.math_fallback], 1)
+            if run.loss_scale is not None:
+                f["nanwatch_loss_scale"].add_metric([run_id], run.loss_scale)
             fo = run.first_offender_event
             if fo is not None:
                 where = first_nonfinite(fo)
@@ -137,29 +194,32 @@ class _SnapshotMetrics(Collector):
                     [run_id, fo.site or "", str(where.get("phase") or ""), str(where.get("stage") or "train"),
                      "" if fo.rank is None else str(fo.rank)], 1)
             live = run.live
-            f["nanwatch_live_ranks"].add_metric([run_id], run.live_count)
+            if not run.ended:  # an ended run holds no ranks: no missing-ranks figures
+                f["nanwatch_live_ranks"].add_metric([run_id], run.live_count)
             d = run.directive
             f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
             counters = run.counters
             job = run.job
-            job_skipped = counters.get(("job_skipped", ()), 0.0)
+            job_skipped = value(("job_skipped", ()))
             poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
             measured = [st for st in live if st.scope == "rank"] + ([job] if job is not None else [])
-            f["nanwatch_run_world_size"].add_metric([run_id], max(run.world_size, job.world_size if job else 1))
-            for pass_, kind in _PASSES:
+            if not run.ended:
+                f["nanwatch_run_world_size"].add_metric([run_id], max(run.world_size, job.world_size if job else 1))
+            for pass_, kind in _PASSES:  # the train stage's, always (at 0 before any); other stages once seen
                 f["nanwatch_run_nonfinite_values_total"].add_metric(
-                    [run_id, pass_, kind], counters.get(("run_nonfinite", (pass_, kind)), 0.0))
+                    [run_id, pass_, kind, "train"], value(("run_nonfinite", (pass_, kind, "train"))))
             for st in live:
                 rank = str(st.rank)
                 if st.scope != "beat" or st.rank == poster:
                     for pass_, kind in _PASSES:
                         f["nanwatch_nonfinite_values_total"].add_metric(
-                            [run_id, rank, pass_, kind], counters.get(("nonfinite", (rank, pass_, kind)), 0.0))
+                            [run_id, rank, pass_, kind], value(("nonfinite", (rank, pass_, kind))))
                     f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
                     f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
-                    f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
+                    f["nanwatch_reports_dropped_total"].add_metric(
+                        [run_id, rank], 0 if st.rank in run.fresh_ranks else st.dropped_reports)
                     f["nanwatch_skipped_steps_total"].add_metric(
-                        [run_id, rank], counters.get(("skipped", (rank,)), 0.0) + job_skipped)
+                        [run_id, rank], value(("skipped", (rank,))) + job_skipped)
                     continue
                 # known through heartbeats alone: only what must be seen by rank
                 if st.seen < run.late_before:
@@ -167,7 +227,8 @@ class _SnapshotMetrics(Collector):
                 if st.attention_mode != job_mode:
                     f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
                 if st.dropped_reports:
-                    f["nanwatch_reports_dropped_total"].add_metric([run_id, rank], st.dropped_reports)
+                    f["nanwatch_reports_dropped_total"].add_metric(
+                        [run_id, rank], 0 if st.rank in run.fresh_ranks else st.dropped_reports)
             layers: dict[str, list[float]] = {}
             kinds: dict[str, list[float]] = {}
             for st in measured:
@@ -183,15 +244,13 @@ class _SnapshotMetrics(Collector):
                 values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
                 if values:
                     f["nanwatch_rlhf_stat"].add_metric([run_id, stat], combine(values))
-            for (fam, labels), value in counters.items():
-                if fam == "site":
-                    f["nanwatch_site_nonfinite_values_total"].add_metric([run_id, *labels], value)
-                elif fam == "sdpa":
-                    f["nanwatch_sdpa_calls_total"].add_metric([run_id, *labels], value)
-                elif fam == "unmeasured":
-                    f["nanwatch_unmeasured_steps_total"].add_metric([run_id, *labels], value)
-                elif fam == "incident":
-                    f["nanwatch_incidents_total"].add_metric([run_id, *labels], value)
+            for key in counters:
+                fam, labels = key
+                name = _RUN_COUNTERS.get(fam)
+                if name is not None:
+                    f[name].add_metric([run_id, *labels], value(key))
+                elif fam == "run_nonfinite" and labels[2] != "train":
+                    f["nanwatch_run_nonfinite_values_total"].add_metric([run_id, *labels], value(key))
         f["nanwatch_collector_logit_tau"].add_metric([], snap.tau)
         f["nanwatch_collector_reports_accepted_total"].add_metric([], snap.accepted)
         f["nanwatch_collector_reports_duplicate_total"].add_metric([], snap.duplicates)

@@ -32,9 +32,16 @@ import time
 from typing import NamedTuple
 
 from nanwatch.monitor.rules import RuleEngine, RuleWrites
-from nanwatch.monitor.state import RANK_SERIES, RUN_LEVEL_SCOPES, CollectorState, RankState, RunState
-from nanwatch.monitor.store import Store
-from nanwatch.wire import ReportBatch, StepReport, dtype_name
+from nanwatch.monitor.state import (
+    ENDED_FAMILY,
+    RANK_SERIES,
+    RUN_LEVEL_SCOPES,
+    CollectorState,
+    RankState,
+    RunState,
+)
+from nanwatch.monitor.store import EventRow, Store
+from nanwatch.wire import ReportBatch, StepReport, dtype_name, is_half
 
 __all__ = ["Ingested", "apply_report", "fold", "is_new"]
 
@@ -57,7 +64,12 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
         if not is_new(state, r):
             dupes += 1
             continue
+        run = state.ensure_run(r.run_id)
+        was_ended = run.ended
         rank, previous_mode, changed = apply_report(state, r, received=now, seen=mono)
+        if run.ended and not was_ended:  # the last rank the run held ended normally: once per ending
+            into.record_event(EventRow(r.run_id, now, "run_ended", f"run_ended:{r.rank}:{r.incarnation}:{r.seq}",
+                                       r.rank, r.step, None, "", {"ranks": len(run.ended_ranks)}))
         for fam, labels, value in changed:
             counter_rows[(r.run_id, fam, labels)] = value
         if r.scope != "heartbeat":  # a heartbeat counts nothing: its replay is harmless, so no mark is kept
@@ -94,8 +106,40 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
                  seen: float) -> tuple[RankState | None, str | None, Changed]:
     """Fold one new report into the state. Returns the state the rules read (the rank's, or the job view;
     None if the rank is capped), the rank's previous attention mode (None if unknown) and the counter
-    rows that changed (for the store)."""
+    rows that changed (for the store).
+
+    Lifecycle (wire 1.6 ``final``): a final report ends its rank (its view and per-rank series go at once);
+    a report from an incarnation that already ended is counted but holds nothing; once every rank the run
+    held has ended (none held, hung or crashed) the run has ended, until a new incarnation reports."""
     run = state.ensure_run(r.run_id)
+    ended_inc = run.ended_ranks.get(r.rank)
+    straggler = ended_inc is not None and ended_inc == r.incarnation
+    rank, previous_mode, changed = _apply(state, run, r, received=received, seen=seen)
+    if r.final or straggler:
+        run.end_rank(r.rank, r.incarnation if r.final else ended_inc)
+    elif ended_inc is not None:  # the rank restarted: a new incarnation, no longer ended
+        del run.ended_ranks[r.rank]
+    if run.ended and not r.final and not straggler:  # a new incarnation (or rank) revives the run
+        run.ended = False
+        changed.append((ENDED_FAMILY, (), 0.0))
+    if not run.ended and run.all_ended():
+        run.ended = True
+        changed.append((ENDED_FAMILY, (), 1.0))
+    return rank, previous_mode, changed
+
+
+def _exposed(run: RunState, fam: str, labels: tuple) -> bool:
+    """Whether a counter series not yet kept was already rendered at 0 by default (so it needs no birth
+    render): the run's train-stage non-finite counters, and the per-rank ones of ranks already rendered."""
+    if fam in ("nonfinite", "skipped"):
+        return int(labels[0]) in run.exposed_ranks
+    if fam == "run_nonfinite":
+        return labels[2] == "train" and run.exposed
+    return fam == "job_skipped" and bool(run.exposed_ranks)
+
+
+def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: float,
+           seen: float) -> tuple[RankState | None, str | None, Changed]:
     run.last_seen = run.touched = seen
     if r.scope == "heartbeat":
         return (*_keep_live(run, r, received=received, seen=seen, beat=True), [])
@@ -112,7 +156,10 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     counters, cap = run.counters, state.series_cap
 
     def bump(fam: str, labels: tuple, n: float) -> None:
-        value = counters.get((fam, labels), 0.0) + n
+        old = counters.get((fam, labels))
+        if old is None and not _exposed(run, fam, labels):
+            run.newborn.add((fam, labels))  # born at zero: the next render shows 0, then the value
+        value = (old or 0.0) + n
         counters[(fam, labels)] = value
         changed.append((fam, labels, value))
 
@@ -121,20 +168,34 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     rank_label = str(r.rank)
     headroom: dict[str, float] = {}
     nonfinite = 0
+    # dynamic loss scaling handled this step's non-finite gradients: normal operation, counted apart
+    overflow = bool(r.scaler_overflow)
+    offenders: dict[str, tuple[str, str]] = {}  # by stage: the report's first non-finite site
     for s in r.sites:
         kind = "grad" if s.phase == "backward" else s.kind
         h, cur = s.headroom, headroom.get(kind)
         if cur is None or h > cur or h != h:  # a NaN wins and stays: it must show
             headroom[kind] = h
-        if s.nan or s.inf:
+        if (s.nan or s.inf) and not overflow:
             nonfinite += s.nan + s.inf
+            stage = "eval" if r.stage == "eval" else s.stage
+            offenders.setdefault(stage, (s.site, s.phase))
             if run_level and run.admit(("site", s.site, s.phase), 1, cap):
                 bump("site", (s.site, s.phase), s.nan + s.inf)
             for kind_, n in (("nan", s.nan), ("inf", s.inf)):
-                if n and run_level and run.admit(("run_nonfinite", s.phase, kind_), 1, cap):
-                    bump("run_nonfinite", (s.phase, kind_), n)
+                if n and run_level and run.admit(("run_nonfinite", s.phase, kind_, stage), 1, cap):
+                    bump("run_nonfinite", (s.phase, kind_, stage), n)
                 if n and rank_ok:
                     bump("nonfinite", (rank_label, s.phase, kind_), n)
+    if run_level and not overflow and (offenders or r.first_offender):
+        _note_latest_offender(run, r, offenders)
+    if overflow and r.scope != "heartbeat" and training and run.admit(("loss_scale_overflow",), 1, cap) \
+            and run.count_overflow(r.step):
+        bump("loss_scale_overflow", (), 1)
+    if r.scope != "heartbeat" and training:
+        for c in r.sdpa:  # the latest half-precision training call on the math backend, and who ran it
+            if c.backend == "math" and c.stage == "train" and is_half(c.dtype):
+                run.math_fallback = (c.site, dtype_name(c.dtype), str(r.rank))
     if run_level:
         for c in r.sdpa:
             labels = (c.backend, dtype_name(c.dtype), c.stage)
@@ -162,7 +223,7 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
                 agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
                 dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
                 first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf,
-                crashed=r.raised)
+                crashed=r.raised, loss_scale=r.loss_scale)
     if r.scope == "job":
         view["crashed"] = None
         run.job = RankState(rank=r.rank, incarnation=r.incarnation, scope="job", **view)
@@ -176,6 +237,19 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
                    **view)
     run.hold(st, shown=True)
     return st, previous_mode, changed
+
+
+def _note_latest_offender(run: RunState, r: StepReport, offenders: dict[str, tuple[str, str]]) -> None:
+    """This incident's offender, by stage: the report's named first offender (a job report names its rank),
+    else the stage's first non-finite site."""
+    if r.first_offender is not None:
+        stage = "eval" if r.stage == "eval" else r.first_offender_stage or next(
+            (st for st, (site, _) in offenders.items() if site == r.first_offender), "train")
+        phase = r.first_offender_phase or offenders.get(stage, ("", ""))[1]
+        offenders[stage] = (r.first_offender, phase)
+    who = str(r.first_offender_rank if r.first_offender_rank is not None else r.rank)
+    for stage, (site, phase) in offenders.items():
+        run.latest_offenders[stage] = (site, phase or "", who)
 
 
 def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
@@ -196,7 +270,8 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
                    rlhf=held.rlhf, beat_seq=r.seq if beat else held.beat_seq,
-                   crashed=r.raised if r.scope != "job" else held.crashed)
+                   crashed=r.raised if r.scope != "job" else held.crashed,
+                   loss_scale=r.loss_scale if r.loss_scale is not None else held.loss_scale)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
     job = run.job
     shown = (held.scope != "beat" or not beat or r.dropped_reports > 0

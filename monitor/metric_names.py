@@ -40,7 +40,9 @@ _SPECS = (
     MetricSpec("nanwatch_directive_info", "gauge", ("run_id", "mode", "version"),
                "The run's active directive (always 1)."),
     MetricSpec("nanwatch_last_report_timestamp_seconds", "gauge", ("run_id", "rank"),
-               "Unix time the collector last received a report from the rank."),
+               "Unix time the collector last received a report from the rank. Kept after the rank's TTL while "
+               "it is silent without a final report or a crash (hung: for NANWATCH_SILENT_KEEP_S); dropped at "
+               "once when it ends normally."),
     MetricSpec("nanwatch_reports_dropped_total", "counter", ("run_id", "rank"),
                "Reports the trainer could not deliver (cumulative per trainer incarnation)."),
     # added since, by the collector
@@ -65,10 +67,13 @@ _SPECS = (
     MetricSpec("nanwatch_live_ranks", "gauge", ("run_id",),
                "Ranks that reported (any report, heartbeats included) within the TTL."),
     # added for job-level reporting (wire 1.4): the run-level figures alerts and dashboards are written on
-    MetricSpec("nanwatch_run_nonfinite_values_total", "counter", ("run_id", "pass", "kind"),
+    MetricSpec("nanwatch_run_nonfinite_values_total", "counter", ("run_id", "pass", "kind", "stage"),
                "Measured calls, at all sites and on all ranks, whose tensor held a NaN (kind=nan) or an Inf and "
-               "no NaN (kind=inf): the sum over ranks of nanwatch_nonfinite_values_total, counted from job "
-               "reports in job mode (so it holds even where a rank's detail report is missing)."),
+               "no NaN (kind=inf), by the sites' stage (train, eval: an evaluation's report, generate: inside "
+               "generate(), e.g. RLHF rollouts): summed over stages, the sum over ranks of "
+               "nanwatch_nonfinite_values_total, counted from job reports in job mode (so it holds even where a "
+               "rank's detail report is missing). Steps whose non-finite gradients a loss scaler handled are "
+               "not counted (nanwatch_loss_scale_overflows_total)."),
     MetricSpec("nanwatch_run_world_size", "gauge", ("run_id",),
                "The run's world size (max over its live ranks' and job reports); compare with "
                "nanwatch_live_ranks: a rank that never reported, or stopped, is missing."),
@@ -77,6 +82,24 @@ _SPECS = (
                "1 for each rank whose step raised (the rank crashed; the exception type is in the run's "
                "rank_crashed event). Kept while the collector holds the run, until the rank reports again "
                "from a restarted process."),
+    # added for pages an on-call engineer can trust (wire 1.6 final, loss scaling; issue #18)
+    MetricSpec("nanwatch_latest_offender_info", "gauge", ("run_id", "stage", "site", "pass", "rank"),
+               "Where this incident began (always 1; one series per run and stage): the first offender of the "
+               "run's most recent non-finite report in that stage, with the rank that held it (loss-scale "
+               "overflows excepted). nanwatch_first_offender_info keeps the run's first."),
+    MetricSpec("nanwatch_math_fallback_info", "gauge", ("run_id", "site", "dtype", "rank"),
+               "The run's latest training attention call that ran on the SDPA math backend in half precision "
+               "(always 1; one series per run): its site, dtype and the rank that reported it."),
+    MetricSpec("nanwatch_loss_scale_overflows_total", "counter", ("run_id",),
+               "Training steps whose non-finite gradients dynamic loss scaling (a GradScaler) handled: it "
+               "skipped the update and lowered the scale. Normal operation, counted once per step however many "
+               "ranks report it; these steps add nothing to the non-finite counters."),
+    MetricSpec("nanwatch_loss_scale", "gauge", ("run_id",),
+               "The loss scale after the latest step, min over live ranks (absent without dynamic loss "
+               "scaling): a collapsing scale is the incident, not an overflow."),
+    MetricSpec("nanwatch_run_ended", "gauge", ("run_id",),
+               "1 once every rank of the run sent its final report (the run ended normally); kept until the "
+               "run's retention, gone when a new incarnation reports."),
     MetricSpec("nanwatch_collector_reports_accepted_total", "counter", (),
                "Step reports applied to the state."),
     MetricSpec("nanwatch_collector_reports_duplicate_total", "counter", (),

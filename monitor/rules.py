@@ -2,7 +2,8 @@
 events and directives.
 
 Always recorded, whatever the rules: the run's first non-finite value, each attention-mode change
-that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``). Events are deduplicated per run by a key, so a
+that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``); a run's first loss-scale overflow
+(``loss_scale_overflow``, once per run: the scaler at work, not an incident). Events are deduplicated per run by a key, so a
 condition that persists for hours is one event, not one per step and rank. The engine decides; it writes
 only through the ledger (:class:`RuleWrites`), inside the ledger's ingest transaction.
 """
@@ -49,10 +50,15 @@ class RuleEngine:
                   site: str | None = None) -> None:
             into.record_event(EventRow(run_id, now, kind, key, who, r.step, site, "", detail))
 
-        n = rank.nonfinite if rank is not None else r.nonfinite_total
+        # dynamic loss scaling handled this step's non-finite gradients (wire 1.6): normal operation, no
+        # incident: no first offender, no rule, no directive; one event per run says the scaler is at work
+        overflow = bool(r.scaler_overflow)
+        if overflow and r.scope != "heartbeat":
+            event("loss_scale_overflow", "loss_scale_overflow", {"loss_scale": r.loss_scale, "stage": r.stage})
+        n = 0 if overflow else rank.nonfinite if rank is not None else r.nonfinite_total
         # the first offender is the run's: a detail report's is one rank's, and the job report of its step
         # (reduced in execution order across ranks) names the first
-        if (r.scope in RUN_LEVEL_SCOPES and (n or r.first_offender)
+        if (r.scope in RUN_LEVEL_SCOPES and not overflow and (n or r.first_offender)
                 and not into.has_event(run_id, "first_nonfinite")):
             site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
             if site is None:
@@ -87,8 +93,8 @@ class RuleEngine:
                 event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
                       ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
                                  directive_version=r.directive_version))
-        if r.scope == "heartbeat":
-            return  # no measurements: only its mode can change (above); the most frequent report, kept cheap
+        if r.scope == "heartbeat" or overflow:
+            return  # no measurements (or only the scaler's overflow): only its mode can change (above); the most frequent report, kept cheap
         for rule in self._rules:
             for key, site, detail in matches(rule, r, logit_tau=self._tau):
                 event(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)

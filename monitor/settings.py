@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     """More admin tokens by name; the name is written to the audit log of every directive change."""
     rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
     """A rank silent for this long loses its per-rank series (and a run with no live rank, its series)."""
+    silent_keep_s: Annotated[float, Field(gt=0)] = 86_400.0
+    """A rank silent past its TTL without a final report and without crashing (hung, or killed) keeps its
+    last report time exported this long (``nanwatch_last_report_timestamp_seconds``), so the stale-rank
+    alert keeps firing while it is hung; it goes at once if the rank reports again, and with the run."""
     rank_late_s: Annotated[float, Field(gt=0)] = 90.0
     """Job mode: a rank known only through heartbeats has no per-rank series (a 65,536-rank job would
     otherwise export half a million); once it has been silent this long, its last report time is exported

@@ -18,8 +18,8 @@ from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "Crash", "RankState", "RunState",
-           "crash_key"]
+__all__ = ["CRASH_KEY", "ENDED_FAMILY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "Crash", "RankState",
+           "RunState", "Silent", "crash_key"]
 
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 RANK_SERIES = 8
@@ -63,6 +63,8 @@ class RankState:
     crashed: str | None = None
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
+    loss_scale: float | None = None
+    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling."""
 
     @property
     def logit_max(self) -> float | None:
@@ -76,6 +78,20 @@ class Crash(NamedTuple):
     raised: str
     incarnation: str
     step: int
+
+
+#: counter-table family that stores whether a run ended normally (1) or not (0): not a metric
+ENDED_FAMILY = "ended"
+#: steps remembered per run to count a loss-scale overflow once per step, whichever ranks report it
+_OVERFLOW_STEPS = 64
+
+
+class Silent(NamedTuple):
+    """A rank that stopped reporting without a final report and without crashing (hung, or killed): its
+    last report time stays exported after its TTL (``RunState.silent``)."""
+
+    received: float
+    seen: float
 
 
 #: event-key prefix of a rank's crash (``rank_crashed:<rank>:<incarnation>:<raised>``): read back at start-up
@@ -121,6 +137,52 @@ class RunState:
     """Ranks whose step raised, by rank: kept after their views expire (the run ends crashed) until the rank
     reports again from a new incarnation (it was restarted)."""
 
+    newborn: set[tuple[str, tuple]] = field(default_factory=set)
+    """Counter keys born in this process since the last render (never stored before, nor exposed at 0 by
+    default): the next render shows them at 0, the one after at their value, so increase() sees the birth."""
+    exposed: bool = False
+    """The run's default series (the train stage's run non-finite counters, rendered at 0 when absent) have
+    been rendered: a key born there later was already seen at 0. Runs read back at start count as exposed."""
+    exposed_ranks: set[int] = field(default_factory=set)
+    """Ranks whose per-rank counter series have been rendered (at 0 where absent) in this process."""
+    latest_offenders: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """By stage: (site, pass, rank) of the first offender of the run's most recent non-finite report in
+    that stage (loss-scale overflows excepted): this incident's offender, not the run's first."""
+    math_fallback: tuple[str, str, str] | None = None
+    """(site, dtype, rank) of the latest training SDPA call that ran on the math backend in half precision."""
+    overflow_steps: dict[int, None] = field(default_factory=dict)
+    """Recent steps whose loss-scale overflow was counted (insertion order, bounded): one count per step."""
+    ended_ranks: dict[int, str] = field(default_factory=dict)
+    """Ranks that sent a final report, with the incarnation that ended: no longer live nor late."""
+    ended: bool = False
+    """Every rank the run held ended normally (none held, hung or crashed): ``nanwatch_run_ended``."""
+    silent: dict[int, Silent] = field(default_factory=dict)
+    """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
+    for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""
+
+    def count_overflow(self, step: int) -> bool:
+        """Whether a loss-scale overflow at ``step`` is the step's first (ranks of one job report the same
+        step: it counts once)."""
+        if step in self.overflow_steps:
+            return False
+        self.overflow_steps[step] = None
+        if len(self.overflow_steps) > _OVERFLOW_STEPS:
+            del self.overflow_steps[next(iter(self.overflow_steps))]
+        return True
+
+    def end_rank(self, rank: int, incarnation: str) -> None:
+        """The rank's incarnation sent its final report: its view and series go now."""
+        self.ended_ranks[rank] = incarnation
+        if rank in self.ranks:
+            self.drop(rank)
+        self.silent.pop(rank, None)
+        if self.job is not None and self.job.rank == rank:
+            self.job = None
+
+    def all_ended(self) -> bool:
+        """Every rank the run holds ended normally: none held (live or not yet swept), hung or crashed."""
+        return bool(self.ended_ranks) and not self.ranks and not self.silent and not self.crashed
+
     def note_crash(self, rank: int, incarnation: str, raised: str | None, step: int) -> None:
         """What a report says of its rank's lifecycle: ``raised`` marks it crashed; any report of another
         incarnation (a restart) clears a crash."""
@@ -135,6 +197,7 @@ class RunState:
         if prev is not None:
             self._unworld(prev.world_size)
         self.ranks[st.rank] = st
+        self.silent.pop(st.rank, None)
         self.worlds[st.world_size] += 1
         (self.shown.add if shown else self.shown.discard)(st.rank)
 
@@ -164,8 +227,9 @@ class CollectorState:
     """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
 
     def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None, max_runs: int = 10_000,
-                 max_incarnations: int = 65_536, max_events: int = 10_000) -> None:
+                 max_incarnations: int = 65_536, max_events: int = 10_000, silent_keep_s: float = 86_400.0) -> None:
         self.ttl_s = ttl_s
+        self.silent_keep_s = silent_keep_s
         self.series_cap = series_cap
         self.max_runs = max_runs
         self.max_incarnations = max_incarnations
@@ -176,6 +240,9 @@ class CollectorState:
         self.requests = RequestCounters()
         #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
         self.caps_hit: Counter[str] = Counter()
+        #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
+        #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
+        self.exposed: set[tuple[str, str]] = set()
         self._writes = 0
         if loaded is not None:
             self._restore(loaded)
@@ -184,14 +251,16 @@ class CollectorState:
         """Take the store's view after a failed commit, when memory may hold changes the database does not.
         The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
         next reports); every other run keeps its own, which the write did not change."""
-        views = {run_id: (run.ranks, run.shown, run.worlds, run.job, run.last_seen)
-                 for run_id, run in self.runs.items() if run_id not in touched}
+        kept = ("ranks", "shown", "worlds", "job", "last_seen", "newborn", "exposed", "exposed_ranks",
+                "latest_offenders", "math_fallback", "overflow_steps", "ended_ranks", "silent")
+        views = {run_id: [getattr(run, a) for a in kept] for run_id, run in self.runs.items() if run_id not in touched}
         self.runs = {}
         self._restore(loaded)
-        for run_id, (ranks, shown, worlds, job, last_seen) in views.items():
+        for run_id, values in views.items():
             run = self.runs.get(run_id)
             if run is not None:
-                run.ranks, run.shown, run.worlds, run.job, run.last_seen = ranks, shown, worlds, job, last_seen
+                for a, v in zip(kept, values, strict=True):
+                    setattr(run, a, v)
 
     def _restore(self, loaded: Loaded) -> None:
         self.hwm = dict(loaded.hwm)
@@ -202,10 +271,16 @@ class CollectorState:
         for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
             self.ensure_run(run_id).touched = touched
         for run_id, fam, labels, value in loaded.counters:
-            if fam == "sdpa" and len(labels) == 2:  # stored before the stage label existed (wire 1.0)
+            if fam in ("sdpa", "run_nonfinite") and len(labels) == 2:  # stored before their stage label
                 labels = (*labels, "train")
             run = self.ensure_run(run_id)
-            run.counters[(fam, labels)] = value
+            if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector
+                run.ended = value == 1
+                continue
+            key = (fam, labels)  # a pre-label row and its labelled successor: counters only grow
+            run.counters[key] = max(value, run.counters.get(key, value))
+            if fam in _PER_RANK_FAMILIES:  # its series were exposed before the restart: shown at once
+                run.exposed_ranks.add(int(labels[0]))
             per_rank = fam in _PER_RANK_FAMILIES
             run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
                       self.series_cap)
@@ -222,6 +297,8 @@ class CollectorState:
             self.ensure_run(run_id).first_offender_event = ev
         for run_id in loaded.directives:  # every run the store holds is a run in memory
             self.ensure_run(run_id)
+        for run in self.runs.values():  # series read back were exposed before: never born again
+            run.exposed = True
 
     def wrote(self) -> None:
         """Something a scrape shows changed (a committed write, ranks or runs gone)."""
@@ -313,6 +390,18 @@ class CollectorState:
                       and st.crashed is not None)
         return len(run.ranks) - expired - crashed, shown + late
 
+    def hung(self, run: RunState, now: float) -> list[tuple[int, float]]:
+        """(rank, last report wall time) of the run's ranks silent past their TTL without a final report or a
+        crash: the swept ones (``silent``) and those the sweeper has not reached yet (the silent front)."""
+        out = [(k, s.received) for k, s in run.silent.items()]
+        horizon = now - self.ttl(run)
+        for st in run.ranks.values():
+            if st.seen >= horizon:
+                break
+            if st.crashed is None and st.rank not in run.crashed:
+                out.append((st.rank, st.received))
+        return out
+
     def next_late(self, run: RunState, now: float, late_s: float) -> float:
         """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
         late_s = self.late_after(run, late_s)
@@ -331,7 +420,9 @@ class CollectorState:
         return run.last_seen >= now - self.ttl_s
 
     def sweep(self, now: float) -> int:
-        """Forget the latest view of ranks silent past the TTL (totals stay). Returns how many went."""
+        """Forget the latest view of ranks silent past the TTL (totals stay): a rank that neither ended nor
+        crashed stays ``silent`` (its last report time exported) for ``silent_keep_s``. Returns how many
+        views went."""
         gone = 0
         for run in self.runs.values():
             expired = []
@@ -341,8 +432,16 @@ class CollectorState:
                     break
                 expired.append(k)
             for rank in expired:
+                st = run.ranks[rank]
+                if st.crashed is None and rank not in run.crashed:
+                    run.silent[rank] = Silent(st.received, st.seen)
                 run.drop(rank)
             gone += len(expired)
+            if run.silent:
+                hung = [k for k, s in run.silent.items() if s.seen < now - self.silent_keep_s]
+                for rank in hung:
+                    del run.silent[rank]
+                gone += len(hung)
             if run.job is not None and run.job.seen < now - self.ttl_s:
                 run.job = None
                 gone += 1
@@ -362,4 +461,5 @@ class CollectorState:
         for run_id in run_ids:
             self.runs.pop(run_id, None)
         self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
+        self.exposed -= {("series_dropped", run_id) for run_id in run_ids}
         self.wrote()

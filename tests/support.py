@@ -91,16 +91,23 @@ def require_tool(name: str) -> str:
     return path
 
 
-def scrape(url: str, token: str = TOKEN) -> dict[tuple[str, frozenset], float]:
+def scrape(url: str, token: str = TOKEN, *, settled: bool = True) -> dict[tuple[str, frozenset], float]:
     """``GET {url}/metrics`` parsed by prometheus_client: {(sample name, frozenset(labels)): value}. The
-    token is sent as Prometheus would (a tokenless collector ignores it)."""
+    token is sent as Prometheus would (a tokenless collector ignores it). A counter series new to the
+    collector is shown at 0 in the first render after its birth (born at zero, so increase() counts it):
+    ``settled`` scrapes twice and returns the second, where every value shows; ``settled=False`` is one
+    scrape, as Prometheus sees it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        text = r.read().decode()
+    def once() -> str:
+        req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.read().decode()
+
+    if settled:
+        once()
     return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+            for fam in text_string_to_metric_families(once()) for s in fam.samples}
 
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "minus",

@@ -33,7 +33,7 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     crashed = [CrashedRank(rank=rank, raised=c.raised, step=c.step if c.step >= 0 else None)
                for rank, c in sorted(run.crashed.items())]
     return dict(
-        run_id=run.run_id, status="crashed" if crashed else "live" if live else "idle", crashed_ranks=crashed,
+        run_id=run.run_id, status="crashed" if crashed else "live" if live else "ended" if run.ended else "idle", crashed_ranks=crashed,
         # steps count per incarnation: the live ranks' latest, else the highest ever stored
         live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),

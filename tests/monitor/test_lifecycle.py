@@ -56,7 +56,10 @@ def test_an_eval_report_is_counted_but_is_no_training_step(collector):
     # its values are counted, under the eval stage where the metric has one
     assert _get(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="eval") == 8
     assert _get(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="train") == 12
-    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan") == 6
+    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+                stage="eval") == 6
+    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+                stage="train") == 0
     assert _get(s, "nanwatch_first_offender_info", run_id="ev", site=SITE, **{"pass": "forward"}, stage="eval",
                 rank="0") == 1
     # an evaluation is no unmeasured step, and a bf16 attention NaN in eval asks for no fp32 directive

@@ -151,7 +151,7 @@ def test_a_1_3_report_is_a_rank_report(collector):
     assert r.status_code == 200 and r.json()["accepted"] == 1
     s = scrape(collector.url)
     assert s[("nanwatch_run_nonfinite_values_total", frozenset(
-        {("run_id", "old-13"), ("pass", "forward"), ("kind", "nan")}))] == 2
+        {("run_id", "old-13"), ("pass", "forward"), ("kind", "nan"), ("stage", "train")}))] == 2
     assert s[("nanwatch_nonfinite_values_total", frozenset(
         {("run_id", "old-13"), ("rank", "1"), ("pass", "forward"), ("kind", "nan")}))] == 2
     assert s[("nanwatch_last_report_timestamp_seconds", frozenset({("run_id", "old-13"), ("rank", "1")}))] > 0

@@ -139,12 +139,8 @@ def test_panel_queries_cover_every_target_nested_rows_and_annotations():
     assert annotations == 4 and len(gen.panel_queries(RUN_HEALTH)) >= 20
 
 
-#: #18's metrics the collector side is adding (the contract); drop once monitor/metric_names.py has them
-PENDING_COLLECTOR_METRICS = {"nanwatch_latest_offender_info"}
-
-
 def test_every_metric_is_exported_by_the_collector_or_recorded_by_a_rule():
-    known = set(METRICS) | recording_rules() | PENDING_COLLECTOR_METRICS | {"ALERTS"}
+    known = set(METRICS) | recording_rules() | {"ALERTS"}
     assert "run_id_stage:nanwatch_nonfinite_values:increase5m" in known  # the rules were found
     for name, title, expr in all_queries() + variable_selectors():
         used = metric_names(expr)

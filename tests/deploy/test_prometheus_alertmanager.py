@@ -123,16 +123,10 @@ def test_every_alert_has_a_runbook_section_with_checks_and_a_fix():
         assert re.search(r"^1\. .*^2\. .*^3\. ", body, flags=re.M | re.S), name
 
 
-#: the metrics of #18 the collector side is adding (the contract the rules are written against); drop this
-#: set once monitor/metric_names.py has them (the assertion below says when)
-PENDING_COLLECTOR_METRICS = {"nanwatch_latest_offender_info", "nanwatch_loss_scale",
-                             "nanwatch_loss_scale_overflows_total", "nanwatch_math_fallback_info",
-                             "nanwatch_run_ended"}
-
 
 def test_rules_use_only_metrics_the_collector_exports():
     names = set(re.findall(r"\b(nanwatch_[a-z_]+|[a-z_]+:nanwatch_[a-z0-9_:]+)\b", RULES.read_text()))
-    unknown = {n for n in names if n not in METRICS and n not in RECORDS and n not in PENDING_COLLECTOR_METRICS}
+    unknown = {n for n in names if n not in METRICS and n not in RECORDS}
     assert unknown == set()
     for rec in RECORDS:  # level:metric:operations
         assert re.fullmatch(r"[a-z_]+:nanwatch_[a-z_]+:[a-z0-9_]+", rec), rec

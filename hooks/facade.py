@@ -109,6 +109,7 @@ class Monitor:
         self._raised: str | None = None  # the exception type the open step raised
         self._eval_raised: str | None = None  # ... and the open eval window
         self._ended_by: str | None = None  # an exception that ended the run (no final report then)
+        self._reported_step: int | None = None  # the step of the last report handed over (the final's step)
         self._scaling: LossScaling | None = None  # the GradScalers watched (``nanwatch.hooks.loss_scaling``)
         self._warn_once = WarnOnce()
         self.directive_state = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
@@ -224,7 +225,7 @@ class Monitor:
             self._handles.pop().remove()
         self.directive_state.close()
         if self._ended_by is None:
-            guarded(self._flow.final, self._last_step or 0,
+            guarded(self._flow.final, self._reported_step or 0,
                     StepContext(StepState(), self.directive_state.mode, self.directive_state.version, time.time(),
                                 final=True))
         self._flow.close(timeout)
@@ -356,6 +357,7 @@ class Monitor:
 
     def _hand_over(self, n: int, raised: str | None = None) -> None:
         """The recorder's current record (a training step's, or an evaluation's) to the reporter."""
+        self._reported_step = n
         data = self._rec.flat()
         ctx = StepContext(self._rec.swap(), self.directive_state.mode, self.directive_state.version, time.time(),
                           raised=raised)

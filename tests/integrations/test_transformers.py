@@ -389,6 +389,10 @@ def test_standalone_and_final_evaluations_are_reported(tmp_path):
         trainer.train()
         after = trainer.evaluate()  # the final evaluation, after train() detached
     assert math.isnan(before["eval_loss"]) and math.isnan(after["eval_loss"])
+    # each of the three Monitors (evaluate, train, evaluate) ends normally: its incarnation's final report
+    assert [(r.stage, r.step, r.final) for r in reports if r.final] == [("train", 0, True), ("train", 2, True),
+                                                                        ("train", 2, True)]
+    reports = [r for r in reports if not r.final]
     assert [(r.stage, r.step) for r in reports] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     for r in (reports[0], reports[3]):
         assert (r.first_offender, r.first_offender_stage, r.coverage.forwards) == (
@@ -416,3 +420,16 @@ def test_a_step_that_raises_says_so_and_claims_nothing_unmeasured(tmp_path):
     assert crashed.coverage.unmeasured == [] and not crashed.coverage.logits  # no "no_logits ... ran compiled"
     assert any("raised FloatingPointError" in w for w in crashed.warnings)
     assert "training_step" not in trainer.__dict__  # detached before the exception left train()
+
+
+def test_a_normal_train_ends_with_a_final_report(tmp_path):
+    """(A train() that raised sends none: test_a_step_that_raises_says_so_and_claims_nothing_unmeasured.)"""
+    model, reports = _model(), []
+    trainer = _trainer(tmp_path, model, reports, bf16=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert [r.final for r in reports if r.stage == "train"][-1] is True and sum(r.final for r in reports) == 1
+    assert reports[-1].final and reports[-1].step == 3
+    (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
+    assert not cb.monitor.last_report().final  # last_report() stays the last step's

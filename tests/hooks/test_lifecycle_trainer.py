@@ -124,8 +124,9 @@ def test_log_scalars_count_overflows_apart_from_nonfinite_steps():
 
 
 def test_a_scale_under_one_is_a_warning(caplog):
-    from nanwatch.hooks.local_log import _Lines
     from support import step_report
+
+    from nanwatch.hooks.local_log import _Lines
 
     caplog.set_level(logging.INFO, logger="nanwatch")
     lines = _Lines(incidents=True, every=None)

@@ -223,11 +223,12 @@ class Monitor:
         _open.discard(self)
         while self._handles:  # last installed, first removed
             self._handles.pop().remove()
+        # the final report says the mode and version the run ended in: read them before the state closes
+        final = StepContext(StepState(), self.directive_state.mode, self.directive_state.version, time.time(),
+                            final=True)
         self.directive_state.close()
         if self._ended_by is None:
-            guarded(self._flow.final, self._reported_step or 0,
-                    StepContext(StepState(), self.directive_state.mode, self.directive_state.version, time.time(),
-                                final=True))
+            guarded(self._flow.final, self._reported_step or 0, final)
         self._flow.close(timeout)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:

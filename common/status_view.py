@@ -173,7 +173,7 @@ def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
         if not isinstance(run_id, str):
             continue
         run = runs.get(run_id) or runs.setdefault(run_id, _Run(run_id))
-        if rec.get("nanwatch_log") == "closed":
+        if rec.get("nanwatch_log") == "closed" or rec.get("final") is True:  # a final report: a normal end
             run.closed(rec)
         elif "seq" in rec and "incarnation" in rec and str(rec.get("v", "1")).split(".")[0] == "1":
             run.report(rec)

@@ -19,6 +19,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -28,11 +29,12 @@ from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
 from nanwatch.hooks.install import install, user_model
+from nanwatch.hooks.loss_scaling import LossScaling
 from nanwatch.hooks.optimizer_check import OptimizerCheck
 from nanwatch.hooks.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.param_sweep import ParamSweep
 from nanwatch.hooks.probes import Probes
-from nanwatch.hooks.recorder import Recorder
+from nanwatch.hooks.recorder import Recorder, StepState
 from nanwatch.hooks.replay import classify
 from nanwatch.hooks.report import StepContext
 from nanwatch.hooks.report_flow import ReportFlow
@@ -106,6 +108,9 @@ class Monitor:
         self._eval_implicit = False  # the open window was opened by an eval forward outside a step
         self._raised: str | None = None  # the exception type the open step raised
         self._eval_raised: str | None = None  # ... and the open eval window
+        self._ended_by: str | None = None  # an exception that ended the run (no final report then)
+        self._reported_step: int | None = None  # the step of the last report handed over (the final's step)
+        self._scaling: LossScaling | None = None  # the GradScalers watched (``nanwatch.hooks.loss_scaling``)
         self._warn_once = WarnOnce()
         self.directive_state = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                               check_every=config.directive_check_every)
@@ -138,11 +143,12 @@ class Monitor:
             self.mark_raised(exc_type)
         self.close()
 
-    def attach(self, *, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
+    def attach(self, *, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> Monitor:
         """Register every probe, and cover ``optimizer`` (its weight guard, unless ``guard="off"``, and its
         post-step check) and any other optimizer found stepping the model's parameters
-        (``nanwatch.hooks.optimizer_discovery``); on any failure, undo what was done and re-raise (the model
-        is left as it was)."""
+        (``nanwatch.hooks.optimizer_discovery``); watch ``scaler`` (a ``torch.amp.GradScaler``, see
+        :meth:`watch_scaler`) and any GradScaler found stepping such an optimizer; on any failure, undo what
+        was done and re-raise (the model is left as it was)."""
         model = self._model()
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
@@ -160,6 +166,10 @@ class Monitor:
                 self._flow.send_to(ReportSender(cfg.collector, token=cfg.token))
                 if cfg.directive_source in ("auto", "collector") and self.rank == 0:  # the others: by agreement
                     self.directive_state.follow(DirectivePoller(cfg.collector, cfg.run_id, token=cfg.token))
+            self._scaling = LossScaling(self._rec, steps_model=self._steps_model, warn=self._warn_once)
+            self._handles.append(self._scaling)
+            if scaler is not None:
+                self._scaling.watch(scaler)
             if cfg.guard == "auto" or cfg.optimizer_check:
                 self._discovery = OptimizerDiscovery(model, on_found=self._found_optimizer)
                 self._handles.append(self._discovery)
@@ -167,14 +177,41 @@ class Monitor:
                 self._check(optimizer)
                 if cfg.guard == "auto":
                     self.guard(optimizer)
-        except BaseException:
+        except BaseException as exc:
             self._active = True
+            self._ended_by = type(exc).__name__  # an attach that failed is no normal end: no final report
             self.close(timeout=1.0)
             raise
         return self
 
+    def watch_scaler(self, scaler: Any) -> None:
+        """Watch a ``torch.amp.GradScaler``: a step in which it found inf/NaN gradients (and no forward value
+        was non-finite) is reported as ``scaler_overflow=True``, not as an incident, and every training report
+        carries its ``loss_scale`` (``nanwatch.hooks.loss_scaling``). A scaler that steps an optimizer of this
+        model is also found by itself, at its first ``scaler.step``; this call is for being explicit.
+
+        Example usage::
+
+            scaler = torch.amp.GradScaler("cuda")
+            mon = nanwatch.attach(model, run_id="r", optimizer=opt, scaler=scaler)  # or mon.watch_scaler(scaler)
+        """
+        if not self._active or self._scaling is None:
+            raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
+        self._scaling.watch(scaler)
+
+    def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer`` updates a parameter of this Monitor's model."""
+        model = self._model()
+        if model is None:
+            return False
+        ids = {id(p) for p in model.parameters()}
+        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
     def close(self, timeout: float = 10.0) -> None:
-        """Remove every hook, restore the patched functions, flush the last reports (bounded wait)."""
+        """Remove every hook, restore the patched functions, flush the last reports (bounded wait). A normal
+        close (no step, evaluation or ``with`` block raised, not the interpreter going down on an exception)
+        sends the incarnation's final report (``final=True``) after the last step's: the run ended, it did
+        not crash or hang."""
         if not self._active:
             self._flow.close(timeout)  # never attached (or already closed): just the thread
             return
@@ -186,7 +223,12 @@ class Monitor:
         _open.discard(self)
         while self._handles:  # last installed, first removed
             self._handles.pop().remove()
+        # the final report says the mode and version the run ended in: read them before the state closes
+        final = StepContext(StepState(), self.directive_state.mode, self.directive_state.version, time.time(),
+                            final=True)
         self.directive_state.close()
+        if self._ended_by is None:
+            guarded(self._flow.final, self._reported_step or 0, final)
         self._flow.close(timeout)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
@@ -279,6 +321,7 @@ class Monitor:
             guarded(self.end_step)
         self._open_step = self._last_step = n
         self._raised = None
+        self._ended_by = None  # training went on after an exception it caught (e.g. an OOM retry)
         if self._probes is not None:
             self._probes.in_step(True)
         every = self.config.exact_logit_every
@@ -310,12 +353,17 @@ class Monitor:
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
         if self._discovery is not None and not self._checks and not self._guards:
             guarded(self._note_unfound)
+        if self._scaling is not None:
+            guarded(self._scaling.at_step_end)
         if self._probes.keep_inputs and not self._incident_done and raised is None:
             guarded(self._classify, n)
         self._hand_over(n, raised)
+        if self._scaling is not None:
+            self._scaling.new_step()
 
     def _hand_over(self, n: int, raised: str | None = None) -> None:
         """The recorder's current record (a training step's, or an evaluation's) to the reporter."""
+        self._reported_step = n
         data = self._rec.flat()
         ctx = StepContext(self._rec.swap(), self.directive_state.mode, self.directive_state.version, time.time(),
                           raised=raised)
@@ -329,6 +377,7 @@ class Monitor:
         marks the rank crashed. For integrations that see the exception (``with mon.step(n):``,
         ``evaluating()`` and ``__exit__`` call it themselves)."""
         kind = (exc if isinstance(exc, type) else type(exc)).__name__[:128]
+        self._ended_by = self._ended_by or kind  # the run did not end normally: no final report at close
         if self._eval_step is not None:
             self._eval_raised = self._eval_raised or kind
         elif self._open_step is not None:
@@ -398,6 +447,10 @@ class Monitor:
         it is set, classify the step by a differential replay before anything else moves."""
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: replay mode (free on the CPU; opt-in on GPU)
             return
+        # a loss-scale overflow the GradScaler handled (gradients only) is no incident: no replay for it
+        if (self._scaling is not None and self._scaling.overflow_found()  # sync-ok: replay mode, flag set
+                and self._rec.nonfinite_phases() <= {"backward"}):
+            return
         self._incident_done = True
         classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self.directive_state,
                  step=n, guarded=any(g.effective for g in self._guards), rank=self.rank)
@@ -445,15 +498,16 @@ class Monitor:
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,
-           optimizer: torch.optim.Optimizer | None = None, config: MonitorConfig | None = None,
+           optimizer: torch.optim.Optimizer | None = None, scaler: Any = None, config: MonitorConfig | None = None,
            **options) -> Monitor:
     """Attach nanwatch to ``model`` and return the Monitor (a context manager that detaches on exit).
 
     ``optimizer``: guard its weights (``Monitor.guard``) and check its updates; without it, the optimizer
     that steps the model's parameters is found at its first step (``guard=`` and ``optimizer_check=``
-    say what is done with it). ``options`` are MonitorConfig fields
+    say what is done with it). ``scaler``: a ``torch.amp.GradScaler`` to watch (``Monitor.watch_scaler``;
+    one stepping the model's optimizer is also found by itself). ``options`` are MonitorConfig fields
     (``grads=``, ``exact_logit_every=``, ``rank=``, ``directive_source=``, ...). With ``config=``,
     ``run_id``/``collector``/``options`` may only repeat what it says (a differing value is a ValueError).
     """
     config = resolve_config(config, run_id=run_id, collector=collector, **options)
-    return Monitor(model, config).attach(optimizer=optimizer)
+    return Monitor(model, config).attach(optimizer=optimizer, scaler=scaler)

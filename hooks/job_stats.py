@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import get_args
 
+from nanwatch.hooks.loss_scaling import handled_by_scaler
 from nanwatch.hooks.rlhf import RLHF_SLOTS, decode_rlhf
 from nanwatch.wire import MODES, Coverage, Fingerprint, LogitStat, SdpaCall, SiteStat, StepReport, Unmeasured
 
@@ -263,5 +264,8 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
         "coverage": coverage, "rlhf": rlhf, "step_skipped": None if skipped < 0 else bool(skipped),
         "first_offender": offender[0], "first_offender_phase": offender[1], "first_offender_stage": offender[2],
         "first_offender_rank": first_rank, "ranks_reporting": ranks, "world_size": world,
-        "attention_mode": MODES[directive % len(MODES)], "directive_version": directive // len(MODES)})
+        "attention_mode": MODES[directive % len(MODES)], "directive_version": directive // len(MODES),
+        # the poster's scaler found inf (gradients are all-reduced: every rank's finds the same); still an
+        # overflow only if no rank's forward was non-finite
+        "scaler_overflow": None if poster.scaler_overflow is None else handled_by_scaler(poster.scaler_overflow, sites)})
     return JobStep(report, {k: v[2] for k, v in best.items()}, directive)

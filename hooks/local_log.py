@@ -8,11 +8,16 @@ would receive; nothing here runs on the training thread, and nothing here raises
 from ``rank`` and ``job`` reports (in job scope rank 0 speaks for the job):
 a non-finite *episode* starting (the first non-finite step after clean ones, not every NaN step of a NaN
 run), an incident classified, the step raising, the attention mode changing, and the values turning
-finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps.
+finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps. A loss-scale overflow
+that a GradScaler handled (``scaler_overflow``) is no episode: one quieter INFO line ("loss scale overflow at
+step k; scale 65536 -> 32768"), and a WARNING when the scale falls below 1 (fp16 gradients underflow then).
 
 **The JSONL file**: one report per line (``StepReport.model_dump_json()``: NaN and Inf stay the JSON
-constants ``NaN``/``Infinity``, as on the wire), plus a closing record ``{"nanwatch_log": "closed", ...}``
-when the Monitor closes, so that a reader tells a run that ended from one that went silent. One file per
+constants ``NaN``/``Infinity``, as on the wire). The end of a file says how its incarnation ended: a
+normal close's last line is the final report (``"final": true``, as sent to the collector); any other close
+(a step raised, the interpreter went down on an exception) writes a closing record
+``{"nanwatch_log": "closed", ...}`` instead, so that a reader tells a run that ended from one that went
+silent, and never finds both. One file per
 run, rank and incarnation, ``<log_dir>/<run_id>.rank<rank>.<incarnation>.jsonl``, size-rotated by the
 standard library's ``RotatingFileHandler`` (``.1`` is the newest backup). A folder that cannot be written
 is warned about once and the run carries on without the file.
@@ -50,27 +55,50 @@ class _Lines:
         self._episode: dict[str, tuple[int, int]] = {}  # stage -> (first non-finite step, steps so far)
         self._mode = "none"
         self._classified: set[tuple[int, int]] = set()  # (rank, step) of incidents already told
-        self._nonfinite_steps = self._skipped = 0
+        self._nonfinite_steps = self._skipped = self._overflows = 0
+        self._scale: float | None = None  # the last loss scale reported
 
     def observe(self, r: StepReport) -> None:
         # a job report speaks for every rank's step (its first offender names the rank); a detail or a
         # heartbeat would tell the same step again, from each rank that posts one
         if r.scope not in ("rank", "job"):
             return
+        if r.final:
+            return
         where = f"nanwatch: step {r.step} ({r.stage})"
-        self._nonfinite_steps += r.first_offender is not None and r.stage == "train"
+        self._nonfinite_steps += r.first_offender is not None and r.stage == "train" and not r.scaler_overflow
         self._skipped += bool(r.step_skipped)
+        self._overflows += bool(r.scaler_overflow)
         if self._incidents:
+            self._loss_scale(r)
             for line in self._events(r, where):
                 log.warning("%s", line)
         if self._every and r.stage == "train" and r.step % self._every == 0:
             log.info("%s", self._summary(r, where))
 
+    def _loss_scale(self, r: StepReport) -> None:
+        """The GradScaler's work, quietly: an overflow it handled is INFO; a scale under 1 is a WARNING (its
+        fp16 gradients underflow: scaling no longer helps), told when the scale crosses under 1."""
+        scale, before = r.loss_scale, self._scale
+        if scale is None:
+            return
+        self._scale = scale
+        now = f"{scale:g}"
+        was = f"{before:g} -> " if before is not None else "now "
+        if r.scaler_overflow:
+            log.info("nanwatch: loss scale overflow at step %d; scale %s%s (GradScaler skipped the update)",
+                     r.step, was, now)
+        if scale < 1.0 and (before is None or before >= 1.0):
+            log.warning("nanwatch: step %d: loss scale fell below 1 (%s%s): fp16 gradients underflow; the values "
+                        "overflow even unscaled, and the scaler keeps skipping steps", r.step, was, now)
+
     def _events(self, r: StepReport, where: str) -> list[str]:
         lines = []
         rank = r.first_offender_rank if r.first_offender_rank is not None else r.rank
         episode = self._episode.get(r.stage)
-        if r.first_offender is not None:
+        if r.scaler_overflow:  # dynamic loss scaling at work: no episode starts, none ends
+            pass
+        elif r.first_offender is not None:
             if episode is None:
                 self._episode[r.stage] = (r.step, 1)
                 n = sum(s.nan + s.inf for s in r.sites)
@@ -107,6 +135,8 @@ class _Lines:
         bounds = [lg.bound for lg in r.logits]
         heads = [s.headroom for s in r.sites if s.stage == "train" and not math.isnan(s.headroom)]
         parts = [f"{self._nonfinite_steps} non-finite steps so far", f"{self._skipped} skipped",
+                 *([f"{self._overflows} loss-scale overflows, scale {readable.figure(self._scale)}"]
+                   if self._scale is not None else []),
                  f"mode {r.attention_mode}",
                  f"logit max {readable.figure(max(bounds)) if bounds else '-'}",
                  f"headroom {readable.headroom(max(heads)) if heads else '-'}"]
@@ -171,6 +201,7 @@ class LocalLog:
             self._file = _Jsonl(log_path(config.log_dir, run_id=config.run_id, rank=rank, incarnation=incarnation),
                                 max_bytes=config.log_max_bytes, backups=config.log_backups, warn=warn)
         self._last_step: int | None = None
+        self._final = False  # the final report was written: it ends the file (no closing record)
         if config.log_every and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
             warn(f"log_every={config.log_every}: the summary lines are logged at INFO, which the 'nanwatch' "
                  "logger does not show now (e.g. logging.basicConfig(level=logging.INFO))")
@@ -184,6 +215,7 @@ class LocalLog:
         """Reporter thread: one delivered report (never raises)."""
         try:
             self._last_step = report.step
+            self._final = self._final or report.final
             if self._lines is not None:
                 self._lines.observe(report)
             if self._file is not None:
@@ -195,8 +227,9 @@ class LocalLog:
         if self._file is None:
             return
         try:
-            self._file.write(json.dumps({"nanwatch_log": "closed", **self._who, "time": time.time(),
-                                         "last_step": self._last_step}))
+            if not self._final:
+                self._file.write(json.dumps({"nanwatch_log": "closed", **self._who, "time": time.time(),
+                                             "last_step": self._last_step}))
             self._file.close()
         except Exception:  # noqa: BLE001
             log.exception("nanwatch: closing the local log failed")

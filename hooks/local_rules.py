@@ -35,6 +35,8 @@ class LocalRuleEngine:
 
     def observe(self, report: StepReport) -> None:
         """Reporter thread: offer the first directive a rule asks for, if none is active or pending."""
+        if report.scaler_overflow or report.final:  # dynamic loss scaling at work, or no measurements
+            return
         d = self._directive_state
         if d.mode != "none" or self._offered_version > d.version:
             return

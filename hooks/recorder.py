@@ -117,6 +117,9 @@ class StepState:
     batches: list[ParamBatch] = field(default_factory=list)
     #: how many of ``batches`` the last ``flat()`` holds (its layout, like ``layout``)
     flat_batches: int = 0
+    #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.loss_scaling``): the report
+    #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
+    loss_scaling: bool = False
 
 
 class StepSoFar(NamedTuple):
@@ -211,7 +214,11 @@ class Recorder:
 
     def slot_max(self, key, value: torch.Tensor) -> None:
         """Max a 0-d device value into the max slot ``key``."""
-        self.buf.maximize(key, value)
+        self.buf.maximize(key, self._local(value))
+
+    def slot_assign(self, key, value: torch.Tensor) -> None:
+        """Set the slot ``key`` to a 0-d device value (the last write of the step wins)."""
+        self.buf.assign(key, self._local(value))
 
     def mark_rlhf(self, kl_optimised: str | None) -> None:
         """This step has RLHF stats; ``kl_optimised`` names the KL estimator the loss uses, if known."""
@@ -361,6 +368,13 @@ class Recorder:
         return StepSoFar(first, sum(f.fully_masked_rows for f in prints),
                          bool(c.compiled_forwards or c.compiled_calls),
                          {key[0]: meta.kind for key, meta in self.state.sites.items()})
+
+    def nonfinite_phases(self) -> set[str]:
+        """The phases of the open step's non-finite training sites, decoded on the host now: one sync (replay
+        mode only, to tell a loss-scale overflow from an incident)."""
+        values = self.flat().tolist()  # sync-ok: replay mode, a step whose non-finite flag is already set
+        sites = self.decode(self.state, values)[0]
+        return {s.phase for s in sites if s.stage == "train" and (s.nan or s.inf)}
 
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.optimizer_check import MAX_NAMED, optimizer_incident
 from nanwatch.hooks.recorder import Recorder, StepState
 from nanwatch.hooks.reporter import Pending
@@ -27,6 +28,8 @@ class StepContext:
     time: float
     #: the exception type the step raised (it never finished), or None
     raised: str | None = None
+    #: the Monitor closed normally: the incarnation's last report, of no measurements (``state`` is empty)
+    final: bool = False
 
 
 class ReportBuilder:
@@ -45,8 +48,11 @@ class ReportBuilder:
 
     def build(self, pending: Pending, values: list[float]) -> StepReport:
         ctx: StepContext = pending.context
+        if ctx.final:
+            return self.final(pending.seq, pending.step, ctx)
         state = ctx.state
         sites, sdpa, logits, prints, first = self._rec.decode(state, values)
+        loss_scale, overflow = self._loss_scaling(state, values, sites)
         warns = list(state.warnings)
         incident = state.incident
         for seen in self._rec.batches_seen(state, values):
@@ -55,7 +61,7 @@ class ReportBuilder:
                 continue
             more = f" (the first {MAX_NAMED} are sites)" if len(seen.bad) > MAX_NAMED else ""
             warns.append(f"step {pending.step}: {len(seen.bad)} parameters non-finite after {b.owner}.step(){more}")
-            if (incident is None and not self._optimizer_incident_done and first is not None
+            if (incident is None and not overflow and not self._optimizer_incident_done and first is not None
                     and first[:2] == (b.names[seen.bad[0][0]], "optimizer")):
                 self._optimizer_incident_done = True
                 incident = optimizer_incident(seen, step=pending.step)
@@ -80,8 +86,25 @@ class ReportBuilder:
             first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
             first_offender_stage=first[2] if first else None, first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=self._rec.step_skipped(state, values), incident=incident,
-            nonfinite_rank=self._rec.nonfinite_rank(state, values),
-            dropped_reports=self._dropped(), warnings=warns[:64])
+            nonfinite_rank=self._rec.nonfinite_rank(state, values), loss_scale=loss_scale,
+            scaler_overflow=overflow, dropped_reports=self._dropped(), warnings=warns[:64])
+
+    def final(self, seq: int, step: int, ctx: StepContext) -> StepReport:
+        """The incarnation's last report (the Monitor closed normally): ids, the last step, the directive
+        state and the drops, no measurements."""
+        return StepReport(**self._ids, seq=seq, step=step, time=ctx.time, final=True, attention_mode=ctx.mode,
+                          directive_version=ctx.directive_version, dropped_reports=self._dropped())
+
+    def _loss_scaling(self, state: StepState, values: list[float], sites: list[SiteStat]
+                      ) -> tuple[float | None, bool | None]:
+        """(loss_scale, scaler_overflow) of a training step run under a watched GradScaler, else (None, None)
+        (``nanwatch.hooks.loss_scaling`` says what is read and when)."""
+        if not state.loss_scaling or state.stage != "train":
+            return None, None
+        get = self._rec.getter(state, values)
+        scale = get("max", LOSS_SCALE, -1.0)
+        found = get("max", SCALER_FOUND, 0.0)
+        return (scale if scale >= 0 else None), handled_by_scaler(found > 0, sites)
 
     def _coverage(self, state: StepState, sites: list[SiteStat], logits: list[LogitStat],
                   warns: list[str], *, raised: bool = False) -> Coverage:

@@ -74,6 +74,11 @@ class ReportFlow:
         """Training thread, step end: hand the step over (False: dropped, the reporter is too far behind)."""
         return self._reporter.capture(data, step, ctx)
 
+    def final(self, step: int, ctx: StepContext) -> None:
+        """Training thread, at a normal close, after the last step's hand-over: the incarnation's final report
+        (no measurements, never dropped, never reduced across ranks)."""
+        self._reporter.post(step, ctx)
+
     def last_report(self, timeout: float | None) -> StepReport | None:
         return self._reporter.last_report(timeout)
 
@@ -90,8 +95,11 @@ class ReportFlow:
     # ---- reporter thread ---------------------------------------------------------------------------
     def _build(self, pending: Pending, values: list[float]) -> StepReport:
         report = self._builder.build(pending, values)
+        if report.final:
+            return report
         if report.stage == "train":  # an evaluation is no training step: it neither makes nor breaks a streak
-            self._directive_state.note_report(report.first_offender is None)
+            # a loss-scale overflow the scaler handled is normal operation: it keeps a clean streak going
+            self._directive_state.note_report(report.first_offender is None or bool(report.scaler_overflow))
         if self._rules is not None:
             self._rules.observe(report)
         if self._job is not None and report.stage == "train":
@@ -103,10 +111,11 @@ class ReportFlow:
         """Send what this rank posts for the step: its own report, or (job scope) the job's, a detail or a
         heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own. An eval
         report is never reduced (ranks need not evaluate alike, and a collective one rank issued alone would
-        hang): it goes as this rank's own report, numbered in the job's sequence; so does a step that raised."""
+        hang): it goes as this rank's own report, numbered in the job's sequence; so do a step that raised and
+        the final report (every rank sends its own: a rank closing alone must not wait on its peers)."""
         if self._job is None:
             outs = [report]
-        elif report.stage != "train" or report.raised is not None:
+        elif report.stage != "train" or report.raised is not None or report.final:
             # a step that raised: this rank is going down, and must not wait on its peers to say so (its
             # reporter's closing header then releases any peer waiting on this step's reduction)
             outs = self._job.own(report)

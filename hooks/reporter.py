@@ -30,7 +30,7 @@ class Pending:
 
     seq: int
     step: int
-    host: torch.Tensor
+    host: torch.Tensor | None  # None: a report of no measurements (``Reporter.post``)
     size: int
     event: Any  # torch.cuda.Event | None
     context: Any  # opaque: handed back to ``build``
@@ -79,6 +79,14 @@ class Reporter:
         self._queue.put(pending)
         return True
 
+    def post(self, step: int, context: Any) -> None:
+        """Hand the thread a report of no device values (the final report): never dropped, no copy."""
+        pending = Pending(self._seq, step, None, 0, None, context)
+        self._seq += 1
+        with self._cond:
+            self._submitted = pending.seq
+        self._queue.put(pending)
+
     def _host_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A free host buffer of at least ``numel`` values, or None when the pool is exhausted."""
         with self._cond:
@@ -120,15 +128,16 @@ class Reporter:
                     # would flag an event sync even on this thread.
                     while not item.event.query():
                         time.sleep(0.0005)
-                values = item.host[: item.size].tolist()  # sync-ok: a host tensor, on the reporter thread
+                values = [] if item.host is None else item.host[: item.size].tolist()  # sync-ok: host tensor
                 report = self._build(item, values)
             except Exception:
                 log.exception("nanwatch: could not build the report for step %s", item.step)
             finally:
                 with self._cond:
-                    self._free.append(item.host)
-                    self._outstanding -= 1
-                    if report is not None:
+                    if item.host is not None:
+                        self._free.append(item.host)
+                        self._outstanding -= 1
+                    if report is not None and not report.final:  # last_report() stays the last step's
                         self._last = report
                     self._done = item.seq
                     self._cond.notify_all()

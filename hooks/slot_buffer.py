@@ -91,6 +91,12 @@ class SlotBuffer:
         cell = self.data[i : i + 1]
         torch.maximum(cell, value.reshape(1).to(self.dtype), out=cell)
 
+    def assign(self, key: Hashable, value: torch.Tensor) -> None:
+        """Set the slot ``key`` to ``value`` (a 0-d device value): the last write of the step wins. A max-kind
+        slot, so that a step that never wrote it reads -inf (unset) after ``reset``."""
+        i = self.slot("max", key)
+        self.data[i : i + 1].copy_(value.reshape(1))
+
     def maximize_many(self, key: Hashable, values: torch.Tensor) -> int:
         """Max ``values`` (1-D) into ``len(values)`` consecutive slots, allocated together on first use;
         returns the first index."""

@@ -20,7 +20,7 @@ from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
            "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
-           "overflow_attention", "tiny_tokenizer", "token_ids"]
+           "overflow_attention", "step_reports", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -39,6 +39,19 @@ class CollectorProcess(_CollectorProcess):
 
     def __init__(self, *, env: dict[str, str] | None = None, **kw) -> None:
         super().__init__(env={"NANWATCH_METRICS_MIN_INTERVAL_S": "0", **(env or {})}, **kw)
+
+
+def step_reports(sink: list, finals: list | None = None):
+    """An ``on_report`` that appends every report but the final one (#18: a normal close sends one more, of
+    no measurements) to ``sink``, and the final ones to ``finals`` if given."""
+
+    def on_report(r) -> None:
+        if not r.final:
+            sink.append(r)
+        elif finals is not None:
+            finals.append(r)
+
+    return on_report
 
 
 def token_ids(b: int = 2, s: int = 16, *, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from support import CollectorProcess, tiny_qwen3, token_ids
+from support import CollectorProcess, step_reports, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.cli import main
@@ -32,7 +32,7 @@ def _train(log_dir, collector=None, token=None, steps: int = 5, nan_step: int = 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     seen: list[StepReport] = []
     with nanwatch.attach(model, run_id=RUN, collector=collector, token=token, optimizer=opt, log_dir=str(log_dir),
-                         on_report=seen.append) as mon:
+                         on_report=step_reports(seen)) as mon:
         for n in range(steps):
             now["step"] = n
             ids = token_ids(2, 16, seed=n, vocab=64)

@@ -31,11 +31,13 @@ class _Unwrap:
 
 class LogScalars:
     """The figures a training log shows: cumulative non-finite and skipped steps (training stage), and the
-    latest step's largest attention-logit bound, largest headroom and directive version."""
+    latest step's largest attention-logit bound, largest headroom and directive version. Under a GradScaler
+    also its latest ``nanwatch/loss_scale`` and the cumulative ``nanwatch/scaler_overflows``: an overflow the
+    scaler handled is counted there, not as a non-finite step."""
 
     def __init__(self) -> None:
         self._figures: dict[str, float] = {}
-        self._nonfinite = self._skipped = 0
+        self._nonfinite = self._skipped = self._overflows = 0
 
     def observer(self, then: Callable[[StepReport], None] | None) -> Callable[[StepReport], None]:
         """An ``on_report`` that keeps the figures, then calls the user's own ``then``."""
@@ -50,9 +52,11 @@ class LogScalars:
     def observe(self, report: StepReport) -> None:
         """Reporter thread: fold one report in (a training step's: an evaluation's report is about the
         evaluation, which HF logs itself)."""
-        if report.stage != "train":
+        if report.stage != "train" or report.final:
             return
-        self._nonfinite += report.first_offender is not None and report.first_offender_stage in (None, "train")
+        self._overflows += bool(report.scaler_overflow)
+        self._nonfinite += (report.first_offender is not None and report.first_offender_stage in (None, "train")
+                            and not report.scaler_overflow)
         self._skipped += bool(report.step_skipped)
         bounds = [lg.bound for lg in report.logits]
         headroom = [s.headroom for s in report.sites if s.stage == "train" and math.isfinite(s.headroom)]
@@ -62,6 +66,10 @@ class LogScalars:
             figures["nanwatch/logit_max"] = max(bounds)
         if headroom:
             figures["nanwatch/headroom_max"] = max(headroom)
+        if report.loss_scale is not None:
+            figures["nanwatch/loss_scale"] = report.loss_scale
+        if report.scaler_overflow is not None:
+            figures["nanwatch/scaler_overflows"] = float(self._overflows)
         self._figures = figures
 
     def wrap_log(self, trainer: Any) -> _Unwrap:

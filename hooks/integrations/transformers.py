@@ -24,6 +24,10 @@ A step that raises is reported with ``raised`` (the exception's type): ``trainin
 training, so the callback sees the exception, reports the step and detaches before it propagates; anything
 else that ends the process is reported at interpreter exit.
 
+Under ``fp16=True`` Accelerate's ``GradScaler`` (``trainer.accelerator.scaler``) is watched: an overflow it
+handles is reported as ``scaler_overflow``, with the ``loss_scale`` (``nanwatch.hooks.loss_scaling``), not as
+an incident. ``on_train_end`` sends the run's final report; a ``train()`` that raised sends none.
+
 The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a non-finite value does
 not update the weights, at no cost with a fused optimizer (HF's default ``adamw_torch_fused``), at one host
 read per step with any other ``torch.optim`` optimizer (``adamw_torch``, ``sgd``, Adafactor, 8-bit ones); an
@@ -115,6 +119,12 @@ class NanwatchCallback(_trainer_base()):
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         self._training = True
+        scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)  # fp16: Accelerate's GradScaler
+        if scaler is not None:
+            try:
+                self.monitor.watch_scaler(scaler)
+            except Exception as exc:  # noqa: BLE001 - monitoring never breaks training
+                log.warning("nanwatch: could not watch the trainer's GradScaler: %r", exc)
         if trainer is not None:  # nanwatch/* scalars in the Trainer's own logs (W&B, TensorBoard, MLflow...)
             self._undo.append(self._scalars.wrap_log(trainer))
             self._undo.append(self._wrap_training_step(trainer))
@@ -135,7 +145,7 @@ class NanwatchCallback(_trainer_base()):
             self.monitor.end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.close()
+        self.close()  # a normal end: the Monitor's final report goes (a train() that raised never gets here)
 
     def close(self, timeout: float = 10.0) -> None:
         """Detach (reporting a step left open) and undo every wrap. Also done at interpreter exit. The

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support import SMALL, tiny_qwen3, token_ids  # noqa: E402
+from support import SMALL, step_reports, tiny_qwen3, token_ids  # noqa: E402
 
 import nanwatch  # noqa: E402
 
@@ -183,7 +183,7 @@ def trainer(out: Path) -> list[dict]:
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
                              report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
                              dataloader_num_workers=0)
-    cb = NanwatchCallback(run_id="dist-guard-trainer", on_report=reports.append)
+    cb = NanwatchCallback(run_id="dist-guard-trainer", on_report=step_reports(reports))
     model.register_forward_pre_hook(mark, with_kwargs=True, prepend=True)
     Trainer(model=model, args=args, train_dataset=data, callbacks=[inject, cb]).train()
     fault.remove()

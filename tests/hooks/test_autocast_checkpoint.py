@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from support import SMALL, tiny_qwen3, token_ids
+from support import SMALL, step_reports, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.hooks.patching import ORIGINAL_SDPA
@@ -70,7 +70,7 @@ def test_checkpointing_counts_each_call_once_and_keeps_the_logit_bound(reentrant
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="ckpt", exact_logit_every=0, on_report=reports.append) as mon:
+        with nanwatch.attach(model, run_id="ckpt", exact_logit_every=0, on_report=step_reports(reports)) as mon:
             for n in range(3):
                 with mon.step(n):
                     ids = token_ids(seed=n)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import SMALL, TinyNet, tiny_qwen3, token_ids
+from support import SMALL, TinyNet, step_reports, tiny_qwen3, token_ids
 
 import nanwatch
 
@@ -176,7 +176,7 @@ def test_whole_model_compile_reports_the_non_finite_step(attach_to):
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(target, run_id="whole", on_report=reports.append) as mon:
+        with nanwatch.attach(target, run_id="whole", on_report=step_reports(reports)) as mon:
             for n in range(4):
                 if n == 2:  # a weight goes NaN (as after a bad update): step 2 is the first non-finite step
                     with torch.no_grad():
@@ -211,7 +211,7 @@ def test_a_nan_born_in_a_compiled_forward_is_never_said_to_be_born_in_backward()
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="compiled-birth", optimizer=opt, on_report=reports.append) as mon:
+        with nanwatch.attach(model, run_id="compiled-birth", optimizer=opt, on_report=step_reports(reports)) as mon:
             for n in range(3):
                 if n == 2:
                     model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan)

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from support import tiny_qwen3, token_ids
+from support import step_reports, tiny_qwen3, token_ids
 
 import nanwatch
 
@@ -23,7 +23,7 @@ def _setup(**options):
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mon = nanwatch.attach(model, run_id="ev", on_report=reports.append, optimizer=opt, **options)
+        mon = nanwatch.attach(model, run_id="ev", on_report=step_reports(reports), optimizer=opt, **options)
     return model, opt, mon, poison, reports
 
 

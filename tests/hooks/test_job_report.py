@@ -112,7 +112,7 @@ def test_job_rlhf_is_what_one_process_sees_of_both_ranks_batches(run, step):
 def test_rank0_alone_posts_job_reports_and_a_detail_comes_only_from_a_rank_that_differs(run):
     posts0, posts1 = run["posts"]
     assert {p["rank"] for p in posts0} == {0} and {p["rank"] for p in posts1} == {1}
-    assert not [p for p in posts1 if p["scope"] in ("job", "rank")]
+    assert not [p for p in posts1 if p["scope"] in ("job", "rank") and not p["final"]]  # (its final is its own)
     # rank 1: NaN at 1-4, the math kernel at 5; rank 0: NaN at 2 and 3
     assert [p["step"] for p in posts1 if p["scope"] == "detail"] == [1, 2, 3, 4, 5]
     assert [p["step"] for p in posts0 if p["scope"] == "detail"] == [2, 3]
@@ -135,7 +135,7 @@ def test_a_step_one_rank_skipped_goes_per_rank_and_the_next_is_the_jobs_again(ru
 @pytest.mark.slow
 def test_a_peer_that_stops_reporting_turns_rank0_to_per_rank_reports_without_stalling_it(run):
     # rank 1 stopped after step 8; rank 0's reduction of step 9 timed out (3 s), and rank 0 went on
-    assert [(p["scope"], p["step"]) for p in run["posts"][0] if p["step"] >= 8] == [
+    assert [(p["scope"], p["step"]) for p in run["posts"][0] if p["step"] >= 8 and not p["final"]] == [
         ("job", 8), ("rank", 9), ("rank", 10)]
     assert sorted(run["own"][0]) == list(range(11))
 
@@ -148,3 +148,17 @@ def test_a_site_only_one_rank_saw_joins_the_table_in_its_execution_order():
                                                                           "head", "watch.x")])
     assert [s[0] for s in merged.sites] == ["emb", "l0.router", "l0.expert3", "l1", "head", "watch.x"]
     assert merged.digest() != table("emb").digest() and merged.digest() == merge_tables([merged, merged]).digest()
+
+
+@pytest.mark.slow
+def test_every_rank_sends_its_own_final_report_and_nothing_hangs(run):
+    """#18: a normal close sends the rank's final report as its own (no job reduction: rank 0 closed while
+    rank 1 waited in a barrier, and the run finished within its timeout)."""
+    for r in (0, 1):
+        posts = run["posts"][r]
+        finals = [p for p in posts if p["final"]]
+        assert finals == [posts[-1]], r
+        assert (finals[0]["scope"], finals[0]["rank"], finals[0]["sites"]) == ("rank", r, [])
+    assert run["posts"][0][-1]["step"] == 10 and run["posts"][1][-1]["step"] == 8
+    seqs = [p["seq"] for p in run["posts"][0]]
+    assert len(seqs) == len(set(seqs))  # numbered in the job's sequence: the idempotency key stays unique

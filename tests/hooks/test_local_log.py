@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import tiny_qwen3, token_ids
+from support import step_reports, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.hooks.config import MonitorConfig
@@ -28,7 +28,7 @@ def _train(steps: int, *, nan_steps=(), **options) -> list[StepReport]:
         lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan) if now["step"] in nan_steps else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     seen: list[StepReport] = []
-    with nanwatch.attach(model, run_id="local", optimizer=opt, on_report=seen.append, **options) as mon:
+    with nanwatch.attach(model, run_id="local", optimizer=opt, on_report=step_reports(seen), **options) as mon:
         for n in range(steps):
             now["step"] = n
             ids = token_ids(2, 16, seed=n, vocab=64)
@@ -75,7 +75,7 @@ def _records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_the_jsonl_file_holds_every_report_exactly_and_a_closing_record(tmp_path):
+def test_the_jsonl_file_holds_every_report_exactly_and_ends_with_the_final_report(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reports = _train(4, nan_steps=(1,), log_dir=str(tmp_path))
@@ -87,8 +87,8 @@ def test_the_jsonl_file_holds_every_report_exactly_and_a_closing_record(tmp_path
     assert [StepReport.model_validate_json(x).model_dump_json() for x in lines[:-1]] == [
         r.model_dump_json() for r in reports]
     assert any(math.isnan(s.headroom) for s in StepReport.model_validate_json(lines[1]).sites)
-    closing = json.loads(lines[-1])
-    assert closing["nanwatch_log"] == "closed" and closing["last_step"] == 3 and closing["rank"] == 0
+    final = json.loads(lines[-1])  # a normal close: the final report ends the file (no closing record too)
+    assert final["final"] is True and final["step"] == 3 and final["rank"] == 0 and final["sites"] == []
 
 
 def test_the_file_rotates_at_its_size_limit(tmp_path):
@@ -99,8 +99,9 @@ def test_the_file_rotates_at_its_size_limit(tmp_path):
     assert [f.name.rsplit(".jsonl", 1)[1] for f in files] == ["", ".1", ".2"]  # two backups kept, no more
     assert all(f.stat().st_size <= 20_000 for f in files)
     # read oldest first, the records are the latest ones, in order, with none lost between the files kept
-    seqs = [json.loads(line).get("seq") for f in (files[2], files[1], files[0]) for line in f.read_text().splitlines()]
-    assert seqs[-1] is None and seqs[:-1] == list(range(seqs[0], 6))
+    recs = [json.loads(line) for f in (files[2], files[1], files[0]) for line in f.read_text().splitlines()]
+    seqs = [r.get("seq") for r in recs]
+    assert recs[-1]["final"] is True and seqs == list(range(seqs[0], 7))  # the final report (seq 6) ends it
 
 
 def test_an_unwritable_folder_is_one_warning_and_the_run_goes_on(tmp_path):

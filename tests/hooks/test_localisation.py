@@ -25,7 +25,7 @@ import warnings
 
 import pytest
 import torch
-from support import CollectorProcess, tiny_causal_lm, token_ids
+from support import CollectorProcess, step_reports, tiny_causal_lm, token_ids
 
 import nanwatch
 
@@ -111,7 +111,7 @@ def _run(name: str, impl: str, fault: str, seed: int, **attach):
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="loc", optimizer=opt, directive_source="off", on_report=reports.append,
+        with nanwatch.attach(model, run_id="loc", optimizer=opt, directive_source="off", on_report=step_reports(reports),
                              **attach) as mon:
             for n in range(STEPS):
                 if target is not None:
@@ -165,7 +165,7 @@ def test_a_healthy_run_raises_no_alarm(name, impl):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reports = []
-        with nanwatch.attach(model, run_id="calm", optimizer=opt, on_report=reports.append) as mon:
+        with nanwatch.attach(model, run_id="calm", optimizer=opt, on_report=step_reports(reports)) as mon:
             for n in range(STEPS):
                 with mon.step(n):
                     ids = token_ids(seed=n)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from support import TinyNet, tiny_qwen3, token_ids
+from support import TinyNet, step_reports, tiny_qwen3, token_ids
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
@@ -122,7 +122,7 @@ def test_healthy_run_of_200_steps_reports_nothing():
     model = tiny_qwen3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = []
-    with nanwatch.attach(model, run_id="healthy", on_report=seen.append, exact_logit_every=50) as mon:
+    with nanwatch.attach(model, run_id="healthy", on_report=step_reports(seen), exact_logit_every=50) as mon:
         for n in range(200):
             with mon.step(n):
                 _train_step(model, token_ids(seed=n))

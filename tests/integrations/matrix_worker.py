@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support import tiny_qwen3  # noqa: E402
+from support import step_reports, tiny_qwen3  # noqa: E402
 
 MAX_STEPS = 2
 
@@ -47,7 +47,7 @@ def run_case(args: dict, out_dir: str) -> dict:
     model = tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
     reports = []
     log_dir = os.path.join(out_dir, "nanwatch")
-    cb = NanwatchCallback(run_id="matrix", on_report=reports.append, log_dir=log_dir)
+    cb = NanwatchCallback(run_id="matrix", on_report=step_reports(reports), log_dir=log_dir)
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=ds, eval_dataset=ds.select(range(4)),
                                    callbacks=[cb])
     logger, records = logging.getLogger("nanwatch"), _Records()
@@ -72,8 +72,8 @@ def run_case(args: dict, out_dir: str) -> dict:
         errors=[r.getMessage() for r in records.records if r.levelno >= logging.ERROR],
         failed=[r.getMessage() for r in records.records if "failed" in r.getMessage()],
         nanwatch_warnings=sorted({str(w.message) for w in caught if str(w.message).startswith("nanwatch")}),
-        jsonl_files=len(files), jsonl_reports=sum("seq" in x for x in lines),
-        jsonl_closed=sum(x.get("nanwatch_log") == "closed" for x in lines), reports=len(reports),
+        jsonl_files=len(files), jsonl_reports=sum("seq" in x and not x.get("final") for x in lines),
+        jsonl_closed=sum(x.get("nanwatch_log") == "closed" or x.get("final") is True for x in lines), reports=len(reports),
         loss_logged=[h["loss"] for h in trainer.state.log_history if "loss" in h],
     )
 

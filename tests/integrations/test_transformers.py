@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CollectorProcess, tiny_qwen3
+from support import CollectorProcess, step_reports, tiny_qwen3
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -75,7 +75,7 @@ def faulted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
     trainer = transformers.Trainer(model=model, args=_args(tmp, eval_strategy="steps", eval_steps=2),
                                    train_dataset=_dataset(), eval_dataset=_dataset(4),
-                                   callbacks=[now, NanwatchCallback(run_id="trainer", on_report=reports.append)])
+                                   callbacks=[now, NanwatchCallback(run_id="trainer", on_report=step_reports(reports))])
     class Peek(transformers.TrainerCallback):  # what was attached, seen while training
         def on_step_end(self, args, state, control, **kwargs):
             _ATTACHED_HOOKS.extend(model.model.layers[0].self_attn._forward_hooks.values())
@@ -180,7 +180,7 @@ def _poisoned_at_step_1(tmp_path, *, optim: str, callbacks=(), **options):
     model, now = _model(), _StepOf()
     model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out * math.nan if now.step == 1 else out)
     reports = []
-    cb = NanwatchCallback(run_id="guard", on_report=reports.append, **options)
+    cb = NanwatchCallback(run_id="guard", on_report=step_reports(reports), **options)
     trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=3, optim=optim),
                                    train_dataset=_dataset(), callbacks=[now, cb, *(c(cb) for c in callbacks)])
     with warnings.catch_warnings():
@@ -288,7 +288,7 @@ def test_torch_compile_true_trains_with_the_callback(tmp_path):
     args = _args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager", gradient_checkpointing=False,
                  bf16=False, gradient_accumulation_steps=1, max_steps=2)
     trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset(8),
-                                   callbacks=[NanwatchCallback(run_id="compiled", on_report=reports.append)])
+                                   callbacks=[NanwatchCallback(run_id="compiled", on_report=step_reports(reports))])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -323,10 +323,10 @@ def test_tensorboard_gets_the_nanwatch_scalars_through_the_trainers_own_logs(tmp
     assert "log" not in trainer.__dict__  # the wrap is undone when training ends
 
 
-def _trainer(tmp_path, model, reports, *, callbacks=(), options=None, **kw):
+def _trainer(tmp_path, model, reports, *, callbacks=(), options=None, finals=None, **kw):
     args = _args(tmp_path, **{**dict(gradient_checkpointing=False, gradient_accumulation_steps=1, max_steps=3,
                                      logging_nan_inf_filter=False), **kw})
-    cb = NanwatchCallback(run_id="hf", on_report=reports.append, directive_source="local", **(options or {}))
+    cb = NanwatchCallback(run_id="hf", on_report=step_reports(reports, finals), directive_source="local", **(options or {}))
     return transformers.Trainer(model=model, args=args, train_dataset=_dataset(16), eval_dataset=_dataset(4),
                                 callbacks=[*callbacks, cb])
 
@@ -380,15 +380,17 @@ def test_an_eval_only_nan_is_the_evaluations_and_asks_for_no_remedy(tmp_path, st
 
 
 def test_standalone_and_final_evaluations_are_reported(tmp_path):
-    model, reports = _model(), []
+    model, reports, finals = _model(), [], []
     _poison_values(model, lambda m: not m.training)
-    trainer = _trainer(tmp_path, model, reports, max_steps=2, eval_strategy="no")
+    trainer = _trainer(tmp_path, model, reports, max_steps=2, eval_strategy="no", finals=finals)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         before = trainer.evaluate()  # no train() yet: the callback attaches for the evaluation
         trainer.train()
         after = trainer.evaluate()  # the final evaluation, after train() detached
     assert math.isnan(before["eval_loss"]) and math.isnan(after["eval_loss"])
+    # each of the three Monitors (evaluate, train, evaluate) ends normally: its incarnation's final report
+    assert [(r.stage, r.step, r.final) for r in finals] == [("train", 0, True), ("train", 2, True), ("train", 2, True)]
     assert [(r.stage, r.step) for r in reports] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     for r in (reports[0], reports[3]):
         assert (r.first_offender, r.first_offender_stage, r.coverage.forwards) == (
@@ -416,3 +418,15 @@ def test_a_step_that_raises_says_so_and_claims_nothing_unmeasured(tmp_path):
     assert crashed.coverage.unmeasured == [] and not crashed.coverage.logits  # no "no_logits ... ran compiled"
     assert any("raised FloatingPointError" in w for w in crashed.warnings)
     assert "training_step" not in trainer.__dict__  # detached before the exception left train()
+
+
+def test_a_normal_train_ends_with_a_final_report(tmp_path):
+    """(A train() that raised sends none: test_a_step_that_raises_says_so_and_claims_nothing_unmeasured.)"""
+    model, reports, finals = _model(), [], []
+    trainer = _trainer(tmp_path, model, reports, bf16=False, finals=finals)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert [(r.final, r.step) for r in finals] == [(True, 3)] and reports[-1].step == 3
+    (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
+    assert not cb.monitor.last_report().final  # last_report() stays the last step's

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from support import save_tiny_lm
+from support import save_tiny_lm, step_reports
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -44,7 +44,7 @@ def _grpo(tmp_path, *, bf16: bool, poison_ref: bool = False, cls=trl.GRPOTrainer
     reports = []
     trainer = cls(model=model, reward_funcs=reward, args=args, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": prompts}),
-                              callbacks=[NanwatchCallback(run_id="grpo", on_report=reports.append)])
+                              callbacks=[NanwatchCallback(run_id="grpo", on_report=step_reports(reports))])
     if poison_ref:
         with torch.no_grad():
             trainer.ref_model.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan

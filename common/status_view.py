@@ -197,7 +197,8 @@ def lifecycle(r: dict[str, Any]) -> str:
     if late:
         v = max(late, key=lambda v: v.get("silent_s") or 0)
         return f"silent: rank {v['rank']} quiet for {v.get('silent_s', 0):.0f} s (hung, or gone without a word)"
-    if r.get("ended") or (ranks and all(v.get("state") == "ended" for v in ranks)):
+    if r.get("status") == "ended" or r.get("ended") or (ranks and all(v.get("state") == "ended" or v.get("ended")
+                                                                      for v in ranks)):
         return "ended"
     if r.get("live_ranks"):
         return "live"
@@ -247,7 +248,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         out.append(f"  sdpa {s['backend']:<10} {s['dtype']:<9} {s.get('stage', 'train'):<8} {s['calls']:g} calls")
     for st in r.get("ranks") or []:
         head = _headroom_line(st.get("headroom") or {})
-        state = st.get("state") or ("silent" if st.get("late") else "live")
+        state = st.get("state") or ("ended" if st.get("ended") else "silent" if st.get("late") else "live")
         state += f" {st['silent_s']:.0f} s" if state == "silent" and st.get("silent_s") is not None else ""
         skipped = f", {st['skipped_steps']:g} skipped" if "skipped_steps" in st else ""
         out.append(f"  rank {st['rank']}: {state}, step {st['step']}, mode {st['attention_mode']}, "

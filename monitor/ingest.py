@@ -119,6 +119,7 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
         run.end_rank(r.rank, r.incarnation if r.final else ended_inc)
     elif ended_inc is not None:  # the rank restarted: a new incarnation, no longer ended
         del run.ended_ranks[r.rank]
+        run.ended_views.pop(r.rank, None)
     if run.ended and not r.final and not straggler:  # a new incarnation (or rank) revives the run
         run.ended = False
         changed.append((ENDED_FAMILY, (), 0.0))
@@ -213,7 +214,7 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
             bump("job_skipped", (), 1)  # every rank it covered skipped it: the exporter adds it to each
     if r.scope == "detail" and not rank_ok or r.scope == "rank" and not rank_ok:
         return None, None, changed
-    if not training:  # the rank is live, and its training view stays what its last step said
+    if not training or r.final:  # the rank is live, and its training view stays what its last step said
         _keep_live(run, r, received=received, seen=seen, beat=False)
         return None, None, changed
     for kind in headroom:

@@ -128,6 +128,8 @@ class RankView(_View):
     late: bool = Field(False, description="silent past NANWATCH_RANK_LATE_S (or two heartbeats): hung, or gone")
     crashed: str | None = Field(None, description="the exception type the rank's step raised: the rank crashed "
                                 "(not counted in live_ranks); None while it runs")
+    ended: bool = Field(False, description="the rank sent its final report (a normal end): this is its last view, "
+                        "kept for the API only (its series are gone)")
 
 
 class EventView(_View):

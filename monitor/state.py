@@ -154,6 +154,9 @@ class RunState:
     """Recent steps whose loss-scale overflow was counted (insertion order, bounded): one count per step."""
     ended_ranks: dict[int, str] = field(default_factory=dict)
     """Ranks that sent a final report, with the incarnation that ended: no longer live nor late."""
+    ended_views: dict[int, RankState] = field(default_factory=dict)
+    """The last training view of each ended rank, for the API (``GET /v1/runs/{id}``) only: what the rank
+    looked like when it ended; no metric is made from it. In memory (one per rank)."""
     ended: bool = False
     """Every rank the run held ended normally (none held, hung or crashed): ``nanwatch_run_ended``."""
     silent: dict[int, Silent] = field(default_factory=dict)
@@ -174,6 +177,7 @@ class RunState:
         """The rank's incarnation sent its final report: its view and series go now."""
         self.ended_ranks[rank] = incarnation
         if rank in self.ranks:
+            self.ended_views[rank] = self.ranks[rank]
             self.drop(rank)
         self.silent.pop(rank, None)
         if self.job is not None and self.job.rank == rank:
@@ -379,11 +383,11 @@ class CollectorState:
         horizon, late_before = now - self.ttl(run), now - self.late_after(run, late_s)
         expired, late = 0, []
         for st in run.ranks.values():
-            if st.seen >= late_before:
+            if st.seen >= max(late_before, horizon):  # neither expired nor late, nor any after it
                 break
-            if st.seen < horizon:
+            if st.seen < horizon:  # past its TTL, not swept yet: not live (whether or not it was late first)
                 expired += 1
-            elif st.rank not in run.shown:
+            elif st.seen < late_before and st.rank not in run.shown:
                 late.append(st)
         shown = [st for k in run.shown if (st := run.ranks[k]).seen >= horizon]
         crashed = sum(1 for k in run.crashed if (st := run.ranks.get(k)) is not None and st.seen >= horizon

@@ -72,7 +72,11 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _
     shown = [st for st in res.state.held_ranks(run, now)
              if st.scope != "beat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
-             for st in sorted(shown, key=lambda s: s.rank)]
+             for st in shown]
+    held = {st.rank for st in shown}
+    ranks += [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "ended": True})
+              for rank, st in run.ended_views.items() if rank not in held]
+    ranks.sort(key=lambda v: v.rank)
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
             for (fam, labels), v in run.counters.items() if fam == "sdpa"]

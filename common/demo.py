@@ -111,11 +111,15 @@ def run(*, steps: int, spike_at: int, db_dir: Path, seed: int = 0, quiet: bool =
                 fo = f"{r.first_offender} ({r.first_offender_phase})" if r.first_offender else "-"
                 update = "skipped" if r.step_skipped else "applied"
                 say(f"{n:>4}  {row['loss']:>7.3f}  {bad:>10}  {fo:<36} {row['mode']:<6} {update:<7} {note}")
+            # what the collector shows while the run is live (its per-rank series leave when it ends); the
+            # first render shows new counters at 0 (born at zero, so increase() counts the first NaN), the
+            # second at their value, as Prometheus's second scrape would
+            _get(url + "/metrics")
+            metrics = [ln for ln in _get(url + "/metrics").decode().splitlines()
+                       if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
+                                         "nanwatch_attention_mode", "nanwatch_attention_logit_max"))
+                       and f'run_id="{run_id}"' in ln]
         state = json.loads(_get(f"{url}/v1/runs/{run_id}"))
-        metrics = [ln for ln in _get(url + "/metrics").decode().splitlines()
-                   if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
-                                     "nanwatch_attention_mode", "nanwatch_attention_logit_max"))
-                   and f'run_id="{run_id}"' in ln]
     return {"rows": rows, "events": state.get("events", []), "metrics": metrics}
 
 

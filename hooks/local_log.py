@@ -56,7 +56,7 @@ class _Lines:
         self._mode = "none"
         self._classified: set[tuple[int, int]] = set()  # (rank, step) of incidents already told
         self._nonfinite_steps = self._skipped = self._overflows = 0
-        self._scale: float | None = None  # the last loss scale reported
+        self._last_scale: float | None = None  # the last loss scale reported
 
     def observe(self, r: StepReport) -> None:
         # a job report speaks for every rank's step (its first offender names the rank); a detail or a
@@ -79,10 +79,10 @@ class _Lines:
     def _loss_scale(self, r: StepReport) -> None:
         """The GradScaler's work, quietly: an overflow it handled is INFO; a scale under 1 is a WARNING (its
         fp16 gradients underflow: scaling no longer helps), told when the scale crosses under 1."""
-        scale, before = r.loss_scale, self._scale
+        scale, before = r.loss_scale, self._last_scale
         if scale is None:
             return
-        self._scale = scale
+        self._last_scale = scale
         now = f"{scale:g}"
         was = f"{before:g} -> " if before is not None else "now "
         if r.scaler_overflow:
@@ -135,8 +135,8 @@ class _Lines:
         bounds = [lg.bound for lg in r.logits]
         heads = [s.headroom for s in r.sites if s.stage == "train" and not math.isnan(s.headroom)]
         parts = [f"{self._nonfinite_steps} non-finite steps so far", f"{self._skipped} skipped",
-                 *([f"{self._overflows} loss-scale overflows, scale {readable.figure(self._scale)}"]
-                   if self._scale is not None else []),
+                 *([f"{self._overflows} loss-scale overflows, scale {readable.figure(self._last_scale)}"]
+                   if self._last_scale is not None else []),
                  f"mode {r.attention_mode}",
                  f"logit max {readable.figure(max(bounds)) if bounds else '-'}",
                  f"headroom {readable.headroom(max(heads)) if heads else '-'}"]

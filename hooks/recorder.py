@@ -220,6 +220,12 @@ class Recorder:
         """Set the slot ``key`` to a 0-d device value (the last write of the step wins)."""
         self.buf.assign(key, self._local(value))
 
+    def loss_scale(self, key, scale: torch.Tensor) -> None:
+        """This step ran under dynamic loss scaling, whose scale is ``scale`` (a device value, read at the
+        step's end into slot ``key``)."""
+        self.slot_assign(key, scale)
+        self.state.loss_scaling = True
+
     def mark_rlhf(self, kl_optimised: str | None) -> None:
         """This step has RLHF stats; ``kl_optimised`` names the KL estimator the loss uses, if known."""
         self.state.rlhf = kl_optimised or True

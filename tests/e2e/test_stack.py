@@ -139,6 +139,9 @@ def stack(tmp_path_factory):
                     [prometheus, f"--config.file={tmp / 'prom.yml'}", f"--storage.tsdb.path={tmp / 'prom'}",
                      f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=log))
             _wait_ready(f"http://127.0.0.1:{prom_port}/-/ready", procs[-1], "prometheus")
+            # Prometheus scrapes its first a few seconds after it is ready: train only once it does, or a
+            # short run would end (and its per-rank series leave) before Prometheus ever saw them
+            _wait_for(lambda: _query(f"http://127.0.0.1:{prom_port}", "up == 1"), 60, "Prometheus's first scrape")
             runs = _train(c.url)
             yield {"collector": c, "webhook": webhook, "prometheus": f"http://127.0.0.1:{prom_port}",
                    "runs": runs, "tmp": tmp}
@@ -151,7 +154,7 @@ def stack(tmp_path_factory):
 
 def _train(collector: str) -> dict:
     """The three runs, one after the other; returns when each NaN/math step was reported (monotonic)."""
-    marks: dict = {}
+    marks: dict = {"started": time.time()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # e2e-nan: fp16 SDPA; math kernel for steps 0-1; NaN from layer 0's MLP at step 3; RLHF stats
@@ -279,13 +282,20 @@ SCREENSHOTS = {"nonfinite": "Non-finite values by site and pass", "skipped": "Op
                "backends": "SDPA backend share (train)", "logit": "Attention-logit bound per layer vs tau"}
 
 
-def _query_range(prometheus: str, expr: str, seconds: int = 240) -> list:
-    """The expression over the last ``seconds``, as a dashboard panel draws it (the run has ended by now:
-    an instant query would miss series that left with it)."""
+def _query(prometheus: str, expr: str) -> list:
+    """The expression now (an instant query)."""
+    return _api(prometheus, "query", {"query": expr})
+
+
+def _query_range(prometheus: str, expr: str, since: float | None = None) -> list:
+    """The expression from ``since`` (wall time; default: the last 10 minutes) to now, as a dashboard panel
+    draws it (the runs have ended by now: an instant query would miss the series that left with them)."""
     now = time.time()
-    url = f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode(
-        {"query": expr, "start": now - seconds, "end": now, "step": "1s"})
-    with urllib.request.urlopen(url, timeout=30) as r:
+    return _api(prometheus, "query_range", {"query": expr, "start": since or now - 600, "end": now, "step": "1s"})
+
+
+def _api(prometheus: str, endpoint: str, params: dict) -> list:
+    with urllib.request.urlopen(f"{prometheus}/api/v1/{endpoint}?" + urllib.parse.urlencode(params), timeout=30) as r:
         body = json.loads(r.read())
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -307,14 +317,14 @@ def test_every_dashboard_panel_returns_data_and_the_nan_panels_show_the_nan(stac
     panels = _panels(_dashboards())
     empty, flat = [], []
     for name, title, expr in panels:
-        result = _query_range(stack["prometheus"], expr)
+        result = _query_range(stack["prometheus"], expr, since=stack["runs"]["started"])
         if not result:
             empty.append((name, title, expr))
         elif name == "run-health.json" and title in NAN_PANELS:
             peak = max(float(v) for series in result for _, v in series["values"])
             if not peak > 0:
                 flat.append((title, expr))
-    assert len(panels) >= 10 and empty == []
+    assert len(panels) >= 10 and empty == [], empty
     assert {t for t, _ in flat} == set(), flat  # each NaN panel shows the NaN (counters are born at zero)
     assert set(NAN_PANELS) <= {t for _, t, _ in panels}  # the check above saw every one of them
     shots = os.environ.get("NANWATCH_SCREENSHOT_DIR")
@@ -337,3 +347,4 @@ def _screenshot(prometheus: str, out: Path, queries: dict[str, str]) -> None:
                         "--window-size=1100,1000", "--virtual-time-budget=15000",
                         f"--screenshot={out / f'prometheus-e2e-{name}.png'}", url],
                        check=True, capture_output=True, timeout=120)
+

@@ -4,9 +4,11 @@ Nothing in the product imports this module, and it is not in the wheel."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess",
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
 #: every POST and PUT says what it sends (the collector refuses anything but JSON)
 JSON = {"Content-Type": "application/json"}
+AUTH = {"Authorization": f"Bearer {TOKEN}", **JSON}
 #: vocabulary of the tiny models and of :func:`token_ids`
 VOCAB = TINY_QWEN3["vocab_size"]
 #: a smaller tiny model than TINY_QWEN3 (hidden 32, head_dim 8), for tests that build many
@@ -176,3 +179,38 @@ def guarded_step(mon, model, opt, n: int) -> tuple:
     r = mon.last_report()
     return r, {"step": n, "mode": mode, "skipped": r.step_skipped, "loss": float(loss),
                "weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def post_reports(url: str, *reports, auth: dict = AUTH) -> dict:
+    """POST ``reports`` to a collector in one batch; asserts a 200 and returns its answer."""
+    import httpx
+
+    from nanwatch.wire import ReportBatch
+
+    resp = httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json(),
+                      headers=auth)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def run_view(url: str, run_id: str, auth: dict = AUTH) -> dict:
+    """``GET /v1/runs/{run_id}``; asserts a 200."""
+    import httpx
+
+    resp = httpx.get(f"{url}/v1/runs/{run_id}", headers=auth)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def sample(scraped: dict, name: str, **labels) -> float | None:
+    """One sample of a ``scrape()``, by metric name and labels."""
+    return scraped.get((name, frozenset(labels.items())))
+
+
+def load_script(path: Path, name: str):
+    """A script that is not a package module (a generator under deploy/ or grafana/), loaded by path, as the
+    tests use it (not registered in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,6 @@ PrometheusRule against its rule files and promtool."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,7 +16,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
-from support import require_tool
+from support import load_script, require_tool
 
 try:
     import tomllib
@@ -42,14 +41,7 @@ CRD_GROUPS = {"monitoring.coreos.com"}
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
 
-def _generate_module():
-    spec = importlib.util.spec_from_file_location("nanwatch_deploy_k8s_generate", K8S / "generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-generate = _generate_module()
+generate = load_script(K8S / "generate.py", "nanwatch_deploy_k8s_generate")
 
 
 def _pinned(ref: str) -> bool:

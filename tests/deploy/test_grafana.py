@@ -8,7 +8,6 @@ dropped report), evaluated by promtool together with the real recording rules.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import require_tool
+from support import load_script, require_tool
 
 from nanwatch.monitor.metric_names import METRICS
 
@@ -30,10 +29,7 @@ PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "nanwatch.yml"
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("nanwatch_grafana_generate", GRAFANA / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # as tests/e2e loads it: not registered in sys.modules
-    return module
+    return load_script(GRAFANA / "generate.py", "nanwatch_grafana_generate")
 
 
 gen = _load_generator()
@@ -269,9 +265,7 @@ def test_every_nonfinite_panel_shows_the_nan_of_a_run_that_had_one(tmp_path):
 
 
 def test_runbook_base_agrees_with_the_rules_generator():
-    spec = importlib.util.spec_from_file_location("nanwatch_rules_gen", ROOT / "deploy" / "prometheus" / "generate.py")
-    rules_gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules_gen)
+    rules_gen = load_script(ROOT / "deploy" / "prometheus" / "generate.py", "nanwatch_rules_gen")
     assert gen.RUNBOOK_BASE == rules_gen.DEFAULT_RUNBOOK_BASE
 
 

@@ -3,7 +3,6 @@ packages) and against the collector's metric table and the runbook."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import require_tool
+from support import load_script, require_tool
 
 from nanwatch.monitor.metric_names import METRICS
 
@@ -29,14 +28,7 @@ def _run(*cmd: str) -> str:
     return out.stdout + out.stderr
 
 
-def _load_rules_generator():
-    spec = importlib.util.spec_from_file_location("nanwatch_rules_generate", PROM / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_rules_generator()
+gen = load_script(PROM / "generate.py", "nanwatch_rules_generate")
 
 
 def _rules() -> list[dict]:

@@ -18,7 +18,6 @@ loads the shipped rule file as it is.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import CollectorProcess, free_port, require_tool, tiny_qwen3, token_ids
+from support import CollectorProcess, free_port, load_script, require_tool, tiny_qwen3, token_ids
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
@@ -263,10 +262,7 @@ def test_a_healthy_run_pages_nobody(stack):
 
 
 def _dashboards():
-    spec = importlib.util.spec_from_file_location("grafana_generate", ROOT / "grafana" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "grafana" / "generate.py", "grafana_generate")
 
 
 VARIABLES = {"$run_id": "e2e-nan", "${run_id}": "e2e-nan", "$rank": "0", "${rank}": "0",

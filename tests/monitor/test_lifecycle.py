@@ -2,29 +2,17 @@
 ``nanwatch serve`` on loopback."""
 
 import httpx
-from support import JSON, TOKEN, CollectorProcess, scrape, step_report
+from support import AUTH, JSON, CollectorProcess, post_reports, run_view, sample, scrape, step_report
 
-from nanwatch.wire import Coverage, ReportBatch
+from nanwatch.wire import Coverage
 
-AUTH = {"Authorization": f"Bearer {TOKEN}", **JSON}
 SITE = "model.layers.2.self_attn"
 
 
-def _post(url: str, *reports, auth=AUTH) -> dict:
-    resp = httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json(),
-                      headers=auth)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
-def _run(url: str, run_id: str, auth=AUTH) -> dict:
-    resp = httpx.get(f"{url}/v1/runs/{run_id}", headers=auth)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
-def _get(s, name, **labels):
-    return s.get((name, frozenset(labels.items())))
 
 
 def _eval_report(**kw):
@@ -41,70 +29,70 @@ def _eval_report(**kw):
 
 def test_an_eval_report_is_counted_but_is_no_training_step(collector):
     url = collector.url
-    _post(url, *(step_report(run_id="ev", seq=i, step=i + 1) for i in range(3)))  # training steps 1..3
+    post_reports(url, *(step_report(run_id="ev", seq=i, step=i + 1) for i in range(3)))  # training steps 1..3
     before = scrape(url)
-    assert _get(before, "nanwatch_attention_logit_max", run_id="ev", layer="model.layers.3.self_attn") == 15.5
+    assert sample(before, "nanwatch_attention_logit_max", run_id="ev", layer="model.layers.3.self_attn") == 15.5
     # the evaluation after step 3; a step number above the run's (a standalone evaluation) moves nothing either
-    _post(url, _eval_report(run_id="ev", seq=3, step=3), _eval_report(run_id="ev", seq=4, step=40))
-    run, s = _run(url, "ev"), scrape(url)
+    post_reports(url, _eval_report(run_id="ev", seq=3, step=3), _eval_report(run_id="ev", seq=4, step=40))
+    run, s = run_view(url, "ev"), scrape(url)
     assert run["latest_step"] == 3 and run["status"] == "live" and run["live_ranks"] == 1
     (rank,) = run["ranks"]
     assert rank["step"] == 3 and rank["logit_max"] == 15.5 and rank["nonfinite"] == 0  # the training view
-    assert _get(s, "nanwatch_attention_logit_max", run_id="ev", layer="model.layers.3.self_attn") == 15.5
-    assert _get(s, "nanwatch_tensor_headroom_ratio", run_id="ev", site_kind="attention") == _get(
+    assert sample(s, "nanwatch_attention_logit_max", run_id="ev", layer="model.layers.3.self_attn") == 15.5
+    assert sample(s, "nanwatch_tensor_headroom_ratio", run_id="ev", site_kind="attention") == sample(
         before, "nanwatch_tensor_headroom_ratio", run_id="ev", site_kind="attention")
     # its values are counted, under the eval stage where the metric has one
-    assert _get(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="eval") == 8
-    assert _get(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="train") == 12
-    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+    assert sample(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="eval") == 8
+    assert sample(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="train") == 12
+    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
                 stage="eval") == 6
-    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
                 stage="train") == 0
-    assert _get(s, "nanwatch_first_offender_info", run_id="ev", site=SITE, **{"pass": "forward"}, stage="eval",
+    assert sample(s, "nanwatch_first_offender_info", run_id="ev", site=SITE, **{"pass": "forward"}, stage="eval",
                 rank="0") == 1
     # an evaluation is no unmeasured step, and a bf16 attention NaN in eval asks for no fp32 directive
-    assert _get(s, "nanwatch_unmeasured_steps_total", run_id="ev", reason="no_logits") is None
+    assert sample(s, "nanwatch_unmeasured_steps_total", run_id="ev", reason="no_logits") is None
     assert httpx.get(f"{url}/v1/directives/ev", headers=AUTH).json()["mode"] == "none"
     # the control: the same NaN in a training step does ask for it
-    _post(url, step_report(run_id="ev", seq=5, step=4, nan_at=SITE, nan=3))
+    post_reports(url, step_report(run_id="ev", seq=5, step=4, nan_at=SITE, nan=3))
     assert httpx.get(f"{url}/v1/directives/ev", headers=AUTH).json()["mode"] == "fp32"
-    assert _run(url, "ev")["latest_step"] == 4
+    assert run_view(url, "ev")["latest_step"] == 4
 
 
 def test_a_rank_whose_step_raised_is_crashed_and_the_run_ends_crashed(collector):
     url = collector.url
-    _post(url, *(step_report(run_id="boom", rank=rank, world_size=2, seq=0, step=1) for rank in (0, 1)))
-    assert _run(url, "boom")["status"] == "live"
+    post_reports(url, *(step_report(run_id="boom", rank=rank, world_size=2, seq=0, step=1) for rank in (0, 1)))
+    assert run_view(url, "boom")["status"] == "live"
     crash = step_report(run_id="boom", rank=1, world_size=2, seq=1, step=2).model_copy(
         update={"raised": "FloatingPointError"})
-    _post(url, crash)
-    assert _post(url, crash) == {"accepted": 0, "duplicates": 1}  # idempotent: one crash, one event
-    run, s = _run(url, "boom"), scrape(url)
+    post_reports(url, crash)
+    assert post_reports(url, crash) == {"accepted": 0, "duplicates": 1}  # idempotent: one crash, one event
+    run, s = run_view(url, "boom"), scrape(url)
     assert run["status"] == "crashed" and run["live_ranks"] == 1
     assert run["crashed_ranks"] == [{"rank": 1, "raised": "FloatingPointError", "step": 2}]
     assert [(r["rank"], r["crashed"]) for r in run["ranks"]] == [(0, None), (1, "FloatingPointError")]
     assert run["event_counts"]["rank_crashed"] == 1
     (ev,) = [e for e in run["events"] if e["kind"] == "rank_crashed"]
     assert (ev["rank"], ev["step"], ev["detail"]["raised"]) == (1, 2, "FloatingPointError")
-    assert _get(s, "nanwatch_rank_crashed", run_id="boom", rank="1") == 1
-    assert _get(s, "nanwatch_rank_crashed", run_id="boom", rank="0") is None
-    assert _get(s, "nanwatch_live_ranks", run_id="boom") == 1
+    assert sample(s, "nanwatch_rank_crashed", run_id="boom", rank="1") == 1
+    assert sample(s, "nanwatch_rank_crashed", run_id="boom", rank="0") is None
+    assert sample(s, "nanwatch_live_ranks", run_id="boom") == 1
     # rank 0 going on does not revive the run; rank 1 restarted (a new incarnation) does
-    _post(url, step_report(run_id="boom", rank=0, world_size=2, seq=1, step=2))
-    assert _run(url, "boom")["status"] == "crashed"
-    _post(url, step_report(run_id="boom", rank=1, world_size=2, seq=0, step=3, incarnation="inc1"))
-    run, s = _run(url, "boom"), scrape(url)
+    post_reports(url, step_report(run_id="boom", rank=0, world_size=2, seq=1, step=2))
+    assert run_view(url, "boom")["status"] == "crashed"
+    post_reports(url, step_report(run_id="boom", rank=1, world_size=2, seq=0, step=3, incarnation="inc1"))
+    run, s = run_view(url, "boom"), scrape(url)
     assert (run["status"], run["live_ranks"], run["crashed_ranks"]) == ("live", 2, [])
-    assert _get(s, "nanwatch_rank_crashed", run_id="boom", rank="1") is None
+    assert sample(s, "nanwatch_rank_crashed", run_id="boom", rank="1") is None
 
 
 def test_a_crash_outlives_a_collector_restart(tmp_path):
     db = tmp_path / "c.db"
     with CollectorProcess(db_path=db) as c:
-        _post(c.url, step_report(run_id="gone", seq=0, step=5).model_copy(update={"raised": "RuntimeError"}),
+        post_reports(c.url, step_report(run_id="gone", seq=0, step=5).model_copy(update={"raised": "RuntimeError"}),
               auth=JSON)
     with CollectorProcess(db_path=db) as c:
-        run = _run(c.url, "gone", auth={})
+        run = run_view(c.url, "gone", auth={})
         assert run["status"] == "crashed"
         assert run["crashed_ranks"] == [{"rank": 0, "raised": "RuntimeError", "step": None}]
-        assert _get(scrape(c.url), "nanwatch_rank_crashed", run_id="gone", rank="0") == 1
+        assert sample(scrape(c.url), "nanwatch_rank_crashed", run_id="gone", rank="0") == 1

@@ -7,30 +7,18 @@ import time
 
 import httpx
 import pytest
-from support import JSON, TOKEN, CollectorProcess, scrape, step_report
+from support import AUTH, JSON, CollectorProcess, post_reports, run_view, sample, scrape, step_report
 
-from nanwatch.wire import ReportBatch, StepReport
+from nanwatch.wire import StepReport
 
-AUTH = {"Authorization": f"Bearer {TOKEN}", **JSON}
 L0, L1 = "model.layers.0.self_attn", "model.layers.1.self_attn"
 FWD = {"pass": "forward"}
 
 
-def _post(url: str, *reports: StepReport, auth=AUTH) -> dict:
-    resp = httpx.post(f"{url}/v1/reports", content=ReportBatch(reports=list(reports)).model_dump_json(),
-                      headers=auth)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
-def _run(url: str, run_id: str, auth=AUTH) -> dict:
-    resp = httpx.get(f"{url}/v1/runs/{run_id}", headers=auth)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
-def _get(s, name, **labels):
-    return s.get((name, frozenset(labels.items())))
 
 
 def _of(s, name, run_id) -> dict[frozenset, float]:
@@ -51,16 +39,16 @@ def _overflow(run_id: str, rank: int, seq: int, scale: float) -> StepReport:
 
 def test_a_new_series_is_scraped_at_zero_then_at_its_value(collector):
     url = collector.url
-    _post(url, step_report(run_id="born", seq=0, nan_at=L0, nan=3))  # the run's very first report holds a NaN
+    post_reports(url, step_report(run_id="born", seq=0, nan_at=L0, nan=3))  # the run's very first report holds a NaN
     first, second = scrape(url, settled=False), scrape(url, settled=False)
     for s, want in ((first, 0), (second, 3)):
-        assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == want
-        assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="born", site=L0, **FWD) == want
-        assert _get(s, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == want
-        assert _get(s, "nanwatch_events_total", run_id="born", kind="first_nonfinite") == min(want, 1)
-    assert _get(first, "nanwatch_sdpa_calls_total", run_id="born", backend="flash", dtype="bfloat16",
+        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == want
+        assert sample(s, "nanwatch_site_nonfinite_values_total", run_id="born", site=L0, **FWD) == want
+        assert sample(s, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == want
+        assert sample(s, "nanwatch_events_total", run_id="born", kind="first_nonfinite") == min(want, 1)
+    assert sample(first, "nanwatch_sdpa_calls_total", run_id="born", backend="flash", dtype="bfloat16",
                 stage="train") == 0
-    assert _get(second, "nanwatch_sdpa_calls_total", run_id="born", backend="flash", dtype="bfloat16",
+    assert sample(second, "nanwatch_sdpa_calls_total", run_id="born", backend="flash", dtype="bfloat16",
                 stage="train") == 4
     # a NaN in a generate-stage site (an RLHF rollout) is counted under its stage, born at zero too
     r = step_report(run_id="born", seq=1, nan_at=L1, nan=2)
@@ -68,46 +56,46 @@ def test_a_new_series_is_scraped_at_zero_then_at_its_value(collector):
         if site.site == L1:
             site.stage = "generate"
     r.first_offender_stage = "generate"
-    _post(url, r)
+    post_reports(url, r)
     third, fourth = scrape(url, settled=False), scrape(url, settled=False)
-    assert _get(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 0
-    assert _get(fourth, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 2
+    assert sample(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 0
+    assert sample(fourth, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 2
     # the series already exposed (train stage, the rank's) move at once
-    assert _get(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == 3
-    assert _get(third, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == 5
+    assert sample(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == 3
+    assert sample(third, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == 5
     # a clean series born exposed at 0 by default gets its first NaN at once (no second zero)
-    _post(url, step_report(run_id="born", rank=1, world_size=2, seq=0))
+    post_reports(url, step_report(run_id="born", rank=1, world_size=2, seq=0))
     scrape(url, settled=False)
-    _post(url, step_report(run_id="born", rank=1, world_size=2, seq=1, nan_at=L0, nan=1))
-    assert _get(scrape(url, settled=False), "nanwatch_nonfinite_values_total", run_id="born", rank="1", **FWD,
+    post_reports(url, step_report(run_id="born", rank=1, world_size=2, seq=1, nan_at=L0, nan=1))
+    assert sample(scrape(url, settled=False), "nanwatch_nonfinite_values_total", run_id="born", rank="1", **FWD,
                 kind="nan") == 1
 
 
 def test_a_series_read_back_after_a_restart_is_shown_at_its_total_at_once(tmp_path):
     db = tmp_path / "r.db"
     with CollectorProcess(db_path=db) as c:
-        _post(c.url, step_report(run_id="back", seq=0, nan_at=L0, nan=4), auth=JSON)
+        post_reports(c.url, step_report(run_id="back", seq=0, nan_at=L0, nan=4), auth=JSON)
     with CollectorProcess(db_path=db) as c:
-        _post(c.url, step_report(run_id="back", seq=1), auth=JSON)  # the run is live again, clean
+        post_reports(c.url, step_report(run_id="back", seq=1), auth=JSON)  # the run is live again, clean
         s = scrape(c.url, settled=False)
-        assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="back", **FWD, kind="nan", stage="train") == 4
-        assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="back", site=L0, **FWD) == 4
-        assert _get(s, "nanwatch_nonfinite_values_total", run_id="back", rank="0", **FWD, kind="nan") == 4
-        assert _get(s, "nanwatch_events_total", run_id="back", kind="first_nonfinite") == 1
+        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="back", **FWD, kind="nan", stage="train") == 4
+        assert sample(s, "nanwatch_site_nonfinite_values_total", run_id="back", site=L0, **FWD) == 4
+        assert sample(s, "nanwatch_nonfinite_values_total", run_id="back", rank="0", **FWD, kind="nan") == 4
+        assert sample(s, "nanwatch_events_total", run_id="back", kind="first_nonfinite") == 1
 
 
 def test_the_latest_offender_is_this_incidents(collector):
     url = collector.url
-    _post(url, step_report(run_id="two", rank=0, world_size=2, seq=0, nan_at=L0, nan=1),
+    post_reports(url, step_report(run_id="two", rank=0, world_size=2, seq=0, nan_at=L0, nan=1),
           step_report(run_id="two", rank=1, world_size=2, seq=0))
     s = scrape(url)
     first = dict(run_id="two", site=L0, **FWD, stage="train", rank="0")
-    assert _get(s, "nanwatch_first_offender_info", **first) == 1
-    assert _get(s, "nanwatch_latest_offender_info", **first) == 1
-    _post(url, step_report(run_id="two", rank=1, world_size=2, seq=1, nan_at=L1, nan=2),
+    assert sample(s, "nanwatch_first_offender_info", **first) == 1
+    assert sample(s, "nanwatch_latest_offender_info", **first) == 1
+    post_reports(url, step_report(run_id="two", rank=1, world_size=2, seq=1, nan_at=L1, nan=2),
           step_report(run_id="two", rank=0, world_size=2, seq=1))  # a clean report after it moves nothing
     s = scrape(url)
-    assert _get(s, "nanwatch_first_offender_info", **first) == 1
+    assert sample(s, "nanwatch_first_offender_info", **first) == 1
     assert _of(s, "nanwatch_latest_offender_info", "two") == {
         frozenset(dict(run_id="two", site=L1, **FWD, stage="train", rank="1").items()): 1}
 
@@ -115,10 +103,10 @@ def test_the_latest_offender_is_this_incidents(collector):
 def test_loss_scale_overflows_are_counted_apart_once_per_step(collector):
     url = collector.url
     for seq in (0, 1):  # two steps, each reported by both ranks
-        _post(url, _overflow("amp", 0, seq, 1024.0 / 2 ** seq), _overflow("amp", 1, seq, 2048.0 / 2 ** seq))
-    s, run = scrape(url), _run(url, "amp")
-    assert _get(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
-    assert _get(s, "nanwatch_loss_scale", run_id="amp") == 512.0
+        post_reports(url, _overflow("amp", 0, seq, 1024.0 / 2 ** seq), _overflow("amp", 1, seq, 2048.0 / 2 ** seq))
+    s, run = scrape(url), run_view(url, "amp")
+    assert sample(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
+    assert sample(s, "nanwatch_loss_scale", run_id="amp") == 512.0
     assert set(_of(s, "nanwatch_run_nonfinite_values_total", "amp").values()) == {0}
     assert set(_of(s, "nanwatch_nonfinite_values_total", "amp").values()) == {0}
     assert not _of(s, "nanwatch_site_nonfinite_values_total", "amp")
@@ -127,17 +115,17 @@ def test_loss_scale_overflows_are_counted_apart_once_per_step(collector):
     assert run["event_counts"] == {"loss_scale_overflow": 1}
     assert httpx.get(f"{url}/v1/directives/amp", headers=AUTH).json()["mode"] == "none"
     # the control: the same gradient Inf without the scaler's word is an incident
-    _post(url, _overflow("amp", 0, 2, 256.0).model_copy(update={"scaler_overflow": False}))
+    post_reports(url, _overflow("amp", 0, 2, 256.0).model_copy(update={"scaler_overflow": False}))
     s = scrape(url)
-    assert _get(s, "nanwatch_run_nonfinite_values_total", run_id="amp", **{"pass": "backward"}, kind="inf",
+    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="amp", **{"pass": "backward"}, kind="inf",
                 stage="train") == 5
-    assert _get(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
-    assert _get(s, "nanwatch_loss_scale", run_id="amp") == 256.0
+    assert sample(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
+    assert sample(s, "nanwatch_loss_scale", run_id="amp") == 256.0
 
 
 def test_the_math_fallback_is_named_by_site_and_rank(collector):
     url = collector.url
-    _post(url, step_report(run_id="slow", rank=0, world_size=2, seq=0),
+    post_reports(url, step_report(run_id="slow", rank=0, world_size=2, seq=0),
           step_report(run_id="slow", rank=1, world_size=2, seq=0, backend="math"),
           step_report(run_id="slow", rank=0, world_size=2, seq=1, backend="math", dtype="float32"))  # fp32: not it
     assert _of(scrape(url), "nanwatch_math_fallback_info", "slow") == {
@@ -147,34 +135,34 @@ def test_the_math_fallback_is_named_by_site_and_rank(collector):
 def test_a_run_that_ends_normally_says_so_and_survives_a_restart(tmp_path):
     db, run = tmp_path / "e.db", "done"
     with CollectorProcess(db_path=db) as c:
-        _post(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0, nan_at=L0, nan=1) for k in (0, 1)),
+        post_reports(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0, nan_at=L0, nan=1) for k in (0, 1)),
               auth=JSON)
-        _post(c.url, step_report(run_id=run, rank=0, world_size=2, seq=1).model_copy(update={"final": True}),
+        post_reports(c.url, step_report(run_id=run, rank=0, world_size=2, seq=1).model_copy(update={"final": True}),
               auth=JSON)
-        s, view = scrape(c.url), _run(c.url, run, auth={})
+        s, view = scrape(c.url), run_view(c.url, run, auth={})
         assert _ranks(s, "nanwatch_last_report_timestamp_seconds", run) == {"1"}  # rank 0 ended: no RankStale
         assert _ranks(s, "nanwatch_attention_mode", run) == {"1"}
-        assert view["status"] == "live" and view["live_ranks"] == 1 and _get(s, "nanwatch_run_ended", run_id=run) is None
-        _post(c.url, step_report(run_id=run, rank=1, world_size=2, seq=1).model_copy(update={"final": True}),
+        assert view["status"] == "live" and view["live_ranks"] == 1 and sample(s, "nanwatch_run_ended", run_id=run) is None
+        post_reports(c.url, step_report(run_id=run, rank=1, world_size=2, seq=1).model_copy(update={"final": True}),
               auth=JSON)
         # a straggling heartbeat of an incarnation that ended holds nothing
-        _post(c.url, StepReport(run_id=run, scope="heartbeat", rank=1, world_size=2, incarnation="inc0", seq=2,
+        post_reports(c.url, StepReport(run_id=run, scope="heartbeat", rank=1, world_size=2, incarnation="inc0", seq=2,
                                 step=1, time=time.time()), auth=JSON)
-        s, view = scrape(c.url), _run(c.url, run, auth={})
-        assert _get(s, "nanwatch_run_ended", run_id=run) == 1
+        s, view = scrape(c.url), run_view(c.url, run, auth={})
+        assert sample(s, "nanwatch_run_ended", run_id=run) == 1
         assert not _of(s, "nanwatch_last_report_timestamp_seconds", run) and not _of(s, "nanwatch_live_ranks", run)
         assert (view["status"], view["live_ranks"], view["event_counts"]["run_ended"]) == ("ended", 0, 1)
-        assert _get(s, "nanwatch_run_nonfinite_values_total", run_id=run, **FWD, kind="nan", stage="train") == 2
+        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id=run, **FWD, kind="nan", stage="train") == 2
     with CollectorProcess(db_path=db) as c:
-        assert _run(c.url, run, auth={})["status"] == "ended"
-        assert _get(scrape(c.url), "nanwatch_run_ended", run_id=run) == 1
+        assert run_view(c.url, run, auth={})["status"] == "ended"
+        assert sample(scrape(c.url), "nanwatch_run_ended", run_id=run) == 1
         # a new incarnation revives it
-        _post(c.url, step_report(run_id=run, rank=0, world_size=2, seq=0, incarnation="inc1"), auth=JSON)
-        s, view = scrape(c.url), _run(c.url, run, auth={})
-        assert view["status"] == "live" and _get(s, "nanwatch_run_ended", run_id=run) is None
+        post_reports(c.url, step_report(run_id=run, rank=0, world_size=2, seq=0, incarnation="inc1"), auth=JSON)
+        s, view = scrape(c.url), run_view(c.url, run, auth={})
+        assert view["status"] == "live" and sample(s, "nanwatch_run_ended", run_id=run) is None
         assert _ranks(s, "nanwatch_last_report_timestamp_seconds", run) == {"0"}
     with CollectorProcess(db_path=db) as c:  # the revival is stored too
-        assert _run(c.url, run, auth={})["status"] == "idle"
+        assert run_view(c.url, run, auth={})["status"] == "idle"
 
 
 def _until_expired(url: str, run: str, rank: str, keep_alive, what: str) -> dict:
@@ -192,23 +180,23 @@ def test_a_hung_rank_keeps_its_last_report_time_until_it_ends(tmp_path):
     env = {"NANWATCH_RANK_TTL_S": "0.5"}
     run, seq = "hung", iter(range(1, 10_000))
     with CollectorProcess(db_path=tmp_path / "h.db", env=env) as c:
-        _post(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0, nan_at=L0 if k else None,
+        post_reports(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0, nan_at=L0 if k else None,
                                    nan=4 if k else 0) for k in (0, 1)), auth=JSON)
 
         def rank0() -> None:
-            _post(c.url, step_report(run_id=run, rank=0, world_size=2, seq=next(seq)), auth=JSON)
+            post_reports(c.url, step_report(run_id=run, rank=0, world_size=2, seq=next(seq)), auth=JSON)
 
         s = _until_expired(c.url, run, "1", rank0, "silent rank")
         assert _ranks(s, "nanwatch_last_report_timestamp_seconds", run) == {"0", "1"}  # hung: still alerting
-        assert _get(s, "nanwatch_live_ranks", run_id=run) == 1
+        assert sample(s, "nanwatch_live_ranks", run_id=run) == 1
         assert _ranks(s, "nanwatch_nonfinite_values_total", run) == {"0"}
         # it comes back after its TTL: its counter at its total at once
-        _post(c.url, step_report(run_id=run, rank=1, world_size=2, seq=1), auth=JSON)
-        assert _get(scrape(c.url, settled=False), "nanwatch_nonfinite_values_total", run_id=run, rank="1", **FWD,
+        post_reports(c.url, step_report(run_id=run, rank=1, world_size=2, seq=1), auth=JSON)
+        assert sample(scrape(c.url, settled=False), "nanwatch_nonfinite_values_total", run_id=run, rank="1", **FWD,
                     kind="nan") == 4
         # silent again, then it closes normally: its last report time goes at once
         _until_expired(c.url, run, "1", rank0, "silent again")
-        _post(c.url, step_report(run_id=run, rank=1, world_size=2, seq=2).model_copy(update={"final": True}),
+        post_reports(c.url, step_report(run_id=run, rank=1, world_size=2, seq=2).model_copy(update={"final": True}),
               auth=JSON)
         assert _ranks(scrape(c.url), "nanwatch_last_report_timestamp_seconds", run) == {"0"}
 
@@ -218,10 +206,10 @@ def test_a_hung_rank_is_let_go_after_the_silent_keep(tmp_path):
     env = {"NANWATCH_RANK_TTL_S": "0.5", "NANWATCH_SILENT_KEEP_S": "3"}
     run, seq = "let-go", iter(range(1, 10_000))
     with CollectorProcess(db_path=tmp_path / "k.db", env=env) as c:
-        _post(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0) for k in (0, 1)), auth=JSON)
+        post_reports(c.url, *(step_report(run_id=run, rank=k, world_size=2, seq=0) for k in (0, 1)), auth=JSON)
 
         def rank0() -> None:
-            _post(c.url, step_report(run_id=run, rank=0, world_size=2, seq=next(seq)), auth=JSON)
+            post_reports(c.url, step_report(run_id=run, rank=0, world_size=2, seq=next(seq)), auth=JSON)
 
         s = _until_expired(c.url, run, "1", rank0, "silent rank")
         seen_hung = "1" in _ranks(s, "nanwatch_last_report_timestamp_seconds", run)
@@ -231,4 +219,4 @@ def test_a_hung_rank_is_let_go_after_the_silent_keep(tmp_path):
             rank0()
             time.sleep(0.2)
         assert seen_hung  # it was kept past its TTL, then let go
-        assert _run(c.url, run, auth={})["status"] == "live"
+        assert run_view(c.url, run, auth={})["status"] == "live"

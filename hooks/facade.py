@@ -27,6 +27,7 @@ from nanwatch.hooks import compiled
 from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
+from nanwatch.hooks.eval_windows import EvalWindows
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
 from nanwatch.hooks.install import install, user_model
 from nanwatch.hooks.loss_scaling import LossScaling
@@ -104,10 +105,7 @@ class Monitor:
         self._active = False
         self._open_step: int | None = None
         self._last_step: int | None = None  # the last training step opened: what an evaluation follows
-        self._eval_step: int | None = None  # the open eval window's step (None: no window)
-        self._eval_implicit = False  # the open window was opened by an eval forward outside a step
         self._raised: str | None = None  # the exception type the open step raised
-        self._eval_raised: str | None = None  # ... and the open eval window
         self._ended_by: str | None = None  # an exception that ended the run (no final report then)
         self._reported_step: int | None = None  # the step of the last report handed over (the final's step)
         self._scaling: LossScaling | None = None  # the GradScalers watched (``nanwatch.hooks.loss_scaling``)
@@ -115,6 +113,7 @@ class Monitor:
         self.directive_state = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                               check_every=config.directive_check_every)
         self._probes: Probes | None = None
+        self._evals = EvalWindows(self._rec, hand_over=self._hand_over, new_window=lambda: self._probes.new_window())
         self._guards: list[WeightGuard] = []
         self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
         self._discovery: OptimizerDiscovery | None = None
@@ -215,7 +214,7 @@ class Monitor:
         if not self._active:
             self._flow.close(timeout)  # never attached (or already closed): just the thread
             return
-        if self._eval_step is not None:  # e.g. the final evaluation, run after the last step
+        if self._evals.open:  # e.g. the final evaluation, run after the last step
             guarded(self.end_eval)
         if self._open_step is not None:  # e.g. the training loop raised inside a step: report it
             guarded(self.end_step)
@@ -315,7 +314,7 @@ class Monitor:
         reported first."""
         if not isinstance(n, int) or not 0 <= n <= MAX_INT:
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {n!r}")
-        if self._eval_step is not None:  # an evaluation between steps ends when training resumes
+        if self._evals.open:  # an evaluation between steps ends when training resumes
             guarded(self.end_eval)
         if self._open_step is not None:
             guarded(self.end_step)
@@ -342,7 +341,7 @@ class Monitor:
 
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync)."""
-        if self._eval_step is not None:  # an evaluation inside the step: reported on its own, first
+        if self._evals.open:  # an evaluation inside the step: reported on its own, first
             guarded(self.end_eval)
         n, self._open_step = self._open_step, None
         raised, self._raised = self._raised, None
@@ -378,9 +377,7 @@ class Monitor:
         ``evaluating()`` and ``__exit__`` call it themselves)."""
         kind = (exc if isinstance(exc, type) else type(exc)).__name__[:128]
         self._ended_by = self._ended_by or kind  # the run did not end normally: no final report at close
-        if self._eval_step is not None:
-            self._eval_raised = self._eval_raised or kind
-        elif self._open_step is not None:
+        if not self._evals.mark_raised(kind) and self._open_step is not None:
             self._raised = self._raised or kind
 
     # ---- evaluations -----------------------------------------------------------------------------
@@ -396,42 +393,20 @@ class Monitor:
         reported first."""
         if step is not None and (not isinstance(step, int) or not 0 <= step <= MAX_INT):
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {step!r}")
-        if self._eval_step is not None:
+        if self._evals.open:
             guarded(self.end_eval)
-        if not self._active:
-            return
-        if self._open_step is None:  # between steps: what ran outside one so far stays for the next step
-            self._rec.fold_compiled(compiled.drain())
-        self._eval_step = step if step is not None else self._open_step if self._open_step is not None else (
-            self._last_step or 0)
-        self._eval_implicit = False
-        self._eval_raised = None
-        self._rec.enter_eval()
-        self._probes.new_window()
+        if self._active:
+            self._evals.begin(step, open_step=self._open_step, last_step=self._last_step)
 
     def end_eval(self) -> None:
         """Close the eval window and hand its report to the reporter (no host sync)."""
-        n, self._eval_step = self._eval_step, None
-        if n is None or not self._active:
-            return
-        if self._open_step is None:  # compiled eval forwards (inside a step they stay the step's)
-            self._rec.fold_compiled(compiled.drain())
-        raised, self._eval_raised = self._eval_raised, None
-        try:
-            self._hand_over(n, raised)
-        finally:
-            self._rec.leave_eval()
-            self._probes.new_window()
+        self._evals.end(active=self._active, in_step=self._open_step is not None)
 
     def _forward_outside_step(self, stage: str) -> None:
-        """Probes: a model forward of ``stage`` starts outside any training step. An eval forward there opens
-        an evaluation's own report (HF's Trainer evaluates between on_step_end and the next on_step_begin);
-        a training forward closes such an implicit window (explicit ones close themselves)."""
-        if stage == "eval" and self._eval_step is None:
-            self.begin_eval()
-            self._eval_implicit = True
-        elif stage != "eval" and self._eval_implicit and self._eval_step is not None:
-            self.end_eval()
+        """Probes: a model forward of ``stage`` starts outside any training step (an implicit eval window,
+        ``nanwatch.hooks.eval_windows``)."""
+        if self._active:  # a window is only ever open while active
+            self._evals.outside_step(stage, open_step=self._open_step, last_step=self._last_step)
 
     def _note_unfound(self) -> None:
         """No optimizer found yet: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""

@@ -29,10 +29,9 @@ from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
 from nanwatch.hooks.eval_windows import EvalWindows
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
+from nanwatch.hooks.guards import Guards
 from nanwatch.hooks.install import install, user_model
 from nanwatch.hooks.loss_scaling import LossScaling
-from nanwatch.hooks.optimizer_check import OptimizerCheck
-from nanwatch.hooks.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.param_sweep import ParamSweep
 from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder, StepState
@@ -40,7 +39,7 @@ from nanwatch.hooks.replay import classify
 from nanwatch.hooks.report import StepContext
 from nanwatch.hooks.report_flow import ReportFlow
 from nanwatch.hooks.rlhf import checked_kl, record_rlhf
-from nanwatch.hooks.weight_guard import WeightGuard, drop_grads_if_flagged, guard_of, inner_optimizer
+from nanwatch.hooks.weight_guard import WeightGuard
 from nanwatch.wire import MAX_INT, StepReport
 
 __all__ = ["Monitor", "attach"]
@@ -114,11 +113,10 @@ class Monitor:
                                               check_every=config.directive_check_every)
         self._probes: Probes | None = None
         self._evals = EvalWindows(self._rec, hand_over=self._hand_over, new_window=lambda: self._probes.new_window())
-        self._guards: list[WeightGuard] = []
-        self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
-        self._discovery: OptimizerDiscovery | None = None
-        self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
-        self._sweep = ParamSweep(self._model, optimizers=self._optimizers, every=config.param_check_every)
+        self._guards = Guards(self._model, config=config, rec=self._rec, directive_state=self.directive_state,
+                              warn=self._warn_once, device=self._device,
+                              keep_forward_inputs=lambda on: self._probes.keep_forward_inputs(on))
+        self._sweep = ParamSweep(self._model, optimizers=self._guards.optimizers, every=config.param_check_every)
         self._incident_done = False
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
                                 rec=self._rec, warn=self._warn_once, directive_state=self.directive_state,
@@ -169,11 +167,11 @@ class Monitor:
             self._handles.append(self._scaling)
             if scaler is not None:
                 self._scaling.watch(scaler)
+            self._handles.append(self._guards)  # after the scalers: removed before them
             if cfg.guard == "auto" or cfg.optimizer_check:
-                self._discovery = OptimizerDiscovery(model, on_found=self._found_optimizer)
-                self._handles.append(self._discovery)
+                self._guards.discover(model, on_found=self._found_optimizer)
             if optimizer is not None:
-                self._check(optimizer)
+                self._guards.check(optimizer)
                 if cfg.guard == "auto":
                     self.guard(optimizer)
         except BaseException as exc:
@@ -245,50 +243,12 @@ class Monitor:
         """
         if not self._active:
             raise RuntimeError("nanwatch: guard() needs an attached Monitor")
-        existing = guard_of(optimizer)
-        if existing is not None:
-            if existing not in self._guards:
-                self._warn_once(f"{type(existing.optimizer).__name__} is guarded by another Monitor already; "
-                                "it is not guarded twice")
-            return existing
-        g = WeightGuard(optimizer, rec=self._rec, directive_state=self.directive_state, host_read=sync is not False,
-                        warn=self._warn_once)
-        self._guards.append(g)
-        self._handles.append(g)
-        self._check(optimizer)
-        replay_on = self.config.replay if self.config.replay is not None else self._device.type == "cpu"
-        self._probes.keep_forward_inputs(bool(replay_on and any(x.effective for x in self._guards)))
-        return g
-
-    def _check(self, optimizer: torch.optim.Optimizer) -> None:
-        """Check the parameters ``optimizer`` writes after each of its steps (``optimizer_check``)."""
-        opt = inner_optimizer(optimizer)
-        model = self._model()
-        if not self.config.optimizer_check or id(opt) in self._checks or model is None:
-            return
-        check = OptimizerCheck(opt, rec=self._rec, names={id(p): n for n, p in model.named_parameters()})
-        self._checks[id(opt)] = check
-        self._handles.append(check)
-
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers this Monitor guards or checks (their state joins the rotating parameter check)."""
-        opts = {id(c.optimizer): c.optimizer for c in self._checks.values()}
-        opts.update((id(g.optimizer), g.optimizer) for g in self._guards)
-        return list(opts.values())
+        return self._guards.guard(optimizer, sync=sync)
 
     def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Discovery (inside ``optimizer``'s first step, training thread): check it and, under
-        ``guard="auto"``, guard it from now on and decide this call by dropping its gradients when the
-        step's flag is set. Every rank finds the same optimizer at the same step, so the flag's reduction
-        is issued on every rank."""
-        if not self._active:
-            return
-        self._check(optimizer)
-        if self.config.guard != "auto" or guard_of(optimizer) is not None:
-            return
-        g = self.guard(optimizer)
-        log.info("nanwatch: guarding %s, found stepping the model's parameters", type(g.optimizer).__name__)
-        drop_grads_if_flagged(g.optimizer, self._rec)
+        """Discovery found ``optimizer`` stepping the model (``Guards.found``), while attached."""
+        if self._active:
+            self._guards.found(optimizer)
 
     # ---- steps -----------------------------------------------------------------------------------
     def step(self, n: int) -> contextlib.AbstractContextManager[Monitor]:
@@ -330,8 +290,7 @@ class Monitor:
             self.directive_state.at_step_boundary(n)
         except Exception as exc:
             probe_failed(exc)
-        for check in self._checks.values():  # the weights this step starts from, as the last update left them
-            guarded(check.carry)
+        self._guards.at_step_start()
         if self.config.param_check_every and self._probes is not None:
             guarded(self._check_params)
 
@@ -350,8 +309,7 @@ class Monitor:
         if n is None or not self._active:
             return
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
-        if self._discovery is not None and not self._checks and not self._guards:
-            guarded(self._note_unfound)
+        self._guards.at_step_end()
         if self._scaling is not None:
             guarded(self._scaling.at_step_end)
         if self._probes.keep_inputs and not self._incident_done and raised is None:
@@ -408,15 +366,6 @@ class Monitor:
         if self._active:  # a window is only ever open while active
             self._evals.outside_step(stage, open_step=self._open_step, last_step=self._last_step)
 
-    def _note_unfound(self) -> None:
-        """No optimizer found yet: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
-        self._steps_unfound += self._rec.trained
-        if self._steps_unfound == UNFOUND_AFTER_STEPS:
-            self._warn_once(f"no torch.optim optimizer stepped this model's parameters in {UNFOUND_AFTER_STEPS} "
-                            "training steps: the weights are not guarded and the optimizer update is not "
-                            "checked. Pass attach(..., optimizer=opt), or call monitor.guard(opt); an optimizer "
-                            "that is not a torch.optim.Optimizer cannot be guarded (use should_skip_step())")
-
     def _classify(self, n: int) -> None:
         """Replay mode: read this step's non-finite flag (the one host read it costs) and, the first time
         it is set, classify the step by a differential replay before anything else moves."""
@@ -428,7 +377,7 @@ class Monitor:
             return
         self._incident_done = True
         classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self.directive_state,
-                 step=n, guarded=any(g.effective for g in self._guards), rank=self.rank)
+                 step=n, guarded=self._guards.effective, rank=self.rank)
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""

@@ -32,6 +32,7 @@ from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
 from nanwatch.hooks.guards import Guards
 from nanwatch.hooks.install import install, user_model
 from nanwatch.hooks.loss_scaling import LossScaling
+from nanwatch.hooks.optimizer_discovery import steps_model
 from nanwatch.hooks.param_sweep import ParamSweep
 from nanwatch.hooks.probes import Probes
 from nanwatch.hooks.recorder import Recorder, StepState
@@ -163,7 +164,8 @@ class Monitor:
                 self._flow.send_to(ReportSender(cfg.collector, token=cfg.token))
                 if cfg.directive_source in ("auto", "collector") and self.rank == 0:  # the others: by agreement
                     self.directive_state.follow(DirectivePoller(cfg.collector, cfg.run_id, token=cfg.token))
-            self._scaling = LossScaling(self._rec, steps_model=self._steps_model, warn=self._warn_once)
+            self._scaling = LossScaling(self._rec, steps_model=lambda opt: steps_model(self._model(), opt),
+                                        warn=self._warn_once)
             self._handles.append(self._scaling)
             if scaler is not None:
                 self._scaling.watch(scaler)
@@ -195,14 +197,6 @@ class Monitor:
         if not self._active or self._scaling is None:
             raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
         self._scaling.watch(scaler)
-
-    def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
-        """``optimizer`` updates a parameter of this Monitor's model."""
-        model = self._model()
-        if model is None:
-            return False
-        ids = {id(p) for p in model.parameters()}
-        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
     def close(self, timeout: float = 10.0) -> None:
         """Remove every hook, restore the patched functions, flush the last reports (bounded wait). A normal
@@ -371,9 +365,7 @@ class Monitor:
         it is set, classify the step by a differential replay before anything else moves."""
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: replay mode (free on the CPU; opt-in on GPU)
             return
-        # a loss-scale overflow the GradScaler handled (gradients only) is no incident: no replay for it
-        if (self._scaling is not None and self._scaling.overflow_found()  # sync-ok: replay mode, flag set
-                and self._rec.nonfinite_phases() <= {"backward"}):
+        if self._scaling is not None and self._scaling.handled_overflow():  # sync-ok: replay mode, flag set
             return
         self._incident_done = True
         classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self.directive_state,

@@ -216,6 +216,12 @@ class LossScaling:
         caller's ``# sync-ok``: replay mode only)."""
         return any(bool(t) for t in self._found)  # sync-ok: replay mode, a step whose flag is already set
 
+    def handled_overflow(self) -> bool:
+        """The open step's non-finite values were an overflow the scaler handled (it found inf/NaN, and only
+        gradients were non-finite): no incident, so no replay. Host reads, as :meth:`overflow_found` (replay
+        mode only)."""
+        return self.overflow_found() and self._rec.nonfinite_phases() <= {"backward"}
+
     def new_step(self) -> None:
         self._found = []
 

@@ -26,11 +26,20 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanwatch.hooks.failsafe import probe_failed
 
-__all__ = ["UNFOUND_AFTER_STEPS", "OptimizerDiscovery"]
+__all__ = ["UNFOUND_AFTER_STEPS", "OptimizerDiscovery", "steps_model"]
 
 #: Training steps (a training forward in the step) after which a Monitor that found no optimizer says so.
 #: More than one, since a loop whose nanwatch steps are micro-batches steps its optimizer every few.
 UNFOUND_AFTER_STEPS = 8
+
+
+def steps_model(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer`` updates a parameter of ``model`` (False once the model is gone). Read afresh each call:
+    for the rare lookups that need no cache (a GradScaler's first step, ``nanwatch.hooks.loss_scaling``)."""
+    if model is None:
+        return False
+    ids = {id(p) for p in model.parameters()}
+    return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
 
 class OptimizerDiscovery:

@@ -275,10 +275,9 @@ class Monitor:
         self._open_step = self._last_step = n
         self._raised = None
         self._ended_by = None  # training went on after an exception it caught (e.g. an OOM retry)
-        if self._probes is not None:
-            self._probes.in_step(True)
         every = self.config.exact_logit_every
         if self._probes is not None:
+            self._probes.in_step(True)
             self._probes.begin_step(sampled=bool(every) and n % every == 0)
         try:
             self.directive_state.at_step_boundary(n)

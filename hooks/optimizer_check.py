@@ -120,6 +120,9 @@ class OptimizerCheck:
         self._names = names
         self._owner = type(optimizer).__name__
         self._last: tuple[ParamBatch, list[torch.Tensor], list[int]] | None = None
+        #: the parameters of the last check, by id, and what is derived from them alone (their grouping by
+        #: device and dtype, names, dtypes, sizes): the same every step unless the set of updated ones changes
+        self._layout: tuple[tuple[int, ...], list[list[torch.Tensor]], dict[str, list]] | None = None
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -132,20 +135,32 @@ class OptimizerCheck:
                   if p.grad is not None and p.is_floating_point()]
         if not params:
             return
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in params:
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        ordered = [p for group in groups.values() for p in group]
+        groups, meta = self._layout_of(params)
         parts = [torch.stack(torch._foreach_norm([_local(p).detach() for p in group], ord=math.inf))
-                 for group in groups.values()]
-        names = self._names
+                 for group in groups]
         batch = ParamBatch(
-            pos=0, phase="optimizer", owner=self._owner,
-            names=[names.get(id(p)) or f"{self._owner}.param{i}" for i, p in enumerate(ordered)],
-            dtypes=[dtype_name(p.dtype) for p in ordered], numels=[p.numel() for p in ordered],
+            pos=0, phase="optimizer", owner=self._owner, names=meta["names"], dtypes=meta["dtypes"],
+            numels=meta["numels"],
             values=parts[0] if len(parts) == 1 else torch.cat([x.float().to(parts[0].device) for x in parts]))
         self._rec.param_batch(batch)
+        ordered = meta["ordered"]
         self._last = (batch, ordered, [p._version for p in ordered])
+
+    def _layout_of(self, params: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], dict[str, list]]:
+        """``params`` grouped by (device, dtype), and their names, dtypes and sizes in that order: computed
+        once per set of updated parameters, not every step."""
+        key = tuple(id(p) for p in params)
+        if self._layout is None or self._layout[0] != key:
+            by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in params:
+                by.setdefault((p.device, p.dtype), []).append(p)
+            groups = list(by.values())
+            ordered = [p for group in groups for p in group]
+            meta = {"names": [self._names.get(id(p)) or f"{self._owner}.param{i}" for i, p in enumerate(ordered)],
+                    "dtypes": [dtype_name(p.dtype) for p in ordered], "numels": [p.numel() for p in ordered],
+                    "ordered": ordered}
+            self._layout = (key, groups, meta)
+        return self._layout[1], self._layout[2]
 
     def carry(self) -> None:
         """Step start: the last check's values, as the weights this step starts from; kept while the

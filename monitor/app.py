@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from nanwatch.monitor.auth import TokenTable
 from nanwatch.monitor.deps import Resources
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.exception_handlers import install_exception_handlers
@@ -50,11 +51,11 @@ def _resources(settings: Settings) -> Resources:
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
-    enc = {k: v.encode() for k, v in settings.ingest_tokens().items()}
-    adm = {k: v.encode() for k, v in settings.admin_token_map().items()}
-    met = {k: v.encode() for k, v in settings.metrics_token_map().items()}
+    scopes = settings.ingest_namespaces()
+    tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
+                        admin=settings.admin_token_map(), reader=settings.metrics_token_map())
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,
-                     metrics=metrics, ingest_tokens=enc, admin_tokens=adm, metrics_tokens=met)
+                     metrics=metrics, tokens=tokens)
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:

@@ -1,24 +1,19 @@
-"""Dependencies and their ``Annotated`` aliases: resources owned by the lifespan, and bearer-token auth.
-
-Tokens are compared with ``secrets.compare_digest`` against every configured token (no early exit), and
-the matching token's name is what the audit log records. A scope with no token configured is open; that
-is only allowed on loopback (``Settings.check_exposure``).
-"""
+"""Dependencies and their ``Annotated`` aliases: resources owned by the lifespan, and bearer-token auth
+(who a token is, and which runs it owns: ``nanwatch.monitor.auth``)."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from nanwatch.monitor.auth import Principal, Role, TokenTable
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.exporter import MetricsRenderer
 from nanwatch.monitor.ledger import Ledger
 from nanwatch.monitor.long_poll import LongPoll
-from nanwatch.monitor.refusal import Refused
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
@@ -49,9 +44,7 @@ class Resources:
     directive_log: DirectiveLog
     ledger: Ledger
     metrics: MetricsRenderer
-    ingest_tokens: dict[str, bytes]
-    admin_tokens: dict[str, bytes]
-    metrics_tokens: dict[str, bytes]
+    tokens: TokenTable
 
 
 async def _settings(request: Request) -> Settings:
@@ -75,61 +68,29 @@ ResourcesDep = Annotated[Resources, Depends(_resources)]
 _Creds = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 
-class _Unauthorized(Refused):
-    """No token, or not one of the scope's: 401 (403 for a valid token of another kind)."""
-
-    status, reason = 401, "unauthorized"
-
-    def __init__(self, detail: str, *, status: int = 401) -> None:
-        super().__init__(detail, status=status, headers={"WWW-Authenticate": "Bearer"})
+def _authorize(res: Resources, request: Request, role: Role) -> Principal:
+    return res.tokens.authorize(request.headers.get("authorization"), role)
 
 
-def _match(presented: bytes, tokens: dict[str, bytes]) -> str | None:
-    found = None
-    for name, token in tokens.items():
-        if secrets.compare_digest(presented, token):
-            found = name
-    return found
+async def _ingest(res: ResourcesDep, request: Request, _creds: _Creds) -> Principal:
+    return _authorize(res, request, "ingest")
 
 
-def _check(res: Resources, creds: HTTPAuthorizationCredentials | None, *, scope: str) -> str:
-    ingest, admin = res.ingest_tokens, res.admin_tokens
-    wanted = {"ingest": (ingest,), "admin": (admin,), "reader": (ingest, admin, res.metrics_tokens)}[scope]
-    if not any(wanted):  # a scope without tokens is open (loopback only)
-        return "anonymous"
-    if creds is None:
-        env = {"admin": "NANWATCH_ADMIN_TOKEN", "ingest": "NANWATCH_TOKEN"}.get(
-            scope, "any nanwatch token; Prometheus: the reader-only NANWATCH_METRICS_TOKEN")
-        raise _Unauthorized(f"missing bearer token: send 'Authorization: Bearer <token>' ({env})")
-    presented = creds.credentials.encode("latin-1")  # the header's bytes as sent (tokens are visible ASCII)
-    for tokens in wanted:
-        name = _match(presented, tokens)
-        if name is not None:
-            return name
-    others = {"ingest": (admin, res.metrics_tokens), "admin": (ingest, res.metrics_tokens)}.get(scope, ())
-    if any(_match(presented, tokens) is not None for tokens in others):
-        raise _Unauthorized(f"this token is not an {scope} token", status=403)
-    raise _Unauthorized("invalid bearer token")
+async def _admin(res: ResourcesDep, request: Request, _creds: _Creds) -> Principal:
+    return _authorize(res, request, "admin")
 
 
-async def _ingest(res: ResourcesDep, creds: _Creds) -> str:
-    return _check(res, creds, scope="ingest")
+async def _reader(res: ResourcesDep, request: Request, _creds: _Creds) -> Principal:
+    return _authorize(res, request, "reader")
 
 
-async def _admin(res: ResourcesDep, creds: _Creds) -> str:
-    return _check(res, creds, scope="admin")
+async def _metrics_reader(res: ResourcesDep, request: Request, settings: SettingsDep, _creds: _Creds) -> Principal:
+    return Principal("anonymous", "reader") if settings.metrics_public else _authorize(res, request, "reader")
 
 
-async def _reader(res: ResourcesDep, creds: _Creds) -> str:
-    return _check(res, creds, scope="reader")
-
-
-async def _metrics_reader(res: ResourcesDep, settings: SettingsDep, creds: _Creds) -> str:
-    return "anonymous" if settings.metrics_public else _check(res, creds, scope="reader")
-
-
-#: The name of the token that authenticated the request ("anonymous" where the scope is open).
-IngestToken = Annotated[str, Depends(_ingest)]
-AdminToken = Annotated[str, Depends(_admin)]
-ReaderToken = Annotated[str, Depends(_reader)]
-MetricsReader = Annotated[str, Depends(_metrics_reader)]
+#: Who sent the request (``nanwatch.monitor.auth``; "anonymous" where the role is open). The ``bearer``
+#: security dependency only documents the scheme in OpenAPI: the token is checked from the header.
+IngestToken = Annotated[Principal, Depends(_ingest)]
+AdminToken = Annotated[Principal, Depends(_admin)]
+ReaderToken = Annotated[Principal, Depends(_reader)]
+MetricsReader = Annotated[Principal, Depends(_metrics_reader)]

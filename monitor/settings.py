@@ -11,17 +11,28 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
 from nanwatch.tokens import check_token, read_token_file
 
-__all__ = ["Rule", "Settings", "TokenName", "get_settings", "is_loopback"]
+__all__ = ["Rule", "RunGlob", "ScopedToken", "Settings", "TokenName", "get_settings", "is_loopback"]
 
 #: A token's audit name (the key of ``NANWATCH_TOKENS`` / ``NANWATCH_ADMIN_TOKENS``), written to the audit
 #: log of every directive change it makes.
 TokenName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+#: A run-id namespace: a glob (``*``, ``?``) over run ids, e.g. ``team-a-*``.
+RunGlob = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:@+=*?-]{1,128}$")]
+
+
+class ScopedToken(BaseModel):
+    """A named ingest token that owns a run-id namespace: ``{"token": "...", "runs": "team-a-*"}``. It
+    writes, reads and polls only the runs whose id matches ``runs``, and its namespace has its own caps."""
+
+    model_config = ConfigDict(extra="forbid")
+    token: SecretStr
+    runs: RunGlob
 
 
 def is_loopback(host: str) -> bool:
@@ -55,8 +66,9 @@ class Settings(BaseSettings):
     """Reader-only token (``NANWATCH_METRICS_TOKEN``), audit name ``metrics``: for Prometheus, which then
     cannot ingest or change directives. Reading (``/metrics``, ``/v1/runs``) takes any token kind."""
     metrics_token_file: Path | None = None
-    tokens: dict[TokenName, SecretStr] = {}
-    """More ingest tokens by name: ``{"team-a": "..."}``."""
+    tokens: dict[TokenName, SecretStr | ScopedToken] = {}
+    """More ingest tokens by name. Scoped (each team its own namespace): ``{"team-a": {"token": "...",
+    "runs": "team-a-*"}}``; a bare ``{"ci": "..."}`` owns every run, like ``NANWATCH_TOKEN``."""
     admin_tokens: dict[TokenName, SecretStr] = {}
     """More admin tokens by name; the name is written to the audit log of every directive change."""
     rank_ttl_s: Annotated[float, Field(gt=0)] = 300.0
@@ -126,7 +138,12 @@ class Settings(BaseSettings):
 
     def ingest_tokens(self) -> dict[str, str]:
         """Every accepted ingest token, by audit name."""
-        return _collect("ingest", self.token, self.token_file, self.tokens)
+        named = {k: v.token if isinstance(v, ScopedToken) else v for k, v in self.tokens.items()}
+        return _collect("ingest", self.token, self.token_file, named)
+
+    def ingest_namespaces(self) -> dict[str, str]:
+        """The run-id glob each scoped ingest token owns, by audit name (unscoped tokens own every run)."""
+        return {k: v.runs for k, v in self.tokens.items() if isinstance(v, ScopedToken)}
 
     def admin_token_map(self) -> dict[str, str]:
         """Every accepted admin token, by audit name."""

@@ -47,11 +47,11 @@ async def put_directive(run_id: RunIdPath, request: Request, res: ResourcesDep, 
     apply (the next step, or the next agreement step under torch.distributed) plus the margin.
     The change is audit-logged as an event naming the admin token that made it."""
     spec = parse_spec(await request.body())
-    return ApiJSON(res.ledger.set_directive(run_id, spec, actor=token))
+    return ApiJSON(res.ledger.set_directive(run_id, spec, actor=token.name))
 
 
 @router.delete("/v1/directives/{run_id}", response_model=Directive, response_class=ApiJSON,
                responses=_RESPONSES)
 async def clear_directive(run_id: RunIdPath, res: ResourcesDep, token: AdminToken) -> ApiJSON:
     """Go back to the model's own attention path: a new version with mode ``none``."""
-    return ApiJSON(res.ledger.clear_directive(run_id, actor=token))
+    return ApiJSON(res.ledger.clear_directive(run_id, actor=token.name))

@@ -100,9 +100,14 @@ Backend = Literal[
 #: Run ids travel in URL paths and Prometheus labels: a safe, bounded alphabet.
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+#: Characters no label or shown text may hold: C1 controls (U+0085 is a line break to some readers), the
+#: line and paragraph separators, and the bidirectional marks, embeddings, overrides and isolates (U+202E
+#: shows ``gsm.tfos`` for ``soft.msg``: a site name on a page or a dashboard must read as it is).
+_INVISIBLE = r"\u0080-\u009f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
 # Site names are module FQNs or user-given watch names: printable, bounded, no control characters.
-SiteName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
-ShortText = Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x08\x0b-\x1f\x7f]*$")]
+SiteName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=rf"^[^\x00-\x1f\x7f{_INVISIBLE}]+$")]
+ShortText = Annotated[str, StringConstraints(max_length=1024,
+                                             pattern=rf"^[^\x00-\x08\x0b-\x1f\x7f{_INVISIBLE}]*$")]
 #: Integers stay within what JSON readers (JavaScript, Prometheus' float64) and SQLite hold exactly.
 MAX_INT = 2**53 - 1
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]

@@ -438,6 +438,17 @@ def test_a_dtype_with_control_characters_is_refused(collector):
     assert resp.status_code == 422 and resp.json()["detail"][0]["loc"][-1] == "dtype"
 
 
+@pytest.mark.parametrize("char", ["\u0085", "\u202e", "\u2066", "\u200f", "\u2028"])
+def test_a_site_name_with_a_c1_control_or_a_bidi_mark_is_refused(collector, char):
+    """A site name becomes a label on a page and a dashboard: it must read as it is (#19: U+0085 and U+202E
+    were accepted)."""
+    r = json.loads(_batch(step_report(run_id="bidi", seq=0, nan_at="model.layers.0.self_attn", nan=1)))
+    r["reports"][0]["sites"][0]["site"] = f"model.{char}nrettap"
+    resp = httpx.post(f"{collector.url}/v1/reports", content=json.dumps(r), headers=INGEST_H)
+    assert resp.status_code == 422 and resp.json()["detail"][0]["loc"][-1] == "site"
+    assert httpx.get(f"{collector.url}/v1/runs/bidi", headers=INGEST_H).status_code == 404  # nothing applied
+
+
 def test_tokens_must_be_visible_ascii():
     with pytest.raises(ValueError, match="visible ASCII"):
         Settings(token="pässwort").ingest_tokens()

@@ -32,9 +32,14 @@ RULES = ROOT / "deploy" / "prometheus" / "rules"
 
 #: the job the alert rules select (up{job="nanwatch-collector"}), in compose and on Kubernetes alike
 JOB = "nanwatch-collector"
-#: the only ports a person needs, by service: host port -> bound to loopback only?
-PUBLISHED = {"collector": {8000: False}, "collector-1": {8001: False}, "grafana": {3000: False}, "prometheus": {9090: True},
-             "alertmanager": {9093: True}, "trainer": {}}
+#: the only ports a person needs, by service: host port -> may NANWATCH_PUBLISH move it off loopback? The
+#: shards publish nginx's TLS ports (nginx lives in their network namespace), never the collector's 8000.
+PUBLISHED = {"collector": {8443: True, 9443: True}, "collector-1": {8444: True, 9444: True},
+             "grafana": {3000: True}, "prometheus": {9090: False}, "alertmanager": {9093: False},
+             "nginx": {}, "nginx-1": {}, "trainer": {}}
+#: nginx in front of each shard: nginx service -> its shard
+NGINX = {"nginx": "collector", "nginx-1": "collector-1"}
+NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
 CRD_GROUPS = {"monitoring.coreos.com"}
 #: the newest Kubernetes version the installed kubernetes-validate has schemas for
@@ -75,14 +80,19 @@ def _volumes(service: dict) -> list[dict]:
     return out
 
 
-def _ports(service: dict) -> dict[int, str | None]:
-    """A service's published ports: host port -> host address (None: every address)."""
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:-default}`` and ``${VAR}`` with ``env`` (what an unset variable gives otherwise)."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+def _ports(service: dict, env: dict[str, str] | None = None) -> dict[int, str | None]:
+    """A service's published ports: host port -> host address (None: every address), with ``env`` set."""
     out = {}
     for p in service.get("ports", []):
         if isinstance(p, dict):
             out[int(p["published"])] = p.get("host_ip")
             continue
-        parts = str(p).split(":")
+        parts = _interpolate(str(p), env or {}).split(":")
         assert len(parts) in (2, 3), f"publish a port as [ip:]host:container, not {p!r}"
         out[int(parts[-2])] = parts[0] if len(parts) == 3 else None
     return out
@@ -155,12 +165,55 @@ def test_named_volumes_are_declared_and_hold_the_state(compose):
 
 
 def test_ports_are_published_only_where_a_person_needs_them(compose):
+    """Everything binds to loopback by default; NANWATCH_PUBLISH opens nginx and Grafana (both check who
+    calls), never Prometheus or Alertmanager (no authentication of their own)."""
     for name, svc in compose["services"].items():
         ports = _ports(svc)
         assert set(ports) == set(PUBLISHED[name]), f"{name} publishes {sorted(ports)}"
-        for port, loopback_only in PUBLISHED[name].items():
-            if loopback_only:  # no authentication of its own
-                assert ports[port] == "127.0.0.1", f"{name}:{port} must bind to 127.0.0.1"
+        assert all(host == "127.0.0.1" for host in ports.values()), f"{name}: {ports} by default"
+        opened = _ports(svc, {"NANWATCH_PUBLISH": "0.0.0.0"})
+        for port, movable in PUBLISHED[name].items():
+            assert opened[port] == ("0.0.0.0" if movable else "127.0.0.1"), f"{name}:{port} with NANWATCH_PUBLISH"
+    assert "NANWATCH_PUBLISH" in COMPOSE.read_text().split("name: nanwatch")[0], "document NANWATCH_PUBLISH"
+
+
+def test_no_container_port_8000_is_published(compose):
+    """The collector's own port is reached only on the compose network; from outside only through nginx."""
+    for name, svc in compose["services"].items():
+        for p in svc.get("ports", []):
+            container = p["target"] if isinstance(p, dict) else int(str(p).rsplit(":", 1)[1])
+            assert int(container) in (8443, 9443, 3000, 9090, 9093), f"{name} publishes container port {container}"
+
+
+def test_every_service_has_a_memory_limit(compose):
+    for name, svc in compose["services"].items():
+        limit = svc.get("mem_limit") or svc.get("deploy", {}).get("resources", {}).get("limits", {}).get("memory")
+        assert limit, f"{name}: no memory limit"
+    assert compose["services"]["collector"]["mem_limit"] == "1g"  # the k8s pod's limit (statefulset.yaml)
+
+
+def test_nginx_fronts_each_shard_with_the_shipped_config(compose):
+    """One nginx per shard, in the shard's network namespace (its upstream is 127.0.0.1:8000, as in the k8s
+    pod), with deploy/nginx/nginx.conf and the TLS pair where the config reads them."""
+    services = compose["services"]
+    shards = sorted(n for n in services if n == "collector" or n.startswith("collector-"))
+    assert sorted(NGINX.values()) == shards
+    conf = NGINX_CONF.read_text()
+    assert "server 127.0.0.1:8000;" in conf
+    for name, shard in NGINX.items():
+        svc = services[name]
+        assert svc["network_mode"] == f"service:{shard}"
+        assert svc["depends_on"] == {shard: {"condition": "service_healthy"}}
+        [mount] = [v for v in _volumes(svc) if v["type"] == "bind"]
+        assert (ROOT / mount["source"]).resolve() == NGINX_CONF and mount["read_only"]
+        command = svc["command"]
+        assert command[command.index("-c") + 1] == mount["target"]
+        targets = {s["target"] for s in svc["secrets"]}
+        for path in re.findall(r"ssl_certificate(?:_key)?\s+(\S+);", conf):
+            assert path in targets, f"{name}: nginx.conf reads {path}, which compose does not mount"
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"] and "/tmp" in svc["tmpfs"]
+        published = {int(str(p).rsplit(":", 1)[1]) for p in services[shard]["ports"]}
+        assert published == {int(p) for p in re.findall(r"listen (\d+) ssl;", conf)}
 
 
 def test_secrets_come_from_gitignored_files_that_are_documented(compose):

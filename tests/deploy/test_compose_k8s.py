@@ -41,7 +41,9 @@ PUBLISHED = {"collector": {8443: True, 9443: True}, "collector-1": {8444: True, 
 NGINX = {"nginx": "collector", "nginx-1": "collector-1"}
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
-CRD_GROUPS = {"monitoring.coreos.com"}
+CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
+#: files in deploy/k8s that are examples, not resources (kustomization.yaml leaves them out)
+EXAMPLES = {"secret.example.yaml", "certificate.example.yaml"}
 #: the newest Kubernetes version the installed kubernetes-validate has schemas for
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -206,8 +208,8 @@ def test_nginx_fronts_each_shard_with_the_shipped_config(compose):
         assert svc["depends_on"] == {shard: {"condition": "service_healthy"}}
         [mount] = [v for v in _volumes(svc) if v["type"] == "bind"]
         assert (ROOT / mount["source"]).resolve() == NGINX_CONF and mount["read_only"]
-        command = svc["command"]
-        assert command[command.index("-c") + 1] == mount["target"]
+        command = svc["entrypoint"]
+        assert command[0] == "nginx" and command[command.index("-c") + 1] == mount["target"]
         targets = {s["target"] for s in svc["secrets"]}
         for path in re.findall(r"ssl_certificate(?:_key)?\s+(\S+);", conf):
             assert path in targets, f"{name}: nginx.conf reads {path}, which compose does not mount"
@@ -455,7 +457,8 @@ def _core(manifests: dict[str, dict]) -> dict[str, dict]:
 
 def test_every_manifest_kind_is_expected(manifests):
     kinds = sorted(m["kind"] for m in manifests.values())
-    assert kinds == ["PrometheusRule", "Secret", "Service", "ServiceMonitor", "StatefulSet"]
+    assert kinds == ["Certificate", "ConfigMap", "NetworkPolicy", "PrometheusRule", "Secret", "Service",
+                     "ServiceMonitor", "StatefulSet"]
 
 
 @pytest.mark.parametrize("name", sorted(_core(_manifests())))
@@ -463,12 +466,12 @@ def test_core_manifest_validates(name, manifests):
     kubernetes_validate.validate(manifests[name], K8S_VERSION, strict=True)
 
 
-def test_kustomization_lists_every_manifest_but_the_example_secret(manifests):
+def test_kustomization_lists_every_manifest_but_the_examples(manifests):
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     resources = kustomization["resources"]
     assert len(resources) == len(set(resources))
-    assert set(resources) == set(manifests) - {"secret.example.yaml"}
+    assert set(resources) == set(manifests) - EXAMPLES
 
 
 def test_kustomize_builds_and_the_result_validates():
@@ -479,7 +482,8 @@ def test_kustomize_builds_and_the_result_validates():
     r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "NetworkPolicy", "PrometheusRule", "Service",
+                                               "ServiceMonitor", "StatefulSet"]
     for d in docs:
         if d["apiVersion"].split("/")[0] not in CRD_GROUPS:
             kubernetes_validate.validate(d, K8S_VERSION, strict=True)
@@ -490,10 +494,11 @@ def test_statefulset_of_shards(manifests):
     volume from a claim template, named through the headless Service."""
     dep = _of_kind(manifests, "StatefulSet")
     spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+    assert sorted(x["name"] for x in pod["containers"]) == ["collector", "nginx"]
     assert spec["replicas"] >= 2 and spec["serviceName"] == _of_kind(manifests, "Service")["metadata"]["name"]
     assert spec["updateStrategy"]["type"] == "RollingUpdate" and spec["podManagementPolicy"] == "Parallel"
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    [c] = pod["containers"]
+    c = _container(dep, "collector")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = c[probe]["httpGet"]
@@ -531,6 +536,49 @@ def test_statefulset_of_shards(manifests):
         assert keys[file.name] in example["stringData"], f"{var}: no key for {file.name} in the Secret"
 
 
+def _container(statefulset: dict, name: str) -> dict:
+    [c] = [x for x in statefulset["spec"]["template"]["spec"]["containers"] if x["name"] == name]
+    return c
+
+
+def _nginx_ports() -> dict[str, int]:
+    """nginx.conf's TLS ports by what they are for: https (trainers, readers), https-admin."""
+    conf = NGINX_CONF.read_text()
+    ports = [int(p) for p in re.findall(r"listen (\d+) ssl;", conf)]
+    assert ports == [8443, 9443], ports
+    return {"https": 8443, "https-admin": 9443}
+
+
+def test_nginx_sidecar_serves_the_shipped_config_with_the_tls_secret(manifests):
+    """Each pod's nginx: the generated ConfigMap where its command reads it, the kubernetes.io/tls Secret
+    where nginx.conf reads the pair, nginx.conf's ports, and the collector's own hardening."""
+    dep = _of_kind(manifests, "StatefulSet")
+    pod, c = dep["spec"]["template"]["spec"], _container(dep, "nginx")
+    assert _pinned(c["image"]) and "nginx" in c["image"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == _nginx_ports()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    conf = c["command"][c["command"].index("-c") + 1]
+    assert c["command"][0] == "nginx" and "daemon off;" in c["command"]
+    configmap = volumes[mounts[str(Path(conf).parent)]["name"]]["configMap"]
+    assert configmap["name"] == _of_kind(manifests, "ConfigMap")["metadata"]["name"] == generate.NGINX_CONFIGMAP
+    assert Path(conf).name in _of_kind(manifests, "ConfigMap")["data"]
+    text = NGINX_CONF.read_text()
+    for path in re.findall(r"ssl_certificate(?:_key)?\s+(\S+);", text):
+        secret = volumes[mounts[str(Path(path).parent)]["name"]]["secret"]
+        assert Path(path).name in {i["path"] for i in secret["items"]}
+        assert secret["secretName"] == _of_kind(manifests, "Certificate")["spec"]["secretName"]
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]], "nginx writes its pid and spooled bodies to /tmp"
+    assert all(m.get("readOnly") for path, m in mounts.items() if path != "/tmp")
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
+    assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+    # the upstream is the collector in the same pod
+    collector = _container(dep, "collector")
+    assert "server 127.0.0.1:8000;" in text and 8000 in {p["containerPort"] for p in collector["ports"]}
+
+
 def test_service_and_servicemonitor(manifests):
     svc, sm = _of_kind(manifests, "Service"), _of_kind(manifests, "ServiceMonitor")
     dep = _of_kind(manifests, "StatefulSet")
@@ -539,15 +587,21 @@ def test_service_and_servicemonitor(manifests):
     assert svc["spec"]["clusterIP"] == "None"
     assert labels["app.kubernetes.io/name"] == "nanwatch-collector"
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    [port] = svc["spec"]["ports"]
-    assert port["name"] == "http-metrics" and port["port"] == 8000
-    [c] = dep["spec"]["template"]["spec"]["containers"]
-    assert port["targetPort"] in {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+    # nginx's TLS ports only: the collector's own 8000 is not in the Service
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {name: p["port"] for name, p in ports.items()} == _nginx_ports()
+    nginx = {p["name"] for p in _container(dep, "nginx")["ports"]}
+    assert all(p["targetPort"] in nginx for p in ports.values())
 
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
     assert sm["spec"]["selector"]["matchLabels"].items() <= labels.items()
     [endpoint] = sm["spec"]["endpoints"]
-    assert endpoint["port"] == port["name"]
+    # scraped through nginx with TLS, checked against the CA in the TLS Secret and the Service's name
+    assert endpoint["port"] == "https" and endpoint["scheme"] == "https"
+    tls = endpoint["tlsConfig"]
+    cert = _of_kind(manifests, "Certificate")["spec"]
+    assert tls["ca"]["secret"] == {"name": cert["secretName"], "key": "ca.crt"}
+    assert tls["serverName"] in cert["dnsNames"] and not tls.get("insecureSkipVerify")
     assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
     assert {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"} in endpoint["relabelings"]
     # The operator's job label: the value of the Service label named by jobLabel, else the Service's name.
@@ -560,6 +614,43 @@ def test_service_and_servicemonitor(manifests):
     # kube-prometheus-stack loads ServiceMonitors and PrometheusRules by its release label: both carry it
     rule_labels = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["metadata"]["labels"]
     assert sm["metadata"]["labels"]["release"] == rule_labels["release"] == generate.RELEASE
+
+
+def test_networkpolicy_admits_each_role_on_its_port_only(manifests):
+    """Trainers and Prometheus reach nginx's https port, operators also https-admin; nobody the collector's
+    own port; the pods open no connection (egress denied)."""
+    policy, dep = _of_kind(manifests, "NetworkPolicy"), _of_kind(manifests, "StatefulSet")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["egress"] == []
+    nginx = {p["name"] for p in _container(dep, "nginx")["ports"]}
+    by_peer = {}
+    for rule in spec["ingress"]:
+        [peer] = rule["from"]
+        assert peer.get("namespaceSelector", {}).get("matchLabels"), f"{rule}: no namespace selector"
+        key = (tuple(sorted(peer["namespaceSelector"]["matchLabels"].items())),
+               tuple(sorted(peer.get("podSelector", {}).get("matchLabels", {}).items())))
+        ports = {p["port"] for p in rule["ports"]}
+        assert ports <= nginx, f"{ports - nginx}: only nginx's ports may be reached"
+        by_peer[key] = ports
+    trainers = ((("nanwatch.dev/trainers", "true"),), ())
+    prometheus = ((("kubernetes.io/metadata.name", "monitoring"),), (("app.kubernetes.io/name", "prometheus"),))
+    operators = ((("nanwatch.dev/operators", "true"),), ())
+    assert by_peer == {trainers: {"https"}, prometheus: {"https"}, operators: {"https", "https-admin"}}
+    text = (K8S / "networkpolicy.yaml").read_text()
+    for label in ("nanwatch.dev/trainers=true", "nanwatch.dev/operators=true"):
+        assert "kubectl label namespace" in text and label in text, f"document {label}"
+
+
+def test_certificate_example_names_every_shard(manifests):
+    """cert-manager's Certificate (optional, not applied by kustomize) fills the Secret nginx mounts, for
+    the names trainers dial (nanwatch-collector-<i>.nanwatch-collector...) and the Service's."""
+    cert = _of_kind(manifests, "Certificate")
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    names = cert["spec"]["dnsNames"]
+    service = _of_kind(manifests, "Service")["metadata"]["name"]
+    assert service in names and f"*.{service}" in names and f"*.{service}.NAMESPACE.svc" in names
+    assert "kubernetes.io/tls" in (K8S / "certificate.example.yaml").read_text()
 
 
 def test_example_secret_holds_placeholders_only(manifests):
@@ -590,14 +681,24 @@ def test_prometheusrule_holds_every_group_of_every_rule_file_in_file_order():
     assert rule == generate.prometheus_rule()
 
 
+def test_nginx_configmap_is_what_generate_writes():
+    text = (K8S / "nginx-configmap.yaml").read_text()
+    assert text == generate.render_nginx(), "deploy/k8s/nginx-configmap.yaml is stale: run python deploy/k8s/generate.py"
+    assert yaml.safe_load(text)["data"] == {"nginx.conf": NGINX_CONF.read_text()}
+
+
 def test_generate_check_fails_on_drift(tmp_path, monkeypatch, capsys):
-    stale = tmp_path / "prometheusrule.yaml"
+    stale, nginx = tmp_path / "prometheusrule.yaml", tmp_path / "nginx-configmap.yaml"
     monkeypatch.setattr(generate, "OUTPUT", stale)
+    monkeypatch.setattr(generate, "NGINX_OUTPUT", nginx)
     assert generate.main(["--check"]) == 1  # missing
     stale.write_text(generate.render().replace("for: 0m", "for: 1m", 1))
+    nginx.write_text(generate.render_nginx())
     assert generate.main(["--check"]) == 1  # edited by hand
     assert generate.main([]) == 0 and generate.main(["--check"]) == 0
     assert stale.read_text() == generate.render()
+    nginx.write_text(generate.render_nginx().replace("keepalive_timeout 15s", "keepalive_timeout 75s"))
+    assert generate.main(["--check"]) == 1  # the ConfigMap edited instead of nginx.conf
 
 
 def test_generate_refuses_duplicate_group_names(tmp_path):

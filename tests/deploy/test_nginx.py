@@ -163,6 +163,16 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _logged(stack, text: str) -> str:
+    """The last line of nginx's access log that holds ``text``, once there is one. The log's last field is
+    the upstream's response time: ``-`` when the collector never saw the request."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not (lines := [x for x in stack.nginx_log.read_text().splitlines() if text in x]):
+        assert time.monotonic() < deadline, stack.nginx_log.read_text()[-2000:]
+        time.sleep(0.1)
+    return lines[-1]
+
+
 def _batch(*reports) -> str:
     return ReportBatch(reports=list(reports)).model_dump_json()
 
@@ -251,12 +261,28 @@ def test_a_slow_body_times_out_in_nginx_and_never_reaches_the_collector(stack):
                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
     assert _closed_within(sock, DEADLINE_S), "nginx held a stalled body"
     sock.close()
-    deadline = time.monotonic() + DEADLINE_S
-    while not (lines := [x for x in stack.nginx_log.read_text().splitlines() if '"POST /v1/reports"' in x
-                         and " 408 " in x]):
-        assert time.monotonic() < deadline, stack.nginx_log.read_text()[-2000:]
-        time.sleep(0.1)
-    assert lines[-1].endswith(" -"), f"the request reached the collector: {lines[-1]}"
+    assert _logged(stack, '"POST /v1/reports" 408 ').endswith(" -"), "the request reached the collector"
+
+
+def test_one_address_holds_at_most_64_requests_and_the_next_gets_429(stack):
+    """Finding 3's lock-out (held connections until the collector ran out of descriptors): a client that
+    keeps 64 requests open (bodies never finished) gets 429 for the next, and the collector saw none of them."""
+    held = []
+    try:
+        for _ in range(64):
+            sock = _tls(stack)
+            sock.sendall(b"POST /v1/reports HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")
+            held.append(sock)
+        time.sleep(0.5)  # nginx has read every head
+        sock = _tls(stack)
+        held.append(sock)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert _answer_head(sock).startswith(b"HTTP/1.1 429")
+        assert _logged(stack, '"GET /healthz" 429 ').endswith(" -"), "the request reached the collector"
+    finally:
+        for sock in held:
+            sock.close()
 
 
 # ---- the latency nginx adds to a trainer POST: a benchmark for the README, not an assertion -------------

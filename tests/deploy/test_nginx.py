@@ -177,13 +177,16 @@ def _batch(*reports) -> str:
     return ReportBatch(reports=list(reports)).model_dump_json()
 
 
-def test_a_trainer_report_over_tls_reaches_the_collector(stack):
+def test_a_trainer_report_over_tls_reaches_the_collector(stack, monkeypatch):
+    """A report through nginx is counted; /metrics is read through it too, trusting the self-signed
+    certificate the documented way (SSL_CERT_FILE, which Python's http.client and urllib read)."""
     with httpx.Client(verify=ssl.create_default_context(cafile=str(stack.ca)), timeout=30) as client:
         r = client.post(f"{stack.https}/v1/reports", content=_batch(step_report(run_id="tls", seq=0)),
                         headers=INGEST_H)
         assert r.status_code == 200, r.text
         assert client.get(f"{stack.https}/v1/directives/tls", params={"wait": 0}, headers=INGEST_H).status_code == 200
-    s = scrape(stack.url)
+    monkeypatch.setenv("SSL_CERT_FILE", str(stack.ca))
+    s = scrape(stack.https)
     assert any(name == "nanwatch_sdpa_calls_total" and ("run_id", "tls") in labels and value > 0
                for (name, labels), value in s.items()), "the report was not counted"
 

@@ -32,11 +32,18 @@ RULES = ROOT / "deploy" / "prometheus" / "rules"
 
 #: the job the alert rules select (up{job="nanwatch-collector"}), in compose and on Kubernetes alike
 JOB = "nanwatch-collector"
-#: the only ports a person needs, by service: host port -> bound to loopback only?
-PUBLISHED = {"collector": {8000: False}, "collector-1": {8001: False}, "grafana": {3000: False}, "prometheus": {9090: True},
-             "alertmanager": {9093: True}, "trainer": {}}
+#: the only ports a person needs, by service: host port -> may NANWATCH_PUBLISH move it off loopback? The
+#: shards publish nginx's TLS ports (nginx lives in their network namespace), never the collector's 8000.
+PUBLISHED = {"collector": {8443: True, 9443: True}, "collector-1": {8444: True, 9444: True},
+             "grafana": {3000: True}, "prometheus": {9090: False}, "alertmanager": {9093: False},
+             "nginx": {}, "nginx-1": {}, "trainer": {}}
+#: nginx in front of each shard: nginx service -> its shard
+NGINX = {"nginx": "collector", "nginx-1": "collector-1"}
+NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
-CRD_GROUPS = {"monitoring.coreos.com"}
+CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
+#: files in deploy/k8s that are examples, not resources (kustomization.yaml leaves them out)
+EXAMPLES = {"secret.example.yaml", "certificate.example.yaml"}
 #: the newest Kubernetes version the installed kubernetes-validate has schemas for
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -75,14 +82,19 @@ def _volumes(service: dict) -> list[dict]:
     return out
 
 
-def _ports(service: dict) -> dict[int, str | None]:
-    """A service's published ports: host port -> host address (None: every address)."""
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:-default}`` and ``${VAR}`` with ``env`` (what an unset variable gives otherwise)."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+def _ports(service: dict, env: dict[str, str] | None = None) -> dict[int, str | None]:
+    """A service's published ports: host port -> host address (None: every address), with ``env`` set."""
     out = {}
     for p in service.get("ports", []):
         if isinstance(p, dict):
             out[int(p["published"])] = p.get("host_ip")
             continue
-        parts = str(p).split(":")
+        parts = _interpolate(str(p), env or {}).split(":")
         assert len(parts) in (2, 3), f"publish a port as [ip:]host:container, not {p!r}"
         out[int(parts[-2])] = parts[0] if len(parts) == 3 else None
     return out
@@ -155,12 +167,55 @@ def test_named_volumes_are_declared_and_hold_the_state(compose):
 
 
 def test_ports_are_published_only_where_a_person_needs_them(compose):
+    """Everything binds to loopback by default; NANWATCH_PUBLISH opens nginx and Grafana (both check who
+    calls), never Prometheus or Alertmanager (no authentication of their own)."""
     for name, svc in compose["services"].items():
         ports = _ports(svc)
         assert set(ports) == set(PUBLISHED[name]), f"{name} publishes {sorted(ports)}"
-        for port, loopback_only in PUBLISHED[name].items():
-            if loopback_only:  # no authentication of its own
-                assert ports[port] == "127.0.0.1", f"{name}:{port} must bind to 127.0.0.1"
+        assert all(host == "127.0.0.1" for host in ports.values()), f"{name}: {ports} by default"
+        opened = _ports(svc, {"NANWATCH_PUBLISH": "0.0.0.0"})
+        for port, movable in PUBLISHED[name].items():
+            assert opened[port] == ("0.0.0.0" if movable else "127.0.0.1"), f"{name}:{port} with NANWATCH_PUBLISH"
+    assert "NANWATCH_PUBLISH" in COMPOSE.read_text().split("name: nanwatch")[0], "document NANWATCH_PUBLISH"
+
+
+def test_no_container_port_8000_is_published(compose):
+    """The collector's own port is reached only on the compose network; from outside only through nginx."""
+    for name, svc in compose["services"].items():
+        for p in svc.get("ports", []):
+            container = p["target"] if isinstance(p, dict) else int(str(p).rsplit(":", 1)[1])
+            assert int(container) in (8443, 9443, 3000, 9090, 9093), f"{name} publishes container port {container}"
+
+
+def test_every_service_has_a_memory_limit(compose):
+    for name, svc in compose["services"].items():
+        limit = svc.get("mem_limit") or svc.get("deploy", {}).get("resources", {}).get("limits", {}).get("memory")
+        assert limit, f"{name}: no memory limit"
+    assert compose["services"]["collector"]["mem_limit"] == "1g"  # the k8s pod's limit (statefulset.yaml)
+
+
+def test_nginx_fronts_each_shard_with_the_shipped_config(compose):
+    """One nginx per shard, in the shard's network namespace (its upstream is 127.0.0.1:8000, as in the k8s
+    pod), with deploy/nginx/nginx.conf and the TLS pair where the config reads them."""
+    services = compose["services"]
+    shards = sorted(n for n in services if n == "collector" or n.startswith("collector-"))
+    assert sorted(NGINX.values()) == shards
+    conf = NGINX_CONF.read_text()
+    assert "server 127.0.0.1:8000;" in conf
+    for name, shard in NGINX.items():
+        svc = services[name]
+        assert svc["network_mode"] == f"service:{shard}"
+        assert svc["depends_on"] == {shard: {"condition": "service_healthy"}}
+        [mount] = [v for v in _volumes(svc) if v["type"] == "bind"]
+        assert (ROOT / mount["source"]).resolve() == NGINX_CONF and mount["read_only"]
+        command = svc["entrypoint"]
+        assert command[0] == "nginx" and command[command.index("-c") + 1] == mount["target"]
+        targets = {s["target"] for s in svc["secrets"]}
+        for path in re.findall(r"ssl_certificate(?:_key)?\s+(\S+);", conf):
+            assert path in targets, f"{name}: nginx.conf reads {path}, which compose does not mount"
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"] and "/tmp" in svc["tmpfs"]
+        published = {int(str(p).rsplit(":", 1)[1]) for p in services[shard]["ports"]}
+        assert published == {int(p) for p in re.findall(r"listen (\d+) ssl;", conf)}
 
 
 def test_secrets_come_from_gitignored_files_that_are_documented(compose):
@@ -402,7 +457,8 @@ def _core(manifests: dict[str, dict]) -> dict[str, dict]:
 
 def test_every_manifest_kind_is_expected(manifests):
     kinds = sorted(m["kind"] for m in manifests.values())
-    assert kinds == ["PrometheusRule", "Secret", "Service", "ServiceMonitor", "StatefulSet"]
+    assert kinds == ["Certificate", "ConfigMap", "NetworkPolicy", "PrometheusRule", "Secret", "Service",
+                     "ServiceMonitor", "StatefulSet"]
 
 
 @pytest.mark.parametrize("name", sorted(_core(_manifests())))
@@ -410,12 +466,12 @@ def test_core_manifest_validates(name, manifests):
     kubernetes_validate.validate(manifests[name], K8S_VERSION, strict=True)
 
 
-def test_kustomization_lists_every_manifest_but_the_example_secret(manifests):
+def test_kustomization_lists_every_manifest_but_the_examples(manifests):
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     resources = kustomization["resources"]
     assert len(resources) == len(set(resources))
-    assert set(resources) == set(manifests) - {"secret.example.yaml"}
+    assert set(resources) == set(manifests) - EXAMPLES
 
 
 def test_kustomize_builds_and_the_result_validates():
@@ -426,7 +482,8 @@ def test_kustomize_builds_and_the_result_validates():
     r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "Service", "ServiceMonitor", "StatefulSet"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "NetworkPolicy", "PrometheusRule", "Service",
+                                               "ServiceMonitor", "StatefulSet"]
     for d in docs:
         if d["apiVersion"].split("/")[0] not in CRD_GROUPS:
             kubernetes_validate.validate(d, K8S_VERSION, strict=True)
@@ -437,10 +494,11 @@ def test_statefulset_of_shards(manifests):
     volume from a claim template, named through the headless Service."""
     dep = _of_kind(manifests, "StatefulSet")
     spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+    assert sorted(x["name"] for x in pod["containers"]) == ["collector", "nginx"]
     assert spec["replicas"] >= 2 and spec["serviceName"] == _of_kind(manifests, "Service")["metadata"]["name"]
     assert spec["updateStrategy"]["type"] == "RollingUpdate" and spec["podManagementPolicy"] == "Parallel"
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    [c] = pod["containers"]
+    c = _container(dep, "collector")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = c[probe]["httpGet"]
@@ -478,6 +536,49 @@ def test_statefulset_of_shards(manifests):
         assert keys[file.name] in example["stringData"], f"{var}: no key for {file.name} in the Secret"
 
 
+def _container(statefulset: dict, name: str) -> dict:
+    [c] = [x for x in statefulset["spec"]["template"]["spec"]["containers"] if x["name"] == name]
+    return c
+
+
+def _nginx_ports() -> dict[str, int]:
+    """nginx.conf's TLS ports by what they are for: https (trainers, readers), https-admin."""
+    conf = NGINX_CONF.read_text()
+    ports = [int(p) for p in re.findall(r"listen (\d+) ssl;", conf)]
+    assert ports == [8443, 9443], ports
+    return {"https": 8443, "https-admin": 9443}
+
+
+def test_nginx_sidecar_serves_the_shipped_config_with_the_tls_secret(manifests):
+    """Each pod's nginx: the generated ConfigMap where its command reads it, the kubernetes.io/tls Secret
+    where nginx.conf reads the pair, nginx.conf's ports, and the collector's own hardening."""
+    dep = _of_kind(manifests, "StatefulSet")
+    pod, c = dep["spec"]["template"]["spec"], _container(dep, "nginx")
+    assert _pinned(c["image"]) and "nginx" in c["image"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == _nginx_ports()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    conf = c["command"][c["command"].index("-c") + 1]
+    assert c["command"][0] == "nginx" and "daemon off;" in c["command"]
+    configmap = volumes[mounts[str(Path(conf).parent)]["name"]]["configMap"]
+    assert configmap["name"] == _of_kind(manifests, "ConfigMap")["metadata"]["name"] == generate.NGINX_CONFIGMAP
+    assert Path(conf).name in _of_kind(manifests, "ConfigMap")["data"]
+    text = NGINX_CONF.read_text()
+    for path in re.findall(r"ssl_certificate(?:_key)?\s+(\S+);", text):
+        secret = volumes[mounts[str(Path(path).parent)]["name"]]["secret"]
+        assert Path(path).name in {i["path"] for i in secret["items"]}
+        assert secret["secretName"] == _of_kind(manifests, "Certificate")["spec"]["secretName"]
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]], "nginx writes its pid and spooled bodies to /tmp"
+    assert all(m.get("readOnly") for path, m in mounts.items() if path != "/tmp")
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
+    assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+    # the upstream is the collector in the same pod
+    collector = _container(dep, "collector")
+    assert "server 127.0.0.1:8000;" in text and 8000 in {p["containerPort"] for p in collector["ports"]}
+
+
 def test_service_and_servicemonitor(manifests):
     svc, sm = _of_kind(manifests, "Service"), _of_kind(manifests, "ServiceMonitor")
     dep = _of_kind(manifests, "StatefulSet")
@@ -486,15 +587,21 @@ def test_service_and_servicemonitor(manifests):
     assert svc["spec"]["clusterIP"] == "None"
     assert labels["app.kubernetes.io/name"] == "nanwatch-collector"
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    [port] = svc["spec"]["ports"]
-    assert port["name"] == "http-metrics" and port["port"] == 8000
-    [c] = dep["spec"]["template"]["spec"]["containers"]
-    assert port["targetPort"] in {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+    # nginx's TLS ports only: the collector's own 8000 is not in the Service
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {name: p["port"] for name, p in ports.items()} == _nginx_ports()
+    nginx = {p["name"] for p in _container(dep, "nginx")["ports"]}
+    assert all(p["targetPort"] in nginx for p in ports.values())
 
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
     assert sm["spec"]["selector"]["matchLabels"].items() <= labels.items()
     [endpoint] = sm["spec"]["endpoints"]
-    assert endpoint["port"] == port["name"]
+    # scraped through nginx with TLS, checked against the CA in the TLS Secret and the Service's name
+    assert endpoint["port"] == "https" and endpoint["scheme"] == "https"
+    tls = endpoint["tlsConfig"]
+    cert = _of_kind(manifests, "Certificate")["spec"]
+    assert tls["ca"]["secret"] == {"name": cert["secretName"], "key": "ca.crt"}
+    assert tls["serverName"] in cert["dnsNames"] and not tls.get("insecureSkipVerify")
     assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
     assert {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"} in endpoint["relabelings"]
     # The operator's job label: the value of the Service label named by jobLabel, else the Service's name.
@@ -507,6 +614,43 @@ def test_service_and_servicemonitor(manifests):
     # kube-prometheus-stack loads ServiceMonitors and PrometheusRules by its release label: both carry it
     rule_labels = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["metadata"]["labels"]
     assert sm["metadata"]["labels"]["release"] == rule_labels["release"] == generate.RELEASE
+
+
+def test_networkpolicy_admits_each_role_on_its_port_only(manifests):
+    """Trainers and Prometheus reach nginx's https port, operators also https-admin; nobody the collector's
+    own port; the pods open no connection (egress denied)."""
+    policy, dep = _of_kind(manifests, "NetworkPolicy"), _of_kind(manifests, "StatefulSet")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["egress"] == []
+    nginx = {p["name"] for p in _container(dep, "nginx")["ports"]}
+    by_peer = {}
+    for rule in spec["ingress"]:
+        [peer] = rule["from"]
+        assert peer.get("namespaceSelector", {}).get("matchLabels"), f"{rule}: no namespace selector"
+        key = (tuple(sorted(peer["namespaceSelector"]["matchLabels"].items())),
+               tuple(sorted(peer.get("podSelector", {}).get("matchLabels", {}).items())))
+        ports = {p["port"] for p in rule["ports"]}
+        assert ports <= nginx, f"{ports - nginx}: only nginx's ports may be reached"
+        by_peer[key] = ports
+    trainers = ((("nanwatch.dev/trainers", "true"),), ())
+    prometheus = ((("kubernetes.io/metadata.name", "monitoring"),), (("app.kubernetes.io/name", "prometheus"),))
+    operators = ((("nanwatch.dev/operators", "true"),), ())
+    assert by_peer == {trainers: {"https"}, prometheus: {"https"}, operators: {"https", "https-admin"}}
+    text = (K8S / "networkpolicy.yaml").read_text()
+    for label in ("nanwatch.dev/trainers=true", "nanwatch.dev/operators=true"):
+        assert "kubectl label namespace" in text and label in text, f"document {label}"
+
+
+def test_certificate_example_names_every_shard(manifests):
+    """cert-manager's Certificate (optional, not applied by kustomize) fills the Secret nginx mounts, for
+    the names trainers dial (nanwatch-collector-<i>.nanwatch-collector...) and the Service's."""
+    cert = _of_kind(manifests, "Certificate")
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    names = cert["spec"]["dnsNames"]
+    service = _of_kind(manifests, "Service")["metadata"]["name"]
+    assert service in names and f"*.{service}" in names and f"*.{service}.NAMESPACE.svc" in names
+    assert "kubernetes.io/tls" in (K8S / "certificate.example.yaml").read_text()
 
 
 def test_example_secret_holds_placeholders_only(manifests):
@@ -537,14 +681,24 @@ def test_prometheusrule_holds_every_group_of_every_rule_file_in_file_order():
     assert rule == generate.prometheus_rule()
 
 
+def test_nginx_configmap_is_what_generate_writes():
+    text = (K8S / "nginx-configmap.yaml").read_text()
+    assert text == generate.render_nginx(), "deploy/k8s/nginx-configmap.yaml is stale: run python deploy/k8s/generate.py"
+    assert yaml.safe_load(text)["data"] == {"nginx.conf": NGINX_CONF.read_text()}
+
+
 def test_generate_check_fails_on_drift(tmp_path, monkeypatch, capsys):
-    stale = tmp_path / "prometheusrule.yaml"
+    stale, nginx = tmp_path / "prometheusrule.yaml", tmp_path / "nginx-configmap.yaml"
     monkeypatch.setattr(generate, "OUTPUT", stale)
+    monkeypatch.setattr(generate, "NGINX_OUTPUT", nginx)
     assert generate.main(["--check"]) == 1  # missing
     stale.write_text(generate.render().replace("for: 0m", "for: 1m", 1))
+    nginx.write_text(generate.render_nginx())
     assert generate.main(["--check"]) == 1  # edited by hand
     assert generate.main([]) == 0 and generate.main(["--check"]) == 0
     assert stale.read_text() == generate.render()
+    nginx.write_text(generate.render_nginx().replace("keepalive_timeout 15s", "keepalive_timeout 75s"))
+    assert generate.main(["--check"]) == 1  # the ConfigMap edited instead of nginx.conf
 
 
 def test_generate_refuses_duplicate_group_names(tmp_path):

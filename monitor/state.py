@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from nanwatch.monitor.auth import ANY_NAMESPACE
 from nanwatch.monitor.counters import RequestCounters
 from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
@@ -247,6 +249,8 @@ class CollectorState:
         #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
         #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
         self.exposed: set[tuple[str, str]] = set()
+        #: run ids by namespace, for the per-namespace run cap (``over_caps``); built on first use
+        self._namespace_runs: dict[str, set[str]] | None = None
         self._writes = 0
         if loaded is not None:
             self._restore(loaded)
@@ -320,15 +324,23 @@ class CollectorState:
         return run
 
     def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
-                  beats: set[tuple[str, int, str]] = frozenset()) -> str | None:
+                  beats: set[tuple[str, int, str]] = frozenset(), *,
+                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> str | None:
         """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
         counted), or None. Checked before anything is applied. ``beats``: the heartbeats' keys, which hold
-        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs."""
+        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs.
+
+        ``max_runs`` counts per namespace (``namespace_of``: the run-id namespace a run belongs to, whoever
+        asks, so an admin's directive for a new run counts in that run's): one team's junk runs fill its
+        own namespace, never another's."""
         new_runs = {r for r in run_ids if r not in self.runs}
-        if new_runs and len(self.runs) + len(new_runs) > self.max_runs:
-            self.caps_hit["runs"] += 1
-            return (f"the collector keeps at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this request "
-                    f"adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S")
+        if new_runs:
+            full = self._full_namespace(new_runs, namespace_of)
+            if full is not None:
+                self.caps_hit["runs"] += 1
+                return (f"the namespace {full!r} holds at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this "
+                        f"request adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S, "
+                        "or an admin deletes them (DELETE /v1/runs/{run_id})")
         fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
         held = Counter()  # ranks held in memory (heartbeats), bounded alike
         for run_id, rank, _inc in beats:
@@ -342,6 +354,29 @@ class CollectorState:
                 self.caps_hit["incarnations"] += 1
                 return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
+        return None
+
+    def _full_namespace(self, new_runs: set[str], namespace_of: Callable[[str], str]) -> str | None:
+        """The namespace that ``new_runs`` would take past ``max_runs``, else None (and they are counted in).
+
+        Each namespace's run ids are kept in a set that may hold ids no longer in ``runs`` (forgotten, or
+        whose write was refused after this check): it is pruned to the live ones only when it seems full, so
+        a request costs O(its new runs), and a refusal at most one pass over its namespace's runs."""
+        if self._namespace_runs is None:
+            self._namespace_runs = {}
+            for run_id in self.runs:
+                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
+        adding: dict[str, set[str]] = {}
+        for run_id in new_runs:
+            adding.setdefault(namespace_of(run_id), set()).add(run_id)
+        for ns, fresh in adding.items():
+            members = self._namespace_runs.setdefault(ns, set())
+            if len(members) + len(fresh - members) > self.max_runs:
+                members -= {r for r in members if r not in self.runs}
+                if len(members) + len(fresh - members) > self.max_runs:
+                    return ns
+        for ns, fresh in adding.items():
+            self._namespace_runs[ns] |= fresh
         return None
 
     def next_apply_step(self, run_id: str, now: float) -> int:

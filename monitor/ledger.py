@@ -69,8 +69,9 @@ class Ledger:
         """Apply the batch all or nothing; raises ``CapReached`` (429), ``StoreUnavailable`` (retry) or
         ``Unstorable`` (a value that can never be stored)."""
         runs = {r.run_id for r in batch.reports}
-        self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}, runs,
-                         {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
+        keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
+        self._make_room(keys)
+        self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
         done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
                                                    rule_engine=self.rule_engine, into=self))
         self.state.requests.applied(done.accepted, done.duplicates)
@@ -175,6 +176,22 @@ class Ledger:
         return d
 
     # ---- all or nothing --------------------------------------------------------------------------------
+
+    def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
+        """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take
+        past their incarnation cap (``CollectorState.stale_incarnations`` says why that is safe), in a
+        transaction of their own, committed before the request's."""
+        stale = self.state.stale_incarnations(keys)
+        if not stale:
+            return
+
+        def forget() -> None:
+            self.store.delete_hwm(stale)
+            self.state.forget_incarnations(stale)
+
+        self._atomically({run_id for run_id, _, _ in stale}, forget)
+        log.info("nanwatch collector: forgot %d high-water marks of incarnations no longer live, to make room "
+                 "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
 
     def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
                     beats: set[tuple[str, int, str]] = frozenset()) -> None:

@@ -251,6 +251,8 @@ class CollectorState:
         self.exposed: set[tuple[str, str]] = set()
         #: run ids by namespace, for the per-namespace run cap (``over_caps``); built on first use
         self._namespace_runs: dict[str, set[str]] | None = None
+        #: runs at their incarnation cap with no pair to forget, as they were then (``stale_incarnations``)
+        self._no_room: dict[str, tuple[int, ...]] = {}
         self._writes = 0
         if loaded is not None:
             self._restore(loaded)
@@ -355,6 +357,46 @@ class CollectorState:
                 return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
         return None
+
+    def stale_incarnations(self, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """The high-water marks to forget so that ``keys`` (a request's new (run, rank, incarnation) pairs)
+        fit under ``max_incarnations``: every pair of a run that would overflow whose rank is not held live
+        under that incarnation. Empty while every run fits (the usual case costs one pass over ``keys``).
+
+        Why forgetting them is safe: a high-water mark only stops a replay by the sender of that very
+        incarnation, and a sender retries only while its process lives and reports; a process that does is
+        held (its rank's view is of its incarnation, refreshed by each report and heartbeat). A pair not held
+        was superseded by its rank's restart (elastic restarts stop every old process before starting the
+        new ones) or has been silent a whole TTL (``NANWATCH_RANK_TTL_S``, 300 s, far beyond the sender's
+        10 s longest back-off). So a run filled with junk incarnations makes room for a victim's restart
+        instead of refusing it; junk held live (ranks that keep reporting) still counts until its TTL."""
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
+        full = {run_id for run_id, n in fresh.items()
+                if (run := self.runs.get(run_id)) is not None and run.incarnations + n > self.max_incarnations
+                and self._no_room.get(run_id) != self._room_key(run)}
+        if not full:
+            return []
+        stale = [(run_id, rank, inc) for run_id, rank, inc in self.hwm
+                 if run_id in full and ((held := self.runs[run_id].ranks.get(rank)) is None or held.incarnation != inc)]
+        # a run found with nothing to forget is not searched again (one pass over every mark) until its
+        # ranks or incarnations change: a flood of refused new pairs costs no search each
+        if len(self._no_room) > 2 * len(self.runs) + 16:
+            self._no_room = {k: v for k, v in self._no_room.items() if k in self.runs}
+        for run_id in full - {k[0] for k in stale}:
+            self._no_room[run_id] = self._room_key(self.runs[run_id])
+        return stale
+
+    @staticmethod
+    def _room_key(run: RunState) -> tuple[int, ...]:
+        """What changes when one of a run's pairs may have stopped being live (a rank superseded, swept,
+        ended or crashed, or a pair added)."""
+        return run.incarnations, len(run.ranks), len(run.silent), len(run.ended_ranks), len(run.crashed)
+
+    def forget_incarnations(self, keys: list[tuple[str, int, str]]) -> None:
+        """Drop these high-water marks from memory (after the store's were deleted): ``stale_incarnations``."""
+        for key in keys:
+            if self.hwm.pop(key, None) is not None:
+                self.runs[key[0]].incarnations -= 1
 
     def _full_namespace(self, new_runs: set[str], namespace_of: Callable[[str], str]) -> str | None:
         """The namespace that ``new_runs`` would take past ``max_runs``, else None (and they are counted in).

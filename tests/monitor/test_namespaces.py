@@ -197,3 +197,27 @@ def test_sigkill_with_namespaced_tokens_loses_nothing_and_crosses_nothing(tmp_pa
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_junk_incarnations_do_not_lock_out_a_restart(tmp_path):
+    """Finding 6, within one namespace: incarnations no longer live (superseded by their rank's restart)
+    give up their high-water marks to a victim's restart instead of refusing it; live ones still count."""
+    env = _env(NANWATCH_MAX_INCARNATIONS_PER_RUN="4")
+    with CollectorProcess(db_path=tmp_path / "c.db", env=env) as c:
+        run = "team-a-restarts"
+        for i in range(4):  # rank 0 "restarted" four times: only its latest incarnation is live
+            assert _post(c.url, A_H, step_report(run_id=run, rank=0, incarnation=f"junk{i}")).status_code == 200
+        restart = _post(c.url, A_H, step_report(run_id=run, rank=1, incarnation="victim", nan_at=SITE, nan=1,
+                                                 dtype="float32"))
+        assert restart.status_code == 200, restart.text
+        assert restart.json() == {"accepted": 1, "duplicates": 0}
+        # the live ones keep their marks: their replays are still duplicates
+        for rank, inc in ((1, "victim"), (0, "junk3")):
+            again = _post(c.url, A_H, step_report(run_id=run, rank=rank, incarnation=inc))
+            assert again.json() == {"accepted": 0, "duplicates": 1}
+        # live incarnations still fill the cap: four live ranks, and a fifth pair is refused
+        for rank in (2, 3):
+            assert _post(c.url, A_H, step_report(run_id=run, rank=rank, incarnation="live")).status_code == 200
+        assert _post(c.url, A_H, step_report(run_id=run, rank=4, incarnation="live")).status_code == 429
+        view = httpx.get(f"{c.url}/v1/runs/{run}", headers=A_H).json()
+        assert view["nonfinite_total"] == 1

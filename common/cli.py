@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import MODES
@@ -50,6 +51,17 @@ def _call(method: str, url: str, token: str | None, body: dict | None = None) ->
         raise SystemExit(f"nanwatch: cannot reach the collector at {url}: {e}") from None
 
 
+def _runs(base: str, token: str | None) -> Iterator[dict]:
+    """Every run the token may read, following ``GET /v1/runs`` pages (``next_after``) to the last."""
+    after = ""
+    while True:
+        page = _call("GET", f"{base}/v1/runs?{urllib.parse.urlencode({'limit': 1000, 'after': after})}", token)
+        yield from page["runs"]
+        after = page.get("next_after")
+        if not after:
+            return
+
+
 def _status(args: argparse.Namespace) -> int:
     from nanwatch import status_view
 
@@ -62,11 +74,12 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     base = args.url.rstrip("/")
     if args.run is None:
-        runs = _call("GET", f"{base}/v1/runs", token)["runs"]
-        if not runs:
+        shown = 0
+        for r in _runs(base, token):
+            print(status_view.render_summary(r), flush=True)
+            shown += 1
+        if not shown:
             print("no runs yet")
-        for r in runs:
-            print(status_view.render_summary(r))
         return 0
     r = _call("GET", f"{base}/v1/runs/{args.run}", token)
     print("\n".join(status_view.render_detail(r, events=args.events)))

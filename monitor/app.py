@@ -47,13 +47,14 @@ def _resources(settings: Settings) -> Resources:
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s)
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives)
-    ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
-                    logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
-    metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
-                              min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
+    ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
+                    logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
+                    namespace_of=tokens.namespace_of)
+    metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
+                              min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,
                      metrics=metrics, tokens=tokens)
 

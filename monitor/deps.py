@@ -24,7 +24,7 @@ from nanwatch.wire import RUN_ID_PATTERN
 # ``nanwatch bench collector``, nanwatch.bench.load).
 
 __all__ = ["AdminToken", "IngestToken", "MetricsReader", "ReaderToken", "Resources", "ResourcesDep", "RunIdPath",
-           "SettingsDep"]
+           "SettingsDep", "require_owned"]
 
 bearer = HTTPBearer(
     auto_error=False, scheme_name="bearer",
@@ -94,3 +94,10 @@ IngestToken = Annotated[Principal, Depends(_ingest)]
 AdminToken = Annotated[Principal, Depends(_admin)]
 ReaderToken = Annotated[Principal, Depends(_reader)]
 MetricsReader = Annotated[Principal, Depends(_metrics_reader)]
+
+
+def require_owned(principal: Principal, run_id: str) -> None:
+    """404 unless ``principal`` owns ``run_id`` (a scoped ingest token reads and polls its namespace only).
+    Not 403: another namespace's runs are not there for this caller, so their existence does not leak."""
+    if not principal.owns(run_id):
+        raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from nanwatch.monitor.auth import ANY_NAMESPACE
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.event_log import DirectiveChange, EventLog
 from nanwatch.monitor.ingest import Ingested, fold
@@ -48,8 +49,11 @@ class Ledger:
     """
 
     def __init__(self, *, store: Store, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
-                 logit_tau: float, margin_steps: int) -> None:
+                 logit_tau: float, margin_steps: int,
+                 namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> None:
         self.store = store
+        #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
+        self.namespace_of = namespace_of
         self.state = state
         self.directive_log = directive_log
         self.events = EventLog(state)
@@ -65,8 +69,9 @@ class Ledger:
         """Apply the batch all or nothing; raises ``CapReached`` (429), ``StoreUnavailable`` (retry) or
         ``Unstorable`` (a value that can never be stored)."""
         runs = {r.run_id for r in batch.reports}
-        self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}, runs,
-                         {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
+        keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
+        self._make_room(keys)
+        self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
         done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
                                                    rule_engine=self.rule_engine, into=self))
         self.state.requests.applied(done.accepted, done.duplicates)
@@ -88,21 +93,44 @@ class Ledger:
         return self.state.sweep(now)
 
     def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
-        """Forget runs past retention: their history deleted from the store first, then from memory (at most
-        ``limit`` a call, so a backlog never stalls the loop). Returns how many went."""
+        """Forget runs past retention (at most ``limit`` a call, so a backlog never stalls the loop). Returns
+        how many went."""
         expired = self.state.expired(now, retention_s, limit=limit)
         if not expired:
             return 0
         try:
-            with self.store.transaction():
-                self.store.delete_runs(expired)
+            self.forget(expired)
         except sqlite3.Error:
             log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
             return 0
-        self.state.forget(expired)
-        self.directive_log.forget(expired)
         log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
         return len(expired)
+
+    def delete_run(self, run_id: str, *, actor: str) -> bool:
+        """An admin deletes a run's whole history (``DELETE /v1/runs/{run_id}``), logged with the actor.
+        False if there is no such run; raises ``StoreUnavailable`` (nothing was deleted) if the store
+        refuses."""
+        if not self.resync():
+            raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
+                                   "was deleted, retry")
+        if run_id not in self.state.runs:
+            return False
+        try:
+            self.forget([run_id])
+        except sqlite3.Error as e:
+            raise StoreUnavailable(f"could not delete the run ({type(e).__name__}: {str(e)[:200]}); nothing was "
+                                   "deleted, retry") from e
+        log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
+        return True
+
+    def forget(self, run_ids: list[str]) -> None:
+        """Delete the runs' history from the store first (one transaction), then from memory: all or
+        nothing (raises ``sqlite3.Error`` with memory untouched). Retention and an admin's delete both come
+        here."""
+        with self.store.transaction():
+            self.store.delete_runs(run_ids)
+        self.state.forget(run_ids)
+        self.directive_log.forget(run_ids)
 
     def resync(self) -> bool:
         """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
@@ -149,9 +177,25 @@ class Ledger:
 
     # ---- all or nothing --------------------------------------------------------------------------------
 
+    def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
+        """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take
+        past their incarnation cap (``CollectorState.stale_incarnations`` says why that is safe), in a
+        transaction of their own, committed before the request's."""
+        stale = self.state.stale_incarnations(keys)
+        if not stale:
+            return
+
+        def forget() -> None:
+            self.store.delete_hwm(stale)
+            self.state.forget_incarnations(stale)
+
+        self._atomically({run_id for run_id, _, _ in stale}, forget)
+        log.info("nanwatch collector: forgot %d high-water marks of incarnations no longer live, to make room "
+                 "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
+
     def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
                     beats: set[tuple[str, int, str]] = frozenset()) -> None:
-        over = self.state.over_caps(keys, run_ids, beats)
+        over = self.state.over_caps(keys, run_ids, beats, namespace_of=self.namespace_of)
         if over is not None:
             raise CapReached(over)
 

@@ -175,7 +175,11 @@ class RunSummary(_Out):
 
 
 class RunList(_Out):
+    """One page of runs, by run id; pass ``next_after`` as ``after`` for the next page."""
+
     runs: list[RunSummary]
+    next_after: str | None = Field(None, description="the cursor of the next page (the last run id of this one); "
+                                   "None on the last page")
 
 
 class RunDetail(RunSummary):

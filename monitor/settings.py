@@ -92,7 +92,9 @@ class Settings(BaseSettings):
     max_series_per_run: Annotated[int, Field(ge=10)] = 50_000
     """New series of a run beyond this are dropped and counted."""
     max_runs: Annotated[int, Field(ge=1)] = 10_000
-    """Runs the collector keeps; reports or directives for a new run beyond this get 429 (counted)."""
+    """Runs the collector keeps per run-id namespace (each scoped token's glob, and one for the runs no scoped
+    token owns); reports or directives for a new run beyond this get 429 (counted): one team's junk runs
+    fill its own namespace only. An admin frees a place with ``DELETE /v1/runs/{run_id}``."""
     max_incarnations_per_run: Annotated[int, Field(ge=1)] = 65_536
     """(rank, incarnation) pairs a run may have (each is an idempotency high-water mark); new ones beyond
     this get 429 (counted)."""

@@ -241,6 +241,10 @@ class Store:
         for table in _TABLES:
             self._db.executemany(f"DELETE FROM {table} WHERE run_id=?", rows)
 
+    def delete_hwm(self, keys: list[tuple[str, int, str]]) -> None:
+        """Forget these (run_id, rank, incarnation) high-water marks (inside a transaction)."""
+        self._db.executemany("DELETE FROM hwm WHERE run_id=? AND rank=? AND incarnation=?", keys)
+
     def put_directive(self, d: Directive) -> None:
         self._db.execute("INSERT INTO directives VALUES (?,?,?)", (d.run_id, d.version, d.model_dump_json()))
 

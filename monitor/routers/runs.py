@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import heapq
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Query, Response
 
-from nanwatch.monitor.deps import ReaderToken, Resources, ResourcesDep, RunIdPath, SettingsDep
+from nanwatch.monitor.deps import (
+    AdminToken,
+    ReaderToken,
+    Resources,
+    ResourcesDep,
+    RunIdPath,
+    SettingsDep,
+    require_owned,
+)
 from nanwatch.monitor.routers._problems import AUTH, INVALID, NOT_READY
 from nanwatch.monitor.schemas import (
     ApiJSON,
@@ -24,6 +33,9 @@ from nanwatch.monitor.schemas import (
 from nanwatch.monitor.state import RunState
 
 router = APIRouter(tags=["runs"])
+
+#: the most runs one ``GET /v1/runs`` page holds (each costs a summary on the event loop)
+MAX_PAGE = 1000
 
 
 def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
@@ -48,22 +60,44 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     )
 
 
-@router.get("/v1/runs", response_model=RunList, response_class=ApiJSON, responses={**AUTH, **NOT_READY})
-async def list_runs(res: ResourcesDep, _token: ReaderToken) -> ApiJSON:
-    """Every run the collector knows: live ones and those with persisted history (memory holds every run
-    the store does, loaded at start)."""
+@router.get("/v1/runs", response_model=RunList, response_class=ApiJSON, responses={**AUTH, **INVALID, **NOT_READY})
+async def list_runs(
+    res: ResourcesDep, token: ReaderToken,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="runs per page")] = 100,
+    after: Annotated[str, Query(max_length=128, description="the previous page's next_after: runs whose id "
+                                "sorts after it")] = "",
+) -> ApiJSON:
+    """The runs the collector knows (live ones and those with persisted history: memory holds every run the
+    store does), one page at a time in run-id order. A scoped ingest token sees its namespace's runs only.
+    A page costs one pass over the run ids and ``limit`` summaries (not a sort, nor every run's summary)."""
     now = time.monotonic()
-    runs = [res.state.runs[i] for i in sorted(res.state.runs)]
-    return ApiJSON(RunList(runs=[RunSummary(**_summary(res, run, now)) for run in runs]))
+    page = heapq.nsmallest(limit + 1, (i for i in res.state.runs if i > after and token.owns(i)))
+    more = len(page) > limit
+    page = page[:limit]
+    return ApiJSON(RunList(runs=[RunSummary(**_summary(res, res.state.runs[i], now)) for i in page],
+                           next_after=page[-1] if more else None))
+
+
+@router.delete("/v1/runs/{run_id}", status_code=204, response_class=Response,
+               responses={404: {"model": Problem, "description": "no such run"}, **AUTH, **INVALID, **NOT_READY})
+async def delete_run(run_id: RunIdPath, res: ResourcesDep, token: AdminToken) -> Response:
+    """Delete a run's whole history (counters, events, directives, high-water marks), from the store and
+    then from memory, as retention does: it leaves ``/metrics`` and ``/v1/runs``, and frees its place
+    under the run cap. Logged naming the admin token. A trainer still reporting under this id starts a new
+    history."""
+    if not res.ledger.delete_run(run_id, actor=token.name):
+        raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
+    return Response(status_code=204)
 
 
 @router.get("/v1/runs/{run_id}", response_model=RunDetail, response_class=ApiJSON,
             responses={404: {"model": Problem, "description": "no such run"}, **AUTH, **INVALID, **NOT_READY})
-async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, _token: ReaderToken) -> ApiJSON:
+async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, token: ReaderToken) -> ApiJSON:
     """Latest state per live rank, the first offender, SDPA backends seen, and the recent event history. In
     job mode, ranks known only through heartbeats are listed only once late (``NANWATCH_RANK_LATE_S``):
     ``live_ranks`` counts them all. A crashed rank is listed (``crashed``) while within the TTL, but not
-    counted live."""
+    counted live. A scoped ingest token reads its namespace's runs only (404 for others)."""
+    require_owned(token, run_id)
     run = res.state.runs.get(run_id)
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")

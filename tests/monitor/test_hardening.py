@@ -348,9 +348,9 @@ def test_caps_refuse_new_runs_and_bound_events_and_are_counted(tmp_path):
         resp = httpx.post(f"{c.url}/v1/reports", content=_batch(step_report(run_id="r3", seq=0)), headers=JSON)
         assert resp.status_code == 429 and "NANWATCH_MAX_RUNS" in resp.json()["detail"]
         assert httpx.put(f"{c.url}/v1/directives/r4", json={"mode": "fp32"}, headers=JSON).status_code == 429
-        for inc in ("b", "c"):
-            _post_open(c.url, step_report(run_id="r1", seq=0, incarnation=inc))
-        resp = httpx.post(f"{c.url}/v1/reports", content=_batch(step_report(run_id="r1", seq=0, incarnation="d")),
+        for rank, inc in ((1, "b"), (2, "c")):  # live pairs (a pair no longer live gives its place up)
+            _post_open(c.url, step_report(run_id="r1", rank=rank, seq=0, incarnation=inc))
+        resp = httpx.post(f"{c.url}/v1/reports", content=_batch(step_report(run_id="r1", rank=3, seq=0, incarnation="d")),
                           headers=JSON)
         assert resp.status_code == 429 and "INCARNATIONS" in resp.json()["detail"]
         for seq in range(1, 30):  # an incident per report, each its own event, were it not capped

@@ -9,7 +9,10 @@ and after every step the collector must agree with it:
 
 * no acknowledged write is lost (counters, events and directives, also after a restart),
 * none is applied twice (a retry of a refused report is accepted exactly once, a replay is a duplicate),
-* no unacknowledged directive is ever served (by a poll, a long-poll, or the scrape).
+* no unacknowledged directive is ever served (by a poll, a long-poll, or the scrape),
+* nothing crosses namespaces: each run is owned by one team's scoped ingest token, and the other team's
+  token, posting into it (a new report, a replay, or a seq = 2^53-1 takeover), polling or reading it, is
+  refused and changes nothing the model can see.
 """
 
 from __future__ import annotations
@@ -42,9 +45,19 @@ from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.monitor.store import Store
-from nanwatch.wire import ReportBatch
+from nanwatch.wire import MAX_INT, ReportBatch
 
 RUNS = ("a", "b")
+#: each run is its own team's namespace: a scoped ingest token per run (admin and reader stay open: loopback)
+TEAM_TOKENS = {"a": "team-a-sm-secret", "b": "team-b-sm-secret"}
+TEAM_SETTINGS = {f"team-{run}": {"token": tok, "runs": run} for run, tok in TEAM_TOKENS.items()}
+
+
+def team(run: str, *, other: bool = False) -> dict[str, str]:
+    """The headers of the team that owns ``run`` (``other``: of the team that does not)."""
+    owner = next(r for r in RUNS if (r != run) == other)
+    return {"Authorization": f"Bearer {TEAM_TOKENS[owner]}", **JSON}
+
 RANKS = (0, 1)
 LAYERS = 2
 SITES = tuple(f"model.layers.{i}.self_attn" for i in range(LAYERS))
@@ -178,7 +191,7 @@ class CollectorMachine(RuleBasedStateMachine):
         # No minimum interval between renders of /metrics (every step scrapes and would wait for it); a
         # render is still reused, while nothing changed.
         self.srv = BackgroundServer(Settings(host="127.0.0.1", port=0, db_path=self.db_path, log_level="warning",
-                                             metrics_min_interval_s=0))
+                                             metrics_min_interval_s=0, tokens=TEAM_SETTINGS))
         self.srv.__enter__()
         self.http = httpx.Client(base_url=self.srv.url, timeout=10)
         self.live.clear()
@@ -276,7 +289,7 @@ class CollectorMachine(RuleBasedStateMachine):
                 report = Sent(run, rank, seq, nan, site, body)
         self.writes += 1
         with injected(self.store, fault) as fired:
-            resp = self.http.post("/v1/reports", content=report.body, headers=JSON)
+            resp = self.http.post("/v1/reports", content=report.body, headers=team(run))
         assert fired or fault == "none", f"fault {fault} never fired"
         assert resp.status_code == _expected_status(fault), (fault, resp.status_code, resp.text)
         if resp.status_code != 200:
@@ -329,9 +342,37 @@ class CollectorMachine(RuleBasedStateMachine):
         self.in_step = True
         version = self.directive[run][0]
         index, wait = (version + 1, 0.05) if ahead else (0, 0)
-        resp = self.http.get(f"/v1/directives/{run}", params={"index": index, "wait": wait})
+        resp = self.http.get(f"/v1/directives/{run}", params={"index": index, "wait": wait}, headers=team(run))
         assert resp.status_code == 200, resp.text
         self._check_directive(run, resp.json())
+
+    @rule(run=st.sampled_from(RUNS), rank=st.sampled_from(RANKS),
+          how=st.sampled_from(["next", "replay", "takeover", "poll", "read", "list"]), pick=st.integers(0, 7))
+    def trespass(self, run, rank, how, pick):
+        """The other team's token goes for ``run``: posts the owner's next report, a replay of an
+        acknowledged one, or seq = 2^53-1 for the owner's incarnation (which would make every later report
+        a duplicate); polls its directive, reads it, or lists runs. Refused, and nothing changes: the
+        invariants and the owner's later reports (accepted, never duplicates) say so."""
+        self.in_step = True
+        other = team(run, other=True)
+        if how in ("next", "replay", "takeover"):
+            acked = self.acked[(run, rank)]
+            seq = {"next": self.next_seq[(run, rank)], "takeover": MAX_INT}.get(how)
+            if seq is None:
+                seq = acked[pick % len(acked)].seq if acked else 0
+            body = ReportBatch(reports=[step_report(run_id=run, rank=rank, seq=seq, layers=LAYERS, nan_at=SITES[0],
+                                                    nan=1)]).model_dump_json()
+            resp = self.http.post("/v1/reports", content=body, headers=other)
+            assert resp.status_code == 403, (how, resp.status_code, resp.text)
+        elif how == "poll":
+            resp = self.http.get(f"/v1/directives/{run}", params={"index": 0, "wait": 0}, headers=other)
+            assert resp.status_code == 404, resp.text
+        elif how == "read":
+            resp = self.http.get(f"/v1/runs/{run}", headers=other)
+            assert resp.status_code == 404, resp.text
+        else:
+            resp = self.http.get("/v1/runs", headers=other)
+            assert resp.status_code == 200 and run not in {r["run_id"] for r in resp.json()["runs"]}, resp.text
 
     @precondition(lambda self: self.writes >= 2)
     @rule()
@@ -353,7 +394,7 @@ class CollectorMachine(RuleBasedStateMachine):
         def wait(p: Poller) -> None:
             t0 = time.monotonic()
             try:
-                r = httpx.get(url, params={"index": index, "wait": 2}, timeout=15)
+                r = httpx.get(url, params={"index": index, "wait": 2}, headers=team(run), timeout=15)
                 p.result.update(status=r.status_code, body=r.json() if r.status_code == 200 else r.text)
             except Exception as e:  # noqa: BLE001 - reported by the check
                 p.result.update(error=repr(e))
@@ -398,10 +439,10 @@ class CollectorMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_the_model(self):
         for run in RUNS:
-            resp = self.http.get(f"/v1/directives/{run}", params={"index": 0, "wait": 0})
+            resp = self.http.get(f"/v1/directives/{run}", params={"index": 0, "wait": 0}, headers=team(run))
             assert resp.status_code == 200, resp.text
             self._check_directive(run, resp.json())
-        s = scrape(self.srv.url)
+        s = scrape(self.srv.url, TEAM_TOKENS["a"])
         assert s[("nanwatch_collector_reports_accepted_total", frozenset())] == self.accepted_total
         assert s[("nanwatch_collector_reports_duplicate_total", frozenset())] == self.duplicate_total
         assert {dict(k[1]).get("run_id") for k in s} <= {None, *RUNS}

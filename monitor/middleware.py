@@ -43,32 +43,37 @@ def _body_role(method: str, path: str) -> Role | None:
     return None
 
 
+#: who holds body bytes: a credential (role, audit name), or None where the role needs no token (an open
+#: role cannot tell its callers apart, so only the global budget applies)
+_Holder = tuple[str, str] | None
+
+
 class _Budget:
-    """Bytes held by request bodies being received: in all, and by credential (audit name)."""
+    """Bytes held by request bodies being received: in all, and by credential."""
 
     def __init__(self, total: int, per_holder: int) -> None:
         self.total, self.per_holder = total, per_holder
         self.held = 0
-        self.by_holder: dict[str, int] = {}
+        self.by_holder: dict[tuple[str, str], int] = {}
 
-    def refusal(self, holder: str, n: int) -> str | None:
+    def refusal(self, holder: _Holder, n: int) -> str | None:
         """Why ``holder`` may not hold ``n`` more bytes (the setting that says no), else None."""
         if self.held + n > self.total:
             return f"{self.held} bytes of request bodies being received (NANWATCH_MAX_BUFFERED_BYTES)"
-        mine = self.by_holder.get(holder, 0)
-        if mine + n > self.per_holder:
+        mine = self.by_holder.get(holder, 0) if holder is not None else 0
+        if holder is not None and mine + n > self.per_holder:
             return (f"{mine} bytes of request bodies being received with this token "
                     "(NANWATCH_MAX_BUFFERED_BYTES_PER_TOKEN)")
         return None
 
-    def take(self, holder: str, n: int) -> None:
+    def take(self, holder: _Holder, n: int) -> None:
         self.held += n
-        self.by_holder[holder] = self.by_holder.get(holder, 0) + n
+        if holder is not None:
+            self.by_holder[holder] = self.by_holder.get(holder, 0) + n
 
-    def give_back(self, holder: str, n: int) -> None:
+    def give_back(self, holder: _Holder, n: int) -> None:
         self.held -= n
-        left = self.by_holder.pop(holder, 0) - n
-        if left:
+        if holder is not None and (left := self.by_holder.pop(holder, 0) - n):
             self.by_holder[holder] = left
 
 
@@ -92,14 +97,15 @@ class IngressGuard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         role = _body_role(scope["method"], scope["path"])
-        holder = "anonymous"
+        holder: _Holder = None
         res = getattr(scope["app"].state, "resources", None)
-        if role is not None and res is not None:  # without resources the route answers 503, unread
+        if role is not None and res is not None and not res.tokens.open(role):  # no resources: the route's 503
             try:
-                holder = res.tokens.authorize(headers.get(b"authorization", b"").decode("latin-1"), role).name
+                who = res.tokens.authorize(headers.get(b"authorization", b"").decode("latin-1"), role)
             except Refused as e:
                 return await self._refuse(scope, receive, send, e.reason, e.status, str(e.detail),
                                           headers=e.headers)
+            holder = (who.role, who.name)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await self._refuse(scope, receive, send, "too_large", 413,
@@ -131,7 +137,7 @@ class IngressGuard:
             return None  # the client went away
         return await self.app(scope, self._replay(body, receive), send)
 
-    async def _read_body(self, receive: Receive, holder: str, held: list[int]) -> bytes | None:
+    async def _read_body(self, receive: Receive, holder: _Holder, held: list[int]) -> bytes | None:
         """The whole body; ``held[0]`` tracks what it holds of the budget (given back by the caller)."""
         chunks = []
         while True:

@@ -6,9 +6,9 @@ thousand connections open forever and lock every trainer out of the descriptor t
 * A request line plus headers over ``max_header_bytes`` gets 431 and the connection is closed; at most one
   read chunk beyond the limit is ever held.
 * Chunked trailers are never kept (uvicorn appended them to the request's headers, after the head limit
-  had stopped counting, and ASGI has no use for them); reads that carry no body byte after the head
-  (trailers, chunk framing) are counted against ``max_header_bytes`` too, since httptools accumulates an
-  unfinished trailer line itself, and beyond it the connection is closed.
+  had stopped counting, and ASGI has no use for them). Reads after the head that carry no body byte and
+  begin no request (trailers, chunk framing) are counted against ``max_header_bytes`` too, since httptools
+  accumulates an unfinished trailer line itself; beyond it the connection is closed.
 * A connection that began a request (or connected) and has not completed its head ``header_timeout_s``
   later is closed.
 * After an answer the connection is closed ``timeout_keep_alive`` later unless a new request has begun,
@@ -42,7 +42,7 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
             self._head_bytes = 0  # bytes read while the head is incomplete
             self._tail_bytes = 0  # bytes read after the head that carried no body byte
             self._in_head = True
-            self._fed_body = False
+            self._fed_body = self._began = False  # in the read being parsed: a body byte, a new request
             self._timer: asyncio.TimerHandle | None = None
             self._timer_kind: _Deadline | None = None
             self._arm("head")
@@ -81,7 +81,7 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head, self._head_bytes, self._tail_bytes = True, 0, 0
+            self._in_head, self._began, self._head_bytes, self._tail_bytes = True, True, 0, 0
             self._arm("head")
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -104,7 +104,7 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
                 self._arm("idle")
 
         def data_received(self, data: bytes) -> None:
-            after_head, self._fed_body = not self._in_head, False
+            after_head, self._fed_body, self._began = not self._in_head, False, False
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -112,7 +112,7 @@ def guarded_protocol(*, max_header_bytes: int, header_timeout_s: float) -> type[
                 self._head_bytes += len(data)
                 if self._head_bytes > max_header_bytes:
                     self._refuse_head()
-            elif after_head and not self._fed_body:  # trailers or chunk framing: no body byte in this read
+            elif after_head and not self._fed_body and not self._began:  # trailers or framing, nothing else
                 self._tail_bytes += len(data)
                 if self._tail_bytes > max_header_bytes:
                     self.logger.warning("nanwatch: closing a connection that sent over %d bytes of chunked "

@@ -11,6 +11,7 @@ import ssl
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from urllib.parse import unquote_plus
 
 import uvicorn
@@ -75,12 +76,23 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def _check_tls(cert: Path, key: Path | None) -> None:
+    """Load the certificate and key as uvicorn will, so that a wrong path or a key of another certificate
+    is a one-line error before listening (ValueError), not a traceback from the server's startup."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot load the TLS certificate {str(cert)!r} with the key {str(key)!r}: {e}") from e
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus: limits on request heads and trailers (size, time) and on idle connections after an
     answer (``nanwatch.monitor.protocol``), TLS when a certificate is configured, only allow-listed query
     values in the access log, and on shutdown the long-polls answered first so none is cancelled mid-wait."""
 
     def __init__(self, settings: Settings, port: int) -> None:
+        if settings.tls_cert_file is not None:
+            _check_tls(settings.tls_cert_file, settings.tls_key_file)
         self.app = create_app(settings)
         raise_fd_limit()
         protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,

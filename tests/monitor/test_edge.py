@@ -249,3 +249,13 @@ def test_serve_takes_a_certificate_and_answers_over_https(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_serve_refuses_a_certificate_it_cannot_load_in_one_line(tmp_path, capsys):
+    from nanwatch.cli import main
+
+    db = tmp_path / "c.db"
+    assert main(["serve", "--db", str(db), "--tls-cert", str(tmp_path / "none.pem"), "--tls-key",
+                 str(tmp_path / "none.key")]) == 2
+    assert "cannot load the TLS certificate" in capsys.readouterr().err
+    assert not db.exists()  # refused before anything was opened

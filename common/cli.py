@@ -26,7 +26,9 @@ def _serve(args: argparse.Namespace) -> int:
     from nanwatch.monitor import Settings
     from nanwatch.monitor.server import serve
 
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db_path", args.db)) if v is not None}
+    given = (("host", args.host), ("port", args.port), ("db_path", args.db), ("tls_cert_file", args.tls_cert),
+             ("tls_key_file", args.tls_key))
+    overrides = {k: v for k, v in given if v is not None}
     try:
         settings = Settings(**overrides)
         serve(settings)
@@ -151,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="listen address (default 127.0.0.1; beyond loopback tokens are required)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
     s.add_argument("--db", help="SQLite file for events, directives and counters (default nanwatch.db)")
+    s.add_argument("--tls-cert", metavar="PATH", help="serve HTTPS with this PEM certificate (chain); with --tls-key")
+    s.add_argument("--tls-key", metavar="PATH", help="the certificate's PEM private key")
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("status", help="summarise runs, or one run (from a collector, or a local file: --file)")

@@ -17,11 +17,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanwatch.monitor.auth import TokenTable
-from nanwatch.monitor.deps import Resources
+from nanwatch.monitor.deps import ReaderToken, Resources
 from nanwatch.monitor.directive_log import DirectiveLog
 from nanwatch.monitor.exception_handlers import install_exception_handlers
 from nanwatch.monitor.exporter import MetricsRenderer
@@ -67,6 +69,28 @@ async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
         res.ledger.retire(now, retention_s)
 
 
+def _docs_router(title: str) -> APIRouter:
+    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc`` behind the same reader token as ``/v1/runs``
+    whenever tokens are configured: the document names every route and limit, a map for an attacker, not
+    something to hand to anyone who asks. (A browser sends no bearer token by itself: fetch
+    ``/openapi.json`` with curl, or open the pages through a proxy or an extension that adds the header.)"""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/openapi.json")
+    async def openapi(request: Request, _who: ReaderToken) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
+    @router.get("/docs")
+    async def swagger_ui(_who: ReaderToken) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=title)
+
+    @router.get("/redoc")
+    async def redoc(_who: ReaderToken) -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=title)
+
+    return router
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector. Raises ValueError for an exposed host without tokens or unreadable token files."""
     settings = settings if settings is not None else get_settings()
@@ -94,13 +118,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.resources = None
             res.store.close()
 
-    app = FastAPI(title="nanwatch collector", version="1", lifespan=lifespan,
-                  description="Numerical-health reports in, Prometheus metrics and directives out.")
+    # The API documents are served by ``_docs_router``, only when settings.docs is on; ``app.openapi()``
+    # builds the document either way.
+    app = FastAPI(title="nanwatch collector", version="1", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None, description="Numerical-health reports in, Prometheus metrics and directives out.")
     app.state.settings = settings
     app.state.resources = None
     for module in (reports, directives, runs, metrics, health):
         app.include_router(module.router)
+    if settings.docs:
+        app.include_router(_docs_router(app.title))
     app.add_middleware(IngressGuard, max_body=settings.max_body_bytes, max_buffered=settings.max_buffered_bytes,
+                       max_buffered_per_token=settings.max_buffered_bytes_per_token,
                        retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s)
     if not settings.ingest_tokens() or not settings.admin_token_map():
         # A scope without a token is open, which is only allowed on loopback: then only loopback names may

@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     max_buffered_bytes: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024
     """Request bodies being received may hold this many bytes in all; a body that would go beyond gets 503
     with Retry-After (load shedding by bytes: slow senders holding a few bytes each shed nobody)."""
+    max_buffered_bytes_per_token: Annotated[int, Field(ge=1024)] = 32 * 1024 * 1024
+    """Of those, the bodies sent with one token (one audit name; every request of an open role is
+    ``anonymous``) may hold this many bytes: a credential flooding partial bodies gets 503 itself and leaves
+    the rest of the budget to the others. A body is read only after its token is checked, so a request
+    without a valid token holds nothing."""
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     max_series_per_run: Annotated[int, Field(ge=10)] = 50_000
     """New series of a run beyond this are dropped and counted."""
@@ -118,6 +123,9 @@ class Settings(BaseSettings):
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """A request body not received in full this long after its headers gets 408 (the body is read before
     anything else, so a slow sender holds only the bytes it sent)."""
+    keep_alive_s: Annotated[float, Field(gt=0)] = 5.0
+    """A connection that begins no new request this long after its last answer is closed, whatever else
+    the client sends (uvicorn's ``timeout_keep_alive``, enforced by ``nanwatch.monitor.protocol``)."""
     directive_margin_steps: Annotated[int, Field(ge=0)] = 0
     """Extra steps before a directive without ``apply_at_step`` applies. By default it applies at the
     earliest step every rank can: the next step for one rank, the next agreement step under
@@ -130,12 +138,23 @@ class Settings(BaseSettings):
     events_shown: Annotated[int, Field(ge=1, le=10_000)] = 200
     """How many recent events ``GET /v1/runs/{run_id}`` returns."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    docs: bool = False
+    """Serve the API documents (``/docs``, ``/redoc``, ``/openapi.json``). Off by default; when on they
+    need a token of any kind whenever tokens are configured, like ``/v1/runs``."""
+    tls_cert_file: Path | None = None
+    """PEM certificate (chain) for HTTPS without a proxy (``nanwatch serve --tls-cert``); with
+    ``tls_key_file``. Without both, the collector speaks plain HTTP (put a TLS proxy in front)."""
+    tls_key_file: Path | None = None
+    """PEM private key of ``tls_cert_file`` (``nanwatch serve --tls-key``)."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
         names = [r.name for r in self.rules]
         if len(names) != len(set(names)):
             raise ValueError(f"rule names must be unique, got {names}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both a certificate and its key (NANWATCH_TLS_CERT_FILE and "
+                             "NANWATCH_TLS_KEY_FILE, or --tls-cert and --tls-key)")
         return self
 
     def ingest_tokens(self) -> dict[str, str]:

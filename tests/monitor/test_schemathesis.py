@@ -13,13 +13,14 @@ from nanwatch.monitor import Settings, create_app
 pytestmark = pytest.mark.slow
 
 app = create_app(Settings(db_path=":memory:", token=TOKEN, admin_token=ADMIN, max_wait_s=0.05,
-                          max_body_bytes=64 * 1024))
+                          max_body_bytes=64 * 1024, docs=True))
 # 413 is a correct refusal of any body over the byte limit, schema-valid or not: the OpenAPI schema
 # bounds array lengths, not bytes.
 config = schemathesis.config.SchemathesisConfig.from_dict({"checks": {
     "negative_data_rejection": {"expected-statuses": [400, 401, 403, 404, 405, 406, 409, 413, 415, 422]},
     "positive_data_acceptance": {"expected-statuses": ["2XX", 401, 403, 404, 409, 413]}}})
-schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
+schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config,
+                                       headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 @schema.parametrize()

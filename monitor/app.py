@@ -48,7 +48,8 @@ def _resources(settings: Settings) -> Resources:
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives)
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
-                    logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
+                    logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
+                    memory_limit_bytes=settings.memory_limit_bytes(), max_events=settings.max_events)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
     scopes = settings.ingest_namespaces()

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from starlette.types import Receive
+from typing import Any, TypeVar
 
 __all__ = ["LongPoll", "while_connected"]
 
 T = TypeVar("T")
+#: an ASGI ``receive`` (typed here without the web stack: the write path imports this module)
+Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -55,10 +55,11 @@ def parse_batch(raw: bytes) -> ReportBatch:
         return ReportBatch.model_validate_json(raw, strict=True)
     except ValidationError as e:
         refusal = _refusal(e)
-        for err in e.errors(include_url=False, include_context=False):
+        # never include_input: an error's input is the object it is about, converted afresh for each error
+        for err in e.errors(include_url=False, include_context=False, include_input=False):
             loc = err["loc"]
             if len(loc) == 3 and loc[0] == "reports" and loc[2] == "v" and err["type"] == "value_error":
+                why = err["msg"].removeprefix("Value error, ").split(":")[0]
                 raise BadBody(400, "unsupported_version",
-                              f"reports[{loc[1]}].v: unsupported schema version {err['input']!r}; this "
-                              f"collector speaks {SCHEMA_MAJOR}.x") from None
+                              f"reports[{loc[1]}].v: {why}; this collector speaks {SCHEMA_MAJOR}.x") from None
         raise refusal from None

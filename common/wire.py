@@ -182,7 +182,7 @@ class LogitStat(_Wire):
         description="lse: a fused kernel's saved log-sum-exp; exact/scores: the exact max; router: an MoE "
         "router's largest logit")
     exact: float | None = Field(None, description="exact max, on sampled steps")
-    per_head: Annotated[list[float], Field(max_length=4096)] | None = None
+    per_head: Annotated[list[float], Field(max_length=4096, fail_fast=True)] | None = None
 
 
 class RlhfStat(_Wire):
@@ -232,7 +232,7 @@ class Coverage(_Wire):
         "counted again (their saved log-sum-exp is where the logit bound is read)")
     logits: bool = Field(False, description="the output head's logits were measured in a training forward")
     params_checked: Count = Field(0, description="parameter and optimizer-state tensors checked at step start")
-    unmeasured: Annotated[list[Unmeasured], Field(max_length=8)] = Field(default_factory=list)
+    unmeasured: Annotated[list[Unmeasured], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
 
 
 class Incident(_Wire):
@@ -257,7 +257,7 @@ class Incident(_Wire):
     birth_elements: Count = Field(0, description="non-finite elements in the birth module's output (exact)")
     birth_kind: SiteKind | None = Field(None, description="what the birth module is (attention, mlp, norm, "
                                         "param...): the remedy is chosen by it")
-    path: Annotated[list[SiteName], Field(max_length=16)] = Field(
+    path: Annotated[list[SiteName], Field(max_length=16, fail_fast=True)] = Field(
         default_factory=list, description="the coarse sites (blocks and their children) and the output head "
         "the non-finite value reached next, in order")
     host: Annotated[str, StringConstraints(max_length=255)] = ""
@@ -288,11 +288,11 @@ class StepReport(_Wire):
     stage: Stage = Field("train", description="train: a training step's report. eval: an evaluation's own report "
                          "(its figures are never folded into a training step's)")
     time: float = Field(description="unix time the step ended")
-    sites: Annotated[list[SiteStat], Field(max_length=4096)] = Field(default_factory=list)
-    sdpa: Annotated[list[SdpaCall], Field(max_length=4096)] = Field(default_factory=list)
-    logits: Annotated[list[LogitStat], Field(max_length=4096)] = Field(default_factory=list)
+    sites: Annotated[list[SiteStat], Field(max_length=4096, fail_fast=True)] = Field(default_factory=list)
+    sdpa: Annotated[list[SdpaCall], Field(max_length=4096, fail_fast=True)] = Field(default_factory=list)
+    logits: Annotated[list[LogitStat], Field(max_length=4096, fail_fast=True)] = Field(default_factory=list)
     rlhf: RlhfStat | None = None
-    fingerprints: Annotated[list[Fingerprint], Field(max_length=256)] = Field(default_factory=list)
+    fingerprints: Annotated[list[Fingerprint], Field(max_length=256, fail_fast=True)] = Field(default_factory=list)
     coverage: Coverage | None = Field(None, description="what was measured (None from 1.0 senders)")
     step_skipped: bool | None = Field(
         None, description="the weight guard skipped this step's optimizer update (None: no guard)")
@@ -328,7 +328,7 @@ class StepReport(_Wire):
         "non-finite, the scaler found them, skipped the update and lowered the scale. Normal operation, not an "
         "incident (a collapsing scale is); None without a scaler")
     dropped_reports: Count = Field(0, description="reports this rank could not deliver so far (cumulative)")
-    warnings: Annotated[list[ShortText], Field(max_length=64)] = Field(default_factory=list)
+    warnings: Annotated[list[ShortText], Field(max_length=64, fail_fast=True)] = Field(default_factory=list)
 
     @field_validator("v")
     @classmethod
@@ -359,7 +359,7 @@ class StepReport(_Wire):
 class ReportBatch(_Wire):
     """What the trainer POSTs: one or more reports, oldest first."""
 
-    reports: Annotated[list[StepReport], Field(min_length=1, max_length=256)]
+    reports: Annotated[list[StepReport], Field(min_length=1, max_length=256, fail_fast=True)]
 
 
 class DirectiveSpec(_Wire):

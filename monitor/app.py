@@ -54,7 +54,8 @@ def _resources(settings: Settings) -> Resources:
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
-                    namespace_of=tokens.namespace_of)
+                    namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
+                    max_events=settings.max_events)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.directive_log import DirectiveLog
@@ -35,7 +35,7 @@ from nanwatch.monitor.state import CollectorState, RankState
 from nanwatch.monitor.store import EventRow
 from nanwatch.wire import Directive
 
-__all__ = ["MetricsRenderer", "Snapshot", "render", "snapshot"]
+__all__ = ["FORMATS", "MetricsRenderer", "Snapshot", "negotiate", "render", "snapshot"]
 
 #: counter families kept per run (``RunState.counters``) and exported as they are, labels after run_id
 _RUN_COUNTERS = {"site": "nanwatch_site_nonfinite_values_total", "sdpa": "nanwatch_sdpa_calls_total",
@@ -266,16 +266,36 @@ class _SnapshotMetrics(Collector):
 #: made once, registered in each render's registry beside the snapshot.
 _PROCESS = (ProcessCollector(registry=None), PlatformCollector(registry=None))
 
+#: The formats a scrape can get, by name: prometheus_client's text 0.0.4 and OpenMetrics 1.0.0 encoders.
+#: Every ``Accept`` header is negotiated down to one of them (``negotiate``), so that the render cache has at
+#: most these keys, each gzipped or not, whatever versions and escapings scrapers ask for (issue #19.5: a
+#: cache keyed by the raw ``version=`` let 40 scrapers force 40 renders an interval). Every metric name here
+#: is a legacy Prometheus name, so an escaping scheme would change nothing.
+FORMATS = {"text": (generate_latest, CONTENT_TYPE_PLAIN_0_0_4),
+           "openmetrics": choose_encoder("application/openmetrics-text; version=1.0.0")}
 
-def render(snap: Snapshot, accept: str, gzipped: bool) -> tuple[bytes, str]:
-    """The exposition of ``snap`` in the format ``accept`` asks for (prometheus_client's encoders)."""
-    encoder, content_type = choose_encoder(accept)
+
+def negotiate(accept: str) -> str:
+    """The format (a ``FORMATS`` key) to answer ``accept`` with: OpenMetrics 1.0.0 when prometheus_client would
+    answer in any OpenMetrics version, else text 0.0.4."""
+    return "openmetrics" if choose_encoder(accept)[1].startswith("application/openmetrics-text") else "text"
+
+
+def render(snap: Snapshot, fmt: str) -> tuple[bytes, str]:
+    """The exposition of ``snap`` in format ``fmt`` (prometheus_client's encoders), and its content type."""
+    encoder, content_type = FORMATS[fmt]
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_SnapshotMetrics(snap))
     for own in _PROCESS:  # the collector's own health: memory and fds against its pod's limits, CPU
         registry.register(own)
-    body = encoder(registry)
-    return (gzip.compress(body) if gzipped else body), content_type
+    return encoder(registry), content_type
+
+
+def _render_all(snap: Snapshot, wanted: frozenset[tuple[str, bool]]) -> dict[tuple[str, bool], tuple[bytes, str]]:
+    """Every (format, gzipped) in ``wanted`` from one snapshot: each format encoded once, gzip on top."""
+    plain = {fmt: render(snap, fmt) for fmt in {fmt for fmt, _ in wanted}}
+    return {(fmt, gz): (gzip.compress(plain[fmt][0]) if gz else plain[fmt][0], plain[fmt][1])
+            for fmt, gz in wanted}
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,47 +307,59 @@ class _Rendered:
     """Monotonic time after which the render is stale even without a write (a rank turns late)."""
 
 
+@dataclass(slots=True)
+class _Round:
+    """One render: a snapshot and the (format, gzipped) pairs its scrapers asked for before it was taken."""
+
+    wanted: set[tuple[str, bool]]
+    done: asyncio.Future
+
+
 class MetricsRenderer:
     """Renders ``/metrics`` off the event loop, one render at a time and at most one every
     ``min_interval_s``. A scrape gets the last render if nothing changed since it began; otherwise the
     next render, which takes its snapshot after the scrape arrived, so every scrape sees what was
-    acknowledged before it. Scrapers, however many and however fast, thus cost at most one render per
-    interval, and they wait for it rather than taking the CPU that ingest needs (a scrape answered at once
-    from a cache would let a few scrape loops spin the collector at thousands of requests a second)."""
+    acknowledged before it. One render serves every format asked for before its snapshot, so scrapers,
+    however many, however fast and in whatever formats, cost at most one snapshot per interval and wait
+    at most about one interval; they wait for it rather than taking the CPU that ingest needs (a scrape
+    answered at once from a cache would let a few scrape loops spin the collector at thousands of requests
+    a second)."""
 
     def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
                  min_interval_s: float = 3.0, late_s: float = 90.0) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
         self._min_interval_s = min_interval_s
         self._lock = asyncio.Lock()
-        self._pending: dict[tuple[str, bool], asyncio.Future] = {}
+        self._next: _Round | None = None
         self._last: dict[tuple[str, bool], _Rendered] = {}
         self._last_start = -math.inf
 
     async def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
-        fmt = (choose_encoder(accept)[1], gzipped)
-        last = self._last.get(fmt)
+        key = (negotiate(accept), gzipped)
+        last = self._last.get(key)
         if last is not None and last.version == self._state.version() and time.monotonic() < last.until:
             return last.body, last.content_type
-        fut = self._pending.get(fmt)
-        if fut is None:
-            fut = self._pending[fmt] = asyncio.get_running_loop().create_future()
-            asyncio.ensure_future(self._run(fmt, accept, gzipped, fut))
-        return await asyncio.shield(fut)  # a scraper that goes away does not cancel the others' render
+        rnd = self._next
+        if rnd is None:
+            rnd = self._next = _Round(set(), asyncio.get_running_loop().create_future())
+            asyncio.ensure_future(self._run(rnd))
+        rnd.wanted.add(key)
+        return (await asyncio.shield(rnd.done))[key]  # a scraper that goes away does not cancel the others'
 
-    async def _run(self, fmt: tuple[str, bool], accept: str, gzipped: bool, fut: asyncio.Future) -> None:
+    async def _run(self, rnd: _Round) -> None:
         async with self._lock:
             wait = self._last_start + self._min_interval_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            if self._pending.get(fmt) is fut:
-                del self._pending[fmt]  # from now on, new scrapes wait for the next render
+            if self._next is rnd:
+                self._next = None  # from now on, new scrapes wait for the next render
             try:
                 started, version = time.monotonic(), self._state.version()
                 snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s)
                 self._last_start = started
-                body, content_type = await asyncio.to_thread(render, snap, accept, gzipped)
-                self._last[fmt] = _Rendered(version, body, content_type, snap.until)
-                fut.set_result((body, content_type))
+                out = await asyncio.to_thread(_render_all, snap, frozenset(rnd.wanted))
+                for key, (body, content_type) in out.items():
+                    self._last[key] = _Rendered(version, body, content_type, snap.until)
+                rnd.done.set_result(out)
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
-                fut.set_exception(e)
+                rnd.done.set_exception(e)

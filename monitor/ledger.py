@@ -20,8 +20,9 @@ from typing import TypeVar
 
 from nanwatch.monitor.auth import ANY_NAMESPACE
 from nanwatch.monitor.directive_log import DirectiveLog
-from nanwatch.monitor.event_log import DirectiveChange, EventLog
+from nanwatch.monitor.event_log import AUDIT_KINDS, DirectiveChange, EventLog
 from nanwatch.monitor.ingest import Ingested, fold
+from nanwatch.monitor.memory import MemoryBudget
 from nanwatch.monitor.refusal import CapReached, StoreUnavailable, Unstorable
 from nanwatch.monitor.rules import RuleEngine
 from nanwatch.monitor.state import CollectorState
@@ -50,7 +51,8 @@ class Ledger:
 
     def __init__(self, *, store: Store, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
                  logit_tau: float, margin_steps: int,
-                 namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> None:
+                 namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
+                 memory_limit_bytes: int | None = None, max_events: int | None = None) -> None:
         self.store = store
         #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
         self.namespace_of = namespace_of
@@ -59,6 +61,9 @@ class Ledger:
         self.events = EventLog(state)
         self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
         self._margin = margin_steps
+        #: above its limit, nothing new is kept (``nanwatch.monitor.memory``); events are bounded in all
+        self.budget = MemoryBudget(limit_bytes=memory_limit_bytes, max_events=max_events,
+                                   count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
         #: runs a failed write touched while the store could not be re-read: memory may hold what was never
         #: committed; None when memory agrees with the store
         self._unsynced: set[str] | None = None
@@ -72,8 +77,12 @@ class Ledger:
         keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
         self._make_room(keys)
         self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
-        done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
-                                                   rule_engine=self.rule_engine, into=self))
+
+        def apply() -> Ingested:
+            return fold(batch, state=self.state, store=self.store, rule_engine=self.rule_engine, into=self)
+
+        # above the memory limit, existing series keep moving; new ones are dropped and counted
+        done = self._atomically(runs, (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
         self.state.requests.applied(done.accepted, done.duplicates)
         return done
 
@@ -152,7 +161,11 @@ class Ledger:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
         if not self.events.admits(ev):
             return False
+        if ev.kind not in AUDIT_KINDS and (self.budget.over() or self.budget.events_full()):
+            self.state.caps_hit["memory" if self.budget.over() else "total_events"] += 1
+            return False
         self.events.add(ev, stored=self.store.add_event(ev))
+        self.budget.event_added()
         return True
 
     def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
@@ -198,6 +211,31 @@ class Ledger:
         over = self.state.over_caps(keys, run_ids, beats, namespace_of=self.namespace_of)
         if over is not None:
             raise CapReached(over)
+        if self.budget.over() and self._grows(keys, run_ids, beats):
+            self.state.caps_hit["memory"] += 1
+            raise CapReached(f"the collector is above its memory limit ({self.budget.limit_bytes >> 20} MiB, "
+                             "NANWATCH_MEMORY_LIMIT_MIB): no new run, incarnation or rank is taken until it is "
+                             "below; existing ones are still updated", reason="memory")
+
+    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str], beats: set[tuple[str, int, str]]) -> bool:
+        """Whether a request adds a run, a (run, rank, incarnation) high-water mark or a held rank."""
+        state = self.state
+        return (any(r not in state.runs for r in run_ids) or any(k not in state.hwm for k in keys)
+                or any(run_id not in state.runs or rank not in state.runs[run_id].ranks
+                       for run_id, rank, _inc in beats))
+
+    def _without_new_series(self, runs: set[str], write: Callable[[], T]) -> T:
+        """``write()`` with no new series (the series cap at 0 while it runs, inside the transaction, so that a
+        failed write's reload sees the real cap: admitted series still update), counted when it dropped any."""
+        state = self.state
+        dropped = sum(state.runs[r].series_dropped for r in runs if r in state.runs)
+        cap, state.series_cap = state.series_cap, 0
+        try:
+            return write()
+        finally:
+            state.series_cap = cap
+            if sum(state.runs[r].series_dropped for r in runs if r in state.runs) > dropped:
+                state.caps_hit["memory"] += 1
 
     def _atomically(self, runs: set[str], write: Callable[[], T]) -> T:
         """``write()`` in one transaction; ``runs``: the runs it may change."""

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from nanwatch.monitor.memory import default_limit_bytes
 from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
 from nanwatch.tokens import check_token, read_token_file
 
@@ -105,6 +106,16 @@ class Settings(BaseSettings):
     this get 429 (counted)."""
     max_events_per_run: Annotated[int, Field(ge=10)] = 10_000
     """Events a run's log keeps; further distinct events are not recorded (counted)."""
+    max_events: Annotated[int, Field(ge=100)] = 1_000_000
+    """Events the collector keeps over all runs (each is about 735 B of SQLite: about 700 MiB at this
+    default); further events are not recorded (counted as ``cap="total_events"``), except directive changes,
+    the audit trail."""
+    memory_limit_mib: Annotated[int, Field(ge=1)] | None = None
+    """Soft limit on the collector's resident memory, checked at most once a second (the OpenTelemetry
+    Collector's memory_limiter): above it, a new run, (rank, incarnation) or held rank gets 429 (reason
+    ``memory``), new series and events are not kept, all counted as ``cap="memory"``, while existing series
+    keep being updated. Default: 80 % of the cgroup's memory limit (``/sys/fs/cgroup/memory.max``), else
+    2048 MiB."""
     run_retention_s: Annotated[float, Field(gt=0)] = 7 * 86400.0
     """A run with no report for this long is forgotten: gone from /metrics and /v1/runs, and its history
     deleted from SQLite. A trainer that comes back later starts a new history (directive versions from 1)."""
@@ -156,6 +167,10 @@ class Settings(BaseSettings):
             raise ValueError("TLS needs both a certificate and its key (NANWATCH_TLS_CERT_FILE and "
                              "NANWATCH_TLS_KEY_FILE, or --tls-cert and --tls-key)")
         return self
+
+    def memory_limit_bytes(self) -> int:
+        """``memory_limit_mib`` in bytes, or its default (``nanwatch.monitor.memory.default_limit_bytes``)."""
+        return self.memory_limit_mib << 20 if self.memory_limit_mib is not None else default_limit_bytes()
 
     def ingest_tokens(self) -> dict[str, str]:
         """Every accepted ingest token, by audit name."""

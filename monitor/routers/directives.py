@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
 
 from nanwatch.monitor.body import parse_spec
 from nanwatch.monitor.deps import AdminToken, IngestToken, ResourcesDep, RunIdPath, SettingsDep, require_owned
+from nanwatch.monitor.long_poll import while_connected
 from nanwatch.monitor.routers._problems import AUTH, BODY, INVALID, NOT_READY
 from nanwatch.monitor.schemas import ApiJSON, Problem
 from nanwatch.wire import Directive, DirectiveSpec
@@ -21,17 +23,19 @@ _NOT_OWNED = {404: {"model": Problem, "description": "a run outside the token's 
 @router.get("/v1/directives/{run_id}", response_model=Directive, response_class=ApiJSON,
             responses={**_NOT_OWNED, **_RESPONSES})
 async def poll_directive(
-    run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, token: IngestToken,
+    run_id: RunIdPath, request: Request, res: ResourcesDep, settings: SettingsDep, token: IngestToken,
     index: Annotated[int, Query(ge=0, description="the version the caller has; 0 at first")] = 0,
     wait: Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request "
                                  "(clamped to NANWATCH_MAX_WAIT_S)")] = 0.0,
-) -> ApiJSON:
+) -> Response:
     """Long-poll: answers as soon as the run's directive version exceeds ``index``, else after ``wait``
     seconds with the current directive (version 0, mode ``none`` if the run has none). A scoped token polls
-    its own namespace's runs only (404 for others)."""
+    its own namespace's runs only (404 for others). A poll whose client leaves ends then, and its answer goes
+    nowhere."""
     require_owned(token, run_id)
-    d = await res.directive_log.wait(run_id, index=index, wait_s=min(wait, settings.max_wait_s))
-    return ApiJSON(d)
+    d = await while_connected(request.receive,
+                              res.directive_log.wait(run_id, index=index, wait_s=min(wait, settings.max_wait_s)))
+    return Response(status_code=499) if d is None else ApiJSON(d)
 
 
 _SPEC_BODY = {"required": True,

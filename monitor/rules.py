@@ -106,15 +106,19 @@ class RuleEngine:
         a fresh directive. Only rank 0 decides a revert (every rank follows its agreement), and one report
         cannot fake it (#19): it must come from the incarnation of rank 0 that reported the mode applied
         under this version before (``RunState.applied``), at a step at least ``revert_after_clean_steps``
-        past ``apply_at_step``, and at most ``STEP_SLACK`` past that incarnation's previous report. A honest
-        revert reported after a gap is believed at the rank's next report."""
+        past ``apply_at_step``, and at most ``STEP_SLACK`` past that incarnation's previous report. An honest
+        revert reported after a gap, or first seen after a restart of the collector (the witness is kept in
+        memory), is believed at the rank's next report."""
         cur = into.directive(r.run_id)
         run = into.state.runs.get(r.run_id)
         if run is None or cur.mode == "none" or not cur.revert_after_clean_steps or r.directive_version != cur.version:
             return
         seen = run.applied
-        mine = seen is not None and (seen.version, seen.incarnation) == (cur.version, r.incarnation)
-        if r.attention_mode == cur.mode or mine:
+        known = seen is not None and seen.version == cur.version
+        mine = known and seen.incarnation == r.incarnation
+        # a report under this version is the rank's word that it applied it: the first one (none known, as
+        # after a restart of the collector) or one in the mode (a restarted job) names the witness
+        if r.attention_mode == cur.mode or not known or mine:
             run.applied = Applied(cur.version, r.incarnation, r.step)
         if (mine and r.attention_mode == "none"
                 and cur.apply_at_step + cur.revert_after_clean_steps <= r.step <= seen.step + STEP_SLACK):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from support import ADMIN, JSON, TOKEN, step_report
+from support import ADMIN, JSON, TOKEN, CollectorProcess, step_report
 
 from nanwatch.wire import MAX_INT, ReportBatch
 
@@ -126,3 +126,17 @@ def test_an_honest_revert_reported_after_a_gap_is_believed_at_the_next_report(co
     assert _directive(url, "gap")["version"] == version
     _post(url, _rank("gap", 0, at + REVERT_AFTER + 21, version=version))
     assert (_directive(url, "gap")["version"], _directive(url, "gap")["mode"]) == (version + 1, "none")
+
+
+def test_a_revert_first_seen_after_a_collector_restart_is_believed_at_the_next_report(tmp_path):
+    """The witness is kept in memory: after a restart the rank's next reports name it again."""
+    env = {"NANWATCH_TOKEN": TOKEN, "NANWATCH_ADMIN_TOKENS": f'{{"alice": "{ADMIN}"}}'}
+    with CollectorProcess(db_path=tmp_path / "c.db", env=env) as c:
+        version, at = _revertible(c.url, "restart")
+        c.stop()
+        c.start()
+        _post(c.url, _rank("restart", 0, at + REVERT_AFTER, version=version))
+        assert _directive(c.url, "restart")["version"] == version
+        _post(c.url, _rank("restart", 0, at + REVERT_AFTER + 1, version=version))
+        d = _directive(c.url, "restart")
+        assert (d["version"], d["mode"], d["set_by"]) == (version + 1, "none", "trainer:auto-revert"), d

@@ -432,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--run-id", default="loadgen")
     p.add_argument("--token", default=os.environ.get("NANWATCH_TOKEN") or None,
-                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none)")
+                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none; with --attack "
+                        "and no --url, a fresh one that the bench's collector requires)")
     p.add_argument("--attack", choices=("none", *ATTACKS, "all", "each"), default="none",
                    help="a second phase with a hostile client beside the ranks (default: none, one phase); all: "
                         "every kind at once; each: every kind in turn, then all, and a table of the ratios")

@@ -151,7 +151,7 @@ def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
     from nanwatch.bench import main
 
     assert main(["collector", "--ranks", "4", "--sites", "8", "--duration", "1.5", "--warmup", "0.5",
-                 "--attack", "scrape", "--attackers", "2", "--rounds", "2"]) == 0
+                 "--attack", "scrape", "--attackers", "2", "--rounds", "2", "--settle", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "attack: scrape x2" in printed and "2 rounds of 1.5 s unloaded, then 1.5 s under attack" in printed
     assert "phase 1, unloaded:" in printed and "phase 2, under attack (scrape x2):" in printed
@@ -169,7 +169,7 @@ def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
     from nanwatch.bench.attacks import ATTACKS, HELD
 
     assert main(["collector", "--ranks", "2", "--sites", "4", "--duration", "2", "--warmup", "0.5",
-                 "--attack", "all", "--attackers", "1", "--rounds", "1", "--connections", "4"]) == 0
+                 "--attack", "all", "--attackers", "1", "--rounds", "1", "--settle", "0", "--connections", "4"]) == 0
     printed = capsys.readouterr().out
     attacked = printed.split("phase 2", 1)[1]
     for kind in ("trailers", "preauth-bodies", "error-bodies", "accept-versions", "abandoned-polls", "runs-listing"):

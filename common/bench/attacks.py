@@ -227,11 +227,14 @@ async def _trailers(t: Target, conn: tuple, i: int) -> tuple[int | str, bool]:
 
 async def _loop(t: Target, counts: dict, step) -> None:
     """One attacker: ``step`` back to back on a keep-alive connection (reopened when the server ends it),
-    counting statuses and times, until stopped."""
+    counting statuses and times, until stopped; ``open`` counts its request in flight (one the window's end
+    cut short is counted as open at the end, not as answered)."""
     loop = asyncio.get_running_loop()
     conn = None
     while not counts["stopped"]:
         t0 = loop.time()
+        counts["sent"] += 1
+        counts["open"] += 1
         try:
             if conn is None:
                 conn = await asyncio.wait_for(asyncio.open_connection(t.host, t.port), REQUEST_TIMEOUT_S)
@@ -240,7 +243,8 @@ async def _loop(t: Target, counts: dict, step) -> None:
             status, keep = "timeout", False
         except (OSError, EOFError, ValueError, IndexError):
             status, keep = "conn-error", False
-        counts["sent"] += 1
+        finally:
+            counts["open"] -= 1
         count(counts["status"], status)
         counts["times"].append(loop.time() - t0)
         if not keep and conn is not None:

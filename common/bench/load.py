@@ -212,6 +212,8 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
         for name in ("unloaded", "under attack") if plan else ("unloaded",):
             phases.append(_new_phase(name, t, t + args.duration))
             t += args.duration
+        if plan:  # what an attack left behind (a request still being answered) is not the next window's
+            t += args.settle
     stop = phases[-1]["to"]
     stats: dict = {"phases": phases, "attacks": [], "primed": primed}
     tasks = [_sender(u.hostname, u.port, s, args, stats, stop, start) for s in senders(args, synthetic_report)]
@@ -314,7 +316,8 @@ def _attack_lines(counts: dict, duration: float) -> list[str]:
         t = _quantiles(counts["times"])
         done = sum(counts["status"].values())
         timing = f", p50 {t[0] * 1e3:.0f} ms, max {t[2] * 1e3:.0f} ms" if t else ""
-        return [f"{kind} x{n}: {done} requests ({done / duration:.1f}/s){timing}; statuses {counts['status']}"]
+        cut = f"; {counts['open_at_end']} unanswered when its window ended" if counts["open_at_end"] else ""
+        return [f"{kind} x{n}: {done} requests ({done / duration:.1f}/s){timing}; statuses {counts['status']}{cut}"]
     ended = sum(v for k, v in counts["ended"].items() if k != "connect failed")
     life = statistics.median(counts["lifetimes"]) if counts["lifetimes"] else None
     after = f", median after {life:.1f} s" if life is not None else ""
@@ -387,8 +390,8 @@ def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
                          f"statuses {stats['primed']}")
         rounds = len(phases) // 2
         seconds = rounds * args.duration
-        lines.append(f"{rounds} rounds of {args.duration:g} s unloaded, then {args.duration:g} s under attack; "
-                     "each phase below pools its windows")
+        lines.append(f"{rounds} rounds of {args.duration:g} s unloaded, then {args.duration:g} s under attack "
+                     f"and {args.settle:g} s unmeasured; each phase below pools its windows")
         merged = [_merged(phases, "unloaded"), _merged(phases, "under attack")]
         for i, phase in enumerate(merged, 1):
             title = phase["name"] + (f" ({plan})" if i > 1 else "")
@@ -439,6 +442,9 @@ def _parser() -> argparse.ArgumentParser:
                         "every kind at once; each: every kind in turn, then all, and a table of the ratios")
     p.add_argument("--rounds", type=int, default=3,
                    help="with --attack: unloaded/attacked window pairs, alternating (default: 3)")
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="with --attack: unmeasured seconds after each attacked window, so that what the attack "
+                        "left the collector doing is not counted as unloaded (default: 5)")
     p.add_argument("--attackers", type=int, default=None,
                    help="attackers of each kind (default: " +
                         ", ".join(f"{k} {n}" for k, n in DEFAULT_ATTACKERS.items()) + ")")

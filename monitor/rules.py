@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from nanwatch.monitor.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.state import RUN_LEVEL_SCOPES, RankState, crash_key
+from nanwatch.monitor.state import RUN_LEVEL_SCOPES, STEP_SLACK, Applied, CollectorState, RankState, crash_key
 from nanwatch.monitor.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
@@ -23,6 +23,9 @@ __all__ = ["RuleEngine", "RuleWrites"]
 
 class RuleWrites(Protocol):
     """What the rule engine reads and writes through (``nanwatch.monitor.ledger.Ledger``)."""
+
+    state: CollectorState
+    """The runs' memory: the auto-revert's witness (``RunState.applied``) lives on the run."""
 
     def has_event(self, run_id: str, dedupe: str) -> bool: ...
 
@@ -79,20 +82,12 @@ class RuleEngine:
             if rank.attention_mode == "none":
                 event("mode_reverted", f"reverted:{r.directive_version}",
                       ModeChange(previous_mode=previous_mode, directive_version=r.directive_version))
-                cur = into.directive(run_id)
-                if (cur.mode != "none" and cur.version == r.directive_version and cur.revert_after_clean_steps
-                        and r.rank == 0):
-                    # The trainers reverted on their own (clean steps), as the directive allowed: record it
-                    # as a new version so the directive metric matches what ranks apply, and a rule can
-                    # issue a fresh directive. Only the rank that decides reverts (rank 0, whose agreement
-                    # every rank follows) and only the incarnation that applied the mode can end it.
-                    into.issue_directive(run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
-                                                               reason=f"rank {r.rank} reverted after clean steps"),
-                                         actor="trainer:auto-revert")
             else:
                 event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
                       ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
                                  directive_version=r.directive_version))
+        if r.rank == 0 and rank is not None:
+            self._auto_revert(r, into)
         if r.scope == "heartbeat" or overflow:
             return  # no measurements (or only the scaler's overflow): only its mode can change (above); the most frequent report, kept cheap
         for rule in self._rules:
@@ -103,3 +98,30 @@ class RuleEngine:
                     spec = DirectiveSpec(mode=mode, revert_after_clean_steps=rule.revert_after_clean_steps,
                                          reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})")
                     into.issue_directive(run_id, spec, actor=f"rule:{rule.name}")
+
+    @staticmethod
+    def _auto_revert(r: StepReport, into: RuleWrites) -> None:
+        """Record as a new version (mode ``none``) that the trainers reverted on their own after clean steps,
+        as the directive allowed: the directive metric then matches what ranks apply, and a rule can issue
+        a fresh directive. Only rank 0 decides a revert (every rank follows its agreement), and one report
+        cannot fake it (#19): it must come from the incarnation of rank 0 that reported the mode applied
+        under this version before (``RunState.applied``), at a step at least ``revert_after_clean_steps``
+        past ``apply_at_step``, and at most ``STEP_SLACK`` past that incarnation's previous report. An honest
+        revert reported after a gap, or first seen after a restart of the collector (the witness is kept in
+        memory), is believed at the rank's next report."""
+        cur = into.directive(r.run_id)
+        run = into.state.runs.get(r.run_id)
+        if run is None or cur.mode == "none" or not cur.revert_after_clean_steps or r.directive_version != cur.version:
+            return
+        seen = run.applied
+        known = seen is not None and seen.version == cur.version
+        mine = known and seen.incarnation == r.incarnation
+        # a report under this version is the rank's word that it applied it: the first one (none known, as
+        # after a restart of the collector) or one in the mode (a restarted job) names the witness
+        if r.attention_mode == cur.mode or not known or mine:
+            run.applied = Applied(cur.version, r.incarnation, r.step)
+        if (mine and r.attention_mode == "none"
+                and cur.apply_at_step + cur.revert_after_clean_steps <= r.step <= seen.step + STEP_SLACK):
+            into.issue_directive(r.run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
+                                                         reason=f"rank {r.rank} reverted after clean steps"),
+                                 actor="trainer:auto-revert")

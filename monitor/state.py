@@ -20,9 +20,15 @@ from nanwatch.monitor.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "ENDED_FAMILY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "CollectorState", "Crash", "RankState",
-           "RunState", "Silent", "crash_key"]
+__all__ = ["CRASH_KEY", "ENDED_FAMILY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
+           "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
 
+#: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
+#: be believed: ranks of one job report their own steps asynchronously, a few steps apart (#19)
+STEP_SLACK = 8
+#: the longest agreement cadence (``agree_every``) the collector believes; a larger one is a lie that would
+#: push ``apply_at_step`` out of reach (the trainer's default is 4)
+MAX_AGREE_EVERY = 10_000
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 RANK_SERIES = 8
 #: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
@@ -72,6 +78,15 @@ class RankState:
     def logit_max(self) -> float | None:
         """The largest logit bound over the rank's layers in its latest step (None: none reported)."""
         return max(self.logits.values(), default=None)
+
+
+class Applied(NamedTuple):
+    """Rank 0 of ``incarnation`` reported the mode of directive ``version`` applied (``RunState.applied``);
+    ``step``: its latest report's step since, what the run has reached in its own words."""
+
+    version: int
+    incarnation: str
+    step: int
 
 
 class Crash(NamedTuple):
@@ -161,6 +176,9 @@ class RunState:
     looked like when it ended; no metric is made from it. In memory (one per rank)."""
     ended: bool = False
     """Every rank the run held ended normally (none held, hung or crashed): ``nanwatch_run_ended``."""
+    applied: Applied | None = None
+    """Which incarnation of rank 0 applied the current revertible directive, and how far it has reached
+    since: only that incarnation can end the directive by its auto-revert (``RuleEngine``). In memory."""
     silent: dict[int, Silent] = field(default_factory=dict)
     """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
     for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""
@@ -422,16 +440,35 @@ class CollectorState:
         return None
 
     def next_apply_step(self, run_id: str, now: float) -> int:
-        """The earliest step every rank can apply a directive at, from what the live ranks' latest reports
-        say (steps count per incarnation: a restarted job counts from 0 again, and a rank that went silent
+        """The earliest step every rank can apply a directive at, from the live ranks the run can vouch for
+        (steps count per incarnation: a restarted job counts from 0 again, and a rank that went silent
         does not hold the step up): the next step for one rank; under torch.distributed the next agreement
-        step (ranks agree every ``agree_every`` steps and switch together there)."""
+        step (ranks agree every ``agree_every`` steps and switch together there).
+
+        One report must not push it out of reach (#19): the step and cadence are those of ``vouched_view``,
+        and a cadence beyond ``MAX_AGREE_EVERY`` is not believed (the next step is asked for instead). Too
+        early is harmless -- a trainer applies a directive at the first step >= ``apply_at_step`` once its
+        ranks have agreed on it -- too late is not."""
         run = self.runs.get(run_id)
-        ranks = self.live_ranks(run, now) if run is not None else []
-        latest = max((st.step for st in ranks), default=0)
-        world = max((st.world_size for st in ranks), default=1)  # heartbeats and job reports carry it too
-        every = max((st.agree_every or 1 for st in ranks), default=1)
-        return min(next_apply_step(latest, world_size=world, agree_every=every), MAX_INT)
+        view = self.vouched_view(run, now) if run is not None else None
+        if view is None:
+            return next_apply_step(0, world_size=1, agree_every=None)
+        every = view.agree_every if view.agree_every is not None and view.agree_every <= MAX_AGREE_EVERY else None
+        return min(next_apply_step(view.step, world_size=view.world_size, agree_every=every), MAX_INT)
+
+    def vouched_view(self, run: RunState, now: float) -> RankState | None:
+        """The live rank whose step the run can vouch for: rank 0 (whose agreement every rank follows) unless
+        its step runs more than ``STEP_SLACK`` ahead of every other live rank's; else the live rank of the
+        lower median step, which one lying rank among honest ones cannot move up. None with no live rank."""
+        live = self.live_ranks(run, now)
+        if not live:
+            return None
+        zero = next((st for st in live if st.rank == 0), None)
+        others = [st.step for st in live if st.rank != 0]
+        if zero is not None and (not others or zero.step <= max(others) + STEP_SLACK):
+            return zero
+        live.sort(key=lambda st: st.step)
+        return live[(len(live) - 1) // 2]
 
     def ttl(self, run: RunState) -> float:
         """How long a rank of ``run`` stays live after its last report: the TTL, or three heartbeats."""

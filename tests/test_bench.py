@@ -151,7 +151,7 @@ def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
     from nanwatch.bench import main
 
     assert main(["collector", "--ranks", "4", "--sites", "8", "--duration", "1.5", "--warmup", "0.5",
-                 "--attack", "scrape", "--attackers", "2", "--rounds", "2"]) == 0
+                 "--attack", "scrape", "--attackers", "2", "--rounds", "2", "--settle", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "attack: scrape x2" in printed and "2 rounds of 1.5 s unloaded, then 1.5 s under attack" in printed
     assert "phase 1, unloaded:" in printed and "phase 2, under attack (scrape x2):" in printed
@@ -159,6 +159,37 @@ def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
     assert printed.count("sustained: ") == 2 and printed.count("ingest latency: ") == 2
     assert "scrape x2: " in printed.split("phase 2", 1)[1]
     assert "p99 under attack / p99 unloaded = " in printed
+
+
+@pytest.mark.slow
+def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
+    """Each new attack kind (#19) runs against a real collector that wants a token, beside the ranks, and
+    reports what it did; the ranks' p99 ratio and their refused requests are printed."""
+    from nanwatch.bench import main
+    from nanwatch.bench.attacks import ATTACKS, HELD
+
+    assert main(["collector", "--ranks", "2", "--sites", "4", "--duration", "2", "--warmup", "0.5",
+                 "--attack", "all", "--attackers", "1", "--rounds", "1", "--settle", "0", "--connections", "4"]) == 0
+    printed = capsys.readouterr().out
+    attacked = printed.split("phase 2", 1)[1]
+    for kind in ("trailers", "preauth-bodies", "error-bodies", "accept-versions", "abandoned-polls", "runs-listing"):
+        assert kind in ATTACKS and f"{kind} x1: " in attacked, kind
+    for kind in HELD:  # every held kind got its connection open
+        assert f"{kind} x1: 1 connections opened" in attacked or f"{kind} x1: 2 connections opened" in attacked
+    assert "primed for runs-listing: 36 requests of 256 runs" in printed
+    assert "abandoned-polls x1: 0 requests" not in attacked  # polls are sent and dropped in a tight loop
+    assert "p99 under attack / p99 unloaded = " in printed and "ranks' requests not answered 200: " in printed
+
+
+def test_attack_plans_cover_every_kind_and_fit_the_file_limit():
+    from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, plan_attack
+    from nanwatch.bench.load import _parser
+
+    args = _parser().parse_args(["--attack", "each", "--connections", "100"])
+    plan = plan_attack(args, nofile=1000)
+    assert set(plan) == set(ATTACKS) == set(DEFAULT_ATTACKERS)
+    assert sum(plan.values()) + 100 + 64 <= 1000 and all(plan[k] == DEFAULT_ATTACKERS[k] for k in plan if k not in HELD)
+    assert plan_attack(_parser().parse_args(["--attack", "trailers"]), nofile=20_000) == {"trailers": 4}
 
 
 @pytest.mark.slow

@@ -8,16 +8,16 @@ sequence number changes), and each rank is a coroutine on its own raw HTTP/1.1 k
 With ``--attack``, ``--rounds`` pairs of measured windows of ``--duration`` each against the same
 collector, alternating: the ranks alone, then the ranks beside a hostile client on loopback (a process of
 its own); the windows of each kind are pooled, and the ratio of their p99 ingest latencies reported (goal:
-within 2x). Alternating puts the machine's drift on both sides alike. ``scrape``: loops of back-to-back ``GET /metrics``; ``slow-headers``: connections that
-send a request line and then one header byte a second (slowloris); ``slow-body``: ingest requests with
-complete headers and ``Content-Length: 100000``, then one body byte a second; ``all``: the three at once.
-Slow connections are reopened whenever the server ends them, and how it ended them is counted.
+within 2x). Alternating puts the machine's drift on both sides alike. The kinds are
+``nanwatch.bench.attacks``'s; ``all``: every kind at once; ``each``: every kind in turn and then all at once,
+each against a fresh collector, and a table of the ratios.
 
 Example usage::
 
     nanwatch bench collector --ranks 1024 --sites 64 --duration 30
     nanwatch bench collector --url http://127.0.0.1:8000   # an already running collector
     nanwatch bench collector --ranks 256 --duration 10 --rounds 3 --attack slow-headers --attackers 1000
+    nanwatch bench collector --ranks 256 --sites 64 --duration 15 --rounds 3 --attack each
 """
 
 from __future__ import annotations
@@ -25,27 +25,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import multiprocessing
 import os
+import secrets
 import statistics
 import tempfile
 import time
 import urllib.parse
 
+from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, Attacker, Target, plan_attack, prime_runs
+from nanwatch.bench.http1 import REQUEST_TIMEOUT_S, auth_line, count, get_once, request
 from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
 from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
 __all__ = ["main", "synthetic_report"]
 
-ATTACKS = ("scrape", "slow-headers", "slow-body")
-DEFAULT_ATTACKERS = {"scrape": 4, "slow-headers": 1000, "slow-body": 256}
-REQUEST_TIMEOUT_S = 30.0
-"""A legitimate request unanswered this long counts as status ``timeout``."""
 IDLE_REUSE_S = 4.0
 """A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
-SLOW_BODY_BYTES = 100_000
-"""The Content-Length a slow-body attacker announces (and never sends)."""
-
 
 def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | None = None, seq: int = 0,
                      step: int | None = None,
@@ -81,49 +76,6 @@ def synthetic_report(*, run_id: str = "run-1", rank: int = 0, world_size: int | 
                       first_offender_phase="forward" if (nan or inf) else None)
 
 
-async def _read_body(reader: asyncio.StreamReader, length: int, chunked: bool) -> bytes:
-    """A response body: ``length`` bytes, or HTTP/1.1 chunks up to the empty one."""
-    if not chunked:
-        return await reader.readexactly(length) if length else b""
-    parts = []
-    while size := int((await reader.readline()).split(b";")[0], 16):
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)  # CRLF after each chunk
-    while (await reader.readline()) not in (b"\r\n", b""):  # trailers
-        pass
-    return b"".join(parts)
-
-
-async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes,
-                   body: bytes = b"") -> tuple[int, bytes, bool]:
-    """One request on an open connection: (status, body, whether the server keeps the connection).
-    A connection the server closed before answering raises ``ConnectionResetError``."""
-    writer.write(head + body)
-    status_line = await reader.readline()
-    if not status_line:
-        raise ConnectionResetError("the server closed the connection before answering")
-    length, chunked, keep = 0, False, True
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.partition(b":")
-        name, value = name.strip().lower(), value.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value
-        elif name == b"connection":
-            keep = value != b"close"
-    return int(status_line.split()[1]), await _read_body(reader, length, chunked), keep
-
-
-def _auth(token: str | None) -> str:
-    """The Authorization header line for ``token`` (empty without one)."""
-    return f"Authorization: Bearer {token}\r\n" if token else ""
-
-
-def _count(counter: dict, key: int | str) -> None:
-    counter[key] = counter.get(key, 0) + 1
-
-
 def _phase_at(stats: dict, t: float) -> dict | None:
     """The measured phase whose window holds loop time ``t`` (None: warmup, or between phases)."""
     for phase in stats["phases"]:
@@ -145,7 +97,7 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
     falls behind sends at once, so the sustained rate shows what the collector took. Latency is recorded
     for the phase in which the request was sent; a request unanswered after ``REQUEST_TIMEOUT_S`` counts as
     status ``timeout`` with its wait as latency."""
-    auth = _auth(args.token)
+    auth = auth_line(args.token)
     conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     loop = asyncio.get_running_loop()
     n, last = 0, -math.inf
@@ -167,7 +119,7 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
                 phase["lat"].append(t1 - t0)
                 phase["by_kind"].setdefault(sender.kind, []).append(t1 - t0)
                 phase["reports"] += sender.reports if status == 200 else 0
-                _count(phase["status"], status)
+                count(phase["status"], status)
             n += 1
     finally:
         if conn is not None:
@@ -179,7 +131,7 @@ async def _prime(host: str, port: int, args: argparse.Namespace) -> None:
     conn = None
     for body in priming(args):
         head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"{_auth(args.token)}Content-Length: {len(body)}\r\n\r\n").encode()
+                f"{auth_line(args.token)}Content-Length: {len(body)}\r\n\r\n").encode()
         status, conn = await _send_report(host, port, conn, head, body)
         if status != 200:
             raise SystemExit(f"nanwatch bench: priming the collector got {status}")
@@ -194,7 +146,7 @@ async def _send_report(host: str, port: int, conn: tuple | None, head: bytes,
     try:
         if conn is None:
             conn = await asyncio.wait_for(asyncio.open_connection(host, port), REQUEST_TIMEOUT_S)
-        status, _, keep = await asyncio.wait_for(_request(*conn, head, body), REQUEST_TIMEOUT_S)
+        status, _, keep = await asyncio.wait_for(request(*conn, head, body), REQUEST_TIMEOUT_S)
     except asyncio.TimeoutError:
         status, keep = "timeout", False
     except (OSError, EOFError, ValueError, IndexError):
@@ -208,32 +160,17 @@ async def _send_report(host: str, port: int, conn: tuple | None, head: bytes,
 async def _scraper(host: str, port: int, stats: dict, stop: float, every_s: float, token: str | None) -> None:
     """Prometheus: a ``/metrics`` scrape every ``every_s``, timed, on a fresh connection each time."""
     loop = asyncio.get_running_loop()
-    head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n{_auth(token)}Connection: close\r\n\r\n".encode()
+    head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n{auth_line(token)}Connection: close\r\n\r\n".encode()
     await asyncio.sleep(every_s)
     while loop.time() < stop:
         t0 = loop.time()  # a fresh connection each time, as idle keep-alives are closed after 5 s
-        status, body = await _scrape_once(host, port, head)
+        status, body = await get_once(host, port, head)
         if (phase := _phase_at(stats, t0)) is not None:
             if status == 200:
                 phase["scrape"].append((loop.time() - t0, len(body), body.count(b"\n")))
             else:
-                _count(phase["scrape_failed"], status)
+                count(phase["scrape_failed"], status)
         await asyncio.sleep(every_s)
-
-
-async def _scrape_once(host: str, port: int, head: bytes) -> tuple[int | str, bytes]:
-    """One ``/metrics`` request on a fresh connection: (status or ``timeout``/``conn-error``, body)."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), REQUEST_TIMEOUT_S)
-        try:
-            status, body, _ = await asyncio.wait_for(_request(reader, writer, head), REQUEST_TIMEOUT_S)
-        finally:
-            writer.close()
-    except asyncio.TimeoutError:
-        return "timeout", b""
-    except (OSError, EOFError, ValueError, IndexError):
-        return "conn-error", b""
-    return status, body
 
 
 async def _loop_lag(stats: dict, stop: float, every_s: float = 0.05) -> None:
@@ -259,108 +196,6 @@ async def _sample_collector(pid: int, stats: dict) -> None:
             phase["cpu_s"] = cpu1 - cpu0
 
 
-# --- the hostile client --------------------------------------------------------------------------------
-
-async def _scrape_flood(host: str, port: int, token: str | None, counts: dict) -> None:
-    """One attacker loop: ``GET /metrics`` back to back, each on a fresh connection, until stopped."""
-    loop = asyncio.get_running_loop()
-    head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n{_auth(token)}Connection: close\r\n\r\n".encode()
-    while not counts["stopped"]:
-        t0 = loop.time()
-        status, _ = await _scrape_once(host, port, head)
-        _count(counts["status"], status)
-        counts["times"].append(loop.time() - t0)
-        if status == "conn-error":
-            await asyncio.sleep(0.05)  # a refused connect must not spin
-
-
-async def _drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prefix: bytes, fill: bytes) -> bytes:
-    """Send one byte a second (``prefix`` first, then ``fill`` forever) until the server answers or
-    closes: its first bytes (``b""``: closed without a word)."""
-    read = asyncio.ensure_future(reader.read(65536))
-    try:
-        i = 0
-        while True:
-            done, _ = await asyncio.wait({read}, timeout=1.0)
-            if done:
-                return read.result()
-            writer.write(prefix[i:i + 1] if i < len(prefix) else fill)
-            i += 1
-    finally:
-        read.cancel()
-
-
-def _outcome(reply: bytes) -> int | str:
-    """How the server ended a slow connection: the HTTP status it answered, or ``closed``."""
-    if not reply:
-        return "closed"
-    parts = reply.split(b"\r\n", 1)[0].split()
-    return int(parts[1]) if len(parts) > 1 and parts[0].startswith(b"HTTP/") and parts[1].isdigit() else "other"
-
-
-async def _slow_conn(host: str, port: int, head: bytes, prefix: bytes, fill: bytes, counts: dict,
-                     delay: float) -> None:
-    """One slow attacker connection, reopened whenever the server ends it, until stopped: send
-    ``head`` at once, then one byte a second (see ``_drip``); count how and when the server ended it."""
-    loop = asyncio.get_running_loop()
-    await asyncio.sleep(delay)
-    while not counts["stopped"]:
-        try:
-            reader, writer = await asyncio.open_connection(host, port)
-        except OSError:
-            _count(counts["ended"], "connect failed")
-            await asyncio.sleep(1.0)
-            continue
-        counts["opened"] += 1
-        counts["open"] += 1
-        t0 = loop.time()
-        try:
-            writer.write(head)
-            outcome = _outcome(await _drip(reader, writer, prefix, fill))
-        except OSError:
-            outcome = "reset"
-        finally:
-            counts["open"] -= 1
-            writer.close()
-        _count(counts["ended"], outcome)
-        counts["lifetimes"].append(loop.time() - t0)
-
-
-def _attack_tasks(kind: str, n: int, host: str, port: int, token: str | None, counts: dict) -> list:
-    """The coroutines of ``n`` attackers of one kind; slow connections open spread over one second."""
-    if kind == "scrape":
-        return [_scrape_flood(host, port, token, counts) for _ in range(n)]
-    if kind == "slow-headers":  # a request line, then a header that never ends
-        head = f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\n".encode()
-        prefix, fill = b"X-Slowloris: ", b"a"
-    else:  # complete headers, then a body that never arrives
-        head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{_auth(token)}"
-                f"Content-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
-        prefix, fill = b"[", b" "
-    return [_slow_conn(host, port, head, prefix, fill, counts, i / n) for i in range(n)]
-
-
-def _new_attack_counts(kind: str, n: int) -> dict:
-    return {"kind": kind, "n": n, "status": {}, "times": [], "opened": 0, "open": 0, "ended": {},
-            "lifetimes": [], "open_at_end": 0, "stopped": False}
-
-
-def _plan_attack(args: argparse.Namespace, nofile: int) -> dict[str, int]:
-    """Attackers per kind: ``--attackers`` or the kind's default, slow connections scaled down so that
-    they, the ranks, the scrape loops and 64 spare descriptors fit in ``nofile``."""
-    kinds = list(ATTACKS) if args.attack == "all" else [args.attack] if args.attack != "none" else []
-    plan = {k: args.attackers if args.attackers is not None else DEFAULT_ATTACKERS[k] for k in kinds}
-    slow = [k for k in plan if k != "scrape"]
-    room = nofile - args.connections - 64 - plan.get("scrape", 0)
-    wanted = sum(plan[k] for k in slow)
-    if slow and wanted > room:
-        for k in slow:
-            plan[k] = max(1, plan[k] * max(room, 0) // wanted)
-        print(f"note: {wanted} slow connections do not fit the open file limit {nofile} with {args.connections} "
-              f"connections; capped to {', '.join(f'{k} {plan[k]}' for k in slow)}")
-    return plan
-
-
 async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None = None,
                pid: int | None = None) -> dict:
     """Warmup, then the measured windows: one unloaded, or (with a ``plan``) ``args.rounds`` pairs of an
@@ -368,6 +203,8 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
     u = urllib.parse.urlsplit(url)
     loop = asyncio.get_running_loop()
     await _prime(u.hostname, u.port, args)
+    target = Target(u.hostname, u.port, args.token, args.run_id)
+    primed = await prime_runs(target) if plan and "runs-listing" in plan else None
     start = loop.time() + 0.5
     t = start + args.warmup
     phases = []
@@ -375,70 +212,21 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
         for name in ("unloaded", "under attack") if plan else ("unloaded",):
             phases.append(_new_phase(name, t, t + args.duration))
             t += args.duration
+        if plan:  # what an attack left behind (a request still being answered) is not the next window's
+            t += args.settle
     stop = phases[-1]["to"]
-    stats: dict = {"phases": phases, "attacks": []}
+    stats: dict = {"phases": phases, "attacks": [], "primed": primed}
     tasks = [_sender(u.hostname, u.port, s, args, stats, stop, start) for s in senders(args, synthetic_report)]
     tasks.append(_scraper(u.hostname, u.port, stats, stop, args.scrape_every, args.token))
     tasks.append(_loop_lag(stats, stop))
     if pid is not None:
         tasks.append(_sample_collector(pid, stats))
     windows = [(p["from"], p["to"]) for p in phases if p["name"] == "under attack"]
-    attacker = _Attacker(u.hostname, u.port, args.token, plan, windows) if plan else None
+    attacker = Attacker(target, plan, windows) if plan else None
     await asyncio.gather(*tasks)
     if attacker is not None:
         stats["attacks"], stats["attacker_cpu_s"] = await loop.run_in_executor(None, attacker.result)
     return stats
-
-
-class _Attacker:
-    """The hostile client in a process of its own, so that its work does not delay the bench's event loop
-    and inflate the latency the ranks measure (loop times are ``time.monotonic``, shared by processes)."""
-
-    def __init__(self, host: str, port: int, token: str | None, plan: dict[str, int],
-                 windows: list[tuple[float, float]]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._recv, send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_attack_main, args=(host, port, token, plan, windows, send),
-                                 name="nanwatch-attacker", daemon=True)
-        self._proc.start()
-        send.close()
-
-    def result(self) -> tuple[list[dict], float]:
-        """The attackers' counts and the CPU seconds they used, once they have stopped (blocking)."""
-        try:
-            return self._recv.recv()
-        finally:
-            self._proc.join()
-
-
-def _attack_main(host: str, port: int, token: str | None, plan: dict[str, int],
-                 windows: list[tuple[float, float]], send) -> None:
-    """The attacker process (it inherits the raised open file limit): run the plan in every window, send
-    back the counts."""
-    attacks = [_new_attack_counts(kind, n) for kind, n in plan.items()]
-    cpu0 = time.process_time()
-    for begin, stop in windows:
-        asyncio.run(_attack(host, port, token, attacks, begin, stop))
-    send.send((attacks, time.process_time() - cpu0))
-
-
-async def _attack(host: str, port: int, token: str | None, attacks: list[dict], begin: float,
-                  stop: float) -> None:
-    """From ``begin`` to ``stop``: every attacker of ``attacks`` at once; then all stopped and cancelled (the
-    flag too, as ``asyncio.wait_for`` on Python 3.11 can swallow a cancellation that races a result)."""
-    loop = asyncio.get_running_loop()
-    await asyncio.sleep(max(0.0, begin - loop.time()))
-    running = []
-    for counts in attacks:
-        counts["stopped"] = False
-        running += [asyncio.ensure_future(c)
-                    for c in _attack_tasks(counts["kind"], counts["n"], host, port, token, counts)]
-    await asyncio.sleep(max(0.0, stop - loop.time()))
-    for counts in attacks:
-        counts["open_at_end"], counts["stopped"] = counts["open"], True
-    for task in running:
-        task.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -521,13 +309,15 @@ def _target(args: argparse.Namespace) -> float:
 
 
 def _attack_lines(counts: dict, duration: float) -> list[str]:
-    """What one kind of attacker did, and how the collector ended its connections."""
+    """What one kind of attacker did: the statuses and times of its requests, or how the collector ended
+    its held connections."""
     kind, n = counts["kind"], counts["n"]
-    if kind == "scrape":
+    if kind not in HELD:
         t = _quantiles(counts["times"])
         done = sum(counts["status"].values())
         timing = f", p50 {t[0] * 1e3:.0f} ms, max {t[2] * 1e3:.0f} ms" if t else ""
-        return [f"{kind} x{n}: {done} scrapes ({done / duration:.1f}/s){timing}; statuses {counts['status']}"]
+        cut = f"; {counts['open_at_end']} unanswered when its window ended" if counts["open_at_end"] else ""
+        return [f"{kind} x{n}: {done} requests ({done / duration:.1f}/s){timing}; statuses {counts['status']}{cut}"]
     ended = sum(v for k, v in counts["ended"].items() if k != "connect failed")
     life = statistics.median(counts["lifetimes"]) if counts["lifetimes"] else None
     after = f", median after {life:.1f} s" if life is not None else ""
@@ -555,11 +345,25 @@ def _merged(phases: list[dict], name: str) -> dict:
     return out
 
 
-def _ratio_line(base: dict, hit: dict) -> str:
+def _ratio(base: dict, hit: dict) -> tuple[float, float, float] | None:
+    """(p99 unloaded, p99 under attack, their ratio) of the pooled phases; None without samples."""
     base, hit = _quantiles(base["lat"]), _quantiles(hit["lat"])
     if not base or not hit or base[1] <= 0:
-        return "p99 under attack / p99 unloaded = n/a (no samples)"
-    return f"p99 under attack / p99 unloaded = {hit[1] / base[1]:.2f} (goal: within 2x)"
+        return None
+    return base[1], hit[1], hit[1] / base[1]
+
+
+def _failed(phase: dict) -> int:
+    """The ranks' requests not answered 200 in the phase (refused, timed out, connection lost)."""
+    return sum(n for k, n in phase["status"].items() if k != 200)
+
+
+def _ratio_line(base: dict, hit: dict) -> str:
+    r = _ratio(base, hit)
+    failed = f"; ranks' requests not answered 200: {_failed(base)} unloaded, {_failed(hit)} under attack"
+    if r is None:
+        return "p99 under attack / p99 unloaded = n/a (no samples)" + failed
+    return f"p99 under attack / p99 unloaded = {r[2]:.2f} (goal: within 2x)" + failed
 
 
 def _load(args: argparse.Namespace) -> str:
@@ -581,10 +385,13 @@ def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
         plan = ", ".join(f"{c['kind']} x{c['n']}" for c in stats["attacks"])
         lines.append(f"attack: {plan}; open file limit {stats.get('nofile')}"
                      + (f", collector's {stats['collector_nofile']}" if stats.get("collector_nofile") else ""))
+        if stats.get("primed") is not None:
+            lines.append(f"primed for runs-listing: {sum(stats['primed'].values())} requests of 256 runs, "
+                         f"statuses {stats['primed']}")
         rounds = len(phases) // 2
         seconds = rounds * args.duration
-        lines.append(f"{rounds} rounds of {args.duration:g} s unloaded, then {args.duration:g} s under attack; "
-                     "each phase below pools its windows")
+        lines.append(f"{rounds} rounds of {args.duration:g} s unloaded, then {args.duration:g} s under attack "
+                     f"and {args.settle:g} s unmeasured; each phase below pools its windows")
         merged = [_merged(phases, "unloaded"), _merged(phases, "under attack")]
         for i, phase in enumerate(merged, 1):
             title = phase["name"] + (f" ({plan})" if i > 1 else "")
@@ -628,11 +435,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--run-id", default="loadgen")
     p.add_argument("--token", default=os.environ.get("NANWATCH_TOKEN") or None,
-                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none)")
-    p.add_argument("--attack", choices=("none", *ATTACKS, "all"), default="none",
-                   help="a second phase with a hostile client beside the ranks (default: none, one phase)")
+                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none; with --attack "
+                        "and no --url, a fresh one that the bench's collector requires)")
+    p.add_argument("--attack", choices=("none", *ATTACKS, "all", "each"), default="none",
+                   help="a second phase with a hostile client beside the ranks (default: none, one phase); all: "
+                        "every kind at once; each: every kind in turn, then all, and a table of the ratios")
     p.add_argument("--rounds", type=int, default=3,
                    help="with --attack: unloaded/attacked window pairs, alternating (default: 3)")
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="with --attack: unmeasured seconds after each attacked window, so that what the attack "
+                        "left the collector doing is not counted as unloaded (default: 5)")
     p.add_argument("--attackers", type=int, default=None,
                    help="attackers of each kind (default: " +
                         ", ".join(f"{k} {n}" for k, n in DEFAULT_ATTACKERS.items()) + ")")
@@ -681,11 +493,34 @@ def _one(args: argparse.Namespace, plan: dict[str, int], nofile: int) -> dict:
         stats["nofile"] = nofile
         print(_report(stats, args, None), flush=True)
         return stats
-    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db")) as c:
+    env = {}
+    if plan and not args.token:  # attacks without a token must meet a collector that wants one
+        args = argparse.Namespace(**{**vars(args), "token": secrets.token_urlsafe(16)})
+        env["NANWATCH_TOKEN"] = args.token
+    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db"), env=env) as c:
         stats = asyncio.run(_run(c.url, args, plan, c.proc.pid))
         stats["nofile"], stats["collector_nofile"] = nofile, _nofile_of(c.proc.pid)
         print(_report(stats, args, _rss_mb(c.proc.pid)), flush=True)
     return stats
+
+
+def _each(args: argparse.Namespace, plan: dict[str, int], nofile: int) -> None:
+    """``--attack each``: every kind alone, then all at once, each against a fresh collector; then a table of
+    the p99 ratios."""
+    rows = []
+    for kind in (*plan, "all"):
+        one = argparse.Namespace(**{**vars(args), "attack": kind})
+        print(f"--- attack {kind}", flush=True)
+        stats = _one(one, plan if kind == "all" else {kind: plan[kind]}, nofile)
+        base, hit = _merged(stats["phases"], "unloaded"), _merged(stats["phases"], "under attack")
+        rows.append((kind, _ratio(base, hit), _failed(base), _failed(hit)))
+    print(f"machine: {os.cpu_count()} CPUs; load: {_load(args)}; {args.rounds} rounds of {args.duration:g} s each side")
+    print("| attack | ingest p99 unloaded → attacked | × | ranks' requests not 200 (unloaded, attacked) |\n"
+          "|---|---|---|---|")
+    for kind, r, base_failed, hit_failed in rows:
+        n = "all at once" if kind == "all" else f"`{kind}` ×{plan[kind]}"
+        p99 = f"{r[0] * 1e3:.1f} → {r[1] * 1e3:.1f} ms | {r[2]:.2f}" if r else "n/a | n/a"
+        print(f"| {n} | {p99} | {base_failed}, {hit_failed} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,7 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     from nanwatch.monitor.server import raise_fd_limit
 
     nofile = raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
-    plan = _plan_attack(args, nofile)
+    plan = plan_attack(args, nofile)
+    if args.attack == "each":
+        _each(args, plan, nofile)
+        return 0
     if not args.matrix and not args.jobs_sweep:
         _one(args, plan, nofile)
         return 0

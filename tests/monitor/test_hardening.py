@@ -306,7 +306,8 @@ def test_an_ingest_token_cannot_cancel_an_operators_directive(collector):
     _post(url, _applied("ar", 0, "none", 1, incarnation="restarted").model_copy(update=two))
     assert _directive_auth(url, "ar")["version"] == 1
     _post(url, _applied("ar", 1, "fp32", 1).model_copy(update=two))  # the real rank 0, still on fp32
-    _post(url, _applied("ar", 2, "none", 1).model_copy(update=two))  # reverts after its clean steps
+    _post(url, _applied("ar", 2, "fp32", 1).model_copy(update=two))
+    _post(url, _applied("ar", 3, "none", 1).model_copy(update=two))  # reverts after its 2 clean steps
     d = _directive_auth(url, "ar")
     assert (d["version"], d["mode"], d["set_by"]) == (2, "none", "trainer:auto-revert")
     # and a rank outside its world is refused outright

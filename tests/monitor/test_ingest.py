@@ -165,11 +165,12 @@ def test_a_trainer_revert_is_recorded_and_the_rule_can_fire_again(collector):
     resp = httpx.put(collector.url + "/v1/directives/revert", json={"mode": "fp32", "revert_after_clean_steps": 2},
                      headers={"Authorization": f"Bearer {ADMIN}"})
     assert resp.status_code == 200 and resp.json()["version"] == 1
-    post(0, mode="fp32", version=1)  # applied
-    post(1, mode="none", version=1)  # the trainer reverted by itself after clean steps, as allowed
+    post(1, mode="fp32", version=1)  # applied at its apply step (1: the run had reported nothing)
+    post(2, mode="fp32", version=1)
+    post(3, mode="none", version=1)  # the trainer reverted by itself after 2 clean steps, as allowed
     d = directive()
     assert (d["version"], d["mode"], d["set_by"]) == (2, "none", "trainer:auto-revert")
-    post(2, mode="none", version=2, nan=5)  # a NaN: the rule issues a fresh directive, not silence
+    post(4, mode="none", version=2, nan=5)  # a NaN: the rule issues a fresh directive, not silence
     assert (directive()["version"], directive()["mode"]) == (3, "fp32")
 
 

@@ -110,7 +110,8 @@ _SPECS = (
                "Series not created because the run hit the per-run series cap."),
     MetricSpec("nanwatch_collector_caps_hit_total", "counter", ("cap",),
                "Times a collector cap refused or dropped something: runs and incarnations (the request got "
-               "429), events (not recorded)."),
+               "429), events and total_events (not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
+               "run, incarnation or rank got 429, or new series and events were not kept)."),
 )
 
 METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}

@@ -114,8 +114,8 @@ class Settings(BaseSettings):
     """Soft limit on the collector's resident memory, checked at most once a second (the OpenTelemetry
     Collector's memory_limiter): above it, a new run, (rank, incarnation) or held rank gets 429 (reason
     ``memory``), new series and events are not kept, all counted as ``cap="memory"``, while existing series
-    keep being updated. Default: 80 % of the cgroup's memory limit (``/sys/fs/cgroup/memory.max``), else
-    2048 MiB."""
+    keep being updated. Default: half the cgroup's memory limit (``/sys/fs/cgroup/memory.max``: a ``/metrics``
+    render needs about as much again), else 2048 MiB."""
     run_retention_s: Annotated[float, Field(gt=0)] = 7 * 86400.0
     """A run with no report for this long is forgotten: gone from /metrics and /v1/runs, and its history
     deleted from SQLite. A trainer that comes back later starts a new history (directive versions from 1)."""

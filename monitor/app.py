@@ -46,7 +46,7 @@ def _resources(settings: Settings) -> Resources:
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s)
     polls = LongPoll()
-    directive_log = DirectiveLog(polls=polls, current=loaded.directives)
+    directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
@@ -63,7 +63,7 @@ async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
         await asyncio.sleep(every_s)
         now = time.monotonic()
         res.ledger.sweep(now)
-        res.ledger.retire(now, retention_s)
+        await res.ledger.retire(now, retention_s)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -5,13 +5,20 @@ A request's changes to memory, to SQLite and to long-pollers happen together aft
 or not at all. Changes are made in memory inside the store's transaction (so that the rules of one report
 see the reports before it in the same batch); if anything fails -- the database (a full disk, a read-only
 file) or the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is
-reloaded from the store, and no poller was woken (``Store.after_commit``). The client gets a 503 to retry,
-or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the reload
-fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``).
+reloaded from the store -- the touched runs' rows alone, so a repair costs what those runs hold (bounded by
+the caps), not what the whole file does -- and no poller was woken (``Store.after_commit``). The client gets a
+503 to retry, or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the
+reload fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``);
+directives are safe even then, since readers see only committed versions (``DirectiveLog``).
+
+Forgetting runs (retention, an admin's deletion: ``forget``) deletes their events a batch at a time, yielding
+to the loop between batches, then the rest of their rows in one small transaction; writes to a run being
+forgotten are refused with a 503 meanwhile, so nothing acknowledged is deleted after it was acknowledged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import time
@@ -24,7 +31,7 @@ from nanwatch.monitor.ingest import Ingested, fold
 from nanwatch.monitor.refusal import CapReached, StoreUnavailable, Unstorable
 from nanwatch.monitor.rules import RuleEngine
 from nanwatch.monitor.state import CollectorState
-from nanwatch.monitor.store import EventRow, Store
+from nanwatch.monitor.store import DELETE_BATCH, EventRow, Store
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
 
@@ -58,6 +65,8 @@ class Ledger:
         #: runs a failed write touched while the store could not be re-read: memory may hold what was never
         #: committed; None when memory agrees with the store
         self._unsynced: set[str] | None = None
+        #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
+        self._forgetting: set[str] = set()
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 
@@ -87,22 +96,43 @@ class Ledger:
         """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
         return self.state.sweep(now)
 
-    def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
-        """Forget runs past retention: their history deleted from the store first, then from memory (at most
-        ``limit`` a call, so a backlog never stalls the loop). Returns how many went."""
+    async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
+        """Forget runs past retention (at most ``limit`` a call). Returns how many went."""
         expired = self.state.expired(now, retention_s, limit=limit)
-        if not expired:
-            return 0
+        gone = await self.forget(expired)
+        if gone:
+            log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", gone)
+        return gone
+
+    async def forget(self, run_ids: list[str]) -> int:
+        """Delete the runs' whole history, from the store first, then from memory: their events
+        ``DELETE_BATCH`` rows a transaction, yielding to the loop between them (a run of 760k events held
+        it 5 s in one), then their marks, counters, directives and retention row in one transaction, which
+        also raises the directive-version floor. A run already being forgotten is skipped; writes to a run
+        are refused (503, retry) until its deletion ends. Returns how many runs went (on a store error, the
+        rest are left for a later call)."""
+        todo = [r for r in dict.fromkeys(run_ids) if r not in self._forgetting]
+        self._forgetting.update(todo)
+        gone = 0
         try:
-            with self.store.transaction():
-                self.store.delete_runs(expired)
+            for run_id in todo:
+                while True:
+                    with self.store.transaction():
+                        n = self.store.delete_events(run_id)
+                    await asyncio.sleep(0)
+                    if n < DELETE_BATCH:
+                        break
+                with self.store.transaction():
+                    self.store.delete_runs([run_id])
+                self.state.forget([run_id])
+                self.directive_log.forget([run_id])
+                self._forgetting.discard(run_id)
+                gone += 1
         except sqlite3.Error:
-            log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
-            return 0
-        self.state.forget(expired)
-        self.directive_log.forget(expired)
-        log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
-        return len(expired)
+            log.exception("nanwatch collector: could not delete %d runs; will retry", len(todo) - gone)
+        finally:
+            self._forgetting.difference_update(todo)
+        return gone
 
     def resync(self) -> bool:
         """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
@@ -118,7 +148,7 @@ class Ledger:
         return self.events.has(run_id, dedupe)
 
     def directive(self, run_id: str) -> Directive:
-        return self.directive_log.current(run_id)
+        return self.directive_log.latest(run_id)
 
     def record_event(self, ev: EventRow) -> bool:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
@@ -130,7 +160,7 @@ class Ledger:
     def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """Record a new version with its audit event (inside a transaction) and wake the run's pollers once
         it has committed."""
-        cur = self.directive_log.current(run_id)
+        cur = self.directive_log.latest(run_id)
         step = spec.apply_at_step
         if step is None:
             step = min(self.state.next_apply_step(run_id, time.monotonic()) + self._margin, MAX_INT)
@@ -143,8 +173,8 @@ class Ledger:
                                 previous_version=cur.version)
         self.record_event(EventRow(run_id, d.created_at, kind, f"directive:{d.version}", step=step, actor=actor,
                                    detail=audit))
-        self.directive_log.put(d)
-        self.store.after_commit(lambda: self.directive_log.announce(run_id))  # a failed commit wakes nobody
+        self.directive_log.put(d)  # pending: a failed commit is never seen, and wakes nobody
+        self.store.after_commit(lambda: self.directive_log.commit(run_id))
         return d
 
     # ---- all or nothing --------------------------------------------------------------------------------
@@ -160,10 +190,14 @@ class Ledger:
         if not self.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was applied, retry")
+        if runs & self._forgetting:
+            raise StoreUnavailable(f"run {sorted(runs & self._forgetting)[0]!r} is being deleted; nothing was "
+                                   "applied, retry")
         try:
             with self.store.transaction():
                 result = write()
         except Exception as e:
+            self.directive_log.rollback()
             self._restore(runs)
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
                 raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
@@ -176,16 +210,17 @@ class Ledger:
         return result
 
     def _restore(self, runs: set[str]) -> None:
-        """Memory back to what the store holds (the touched runs' per-rank latest views come back with their
-        next reports; other runs keep theirs). If the store cannot be read, the runs are remembered as
-        unsynced, and ``resync`` tries again."""
+        """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
+        latest views come back with their next reports; other runs are not touched). If the store cannot be
+        read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
+        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
+        runs = runs | (self._unsynced or set())
         try:
-            loaded = self.store.load()
+            loaded = self.store.load(runs)
         except sqlite3.Error:
             log.exception("nanwatch collector: could not reload the store after a failed write")
-            self._unsynced = (self._unsynced or set()) | runs
+            self._unsynced = runs
             return
         self.state.reload(loaded, touched=runs)
-        self.directive_log.reload(loaded.directives)
         self._unsynced = None
         self.state.wrote()

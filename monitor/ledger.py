@@ -145,13 +145,17 @@ class Ledger:
     # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
 
     def has_event(self, run_id: str, dedupe: str) -> bool:
-        return self.events.has(run_id, dedupe)
+        """Memory knows the keys recorded since start-up; the store, those before (not all read back)."""
+        return self.events.has(run_id, dedupe) or self.store.has_event(run_id, dedupe)
 
     def directive(self, run_id: str) -> Directive:
         return self.directive_log.latest(run_id)
 
     def record_event(self, ev: EventRow) -> bool:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
+        if not self.events.has(ev.run_id, ev.dedupe) and self.store.has_event(ev.run_id, ev.dedupe):
+            self.events.add(ev, stored=False)  # recorded before start-up: known in memory from now on
+            return False
         if not self.events.admits(ev):
             return False
         self.events.add(ev, stored=self.store.add_event(ev))

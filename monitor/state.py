@@ -264,7 +264,10 @@ class CollectorState:
 
     def _restore(self, loaded: Loaded) -> None:
         """Add the runs ``loaded`` holds (absent from memory) as the store has them."""
-        self.hwm.update(loaded.hwm)
+        if self.hwm:
+            self.hwm.update(loaded.hwm)
+        else:  # start-up: take the marks as read, not a second copy of them (the peak of a restart)
+            self.hwm = loaded.hwm
         for run_id, _rank, _inc in loaded.hwm:
             self.ensure_run(run_id).incarnations += 1
         for run_id, step in loaded.latest_step.items():

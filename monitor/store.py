@@ -129,6 +129,8 @@ class Loaded:
     counters: list[tuple[str, str, tuple, int]]
     directives: dict[str, Directive]
     event_keys: dict[str, set[str]]
+    """Only the dedupe keys that decide something at load time (rank crashes): a run's other keys are looked
+    up in the store when asked (``has_event``), so a restart does not hold every event's key in memory."""
     event_counts: dict[tuple[str, str], int]
     first_offenders: dict[str, EventRow]
     #: monotonic time of each run's last write (runs written before this was kept: none, so load time)
@@ -308,6 +310,11 @@ class Store:
     def put_directive(self, d: Directive) -> None:
         self._db.execute("INSERT INTO directives VALUES (?,?,?)", (d.run_id, d.version, d.model_dump_json()))
 
+    def has_event(self, run_id: str, dedupe: str) -> bool:
+        """Whether the run holds an event with this dedupe key (one lookup in its unique index)."""
+        return self._db.execute("SELECT 1 FROM events WHERE run_id=? AND dedupe=?", (run_id, dedupe)).fetchone() \
+            is not None
+
     def events(self, run_id: str, *, limit: int) -> list[EventRow]:
         """The run's most recent events, oldest first."""
         rows = self._db.execute(
@@ -332,10 +339,16 @@ class Store:
 
     def _load(self, into: Loaded, where: str, args: tuple) -> None:
         db = self._db
+        names: dict[str, str] = {}
+        one = names.setdefault  # one str object per distinct run id, incarnation, family or label, not per row
         for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm" + where, args):
-            into.hwm[(run, rank, inc)] = seq
-            into.latest_step[run] = max(into.latest_step.get(run, 0), step)
-        into.counters += [(run, fam, tuple(json.loads(lab)), int(val))
+            run = one(run, run)
+            into.hwm[(run, rank, one(inc, inc))] = seq
+            if step > into.latest_step.get(run, 0):
+                into.latest_step[run] = step
+            else:
+                into.latest_step.setdefault(run, step)
+        into.counters += [(one(run, run), one(fam, fam), tuple(one(x, x) for x in json.loads(lab)), int(val))
                           for run, fam, lab, val in db.execute("SELECT * FROM counters" + where, args)]
         d_where = where.replace("run_id", "d.run_id")
         into.directives.update(
@@ -343,7 +356,8 @@ class Store:
             for run, body in db.execute(
                 "SELECT d.run_id, d.body FROM directives d JOIN (SELECT run_id, MAX(version) v FROM directives "
                 f"{where} GROUP BY run_id) m ON d.run_id = m.run_id AND d.version = m.v{d_where}", args * 2))
-        for run, key in db.execute("SELECT run_id, dedupe FROM events" + where, args):
+        crashes = " AND kind='rank_crashed'" if where else " WHERE kind='rank_crashed'"
+        for run, key in db.execute("SELECT run_id, dedupe FROM events" + where + crashes, args):
             into.event_keys.setdefault(run, set()).add(key)
         into.event_counts.update(((run, kind), n) for run, kind, n in db.execute(
             f"SELECT run_id, kind, COUNT(*) FROM events{where} GROUP BY run_id, kind", args))

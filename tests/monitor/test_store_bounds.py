@@ -235,3 +235,23 @@ def test_readyz_names_a_missing_table_or_column(tmp_path, ddl, named):
         conn.close()
         resp = httpx.get(f"{c.url}/readyz", timeout=30)
         assert resp.status_code == 503 and named in resp.json()["detail"], resp.text
+
+
+# ---- a restart on a full database holds what decides something, not every event's key --------------------
+
+def test_a_restart_holds_no_event_keys_but_still_dedupes_against_the_store(tmp_path):
+    """5,000 events of a run read back as counts, not as 5,000 keys in memory (a restart on a file at the
+    caps held every key: the largest part of its peak), and an event recorded before the restart is still
+    not recorded twice after it: the run's first offender stays the first."""
+    db = tmp_path / "c.db"
+    with _server(tmp_path) as srv:
+        assert _post(srv.url, _half_nan("full", 0)).status_code == 200
+    _big_run(db, "full", 5_000)
+    with _server(tmp_path) as srv:
+        state = srv.app.state.resources.state
+        assert sum(len(run.event_keys) for run in state.runs.values()) < 10
+        before = httpx.get(f"{srv.url}/v1/runs/full", timeout=30).json()["event_counts"]
+        assert before["incident"] == 5_000 and before["first_nonfinite"] == 1
+        assert _post(srv.url, _half_nan("full", 1)).json() == {"accepted": 1, "duplicates": 0}
+        after = httpx.get(f"{srv.url}/v1/runs/full", timeout=30).json()["event_counts"]
+        assert after["first_nonfinite"] == 1

@@ -161,21 +161,34 @@ def _count(db, run_id: str) -> int:
 
 def test_retiring_a_big_run_yields_to_the_loop_between_batches(tmp_path):
     """The sweeper forgets a run of 100k events: /healthz is answered while the run is partly deleted
-    (so the deletion went in batches, the loop serving between them), and in the end nothing of it is left."""
+    (so the deletion went in batches, the loop serving between them), a report for that run sent meanwhile
+    is refused (503, retry) or kept, never acknowledged and then deleted, and in the end nothing else of
+    the run is left."""
     db, n = tmp_path / "c.db", 100_000
     with CollectorProcess(db_path=db):  # the schema
         pass
     _big_run(db, "big", n)
     env = {"NANWATCH_RUN_RETENTION_S": "3600", "NANWATCH_RANK_TTL_S": "8"}  # a sweep every 2 s
     with CollectorProcess(db_path=db, env=env) as c:
-        seen = set()
+        seen, acked, seq = set(), [], 0
         deadline = time.monotonic() + 60
         while (left := _count(db, "big")) and time.monotonic() < deadline:
             assert httpx.get(f"{c.url}/healthz", timeout=30).status_code == 200
-            seen.add(_count(db, "big"))
+            seen.add(left)
+            if left < n:  # the deletion has begun: a trainer reports to the run id now
+                resp = _post(c.url, step_report(run_id="big", seq=seq))
+                assert resp.status_code in (200, 503), resp.text
+                if resp.status_code == 200:
+                    acked.append(seq)
+                seq += 1
         assert left == 0, "the run was never forgotten"
         assert any(0 < k < n for k in seen), sorted(seen)[:5]  # answered between batches
-        assert httpx.get(f"{c.url}/v1/runs/big", timeout=30).status_code == 404
+        if not acked:
+            assert httpx.get(f"{c.url}/v1/runs/big", timeout=30).status_code == 404
+    conn = sqlite3.connect(db)
+    stored = conn.execute("SELECT MAX(seq) FROM hwm WHERE run_id='big'").fetchone()[0]
+    conn.close()
+    assert stored == (max(acked) if acked else None)  # what was acknowledged is kept
 
 
 # ---- finding 16: a double fault leaks no version; versions never restart for a run id -------------------

@@ -107,27 +107,32 @@ class Ledger:
     async def forget(self, run_ids: list[str]) -> int:
         """Delete the runs' whole history, from the store first, then from memory: their events
         ``DELETE_BATCH`` rows a transaction, yielding to the loop between them (a run of 760k events held
-        it 5 s in one), then their marks, counters, directives and retention row in one transaction, which
-        also raises the directive-version floor. A run already being forgotten is skipped; writes to a run
-        are refused (503, retry) until its deletion ends. Returns how many runs went (on a store error, the
-        rest are left for a later call)."""
+        it 5 s in one), then their marks, counters, directives and retention rows, several runs' worth (about
+        ``DELETE_BATCH`` rows, or one run at its caps) a transaction, which also raises the directive-version
+        floor. A run already being forgotten is skipped; writes to a run are refused (503, retry) until its
+        deletion ends. Returns how many runs went (on a store error, the rest are left for a later call)."""
         todo = [r for r in dict.fromkeys(run_ids) if r not in self._forgetting]
         self._forgetting.update(todo)
-        gone = 0
+        gone, group, rows = 0, [], 0
         try:
-            for run_id in todo:
+            for i, run_id in enumerate(todo):
                 while True:
                     with self.store.transaction():
                         n = self.store.delete_events(run_id)
                     await asyncio.sleep(0)
                     if n < DELETE_BATCH:
                         break
-                with self.store.transaction():
-                    self.store.delete_runs([run_id])
-                self.state.forget([run_id])
-                self.directive_log.forget([run_id])
-                self._forgetting.discard(run_id)
-                gone += 1
+                group.append(run_id)
+                run = self.state.runs.get(run_id)
+                rows += 1 + (run.incarnations + len(run.counters) if run is not None else 0)
+                if rows >= DELETE_BATCH or i == len(todo) - 1:
+                    with self.store.transaction():
+                        self.store.delete_runs(group)
+                    self.state.forget(group)  # one pass over memory's marks per group, not per run
+                    self.directive_log.forget(group)
+                    self._forgetting.difference_update(group)
+                    gone, group, rows = gone + len(group), [], 0
+                    await asyncio.sleep(0)
         except sqlite3.Error:
             log.exception("nanwatch collector: could not delete %d runs; will retry", len(todo) - gone)
         finally:

@@ -65,6 +65,8 @@ class Ledger:
         #: runs a failed write touched while the store could not be re-read: memory may hold what was never
         #: committed; None when memory agrees with the store
         self._unsynced: set[str] | None = None
+        #: the (run, rank, incarnation) marks those unsynced writes may have added to memory
+        self._unsynced_marks: set[tuple[str, int, str]] = set()
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
 
@@ -76,7 +78,8 @@ class Ledger:
         runs = {r.run_id for r in batch.reports}
         self._check_caps({(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}, runs,
                          {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
-        done = self._atomically(runs, lambda: fold(batch, state=self.state, store=self.store,
+        marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
+        done = self._atomically(runs, marks, lambda: fold(batch, state=self.state, store=self.store,
                                                    rule_engine=self.rule_engine, into=self))
         self.state.requests.applied(done.accepted, done.duplicates)
         return done
@@ -84,7 +87,7 @@ class Ledger:
     def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """A new version, all or nothing: a poller never sees a version the store does not hold."""
         self._check_caps(set(), {run_id})
-        return self._atomically({run_id}, lambda: self.issue_directive(run_id, spec, actor=actor))
+        return self._atomically({run_id}, set(), lambda: self.issue_directive(run_id, spec, actor=actor))
 
     def clear_directive(self, run_id: str, *, actor: str) -> Directive:
         """Back to the model's own attention path: a new version with mode ``none``."""
@@ -144,7 +147,7 @@ class Ledger:
         hold what was never committed, until a reload succeeds (tried here: before every write, and before
         every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
         if self._unsynced is not None:
-            self._restore(self._unsynced)
+            self._restore(self._unsynced, set())
         return self._unsynced is None
 
     # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
@@ -194,8 +197,9 @@ class Ledger:
         if over is not None:
             raise CapReached(over)
 
-    def _atomically(self, runs: set[str], write: Callable[[], T]) -> T:
-        """``write()`` in one transaction; ``runs``: the runs it may change."""
+    def _atomically(self, runs: set[str], marks: set[tuple[str, int, str]], write: Callable[[], T]) -> T:
+        """``write()`` in one transaction; ``runs``: the runs it may change, ``marks``: the high-water marks
+        it may add (a report's own: what a repair takes out of memory without walking every mark)."""
         if not self.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was applied, retry")
@@ -207,7 +211,7 @@ class Ledger:
                 result = write()
         except Exception as e:
             self.directive_log.rollback()
-            self._restore(runs)
+            self._restore(runs, marks)
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
                 raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
                                  f"{str(e)[:200]}); nothing was applied") from e
@@ -218,18 +222,18 @@ class Ledger:
         self.state.wrote()
         return result
 
-    def _restore(self, runs: set[str]) -> None:
+    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]]) -> None:
         """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
         latest views come back with their next reports; other runs are not touched). If the store cannot be
         read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
         the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
-        runs = runs | (self._unsynced or set())
+        runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
         try:
             loaded = self.store.load(runs)
         except sqlite3.Error:
             log.exception("nanwatch collector: could not reload the store after a failed write")
-            self._unsynced = runs
+            self._unsynced, self._unsynced_marks = runs, marks
             return
-        self.state.reload(loaded, touched=runs)
-        self._unsynced = None
+        self.state.reload(loaded, touched=runs, marks=marks)
+        self._unsynced, self._unsynced_marks = None, set()
         self.state.wrote()

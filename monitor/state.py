@@ -252,14 +252,19 @@ class CollectorState:
         if loaded is not None:
             self._restore(loaded)
 
-    def reload(self, loaded: Loaded, *, touched: set[str]) -> None:
+    def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
         """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
         when memory may hold changes the database does not: they lose their per-rank latest views (they come
-        back with the next reports); every other run is left as it is, since the write did not change it."""
+        back with the next reports); every other run is left as it is, since the write did not change it.
+        ``marks``: the only high-water marks the write may have added (else every mark of the touched runs
+        is looked for, a walk over all of memory's marks)."""
         for run_id in touched:
             self.runs.pop(run_id, None)
-        if touched:
+        if marks is None:
             self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in touched}
+        else:  # the touched runs' other marks are the store's, and ``loaded`` puts them back as stored
+            for key in marks:
+                self.hwm.pop(key, None)
         self._restore(loaded)
 
     def _restore(self, loaded: Loaded) -> None:

@@ -48,7 +48,7 @@ def _resources(settings: Settings) -> Resources:
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s)
     polls = LongPoll()
-    directive_log = DirectiveLog(polls=polls, current=loaded.directives)
+    directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
@@ -67,7 +67,7 @@ async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
         await asyncio.sleep(every_s)
         now = time.monotonic()
         res.ledger.sweep(now)
-        res.ledger.retire(now, retention_s)
+        await res.ledger.retire(now, retention_s)
 
 
 def _docs_router(title: str) -> APIRouter:

@@ -59,6 +59,8 @@ class EventLog:
         self._state = state
 
     def has(self, run_id: str, dedupe: str) -> bool:
+        """Whether the key was recorded since start-up (keys read back at start are the store's to answer:
+        ``Ledger.has_event``)."""
         run = self._state.runs.get(run_id)
         return run is not None and dedupe in run.event_keys
 
@@ -69,7 +71,7 @@ class EventLog:
         run = state.ensure_run(ev.run_id)
         if ev.dedupe in run.event_keys:
             return False
-        if len(run.event_keys) >= state.max_events and ev.kind not in AUDIT_KINDS:
+        if sum(run.event_counts.values()) >= state.max_events and ev.kind not in AUDIT_KINDS:
             state.caps_hit["events"] += 1  # keys may hold client-chosen values: bounded (the audit trail is not)
             return False
         return True

@@ -68,7 +68,7 @@ class RunSnapshot:
     live_count: int
     world_size: int
     job: RankState | None  # the live job view (job mode), else None
-    counters: dict[tuple[str, tuple], float]
+    counters: dict[tuple[str, tuple], int]
     first_offender_event: EventRow | None
     directive: Directive | None
     late_before: float = -math.inf
@@ -178,8 +178,8 @@ class _SnapshotMetrics(Collector):
             if run.live is None:
                 continue
 
-            def value(key: tuple[str, tuple], counters=run.counters, born=born) -> float:
-                return 0.0 if key in born else counters.get(key, 0.0)
+            def value(key: tuple[str, tuple], counters=run.counters, born=born) -> int:
+                return 0 if key in born else counters.get(key, 0)  # exact; prometheus_client writes float64
 
             for stage, (site, pass_, rank) in run.latest_offenders:
                 f["nanwatch_latest_offender_info"].add_metric([run_id, stage, site, pass_, rank], 1)

@@ -59,7 +59,7 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
     now, mono = time.time(), time.monotonic()
     accepted = dupes = 0
     hwm_rows: list[tuple[str, int, str, int, int]] = []
-    counter_rows: dict[tuple[str, str, tuple], float] = {}
+    counter_rows: dict[tuple[str, str, tuple], int] = {}
     for r in batch.reports:
         if not is_new(state, r):
             dupes += 1
@@ -89,7 +89,8 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
 #: scopes whose measurements are one rank's own (per-rank views and counters)
 _OWN_SCOPES = frozenset({"rank", "detail"})
 
-Changed = list[tuple[str, tuple, float]]
+#: counter rows a report changed: (family, labels, new total), totals exact ints (they never saturate)
+Changed = list[tuple[str, tuple, int]]
 
 
 def is_new(state: CollectorState, r: StepReport) -> bool:
@@ -122,10 +123,10 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
         run.ended_views.pop(r.rank, None)
     if run.ended and not r.final and not straggler:  # a new incarnation (or rank) revives the run
         run.ended = False
-        changed.append((ENDED_FAMILY, (), 0.0))
+        changed.append((ENDED_FAMILY, (), 0))
     if not run.ended and run.all_ended():
         run.ended = True
-        changed.append((ENDED_FAMILY, (), 1.0))
+        changed.append((ENDED_FAMILY, (), 1))
     return rank, previous_mode, changed
 
 
@@ -156,11 +157,11 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
     changed: Changed = []
     counters, cap = run.counters, state.series_cap
 
-    def bump(fam: str, labels: tuple, n: float) -> None:
+    def bump(fam: str, labels: tuple, n: int) -> None:
         old = counters.get((fam, labels))
         if old is None and not _exposed(run, fam, labels):
             run.newborn.add((fam, labels))  # born at zero: the next render shows 0, then the value
-        value = (old or 0.0) + n
+        value = (old or 0) + n  # exact ints: a float total stops counting at 2^53
         counters[(fam, labels)] = value
         changed.append((fam, labels, value))
 

@@ -5,13 +5,20 @@ A request's changes to memory, to SQLite and to long-pollers happen together aft
 or not at all. Changes are made in memory inside the store's transaction (so that the rules of one report
 see the reports before it in the same batch); if anything fails -- the database (a full disk, a read-only
 file) or the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is
-reloaded from the store, and no poller was woken (``Store.after_commit``). The client gets a 503 to retry,
-or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the reload
-fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``).
+reloaded from the store -- the touched runs' rows alone, so a repair costs what those runs hold (bounded by
+the caps), not what the whole file does -- and no poller was woken (``Store.after_commit``). The client gets a
+503 to retry, or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the
+reload fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``);
+directives are safe even then, since readers see only committed versions (``DirectiveLog``).
+
+Forgetting runs (retention, an admin's deletion: ``forget``) deletes their events a batch at a time, yielding
+to the loop between batches, then the rest of their rows in one small transaction; writes to a run being
+forgotten are refused with a 503 meanwhile, so nothing acknowledged is deleted after it was acknowledged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import time
@@ -26,7 +33,7 @@ from nanwatch.monitor.memory import MemoryBudget
 from nanwatch.monitor.refusal import CapReached, StoreUnavailable, Unstorable
 from nanwatch.monitor.rules import RuleEngine
 from nanwatch.monitor.state import CollectorState
-from nanwatch.monitor.store import EventRow, Store
+from nanwatch.monitor.store import DELETE_BATCH, EventRow, Store
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
 
@@ -67,6 +74,10 @@ class Ledger:
         #: runs a failed write touched while the store could not be re-read: memory may hold what was never
         #: committed; None when memory agrees with the store
         self._unsynced: set[str] | None = None
+        #: the (run, rank, incarnation) marks those unsynced writes may have added to memory
+        self._unsynced_marks: set[tuple[str, int, str]] = set()
+        #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
+        self._forgetting: set[str] = set()
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 
@@ -77,19 +88,21 @@ class Ledger:
         keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
         self._make_room(keys)
         self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
+        marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
 
         def apply() -> Ingested:
             return fold(batch, state=self.state, store=self.store, rule_engine=self.rule_engine, into=self)
 
         # above the memory limit, existing series keep moving; new ones are dropped and counted
-        done = self._atomically(runs, (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
+        done = self._atomically(runs, marks,
+                                (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
         self.state.requests.applied(done.accepted, done.duplicates)
         return done
 
     def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """A new version, all or nothing: a poller never sees a version the store does not hold."""
         self._check_caps(set(), {run_id})
-        return self._atomically({run_id}, lambda: self.issue_directive(run_id, spec, actor=actor))
+        return self._atomically({run_id}, set(), lambda: self.issue_directive(run_id, spec, actor=actor))
 
     def clear_directive(self, run_id: str, *, actor: str) -> Directive:
         """Back to the model's own attention path: a new version with mode ``none``."""
@@ -101,64 +114,86 @@ class Ledger:
         """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
         return self.state.sweep(now)
 
-    def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
-        """Forget runs past retention (at most ``limit`` a call, so a backlog never stalls the loop). Returns
-        how many went."""
+    async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
+        """Forget runs past retention (at most ``limit`` a call). Returns how many went."""
         expired = self.state.expired(now, retention_s, limit=limit)
-        if not expired:
-            return 0
-        try:
-            self.forget(expired)
-        except sqlite3.Error:
-            log.exception("nanwatch collector: could not delete %d expired runs; will retry", len(expired))
-            return 0
-        log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", len(expired))
-        return len(expired)
+        gone = await self.forget(expired)
+        if gone:
+            log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", gone)
+        return gone
 
-    def delete_run(self, run_id: str, *, actor: str) -> bool:
-        """An admin deletes a run's whole history (``DELETE /v1/runs/{run_id}``), logged with the actor.
-        False if there is no such run; raises ``StoreUnavailable`` (nothing was deleted) if the store
-        refuses."""
+    async def forget(self, run_ids: list[str]) -> int:
+        """Delete the runs' whole history, from the store first, then from memory: their events
+        ``DELETE_BATCH`` rows a transaction, yielding to the loop between them (a run of 760k events held
+        it 5 s in one), then their marks, counters, directives and retention rows, several runs' worth (about
+        ``DELETE_BATCH`` rows, or one run at its caps) a transaction, which also raises the directive-version
+        floor. A run already being forgotten is skipped; writes to a run are refused (503, retry) until its
+        deletion ends. Returns how many runs went (on a store error, the rest are left for a later call)."""
+        todo = [r for r in dict.fromkeys(run_ids) if r not in self._forgetting]
+        self._forgetting.update(todo)
+        gone, group, rows = 0, [], 0
+        try:
+            for i, run_id in enumerate(todo):
+                while True:
+                    with self.store.transaction():
+                        n = self.store.delete_events(run_id)
+                    await asyncio.sleep(0)
+                    if n < DELETE_BATCH:
+                        break
+                group.append(run_id)
+                run = self.state.runs.get(run_id)
+                rows += 1 + (run.incarnations + len(run.counters) if run is not None else 0)
+                if rows >= DELETE_BATCH or i == len(todo) - 1:
+                    with self.store.transaction():
+                        self.store.delete_runs(group)
+                    self.state.forget(group)  # one pass over memory's marks per group, not per run
+                    self.directive_log.forget(group)
+                    self._forgetting.difference_update(group)
+                    gone, group, rows = gone + len(group), [], 0
+                    await asyncio.sleep(0)
+        except sqlite3.Error:
+            log.exception("nanwatch collector: could not delete %d runs; will retry", len(todo) - gone)
+        finally:
+            self._forgetting.difference_update(todo)
+        return gone
+
+    async def delete_run(self, run_id: str, *, actor: str) -> bool:
+        """An admin deletes a run's whole history (``DELETE /v1/runs/{run_id}``) through ``forget``, the path
+        retention takes, logged with the actor. False if there is no such run; raises ``StoreUnavailable`` if
+        the store refused (what was not deleted is still there: retry)."""
         if not self.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was deleted, retry")
         if run_id not in self.state.runs:
             return False
-        try:
-            self.forget([run_id])
-        except sqlite3.Error as e:
-            raise StoreUnavailable(f"could not delete the run ({type(e).__name__}: {str(e)[:200]}); nothing was "
-                                   "deleted, retry") from e
+        if await self.forget([run_id]) != 1:
+            raise StoreUnavailable("could not delete the run (the store refused, or it is being deleted now); "
+                                   "retry")
         log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
         return True
-
-    def forget(self, run_ids: list[str]) -> None:
-        """Delete the runs' history from the store first (one transaction), then from memory: all or
-        nothing (raises ``sqlite3.Error`` with memory untouched). Retention and an admin's delete both come
-        here."""
-        with self.store.transaction():
-            self.store.delete_runs(run_ids)
-        self.state.forget(run_ids)
-        self.directive_log.forget(run_ids)
 
     def resync(self) -> bool:
         """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
         hold what was never committed, until a reload succeeds (tried here: before every write, and before
         every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
         if self._unsynced is not None:
-            self._restore(self._unsynced)
+            self._restore(self._unsynced, set())
         return self._unsynced is None
 
     # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
 
     def has_event(self, run_id: str, dedupe: str) -> bool:
-        return self.events.has(run_id, dedupe)
+        """Memory knows the keys recorded since start-up; the store, those before (not all read back)."""
+        return self.events.has(run_id, dedupe) or self.store.has_event(run_id, dedupe)
 
     def directive(self, run_id: str) -> Directive:
-        return self.directive_log.current(run_id)
+        return self.directive_log.latest(run_id)
 
     def record_event(self, ev: EventRow) -> bool:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
+        if not self.events.has(ev.run_id, ev.dedupe) and self.store.has_event(ev.run_id, ev.dedupe):
+            self.events.add(ev, stored=False)  # recorded before start-up: known in memory from now on
+            return False
         if not self.events.admits(ev):
             return False
         if ev.kind not in AUDIT_KINDS and (self.budget.over() or self.budget.events_full()):
@@ -171,7 +206,7 @@ class Ledger:
     def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """Record a new version with its audit event (inside a transaction) and wake the run's pollers once
         it has committed."""
-        cur = self.directive_log.current(run_id)
+        cur = self.directive_log.latest(run_id)
         step = spec.apply_at_step
         if step is None:
             step = min(self.state.next_apply_step(run_id, time.monotonic()) + self._margin, MAX_INT)
@@ -184,8 +219,8 @@ class Ledger:
                                 previous_version=cur.version)
         self.record_event(EventRow(run_id, d.created_at, kind, f"directive:{d.version}", step=step, actor=actor,
                                    detail=audit))
-        self.directive_log.put(d)
-        self.store.after_commit(lambda: self.directive_log.announce(run_id))  # a failed commit wakes nobody
+        self.directive_log.put(d)  # pending: a failed commit is never seen, and wakes nobody
+        self.store.after_commit(lambda: self.directive_log.commit(run_id))
         return d
 
     # ---- all or nothing --------------------------------------------------------------------------------
@@ -202,7 +237,7 @@ class Ledger:
             self.store.delete_hwm(stale)
             self.state.forget_incarnations(stale)
 
-        self._atomically({run_id for run_id, _, _ in stale}, forget)
+        self._atomically({run_id for run_id, _, _ in stale}, set(), forget)
         log.info("nanwatch collector: forgot %d high-water marks of incarnations no longer live, to make room "
                  "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
 
@@ -237,16 +272,21 @@ class Ledger:
             if sum(state.runs[r].series_dropped for r in runs if r in state.runs) > dropped:
                 state.caps_hit["memory"] += 1
 
-    def _atomically(self, runs: set[str], write: Callable[[], T]) -> T:
-        """``write()`` in one transaction; ``runs``: the runs it may change."""
+    def _atomically(self, runs: set[str], marks: set[tuple[str, int, str]], write: Callable[[], T]) -> T:
+        """``write()`` in one transaction; ``runs``: the runs it may change, ``marks``: the high-water marks
+        it may add (a report's own: what a repair takes out of memory without walking every mark)."""
         if not self.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was applied, retry")
+        if runs & self._forgetting:
+            raise StoreUnavailable(f"run {sorted(runs & self._forgetting)[0]!r} is being deleted; nothing was "
+                                   "applied, retry")
         try:
             with self.store.transaction():
                 result = write()
         except Exception as e:
-            self._restore(runs)
+            self.directive_log.rollback()
+            self._restore(runs, marks)
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
                 raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
                                  f"{str(e)[:200]}); nothing was applied") from e
@@ -257,17 +297,18 @@ class Ledger:
         self.state.wrote()
         return result
 
-    def _restore(self, runs: set[str]) -> None:
-        """Memory back to what the store holds (the touched runs' per-rank latest views come back with their
-        next reports; other runs keep theirs). If the store cannot be read, the runs are remembered as
-        unsynced, and ``resync`` tries again."""
+    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]]) -> None:
+        """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
+        latest views come back with their next reports; other runs are not touched). If the store cannot be
+        read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
+        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
+        runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
         try:
-            loaded = self.store.load()
+            loaded = self.store.load(runs)
         except sqlite3.Error:
             log.exception("nanwatch collector: could not reload the store after a failed write")
-            self._unsynced = (self._unsynced or set()) | runs
+            self._unsynced, self._unsynced_marks = runs, marks
             return
-        self.state.reload(loaded, touched=runs)
-        self.directive_log.reload(loaded.directives)
-        self._unsynced = None
+        self.state.reload(loaded, touched=runs, marks=marks)
+        self._unsynced, self._unsynced_marks = None, set()
         self.state.wrote()

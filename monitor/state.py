@@ -137,7 +137,8 @@ class RunState:
     """The longest heartbeat interval the run's ranks announce (wire 1.4 ``heartbeat_s``): a rank known by
     its heartbeats is late only after two of them and gone after three, however long the trainer chose them
     (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000 requests a second)."""
-    counters: dict[tuple[str, tuple], float] = field(default_factory=dict)
+    counters: dict[tuple[str, tuple], int] = field(default_factory=dict)
+    """Counter totals, exact Python ints (they never saturate; the scrape shows them as float64)."""
     admitted: set[tuple] = field(default_factory=set)
     series: int = 0
     series_dropped: int = 0
@@ -275,24 +276,28 @@ class CollectorState:
         if loaded is not None:
             self._restore(loaded)
 
-    def reload(self, loaded: Loaded, *, touched: set[str]) -> None:
-        """Take the store's view after a failed commit, when memory may hold changes the database does not.
-        The runs the failed write ``touched`` lose their per-rank latest views (they come back with the
-        next reports); every other run keeps its own, which the write did not change."""
-        kept = ("ranks", "shown", "worlds", "job", "last_seen", "newborn", "exposed", "exposed_ranks",
-                "latest_offenders", "math_fallback", "overflow_steps", "ended_ranks", "silent")
-        views = {run_id: [getattr(run, a) for a in kept] for run_id, run in self.runs.items() if run_id not in touched}
-        self.runs = {}
+    def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
+        """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
+        when memory may hold changes the database does not: they lose their per-rank latest views (they come
+        back with the next reports); every other run is left as it is, since the write did not change it.
+        ``marks``: the only high-water marks the write may have added (else every mark of the touched runs
+        is looked for, a walk over all of memory's marks)."""
+        for run_id in touched:
+            self.runs.pop(run_id, None)
+        if marks is None:
+            self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in touched}
+        else:  # the touched runs' other marks are the store's, and ``loaded`` puts them back as stored
+            for key in marks:
+                self.hwm.pop(key, None)
         self._restore(loaded)
-        for run_id, values in views.items():
-            run = self.runs.get(run_id)
-            if run is not None:
-                for a, v in zip(kept, values, strict=True):
-                    setattr(run, a, v)
 
     def _restore(self, loaded: Loaded) -> None:
-        self.hwm = dict(loaded.hwm)
-        for run_id, _rank, _inc in self.hwm:
+        """Add the runs ``loaded`` holds (absent from memory) as the store has them."""
+        if self.hwm:
+            self.hwm.update(loaded.hwm)
+        else:  # start-up: take the marks as read, not a second copy of them (the peak of a restart)
+            self.hwm = loaded.hwm
+        for run_id, _rank, _inc in loaded.hwm:
             self.ensure_run(run_id).incarnations += 1
         for run_id, step in loaded.latest_step.items():
             self.ensure_run(run_id).latest_step = step
@@ -325,8 +330,8 @@ class CollectorState:
             self.ensure_run(run_id).first_offender_event = ev
         for run_id in loaded.directives:  # every run the store holds is a run in memory
             self.ensure_run(run_id)
-        for run in self.runs.values():  # series read back were exposed before: never born again
-            run.exposed = True
+        for run_id in loaded.run_ids():  # series read back were exposed before: never born again
+            self.ensure_run(run_id).exposed = True
 
     def wrote(self) -> None:
         """Something a scrape shows changed (a committed write, ranks or runs gone)."""

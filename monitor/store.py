@@ -23,13 +23,17 @@ from nanwatch.wire import Directive
 
 log = logging.getLogger("nanwatch.monitor")
 
-__all__ = ["DB_SCHEMA_VERSION", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
+__all__ = ["DB_SCHEMA_VERSION", "DELETE_BATCH", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
-_SCHEMA = """
+_COUNTERS_TABLE = """CREATE TABLE IF NOT EXISTS counters (
+    run_id TEXT NOT NULL, family TEXT NOT NULL, labels TEXT NOT NULL, value TEXT NOT NULL,
+    PRIMARY KEY (run_id, family, labels)
+)"""
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL, dedupe TEXT NOT NULL,
-    rank INTEGER, step INTEGER, site TEXT, actor TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '{}',
+    rank INTEGER, step INTEGER, site TEXT, actor TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '{{}}',
     UNIQUE (run_id, dedupe)
 );
 CREATE TABLE IF NOT EXISTS directives (
@@ -39,10 +43,7 @@ CREATE TABLE IF NOT EXISTS hwm (
     run_id TEXT NOT NULL, rank INTEGER NOT NULL, incarnation TEXT NOT NULL, seq INTEGER NOT NULL,
     step INTEGER NOT NULL, PRIMARY KEY (run_id, rank, incarnation)
 );
-CREATE TABLE IF NOT EXISTS counters (
-    run_id TEXT NOT NULL, family TEXT NOT NULL, labels TEXT NOT NULL, value REAL NOT NULL,
-    PRIMARY KEY (run_id, family, labels)
-);
+{_COUNTERS_TABLE};
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, touched REAL NOT NULL
 );
@@ -52,8 +53,15 @@ CREATE TABLE IF NOT EXISTS meta (
 """
 #: ``PRAGMA user_version`` of this database schema (not the wire's ``SCHEMA_VERSION``). 0 is a file from
 #: before the version was kept: accepted when its tables are a subset of these, with exactly these columns
-#: (then upgraded); anything else is refused.
-DB_SCHEMA_VERSION = 2
+#: (then upgraded); 2 is upgraded in place (its counter totals were REAL, rewritten as exact decimal text);
+#: anything else is refused. 3: counter totals are exact integers of any size, stored as decimal TEXT
+#: (SQLite's INTEGER stops at 2^63 and REAL at 2^53, past which +1 adds nothing).
+DB_SCHEMA_VERSION = 3
+#: event rows deleted per transaction when a run is forgotten: each one a few milliseconds of the loop
+DELETE_BATCH = 2000
+#: ``meta`` key of the directive-version floor: above every version a forgotten run ever had, so a run id
+#: that comes back never reuses a version a poller may still hold (one row, whatever the number of runs)
+_FLOOR_KEY = "directive_floor"
 _COLUMNS = {
     "events": ["id", "run_id", "time", "kind", "dedupe", "rank", "step", "site", "actor", "detail"],
     "directives": ["run_id", "version", "body"],
@@ -118,13 +126,22 @@ class Loaded:
 
     hwm: dict[tuple[str, int, str], int]
     latest_step: dict[str, int]
-    counters: list[tuple[str, str, tuple, float]]
+    counters: list[tuple[str, str, tuple, int]]
     directives: dict[str, Directive]
     event_keys: dict[str, set[str]]
+    """Only the dedupe keys that decide something at load time (rank crashes): a run's other keys are looked
+    up in the store when asked (``has_event``), so a restart does not hold every event's key in memory."""
     event_counts: dict[tuple[str, str], int]
     first_offenders: dict[str, EventRow]
     #: monotonic time of each run's last write (runs written before this was kept: none, so load time)
     touched: dict[str, float]
+    #: the highest directive version of any forgotten run: a run's next version is above it
+    directive_floor: int = 0
+
+    def run_ids(self) -> set[str]:
+        """Every run something was read back for."""
+        return {*self.latest_step, *self.directives, *self.event_keys, *self.first_offenders, *self.touched,
+                *(k[0] for k in self.hwm), *(c[0] for c in self.counters), *(k[0] for k in self.event_counts)}
 
 
 class Store:
@@ -159,20 +176,51 @@ class Store:
                   if not r[0].startswith("sqlite_")}
         if version == DB_SCHEMA_VERSION:
             return
-        if version != 0:
+        if version not in (0, 2):
             raise ForeignDatabase(f"{self._path}: schema version {version}; this collector speaks "
                                   f"{DB_SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
-        foreign = sorted(t for t in tables if t not in _COLUMNS or
-                         [c[1] for c in db.execute(f"PRAGMA table_info({t})")] != _COLUMNS[t])
+        foreign = sorted(t for t in tables if t not in _COLUMNS or self._columns(t) != _COLUMNS[t])
         if foreign:
             raise ForeignDatabase(f"{self._path} is not a nanwatch collector database (unexpected tables or "
                                   f"columns: {', '.join(foreign)}); point --db at a new file")
         try:
-            db.executescript(_SCHEMA + f"PRAGMA user_version={DB_SCHEMA_VERSION};")
+            db.executescript(_SCHEMA)
         except sqlite3.Error:
             if not tables:  # a read-only fresh file: let probe() report it, and load() read nothing
                 return
             raise
+        self._exact_counters()
+
+    def _columns(self, table: str) -> list[str]:
+        return [c[1] for c in self._db.execute(f"PRAGMA table_info({table})")]
+
+    def _exact_counters(self) -> None:
+        """Schema 2 (or 0) to 3 in one transaction: the counter totals, REAL before, become exact decimal
+        TEXT (a REAL total is a whole number, so ``int`` of it is exact). The table is bounded by the
+        series caps, so this is quick; a crash midway leaves the file as it was."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            rows = [(r, f, lab, str(int(v))) for r, f, lab, v in db.execute("SELECT * FROM counters")]
+            db.execute("DROP TABLE counters")
+            db.execute(_COUNTERS_TABLE)
+            db.executemany("INSERT INTO counters VALUES (?,?,?,?)", rows)
+            db.execute(f"PRAGMA user_version={DB_SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def schema_problem(self) -> str | None:
+        """None when every table holds its columns, else what is missing (``/readyz`` names it: every
+        ingest would fail on it)."""
+        missing = []
+        for table, columns in _COLUMNS.items():
+            have = self._columns(table)
+            if not have:
+                missing.append(f"table {table}")
+            missing += [f"column {table}.{c}" for c in columns if have and c not in have]
+        return f"the database lacks {', '.join(missing)}" if missing else None
 
     def probe(self) -> str | None:
         """None when the store takes a write now (a one-row transaction), else why not: a full disk, a
@@ -215,11 +263,12 @@ class Store:
             "INSERT INTO hwm VALUES (?,?,?,?,?) ON CONFLICT (run_id, rank, incarnation) "
             "DO UPDATE SET seq=excluded.seq, step=excluded.step", rows)
 
-    def put_counters(self, rows: list[tuple[str, str, tuple, float]]) -> None:
+    def put_counters(self, rows: list[tuple[str, str, tuple, int]]) -> None:
+        """Counter totals, exact: decimal text of a Python int (see ``DB_SCHEMA_VERSION``)."""
         self._db.executemany(
             "INSERT INTO counters VALUES (?,?,?,?) ON CONFLICT (run_id, family, labels) "
             "DO UPDATE SET value=excluded.value",
-            [(run, fam, json.dumps(labels), value) for run, fam, labels, value in rows])
+            [(run, fam, json.dumps(labels), str(int(value))) for run, fam, labels, value in rows])
 
     def add_event(self, ev: EventRow) -> bool:
         """Insert unless the run already has an event with this dedupe key; True if inserted."""
@@ -235,9 +284,21 @@ class Store:
         self._db.executemany("INSERT INTO runs VALUES (?,?) ON CONFLICT (run_id) DO UPDATE SET "
                              "touched=excluded.touched", [(r, wall) for r in run_ids])
 
+    def delete_events(self, run_id: str, *, limit: int = DELETE_BATCH) -> int:
+        """Delete up to ``limit`` of the run's events (inside a transaction); returns how many went. The
+        events are the one table a run can fill by the hundred thousand: forgetting it in one transaction
+        held the loop for seconds, so it goes a batch at a time, before ``delete_runs``."""
+        return self._db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events WHERE run_id=? LIMIT ?)",
+                                (run_id, limit)).rowcount
+
     def delete_runs(self, run_ids: list[str]) -> None:
-        """Forget the runs' whole history (inside a transaction)."""
+        """Forget the runs' whole history (inside a transaction), and raise the directive-version floor
+        above every version they had. The rest of their rows are bounded by the caps (marks, series)."""
         rows = [(r,) for r in run_ids]
+        top = max((self._db.execute("SELECT MAX(version) FROM directives WHERE run_id=?", r).fetchone()[0] or 0
+                   for r in rows), default=0)
+        if top > self.directive_floor():
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (_FLOOR_KEY, str(top)))
         for table in _TABLES:
             self._db.executemany(f"DELETE FROM {table} WHERE run_id=?", rows)
 
@@ -245,8 +306,18 @@ class Store:
         """Forget these (run_id, rank, incarnation) high-water marks (inside a transaction)."""
         self._db.executemany("DELETE FROM hwm WHERE run_id=? AND rank=? AND incarnation=?", keys)
 
+    def directive_floor(self) -> int:
+        """The highest directive version any forgotten run had (0: none)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (_FLOOR_KEY,)).fetchone()
+        return int(row[0]) if row else 0
+
     def put_directive(self, d: Directive) -> None:
         self._db.execute("INSERT INTO directives VALUES (?,?,?)", (d.run_id, d.version, d.model_dump_json()))
+
+    def has_event(self, run_id: str, dedupe: str) -> bool:
+        """Whether the run holds an event with this dedupe key (one lookup in its unique index)."""
+        return self._db.execute("SELECT 1 FROM events WHERE run_id=? AND dedupe=?", (run_id, dedupe)).fetchone() \
+            is not None
 
     def events(self, run_id: str, *, limit: int) -> list[EventRow]:
         """The run's most recent events, oldest first."""
@@ -255,33 +326,51 @@ class Store:
             "WHERE run_id=? ORDER BY id DESC LIMIT ?", (run_id, limit)).fetchall()
         return [_event(r) for r in reversed(rows)]
 
-    def load(self) -> Loaded:
+    def load(self, run_ids: set[str] | None = None) -> Loaded:
+        """What the store holds: of every run (start-up), or of ``run_ids`` alone (the repair after a failed
+        write, which costs what those runs hold, not what the whole file does)."""
         db = self._db
         if not {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= set(_TABLES):
             return Loaded({}, {}, [], {}, {}, {}, {}, {})  # a read-only fresh file: nothing to read
-        hwm: dict[tuple[str, int, str], int] = {}
-        latest: dict[str, int] = {}
-        for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm"):
-            hwm[(run, rank, inc)] = seq
-            latest[run] = max(latest.get(run, 0), step)
-        counters = [(run, fam, tuple(json.loads(lab)), val)
-                    for run, fam, lab, val in db.execute("SELECT * FROM counters")]
-        directives = {
-            run: Directive.model_validate_json(body)
+        if run_ids is not None:
+            loaded = Loaded({}, {}, [], {}, {}, {}, {}, {}, self.directive_floor())
+            for run_id in sorted(run_ids):
+                self._load(loaded, " WHERE run_id=?", (run_id,))
+            return loaded
+        loaded = Loaded({}, {}, [], {}, {}, {}, {}, {}, self.directive_floor())
+        self._load(loaded, "", ())
+        return loaded
+
+    def _load(self, into: Loaded, where: str, args: tuple) -> None:
+        db = self._db
+        names: dict[str, str] = {}
+        one = names.setdefault  # one str object per distinct run id, incarnation, family or label, not per row
+        for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm" + where, args):
+            run = one(run, run)
+            into.hwm[(run, rank, one(inc, inc))] = seq
+            if step > into.latest_step.get(run, 0):
+                into.latest_step[run] = step
+            else:
+                into.latest_step.setdefault(run, step)
+        into.counters += [(one(run, run), one(fam, fam), tuple(one(x, x) for x in json.loads(lab)), int(val))
+                          for run, fam, lab, val in db.execute("SELECT * FROM counters" + where, args)]
+        d_where = where.replace("run_id", "d.run_id")
+        into.directives.update(
+            (run, Directive.model_validate_json(body))
             for run, body in db.execute(
                 "SELECT d.run_id, d.body FROM directives d JOIN (SELECT run_id, MAX(version) v FROM directives "
-                "GROUP BY run_id) m ON d.run_id = m.run_id AND d.version = m.v")}
-        keys: dict[str, set[str]] = {}
-        for run, key in db.execute("SELECT run_id, dedupe FROM events"):
-            keys.setdefault(run, set()).add(key)
-        counts = {(run, kind): n for run, kind, n in
-                  db.execute("SELECT run_id, kind, COUNT(*) FROM events GROUP BY run_id, kind")}
-        firsts = {r[0]: _event(r) for r in db.execute(
-            "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events "
-            "WHERE kind='first_nonfinite'")}
+                f"{where} GROUP BY run_id) m ON d.run_id = m.run_id AND d.version = m.v{d_where}", args * 2))
+        crashes = " AND kind='rank_crashed'" if where else " WHERE kind='rank_crashed'"
+        for run, key in db.execute("SELECT run_id, dedupe FROM events" + where + crashes, args):
+            into.event_keys.setdefault(run, set()).add(key)
+        into.event_counts.update(((run, kind), n) for run, kind, n in db.execute(
+            f"SELECT run_id, kind, COUNT(*) FROM events{where} GROUP BY run_id, kind", args))
+        first = " AND kind='first_nonfinite'" if where else " WHERE kind='first_nonfinite'"
+        into.first_offenders.update((r[0], _event(r)) for r in db.execute(
+            "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events" + where + first, args))
         now_wall, now_mono = time.time(), time.monotonic()
-        touched = {run: now_mono - max(0.0, now_wall - wall) for run, wall in db.execute("SELECT * FROM runs")}
-        return Loaded(hwm, latest, counters, directives, keys, counts, firsts, touched)
+        into.touched.update((run, now_mono - max(0.0, now_wall - wall))
+                            for run, wall in db.execute("SELECT * FROM runs" + where, args))
 
     def close(self) -> None:
         self._db.close()

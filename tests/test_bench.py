@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -174,8 +175,9 @@ def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
     attacked = printed.split("phase 2", 1)[1]
     for kind in ("trailers", "preauth-bodies", "error-bodies", "accept-versions", "abandoned-polls", "runs-listing"):
         assert kind in ATTACKS and f"{kind} x1: " in attacked, kind
-    for kind in HELD:  # every held kind got its connection open
-        assert f"{kind} x1: 1 connections opened" in attacked or f"{kind} x1: 2 connections opened" in attacked
+    for kind in HELD:  # every held kind got its connection open (a refused one reopens it: more than one)
+        opened = re.search(rf"{kind} x1: (\d+) connections opened", attacked)
+        assert opened is not None and int(opened.group(1)) >= 1, kind
     assert "primed for runs-listing: 36 requests of 256 runs" in printed
     assert "abandoned-polls x1: 0 requests" not in attacked  # polls are sent and dropped in a tight loop
     assert "p99 under attack / p99 unloaded = " in printed and "ranks' requests not answered 200: " in printed

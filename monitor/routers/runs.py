@@ -85,7 +85,7 @@ async def delete_run(run_id: RunIdPath, res: ResourcesDep, token: AdminToken) ->
     then from memory, as retention does: it leaves ``/metrics`` and ``/v1/runs``, and frees its place
     under the run cap. Logged naming the admin token. A trainer still reporting under this id starts a new
     history."""
-    if not res.ledger.delete_run(run_id, actor=token.name):
+    if not await res.ledger.delete_run(run_id, actor=token.name):
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     return Response(status_code=204)
 

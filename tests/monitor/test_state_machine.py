@@ -64,8 +64,10 @@ SITES = tuple(f"model.layers.{i}.self_attn" for i in range(LAYERS))
 #: what the tokenless collector records as the actor of an admin change, and the rule that sets fp32 on a
 #: non-finite value in a half-precision attention site (the default policy)
 ANONYMOUS, RULE_ACTOR = "anonymous", "rule:half_attention_nonfinite"
-INGEST_FAULTS = ("none", "counters_sqlite", "hwm_sqlite", "counters_overflow", "commit")
-DIRECTIVE_FAULTS = ("none", "directive_sqlite", "commit")
+#: "double": the COMMIT fails and re-reading the store fails too (until the next request); the long-polls
+#: already waiting time out meanwhile, so a version that was never committed would be served to them
+INGEST_FAULTS = ("none", "counters_sqlite", "hwm_sqlite", "counters_overflow", "commit", "double")
+DIRECTIVE_FAULTS = ("none", "directive_sqlite", "commit", "double")
 #: a write without a fault as often as one with (a refused write's retry must succeed to be checked)
 ingest_faults = st.sampled_from(INGEST_FAULTS[:1] * 4 + INGEST_FAULTS[1:])
 directive_faults = st.sampled_from(DIRECTIVE_FAULTS[:1] * 2 + DIRECTIVE_FAULTS[1:])
@@ -112,16 +114,18 @@ def injected(store: Store, fault: str):
         store.put_hwm = _raise_once(sqlite3.OperationalError(DISK_FULL), fired)
     elif fault == "directive_sqlite":
         store.put_directive = _raise_once(sqlite3.OperationalError(DISK_FULL), fired)
-    elif fault == "commit":
+    elif fault in ("commit", "double"):
         proxy = store._db = _FailCommitOnce(real_db)
+        if fault == "double":
+            store.load = _raise_once(sqlite3.OperationalError("disk I/O error"), [])
     else:
         assert fault == "none", fault
     try:
         yield fired
     finally:
-        for name in ("put_counters", "put_hwm", "put_directive"):
+        for name in ("put_counters", "put_hwm", "put_directive", "load"):
             vars(store).pop(name, None)  # back to the class's method
-        if fault == "commit":
+        if fault in ("commit", "double"):
             store._db = real_db
             if proxy.fired:
                 fired.append(1)
@@ -290,6 +294,7 @@ class CollectorMachine(RuleBasedStateMachine):
         self.writes += 1
         with injected(self.store, fault) as fired:
             resp = self.http.post("/v1/reports", content=report.body, headers=team(run))
+            self._outwait(fault)
         assert fired or fault == "none", f"fault {fault} never fired"
         assert resp.status_code == _expected_status(fault), (fault, resp.status_code, resp.text)
         if resp.status_code != 200:
@@ -323,6 +328,7 @@ class CollectorMachine(RuleBasedStateMachine):
                 resp = self.http.delete(f"/v1/directives/{run}")
             else:
                 resp = self.http.put(f"/v1/directives/{run}", json={"mode": mode, "reason": reason}, headers=JSON)
+            self._outwait(fault)
         assert fired or fault == "none", f"fault {fault} never fired"
         assert resp.status_code == _expected_status(fault), (fault, resp.status_code, resp.text)
         if resp.status_code != 200:
@@ -408,6 +414,12 @@ class CollectorMachine(RuleBasedStateMachine):
             if not p.thread.is_alive() or time.monotonic() > deadline:
                 break  # what it got is checked with the others
             time.sleep(0.002)
+
+    def _outwait(self, fault: str) -> None:
+        """Under a double fault, let the waiting long-polls time out while the store cannot be re-read."""
+        if fault == "double":
+            for p in self.pollers:
+                p.thread.join(15)
 
     def _check_pollers(self, *, finished_only: bool = True) -> None:
         left = []

@@ -4,6 +4,7 @@ Nothing in the product imports this module, and it is not in the wheel."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -214,3 +215,31 @@ def load_script(path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def background_collector(tmp_path, **settings):
+    """A real collector (uvicorn on loopback, in this process, ``BackgroundServer``) on ``tmp_path/c.db``,
+    for tests that reach into its store or state; ``settings`` override the quiet defaults."""
+    from nanwatch.monitor.server import BackgroundServer
+    from nanwatch.monitor.settings import Settings
+
+    s = Settings(**{"host": "127.0.0.1", "port": 0, "db_path": str(tmp_path / "c.db"), "log_level": "warning",
+                    **settings})
+    with BackgroundServer(s) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def failing(obj, method: str, exc: Exception):
+    """``obj.<method>`` raises ``exc`` while the block runs (a fault injected into a live store)."""
+    real = getattr(obj, method)
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    setattr(obj, method, fail)
+    try:
+        yield
+    finally:
+        setattr(obj, method, real)

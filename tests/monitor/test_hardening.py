@@ -14,10 +14,9 @@ import time
 
 import httpx
 import pytest
-from support import ADMIN, JSON, TOKEN, CollectorProcess, scrape, step_report
+from support import ADMIN, JSON, TOKEN, CollectorProcess, background_collector, failing, scrape, step_report
 
 from nanwatch.monitor import exporter
-from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 from nanwatch.wire import MAX_INT, Incident, ReportBatch
@@ -35,26 +34,8 @@ def _half_nan(run_id: str, seq: int, **kw):
     return step_report(run_id=run_id, seq=seq, dtype="float16", nan_at="model.layers.1.self_attn", nan=3, **kw)
 
 
-@contextlib.contextmanager
-def _server(tmp_path, **settings):
-    s = Settings(host="127.0.0.1", port=0, db_path=str(tmp_path / "c.db"), log_level="warning", **settings)
-    with BackgroundServer(s) as srv:
-        yield srv
 
 
-@contextlib.contextmanager
-def _failing(store, method: str, exc: Exception):
-    """``store.<method>`` raises ``exc`` while the block runs."""
-    real = getattr(store, method)
-
-    def fail(*args, **kwargs):
-        raise exc
-
-    setattr(store, method, fail)
-    try:
-        yield
-    finally:
-        setattr(store, method, real)
 
 
 def _directive(url: str, run_id: str) -> dict:
@@ -68,14 +49,14 @@ def _directive(url: str, run_id: str) -> dict:
 def test_a_failed_ingest_changes_nothing_and_wakes_nobody(tmp_path, exc, status):
     """The batch would have issued a rule's fp32 directive: after the failure, memory, the database and a
     long-poller all agree that nothing happened, and the retry is applied once."""
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         store = srv.app.state.resources.store
         polled: dict = {}
         poller = threading.Thread(target=lambda: polled.update(httpx.get(
             f"{srv.url}/v1/directives/ovf", params={"index": 0, "wait": 1.5}, timeout=10).json()))
         poller.start()
         time.sleep(0.3)
-        with _failing(store, "put_counters", exc):
+        with failing(store, "put_counters", exc):
             first = httpx.post(f"{srv.url}/v1/reports", content=_batch(_half_nan("ovf", 0)), headers=JSON)
         poller.join()
         assert first.status_code == status, first.text
@@ -86,14 +67,14 @@ def test_a_failed_ingest_changes_nothing_and_wakes_nobody(tmp_path, exc, status)
         assert retry.json() == {"accepted": 1, "duplicates": 0}
         d = _directive(srv.url, "ovf")
         assert (d["version"], d["mode"]) == (1, "fp32")
-    with _server(tmp_path) as srv:  # and the store holds exactly that
+    with background_collector(tmp_path) as srv:  # and the store holds exactly that
         d = _directive(srv.url, "ovf")
         assert (d["version"], d["mode"]) == (1, "fp32")
 
 
 @pytest.mark.parametrize("method", ["PUT", "DELETE"])
 def test_a_directive_change_the_disk_refuses_is_a_503_and_never_served(tmp_path, method):
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         res = srv.app.state.resources
         assert httpx.put(f"{srv.url}/v1/directives/d", json={"mode": "fused"}).json()["version"] == 1
         polled: dict = {}
@@ -101,7 +82,7 @@ def test_a_directive_change_the_disk_refuses_is_a_503_and_never_served(tmp_path,
             f"{srv.url}/v1/directives/d", params={"index": 1, "wait": 1.5}, timeout=10).json()))
         poller.start()
         time.sleep(0.3)
-        with _failing(res.store, "put_directive", sqlite3.OperationalError("database or disk is full")):
+        with failing(res.store, "put_directive", sqlite3.OperationalError("database or disk is full")):
             resp = httpx.request(method, f"{srv.url}/v1/directives/d", json={"mode": "fp32"} if method == "PUT" else None)
         poller.join()
         assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text
@@ -109,7 +90,7 @@ def test_a_directive_change_the_disk_refuses_is_a_503_and_never_served(tmp_path,
         assert (polled["version"], polled["mode"]) == (1, "fused")
         assert _directive(srv.url, "d")["version"] == 1
         assert httpx.put(f"{srv.url}/v1/directives/d", json={"mode": "fp32"}).json()["version"] == 2
-    with _server(tmp_path) as srv:  # v2 is the fp32 that was acknowledged, not a reused number
+    with background_collector(tmp_path) as srv:  # v2 is the fp32 that was acknowledged, not a reused number
         d = _directive(srv.url, "d")
         assert (d["version"], d["mode"]) == (2, "fp32")
 
@@ -118,10 +99,10 @@ def test_a_store_that_cannot_be_reread_after_a_failed_write_serves_nothing_until
     """The failed batch issued an fp32 directive in memory, and the reload that should undo it fails too:
     until a reload succeeds, nothing is answered from that memory (503, /readyz not ready), then the
     retry is applied once and the directive is the committed one."""
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         store = srv.app.state.resources.store
         full = sqlite3.OperationalError("database or disk is full")
-        with _failing(store, "put_counters", full), _failing(store, "load", sqlite3.OperationalError("disk I/O error")):
+        with failing(store, "put_counters", full), failing(store, "load", sqlite3.OperationalError("disk I/O error")):
             assert httpx.post(f"{srv.url}/v1/reports", content=_batch(_half_nan("rr", 0)),
                               headers=JSON).status_code == 503
             poll = httpx.get(f"{srv.url}/v1/directives/rr", params={"wait": 0})
@@ -385,7 +366,7 @@ def test_a_run_past_retention_is_forgotten_everywhere(tmp_path):
 # ---- 9. readiness is honest, and a foreign database is refused -------------------------------------------
 
 def test_readyz_says_not_ready_while_the_store_refuses_writes(tmp_path):
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         store = srv.app.state.resources.store
         assert httpx.get(f"{srv.url}/readyz").status_code == 200
         real = store._db

@@ -13,12 +13,10 @@ import threading
 import time
 
 import httpx
-from support import AUTH, TOKEN, CollectorProcess, scrape, step_report
+from support import AUTH, TOKEN, CollectorProcess, background_collector, scrape, step_report
 
 from nanwatch.monitor import exporter
 from nanwatch.monitor.body import MAX_ERRORS
-from nanwatch.monitor.server import BackgroundServer
-from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.state import CollectorState
 
 
@@ -31,12 +29,6 @@ def _vm_hwm_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-@contextlib.contextmanager
-def _server(tmp_path, **settings):
-    s = Settings(host="127.0.0.1", port=0, db_path=str(tmp_path / "c.db"), log_level="warning", token=TOKEN,
-                 **settings)
-    with BackgroundServer(s) as srv:
-        yield srv
 
 
 def _empty_sites_body(n_bytes: int) -> bytes:
@@ -86,7 +78,7 @@ def test_forty_openmetrics_versions_cost_one_render(tmp_path, monkeypatch):
     Prometheus' scrape to 122 s); the cache is keyed by the negotiated format now, so however many versions
     are asked for, nothing changed means nothing is rendered again."""
     renders = _count_calls(monkeypatch, "render")
-    with _server(tmp_path, metrics_min_interval_s=0) as srv:
+    with background_collector(tmp_path, token=TOKEN, metrics_min_interval_s=0) as srv:
         post = httpx.post(f"{srv.url}/v1/reports", headers=AUTH,
                           content=json.dumps({"reports": [json.loads(step_report(run_id="m", seq=0)
                                                                      .model_dump_json())]}))
@@ -137,7 +129,7 @@ def _wait_until(check, deadline_s: float, what: str) -> None:
 def test_abandoned_long_polls_end_when_their_clients_leave(tmp_path):
     """Closed ``wait=60`` polls stayed for their whole minute (19,697 of them held 571 MiB); each now ends as
     soon as its client has gone, and a poll that stays still gets its answer."""
-    with _server(tmp_path, max_wait_s=60) as srv:
+    with background_collector(tmp_path, token=TOKEN, max_wait_s=60) as srv:
         polls = srv.app.state.resources.polls
         head = (f"GET /v1/directives/gone?wait=60 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
@@ -211,3 +203,40 @@ def test_events_are_bounded_over_all_runs(tmp_path):
         kinds = dict(con.execute("SELECT kind, count(*) FROM events GROUP BY kind").fetchall())
     audit = kinds.pop("directive_set", 0)  # the rules' fp32 directives: the audit trail is always recorded
     assert sum(kinds.values()) <= 100 <= sum(kinds.values()) + audit, (kinds, audit)
+
+
+def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_them():
+    """A scrape of 9,000 live runs held the loop 0.4-0.5 s while it copied them (every trainer's ingest
+    waited); now the copy yields every ``SNAPSHOT_CHUNK`` runs, and a run forgotten meanwhile is left out."""
+    from nanwatch.monitor.directive_log import DirectiveLog
+    from nanwatch.monitor.exporter import SNAPSHOT_CHUNK, snapshot, snapshot_runs
+    from nanwatch.monitor.long_poll import LongPoll
+    from nanwatch.monitor.state import CollectorState
+
+    state = CollectorState(ttl_s=300, series_cap=1000, max_runs=10 * SNAPSHOT_CHUNK)
+    n = 3 * SNAPSHOT_CHUNK + 5
+    for i in range(n):
+        state.ensure_run(f"run-{i:05d}")
+    log = DirectiveLog(polls=LongPoll())
+    ticks = []
+
+    async def main():
+        async def ticker():
+            while True:
+                ticks.append(len(ticks))
+                if len(ticks) == 2:  # the first chunk is copied: retention forgets a run not yet copied
+                    state.forget([f"run-{n - 1:05d}"])
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        try:
+            return await snapshot_runs(state, log, late_s=90.0)
+        finally:
+            tick.cancel()
+
+    runs = asyncio.run(main())
+    assert len(ticks) >= 3, "the loop never ran while the runs were copied"
+    assert [r.run_id for r in runs.runs] == [f"run-{i:05d}" for i in range(n - 1)]
+    snap = snapshot(state, log, logit_tau=100.0, late_s=90.0, runs=runs)
+    assert len(snap.runs) == n - 1

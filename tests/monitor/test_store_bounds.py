@@ -4,17 +4,14 @@ this process where a fault must be injected into its store."""
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 import threading
 import time
 
 import httpx
 import pytest
-from support import JSON, CollectorProcess, scrape, step_report
+from support import JSON, CollectorProcess, background_collector, failing, scrape, step_report
 
-from nanwatch.monitor.server import BackgroundServer
-from nanwatch.monitor.settings import Settings
 from nanwatch.wire import MAX_INT, ReportBatch
 
 SITE = "model.layers.1.self_attn"
@@ -33,26 +30,8 @@ def _half_nan(run_id: str, seq: int):
     return step_report(run_id=run_id, seq=seq, dtype="float16", nan_at=SITE, nan=3)
 
 
-@contextlib.contextmanager
-def _server(tmp_path, **settings):
-    s = Settings(host="127.0.0.1", port=0, db_path=str(tmp_path / "c.db"), log_level="warning", **settings)
-    with BackgroundServer(s) as srv:
-        yield srv
 
 
-@contextlib.contextmanager
-def _failing(store, method: str, exc: Exception):
-    """``store.<method>`` raises ``exc`` while the block runs."""
-    real = getattr(store, method)
-
-    def fail(*args, **kwargs):
-        raise exc
-
-    setattr(store, method, fail)
-    try:
-        yield
-    finally:
-        setattr(store, method, real)
 
 
 def _stored_total(db, run_id: str, family: str = "site") -> int:
@@ -120,7 +99,7 @@ def test_a_schema_2_file_is_upgraded_in_place_and_keeps_its_totals(tmp_path):
 # ---- finding 15: a failed write repairs what it touched; retention yields to the loop -------------------
 
 def test_a_failed_write_rereads_only_the_runs_it_touched(tmp_path):
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         for i in range(20):
             assert _post(srv.url, step_report(run_id=f"other-{i}", seq=0)).status_code == 200
         store = srv.app.state.resources.store
@@ -132,7 +111,7 @@ def test_a_failed_write_rereads_only_the_runs_it_touched(tmp_path):
             return loaded
 
         store.load = spy
-        with _failing(store, "put_counters", sqlite3.OperationalError("database or disk is full")):
+        with failing(store, "put_counters", sqlite3.OperationalError("database or disk is full")):
             assert _post(srv.url, _half_nan("victim", 0)).status_code == 503
         store.load = real_load
         assert read and all(runs <= {"victim"} for runs in read), read  # never the other 20 runs
@@ -196,15 +175,15 @@ def test_retiring_a_big_run_yields_to_the_loop_between_batches(tmp_path):
 def test_a_double_fault_never_answers_a_waiting_poll_with_an_uncommitted_version(tmp_path):
     """The COMMIT fails and re-reading the store fails too: a long-poll already waiting times out with the
     committed version (0), not the fp32 version the failed batch made in memory."""
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         store = srv.app.state.resources.store
         polled: dict = {}
         poller = threading.Thread(target=lambda: polled.update(httpx.get(
             f"{srv.url}/v1/directives/dd", params={"index": 0, "wait": 3}, timeout=60).json()))
         poller.start()
         time.sleep(0.5)
-        with _failing(store, "put_counters", sqlite3.OperationalError("database or disk is full")), \
-                _failing(store, "load", sqlite3.OperationalError("disk I/O error")):
+        with failing(store, "put_counters", sqlite3.OperationalError("database or disk is full")), \
+                failing(store, "load", sqlite3.OperationalError("disk I/O error")):
             assert _post(srv.url, _half_nan("dd", 0)).status_code == 503
             poller.join()
         assert polled.get("version") == 0, polled
@@ -257,10 +236,10 @@ def test_a_restart_holds_no_event_keys_but_still_dedupes_against_the_store(tmp_p
     caps held every key: the largest part of its peak), and an event recorded before the restart is still
     not recorded twice after it: the run's first offender stays the first."""
     db = tmp_path / "c.db"
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         assert _post(srv.url, _half_nan("full", 0)).status_code == 200
     _big_run(db, "full", 5_000)
-    with _server(tmp_path) as srv:
+    with background_collector(tmp_path) as srv:
         state = srv.app.state.resources.state
         assert sum(len(run.event_keys) for run in state.runs.values()) < 10
         before = httpx.get(f"{srv.url}/v1/runs/full", timeout=30).json()["event_counts"]

@@ -219,4 +219,12 @@ def test_a_hung_rank_is_let_go_after_the_silent_keep(tmp_path):
             rank0()
             time.sleep(0.2)
         assert seen_hung  # it was kept past its TTL, then let go
-        assert run_view(c.url, run, auth={})["status"] == "live"
+        # rank 0 is live right after a report (its TTL is 0.5 s: a loaded machine may take longer than that
+        # between a report and the next request, so a few tries)
+        statuses = []
+        for _ in range(5):
+            rank0()
+            statuses.append(run_view(c.url, run, auth={})["status"])
+            if statuses[-1] == "live":
+                break
+        assert statuses[-1] == "live", statuses

@@ -240,3 +240,58 @@ def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_the
     assert [r.run_id for r in runs.runs] == [f"run-{i:05d}" for i in range(n - 1)]
     snap = snapshot(state, log, logit_tau=100.0, late_s=90.0, runs=runs)
     assert len(snap.runs) == n - 1
+
+
+def test_an_8_mib_report_of_empty_arrays_costs_its_parse_not_a_copy_per_error(tmp_path):
+    """One report of 2.7 million empty arrays under an unknown key and five missing fields: in JSON mode
+    pydantic-core copied the whole report for each error (7 s of the loop, peak RSS +1.4 GiB); a body over
+    FAST_PATH_BYTES is validated from ``json.loads`` output, where an error only points at its input."""
+    body = b'{"reports":[{"x":[' + b",".join([b"[]"] * 2_700_000) + b"]}]}"
+    with CollectorProcess(db_path=tmp_path / "c.db", env={"NANWATCH_TOKEN": TOKEN}) as c:
+        before = _vm_hwm_mib(c.proc.pid)
+        resp = httpx.post(f"{c.url}/v1/reports", content=body, headers=AUTH, timeout=300)
+        assert resp.status_code == 422, resp.text[:300]
+        assert resp.json()["error_count"] <= 4 * MAX_ERRORS
+        grew = _vm_hwm_mib(c.proc.pid) - before
+        assert grew < 600, f"peak RSS grew {grew:.0f} MiB answering one 7.7 MiB body"
+
+
+def _bad_bodies() -> dict[str, dict]:
+    report = json.loads(step_report(run_id="paths", seq=0, nan_at="model.layers.0.self_attn", nan=1).model_dump_json())
+    site = report["sites"][0]
+    return {
+        "bool for an int": {**report, "seq": True},
+        "string for a float": {**report, "sites": [{**site, "headroom": "0.5"}]},
+        "float for an int": {**report, "step": 1.0},
+        "unknown field": {**report, "surprise": 1},
+        "missing field": {k: v for k, v in report.items() if k != "incarnation"},
+        "another major": {**report, "v": "2.0"},
+        "NaN headroom (valid)": {**report, "sites": [{**site, "headroom": float("nan")}]},
+        "lone surrogate": {**report, "sites": [{**site, "site": "model.\ud800x"}]},
+    }
+
+
+def test_both_parse_paths_agree_on_strict_json():
+    """A body over FAST_PATH_BYTES is validated from Python objects, a smaller one from bytes: the same bad
+    report first gets the same answer either way (padded with valid reports past the threshold)."""
+    from nanwatch.monitor.body import FAST_PATH_BYTES, parse_batch
+    from nanwatch.monitor.refusal import BadBody
+
+    pad = json.loads(step_report(run_id="paths", seq=1).model_dump_json())
+
+    def answer(reports: list) -> tuple:
+        raw = json.dumps({"reports": reports}, separators=(",", ":")).encode()  # NaN as the JSON constant
+        try:
+            return ("ok", len(parse_batch(raw).reports)), len(raw)
+        except BadBody as e:
+            detail = e.detail if isinstance(e.detail, str) else [(x["type"], x["loc"]) for x in e.detail[0]]
+            return (e.status, e.reason, detail if e.status == 422 else None), len(raw)
+
+    for name, bad in _bad_bodies().items():
+        small, n_small = answer([bad])
+        big, n_big = answer([bad] + [pad] * 200)
+        assert n_small <= FAST_PATH_BYTES < n_big, name
+        if small[0] == "ok":
+            assert big == ("ok", 201), (name, big)
+        else:
+            assert small == big, (name, small, big)

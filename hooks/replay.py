@@ -104,17 +104,24 @@ def _first_input(args, kwargs) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
 
 
-def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[str, Any]:
+def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False) -> dict[str, Any]:
     """The birth module, its non-finite parameters and output count, and the downstream path.
 
     Modules are taken in the order they finish. The first one with a non-finite output is the birth if its
     input was finite (a leaf such as ``mlp.down_proj``). If its input was already non-finite, the value was
     born in the enclosing module's own code between its children (the attention kernel inside
-    ``self_attn``, say): the birth is that parent."""
+    ``self_attn``, say): the birth is that parent. With ``capture``, ``_call`` is also returned: the birth
+    module, its call's arguments (by reference) and the CPU RNG state at the call's start, for a capsule."""
     records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     masked: list[torch.Tensor] = []  # [B, Q]: the query rows the first 4-D attention mask leaves empty
+    calls: list[tuple[tuple, dict, torch.Tensor | None]] = []  # per record: the call, the CPU RNG at its start
+    started: dict[int, list[torch.Tensor | None]] = {}
+
+    def enter(module, args, kwargs) -> None:  # the RNG state a capsule replays the call from
+        started.setdefault(id(module), []).append(torch.get_rng_state() if capture else None)
 
     def watch(name: str, module, args, kwargs, output) -> None:
+        rng = started.get(id(module), [None]).pop() if started.get(id(module)) else None
         mask = kwargs.get("attention_mask")
         if not masked and isinstance(mask, torch.Tensor) and mask.dim() == 4:
             masked.append(dead_rows(mask).all(dim=1))
@@ -124,8 +131,11 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
             fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
             rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
             records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
+            calls.append((args, kwargs, rng))
 
     handles = [m.register_forward_hook(partial(watch, n), with_kwargs=True) for n, m in model.named_modules() if n]
+    if capture:
+        handles += [m.register_forward_pre_hook(enter, with_kwargs=True) for n, m in model.named_modules() if n]
     try:
         _run(model, probes, kept, None)
     finally:
@@ -143,6 +153,7 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
         name = name.rsplit(".", 1)[0]
         module = modules[name]
         count, rows = next(((r[3], r[5]) for r, _ in bad if r[0] == name), (count, rows))
+    call = next((c for r, c in zip(records, calls, strict=True) if r[0] == name), None)
     params = {}
     for pname, t in module.named_parameters(recurse=False):
         n = int((~torch.isfinite(t)).sum())  # sync-ok: the incident, once
@@ -160,22 +171,35 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
     # clean step of a left-padded batch has them too); where the shapes do not line up, nothing is blamed.
     rows_masked = (bool(masked) and rows is not None and rows.shape == masked[0].shape
                    and bool(rows.any()) and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
-    return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
-            "rows_masked": rows_masked}
+    out = {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
+           "rows_masked": rows_masked}
+    if capture and call is not None:
+        out["_call"] = (module, *call)
+    return out
 
 
 def replay(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
            step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
-           compiled: bool, rank: int, kinds: dict[str, str] | None = None) -> Incident:
+           compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a replay that fails is
-    ``not_classified`` with the error in ``note``."""
+    ``not_classified`` with the error in ``note``. With ``capsules`` (a ``nanwatch.hooks.capsule.CapsuleWriter``),
+    a drilled-down incident also gets a capsule of its birth module's faulting call (``Incident.capsule``)."""
     start = time.perf_counter()
     kinds = kinds or {}
     base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
             "host": f"{socket.gethostname()} rank {rank}"}
 
+    call: list[tuple] = []
+
     def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
-        return Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+        incident = Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+        if call and capsules is not None:  # never raises; None when not captured
+            module, args, kwargs, rng = call[0]
+            where = capsules.capture(incident=incident, name=base["birth"], module=module, args=args,
+                                     kwargs=kwargs, rng=rng)
+            if where is not None:
+                incident = incident.model_copy(update={"capsule": where})
+        return incident
 
     wrapper = collective_forward(model)
     why_not = (f"{wrapper}: a forward re-run on this rank alone would wait for the other ranks (a hang), "
@@ -199,7 +223,9 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
         if culprit is None:
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
-        drilled = _drill(model, probes, culprit)
+        drilled = _drill(model, probes, culprit, capture=capsules is not None)
+        if "_call" in drilled:
+            call.append(drilled.pop("_call"))
         rows_masked = drilled.pop("rows_masked", False)
         base.update(drilled)
         if "birth" in base:
@@ -226,7 +252,7 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
 
 
 def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
-             step: int, guarded: bool, rank: int) -> Incident | None:
+             step: int, guarded: bool, rank: int, capsules: Any = None) -> Incident | None:
     """The open step, known to be non-finite: classify it by a replay and put the verdict into the
     recorder, for the step's report (one host read of the step's values, once per run). None when the
     value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
@@ -238,7 +264,7 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
                       step=step, site=first[0] if first else None, phase=first[1] if first else None,
                       masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
-                      kinds=so_far.kinds)
+                      kinds=so_far.kinds, capsules=capsules)
     rec.set_incident(incident)
     # INFO: the report's own line (nanwatch.hooks.local_log) tells the incident at WARNING, once, with its step,
     # site and birth; two lines for one incident would read as two

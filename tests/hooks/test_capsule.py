@@ -1,0 +1,182 @@
+"""The incident capsule (issue #20): a run's first non-finite step leaves one safetensors file holding its
+birth module's faulting call, and ``nanwatch replay CAPSULE``, in a fresh process that never saw the
+training code, says whether it reproduces and why.
+
+| fault                                      | capsule of              | replay verdict (CPU)                   |
+|--------------------------------------------|-------------------------|----------------------------------------|
+| fp16 eager QK overflow (q/k norms scaled)  | ``layers.0.self_attn``  | same non-finite, fp32 finite: precision |
+| one NaN weight of ``layers.0.mlp.down_proj`` | ``...down_proj`` (Linear) | non-finite everywhere: data_mask      |
+| a forward hook NaN-ing ``down_proj``'s output | ``...down_proj``       | finite: not reproducible, exit 1       |
+| a pickle payload named ``.capsule``        | -                       | refused (exit 2), never unpickled      |
+| a birth module beyond a small size limit   | under the limit, dropped tensors listed; replay refuses (exit 2) |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from support import overflow_attention, tiny_qwen3, token_ids
+
+import nanwatch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+K, STEPS = 1, 3
+
+
+def _train(fault, tmp_path: Path, *, dtype=torch.float16, impl: str = "eager", **attach):
+    """A tiny Qwen3 trained under nanwatch (replay on: CPU and a guard); ``fault(model)`` before step K.
+    Returns the reports."""
+    torch.manual_seed(0)
+    model = tiny_qwen3(impl, dtype=dtype, vocab_size=64, use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="caps", optimizer=opt, directive_source="off",
+                             capsule_dir=str(tmp_path / "capsules"), **attach) as mon:
+            for n in range(STEPS):
+                if n == K:
+                    fault(model)
+                ids = token_ids(2, 32, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    return reports  # the Monitor's close waited for the capsule's writer thread
+
+
+def _replay(path: str, *extra: str) -> tuple[int, dict | None, str]:
+    """``nanwatch replay --json`` in a fresh interpreter: only nanwatch (and, through the capsule,
+    transformers) is imported there, never this test's code."""
+    code = "import sys; from nanwatch.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": ""}
+    p = subprocess.run([sys.executable, "-c", code, "replay", path, "--json", *extra], capture_output=True,
+                       text=True, env=env, cwd=os.path.dirname(path), timeout=300)
+    out = json.loads(p.stdout) if p.returncode in (0, 1) and p.stdout.strip() else None
+    return p.returncode, out, p.stderr
+
+
+def _rows(result: dict) -> dict[str, dict]:
+    return {r["setting"]: r for r in result["rows"]}
+
+
+def _nan_weight(model) -> None:
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
+
+
+def test_an_fp16_qk_overflow_replays_as_precision_in_a_fresh_process(tmp_path):
+    reports = _train(overflow_attention, tmp_path)
+    inc = reports[K].incident
+    assert inc is not None and inc.cls == "precision" and inc.birth == "model.layers.0.self_attn", inc
+    assert inc.capsule and inc.capsule.endswith(f"caps-r0-s{K}-precision.capsule"), inc.capsule
+    assert Path(inc.capsule).is_file()
+    code, result, err = _replay(inc.capsule, "--try", "same,fp32,math")
+    assert code == 0, err
+    rows = _rows(result)
+    assert rows["same"]["status"] == "nonfinite" and rows["same"]["nonfinite"] > 0, rows
+    assert rows["fp32"]["status"] == "finite", rows
+    assert result["cls"] == "precision" and result["class_path"].startswith("transformers."), result
+    # eager attention calls no SDPA kernel: under "math" it is the same fp16 path, non-finite again
+    assert rows["math"]["status"] == "nonfinite"
+    # the human table, through the console entry point's code path
+    p = subprocess.run([sys.executable, "-m", "nanwatch.cli", "replay", inc.capsule, "--try", "same,fp32"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "class    precision" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_nan_weight_replays_nonfinite_under_every_setting(tmp_path):
+    reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0)
+    inc = reports[K].incident
+    assert inc is not None and inc.cls == "data_mask" and inc.birth == "model.layers.0.mlp.down_proj", inc
+    assert inc.capsule and Path(inc.capsule).is_file()
+    code, result, err = _replay(inc.capsule)
+    assert code == 0, err
+    rows = _rows(result)
+    ran = [r for r in rows.values() if r["status"] in ("finite", "nonfinite")]
+    assert {"same", "fp32", "math"} <= {r["setting"] for r in ran}, rows
+    assert all(r["status"] == "nonfinite" for r in ran), rows
+    assert result["cls"] == "data_mask" and result["class_path"] == "torch.nn.modules.linear:Linear", result
+
+
+def test_a_nan_from_a_hook_the_replay_does_not_run_is_not_reproducible(tmp_path):
+    def poison(model) -> None:  # a NaN no arithmetic of the module makes: as a flaky chip would
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: out * math.nan, prepend=True)
+
+    reports = _train(poison, tmp_path, dtype=torch.float32, impl="sdpa")
+    inc = reports[K].incident
+    assert inc is not None and inc.birth == "model.layers.0.mlp.down_proj" and inc.capsule, inc
+    code, result, err = _replay(inc.capsule, "--try", "same,fp32")
+    assert code == 1, (code, err)
+    assert result["cls"] == "not_reproducible" and _rows(result)["same"]["status"] == "finite", result
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))  # unpickling it creates the file
+
+
+def test_a_capsule_with_a_pickle_payload_is_refused_unread(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.capsule"
+    torch.save({"x": _Marker(str(marker))}, evil)  # a torch.save zip with a pickle inside
+    plain = tmp_path / "plain.capsule"
+    import pickle
+
+    plain.write_bytes(pickle.dumps(_Marker(str(marker))))
+    # and a real safetensors file with a pickle-looking metadata value but no nanwatch capsule format
+    header = json.dumps({"__metadata__": {"nanwatch.capsule": json.dumps({"format": "pickle"})}}).encode()
+    forged = tmp_path / "forged.capsule"
+    forged.write_bytes(struct.pack("<Q", len(header)) + header)
+    for path in (evil, plain, forged):
+        code, _, err = _replay(str(path))
+        assert code == 2 and "nanwatch replay:" in err, (path, code, err)
+        assert not marker.exists()
+    # the payload is live: unpickling it would have created the marker
+    pickle.loads(plain.read_bytes())
+    assert marker.exists()
+
+
+def test_a_capsule_stays_under_its_size_limit_and_lists_what_it_dropped(tmp_path):
+    # the birth module: a 64x128 float32 down_proj (32 KiB) beyond a 16 KiB limit
+    limit = 16 << 10
+    reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0,
+                     capsule_max_bytes=limit)
+    inc = reports[K].incident
+    assert inc is not None and inc.capsule, inc
+    size = Path(inc.capsule).stat().st_size
+    assert size <= limit, size
+    from safetensors import safe_open
+
+    with safe_open(inc.capsule, framework="pt") as f:
+        meta = json.loads(f.metadata()["nanwatch.capsule"])
+        kept = set(f.keys())
+    assert meta["max_bytes"] == limit
+    assert any(d.startswith("param.weight") for d in meta["dropped"]), meta["dropped"]
+    assert "param.weight" not in kept
+    code, _, err = _replay(inc.capsule)
+    assert code == 2 and "dropped" in err, err
+
+
+def test_clean_steps_and_a_switched_off_capsule_write_nothing(tmp_path):
+    reports = _train(lambda m: None, tmp_path, dtype=torch.float32, impl="sdpa")
+    assert all(r.incident is None for r in reports)
+    assert not (tmp_path / "capsules").exists()
+    reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0, capsule=False)
+    assert reports[K].incident is not None and reports[K].incident.capsule is None
+    assert not (tmp_path / "capsules").exists()

@@ -63,9 +63,12 @@ def capsule_settings(enabled: bool | None, max_count: int | None, directory: str
     env = os.environ
     on = enabled if enabled is not None else env.get("NANWATCH_CAPSULE", "1").strip().lower() not in (
         "0", "false", "off", "no")
-    count = max_count if max_count is not None else int(env.get("NANWATCH_CAPSULE_MAX", "4"))
+    try:
+        count = max_count if max_count is not None else int(env.get("NANWATCH_CAPSULE_MAX", "4"))
+        limit = max_bytes if max_bytes is not None else int(env.get("NANWATCH_CAPSULE_MAX_BYTES", str(256 << 20)))
+    except ValueError:
+        raise ValueError("NANWATCH_CAPSULE_MAX and NANWATCH_CAPSULE_MAX_BYTES must be integers") from None
     folder = directory if directory is not None else env.get("NANWATCH_CAPSULE_DIR") or "./nanwatch-capsules"
-    limit = max_bytes if max_bytes is not None else int(env.get("NANWATCH_CAPSULE_MAX_BYTES", str(256 << 20)))
     if "://" in str(folder):
         raise ValueError(f"NANWATCH_CAPSULE_DIR / capsule_dir {folder!r}: object-store URLs are not supported "
                          "yet; use a local directory")
@@ -223,6 +226,10 @@ class CapsuleWriter:
         step, cls = incident.step, incident.cls
         fname = _SAFE.sub("_", f"{self.run_id}-r{self.rank}-s{step}-{cls}.capsule")
         path = os.path.join(self.directory, fname)
+        # on this thread, once: an unwritable folder means no capsule, not a report naming a file never written
+        os.makedirs(self.directory, exist_ok=True)
+        if not os.access(self.directory, os.W_OK):
+            raise PermissionError(f"{self.directory} is not writable")
         device = next((str(t.device) for t in (*module.parameters(), *module.buffers())), None)
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         device = device or (str(first.device) if first is not None else "cpu")
@@ -257,7 +264,6 @@ class CapsuleWriter:
         try:
             from safetensors.torch import save_file
 
-            os.makedirs(self.directory, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
             size = os.path.getsize(tmp)

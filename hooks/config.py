@@ -263,6 +263,13 @@ class MonitorConfig:
             self.log_dir = os.fspath(self.log_dir)
         if self.capsule_dir is not None and not isinstance(self.capsule_dir, str):
             self.capsule_dir = os.fspath(self.capsule_dir)
+        if self.capsule_dir is not None and "://" in self.capsule_dir:
+            raise ValueError(f"capsule_dir {self.capsule_dir!r}: object-store URLs are not supported yet; "
+                             "use a local directory")
+        if self.capsule_max is not None and self.capsule_max < 0:
+            raise ValueError(f"capsule_max must be >= 0 (0: no capsules), got {self.capsule_max}")
+        if self.capsule_max_bytes is not None and self.capsule_max_bytes < 4096:
+            raise ValueError(f"capsule_max_bytes must be >= 4096, got {self.capsule_max_bytes}")
         if self.collector is not None:
             self.collectors = tuple(collector_urls(self.collector))
             if len(self.collectors) > 1 or not isinstance(self.collector, str):

@@ -120,8 +120,12 @@ class Monitor:
                               keep_forward_inputs=lambda on: self._probes.keep_forward_inputs(on))
         self._sweep = ParamSweep(self._model, optimizers=self._guards.optimizers, every=config.param_check_every)
         self._incident_done = False
-        on, count, folder, limit = capsule_settings(config.capsule, config.capsule_max, config.capsule_dir,
-                                                    config.capsule_max_bytes)
+        try:  # the options were checked by MonitorConfig; a bad NANWATCH_CAPSULE_* variable turns capsules off
+            on, count, folder, limit = capsule_settings(config.capsule, config.capsule_max, config.capsule_dir,
+                                                        config.capsule_max_bytes)
+        except ValueError as exc:
+            log.warning("nanwatch: incident capsules off: %s", exc)
+            on, count, folder, limit = False, 0, "", 0
         self._capsules = CapsuleWriter(run_id=config.run_id, rank=self.rank, directory=folder, max_count=count,
                                        max_bytes=limit) if on else None
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,

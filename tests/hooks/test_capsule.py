@@ -180,3 +180,24 @@ def test_clean_steps_and_a_switched_off_capsule_write_nothing(tmp_path):
     reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0, capsule=False)
     assert reports[K].incident is not None and reports[K].incident.capsule is None
     assert not (tmp_path / "capsules").exists()
+
+
+def test_an_unwritable_capsule_folder_warns_once_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "capsules"
+    blocker.write_text("a file where the folder should be")
+    with caplog.at_level("WARNING", logger="nanwatch"):
+        reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0)
+    assert len(reports) == STEPS and reports[K].incident is not None
+    assert reports[K].incident.capsule is None  # the report never names a file that was not written
+    assert sum("capsule not captured" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_a_bad_capsule_variable_turns_capsules_off_not_training(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NANWATCH_CAPSULE_MAX", "lots")
+    with caplog.at_level("WARNING", logger="nanwatch"):
+        reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0)
+    assert reports[K].incident is not None and reports[K].incident.capsule is None
+    assert "incident capsules off" in caplog.text
+    monkeypatch.setenv("NANWATCH_CAPSULE_MAX", "0")  # zero: none, quietly
+    reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0)
+    assert reports[K].incident.capsule is None and not (tmp_path / "capsules").exists()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import overflow_attention, tiny_qwen3, token_ids
+from support import background_collector, overflow_attention, run_view, tiny_qwen3, token_ids
 
 import nanwatch
 
@@ -201,3 +201,13 @@ def test_a_bad_capsule_variable_turns_capsules_off_not_training(tmp_path, monkey
     monkeypatch.setenv("NANWATCH_CAPSULE_MAX", "0")  # zero: none, quietly
     reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0)
     assert reports[K].incident.capsule is None and not (tmp_path / "capsules").exists()
+
+
+def test_the_collectors_incident_event_carries_the_capsule_path(tmp_path):
+    with background_collector(tmp_path) as srv:
+        reports = _train(_nan_weight, tmp_path, dtype=torch.float32, impl="sdpa", param_check_every=0,
+                         collector=srv.url)
+        path = reports[K].incident.capsule
+        assert path and Path(path).is_file()
+        events = [e for e in run_view(srv.url, "caps")["events"] if e["kind"] == "incident"]
+    assert events and events[0]["detail"]["capsule"] == path, events

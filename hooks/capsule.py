@@ -194,7 +194,8 @@ class CapsuleWriter:
     """Writes up to ``max_count`` capsules per run, one per incident class, each on a background thread."""
 
     def __init__(self, *, run_id: str, rank: int, directory: str, max_count: int, max_bytes: int) -> None:
-        self.run_id, self.rank, self.directory = run_id, rank, directory
+        # absolute: the report names the file for someone on another machine, not relative to a cwd
+        self.run_id, self.rank, self.directory = run_id, rank, os.path.abspath(directory)
         self.max_count, self.max_bytes = max_count, max_bytes
         self.written = 0
         self._classes: set[str] = set()
@@ -226,6 +227,8 @@ class CapsuleWriter:
         step, cls = incident.step, incident.cls
         fname = _SAFE.sub("_", f"{self.run_id}-r{self.rank}-s{step}-{cls}.capsule")
         path = os.path.join(self.directory, fname)
+        if len(path) > 1024 or re.search(r"[\x00-\x1f\x7f]", path):  # Incident.capsule's wire bounds
+            raise ValueError(f"the capsule path is over 1024 characters or has control characters: {path[:80]!r}...")
         # on this thread, once: an unwritable folder means no capsule, not a report naming a file never written
         os.makedirs(self.directory, exist_ok=True)
         if not os.access(self.directory, os.W_OK):

@@ -17,7 +17,9 @@ On the culprit micro-batch a drill-down re-runs the same path once more with eve
 first module to *finish* with a non-finite output, from a finite input, is where the value was born (a
 leaf such as ``mlp.down_proj``); if that module's input was already non-finite, the value was born in the
 enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that were already non-finite and
-the exact count of non-finite elements it produced, and the path the value then took.
+the exact count of non-finite elements it produced, and the path the value then took. That module's
+faulting call (its arguments, parameters, RNG and settings) is what an incident capsule holds
+(``nanwatch.hooks.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one

@@ -211,3 +211,27 @@ def test_the_collectors_incident_event_carries_the_capsule_path(tmp_path):
         assert path and Path(path).is_file()
         events = [e for e in run_view(srv.url, "caps")["events"] if e["kind"] == "incident"]
     assert events and events[0]["detail"]["capsule"] == path, events
+
+
+class _UserScale(torch.nn.Module):
+    """A user's own module: its class is importable only where the user's code is."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((n,), math.nan))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
+    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.wire import Incident
+
+    w = CapsuleWriter(run_id="user", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)
+    path = w.capture(incident=Incident(cls="data_mask", step=0, birth="blocks.0.scale"), name="blocks.0.scale",
+                     module=_UserScale(4), args=(torch.ones(2, 4),), kwargs={}, rng=torch.get_rng_state())
+    w.join()
+    assert path and os.path.isabs(path) and Path(path).is_file()
+    code, _, err = _replay(path)
+    assert code == 2 and "_UserScale" in err and "importable" in err, err

@@ -90,7 +90,7 @@ def test_an_fp16_qk_overflow_replays_as_precision_in_a_fresh_process(tmp_path):
     assert rows["fp32"]["status"] == "finite", rows
     assert result["cls"] == "precision" and result["class_path"].startswith("transformers."), result
     # eager attention calls no SDPA kernel: under "math" it is the same fp16 path, non-finite again
-    assert rows["math"]["status"] == "nonfinite"
+    assert rows["math"]["status"] == "nonfinite" and rows["math"]["sdpa_calls"] == 0
     # the human table, through the console entry point's code path
     p = subprocess.run([sys.executable, "-m", "nanwatch.cli", "replay", inc.capsule, "--try", "same,fp32"],
                        capture_output=True, text=True, timeout=300)
@@ -235,3 +235,22 @@ def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
     assert path and os.path.isabs(path) and Path(path).is_file()
     code, _, err = _replay(path)
     assert code == 2 and "_UserScale" in err and "importable" in err, err
+
+
+def test_one_capsule_per_class_and_at_most_capsule_max(tmp_path):
+    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.wire import Incident
+
+    w = CapsuleWriter(run_id="cap", rank=3, directory=str(tmp_path), max_count=2, max_bytes=1 << 20)
+    lin = torch.nn.Linear(4, 4)
+
+    def capture(cls: str, step: int):
+        return w.capture(incident=Incident(cls=cls, step=step), name="lin", module=lin, args=(torch.ones(1, 4),),
+                         kwargs={}, rng=None)
+
+    first, again, other, third = capture("data_mask", 1), capture("data_mask", 2), capture("precision", 3), \
+        capture("not_reproducible", 4)
+    w.join()
+    assert first.endswith("cap-r3-s1-data_mask.capsule") and other.endswith("cap-r3-s3-precision.capsule")
+    assert again is None and third is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cap-r3-s1-data_mask.capsule", "cap-r3-s3-precision.capsule"]

@@ -248,7 +248,7 @@ class CapsuleWriter:
             "incident": incident.model_dump(mode="json"),
         }
         # the header's JSON (escaped once more as a metadata string) and its framing stay inside the limit
-        reserve = 2 * len(json.dumps(meta)) + (16 << 10)
+        reserve = 2 * len(json.dumps(meta, default=str)) + (16 << 10)
         p = _Packer(budget=max(0, self.max_bytes - reserve))
         meta["params"] = [p.tensor(f"param.{n}", t)["tensor"] for n, t in module.named_parameters(recurse=True)]
         meta["buffers"] = [p.tensor(f"buffer.{n}", t)["tensor"] for n, t in module.named_buffers(recurse=True)]
@@ -268,7 +268,7 @@ class CapsuleWriter:
             from safetensors.torch import save_file
 
             tmp = f"{path}.{os.getpid()}.tmp"
-            save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta)})
+            save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, default=str)})
             size = os.path.getsize(tmp)
             if size > self.max_bytes:  # the reserve is generous; never leave a file beyond the limit
                 os.remove(tmp)

@@ -74,13 +74,12 @@ REPLAY_TRY = {"precision": "--try same,fp32,math", "data_mask": "--try same,fp32
 
 
 def replay_command(inc: Mapping[str, Any]) -> str | None:
-    """The command that replays an incident's capsule (None without one): for a not-reproducible incident,
+    """The command that replays an incident's capsule (None without one); a not-reproducible incident's is
     to be run on the host that saw it and on another (silent data corruption shows on one host only)."""
     capsule = inc.get("capsule")
     if not capsule:
         return None
-    cmd = f"nanwatch replay {shlex.quote(printable(capsule))} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
-    return cmd + " (here and on another host)" if inc.get("cls") == "not_reproducible" else cmd
+    return f"nanwatch replay {shlex.quote(printable(capsule))} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
 
 
 def incident(inc: Mapping[str, Any]) -> str:
@@ -102,7 +101,8 @@ def incident(inc: Mapping[str, Any]) -> str:
         parts.append(note)
     command = replay_command(inc)
     if command is not None:
-        parts.append(f"capsule {printable(inc['capsule'])}: replay with `{command}`")
+        where = " on this host and on another" if inc.get("cls") == "not_reproducible" else ""
+        parts.append(f"capsule {printable(inc['capsule'])}: replay with `{command}`{where}")
     return "; ".join(parts)
 
 

@@ -122,3 +122,17 @@ def test_a_capsule_path_with_a_control_character_is_refused_by_the_wire(tmp_path
         resp = httpx.post(f"{srv.url}/v1/reports", json=body, headers=AUTH)
         assert resp.status_code == 422, resp.text
         assert httpx.get(f"{srv.url}/v1/runs/ctl", headers=AUTH).status_code == 404
+
+
+def test_status_from_a_local_record_shows_the_same_capsule_line_as_the_collector(tmp_path, capsys):
+    """The trainer's JSONL record (``nanwatch status --file``) and the collector say the same words."""
+    r = _incident("both", 4, "not_reproducible", "gpu-5 rank 2", "s3://bucket/caps/both-4.nwcap", rank=2)
+    (tmp_path / "both.rank2.a.jsonl").write_text(r.model_dump_json() + "\n")
+    assert main(["status", "both", "--file", str(tmp_path / "both.rank2.a.jsonl")]) == 0
+    with background_collector(tmp_path) as srv:
+        post_reports(srv.url, r)
+        assert main(["status", "both", "--url", srv.url]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  incident at step 4")]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert ("capsule s3://bucket/caps/both-4.nwcap: replay with `nanwatch replay s3://bucket/caps/both-4.nwcap "
+            "--device cuda --try same` on this host and on another") in lines[0]

@@ -135,6 +135,7 @@ def test_amtool_checks_the_config():
     ({"severity": "warning", "alertname": "NanwatchNonFiniteOutsideTraining", "run_id": "grpo-0412"}, "tickets"),
     ({"severity": "warning", "alertname": "NanwatchRunCrashed", "run_id": "grpo-0412"}, "tickets"),
     ({"severity": "warning", "alertname": "NanwatchCollectorRejectingRequests", "reason": "unauthorized"}, "tickets"),
+    ({"severity": "warning", "alertname": "NanwatchHostNotReproducible", "host": "gpu-7"}, "tickets"),
     ({"severity": "info", "alertname": "SomethingInformational", "run_id": "grpo-0412"}, "tickets"),
     ({"severity": "none", "alertname": "NanwatchWatchdog"}, "watchdog"),
 ])

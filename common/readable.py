@@ -63,6 +63,8 @@ def printable(s: str) -> str:
     """``s`` safe to print on a terminal or to show in a dashboard: control and format characters (bidi
     overrides, zero-width), line and paragraph separators, private-use, surrogate and unassigned code points
     are written as ``\\uXXXX``, so that a path sent by a trainer cannot rewrite what the on-call reads."""
+    if s.isprintable():  # no C* nor Zl/Zp character (the common case: 3 us, not 250, for 1,020 characters)
+        return s
     return "".join(c if unicodedata.category(c)[0] != "C" and unicodedata.category(c) not in ("Zl", "Zp")
                    else f"\\u{ord(c):04x}" for c in s)
 

@@ -25,9 +25,14 @@ buffers, then inputs, in call order; what does not fit is not copied and is name
 steps never reach this module: the drill-down only runs on the run's first non-finite step. Any failure
 is warned about once and the incident goes on without a capsule (``Incident.capsule`` None).
 
-Not done here: object-store URLs for ``NANWATCH_CAPSULE_DIR`` (a local directory only), a capsule for a
-``not_reproducible`` incident (the drill-down, which finds the birth module, does not run then) or for a
-backward birth (the replay does not run then).
+A ``not_reproducible`` incident has no drill-down (the re-run is finite, there is no birth to follow): its
+capsule holds the first offender's module (the incident's ``site``) with the call it received in the
+re-run of the step's first kept micro-batch, the inputs training fed it with the weights guarded, so that
+``nanwatch replay`` on another host runs the same call (metadata ``capture.of`` is ``first_offender``).
+
+Not done here: object-store URLs for ``NANWATCH_CAPSULE_DIR`` (a local directory only), and a capsule for
+a backward birth (the differential replay declines a ``phase == "backward"`` incident: it re-runs forwards
+only, so there is no faulting call to capture).
 """
 
 from __future__ import annotations
@@ -206,13 +211,17 @@ class CapsuleWriter:
         return self.written < self.max_count and cls not in self._classes
 
     def capture(self, *, incident: Any, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
-                rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor] | None = None) -> str | None:
+                rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor] | None = None,
+                of: dict[str, Any] | None = None) -> str | None:
         """Copy the faulting call to the CPU now, write the file later; the path it will have (None: not
-        captured). Never raises."""
+        captured). ``of`` says which call it is (metadata ``capture``: ``{"of": "birth"}``, the drill-down's
+        birth module; ``{"of": "first_offender", ...}``, a not-reproducible incident's first offender in the
+        re-run). Never raises."""
         if not self.wants(incident.cls):
             return None
         try:
-            path, tensors, meta = self._prepare(incident, name, module, args, kwargs, rng, cuda_rng or {})
+            path, tensors, meta = self._prepare(incident, name, module, args, kwargs, rng, cuda_rng or {},
+                                                of or {"of": "birth"})
         except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
             self._warn(f"capsule not captured: {type(exc).__name__}: {exc}")
             return None
@@ -223,7 +232,7 @@ class CapsuleWriter:
         t.start()
         return path
 
-    def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng):
+    def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng, of):
         step, cls = incident.step, incident.cls
         fname = _SAFE.sub("_", f"{self.run_id}-r{self.rank}-s{step}-{cls}.capsule")
         path = os.path.join(self.directory, fname)
@@ -244,7 +253,7 @@ class CapsuleWriter:
             "autocast": {"enabled": torch.is_autocast_enabled(dev_type) if dev_type in ("cpu", "cuda") else False,
                          "dtype": str(torch.get_autocast_dtype(dev_type)).removeprefix("torch.")
                          if dev_type in ("cpu", "cuda") else None, "device_type": dev_type},
-            "sdpa": _sdpa_flags(), "max_bytes": self.max_bytes,
+            "sdpa": _sdpa_flags(), "max_bytes": self.max_bytes, "capture": of,
             "incident": incident.model_dump(mode="json"),
         }
         # the header's JSON (escaped once more as a metadata string) and its framing stay inside the limit

@@ -285,6 +285,7 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
     else:
         cls, code = "precision", 0
     return {"capsule": path, "fqn": meta.get("fqn"), "class_path": meta["build"]["class"], "device": device,
+            "capture": meta.get("capture", {"of": "birth"}),
             "recorded": {"host": meta.get("host"), "device": meta.get("device"),
                          "incident_cls": meta.get("incident", {}).get("cls"),
                          "birth_elements": meta.get("incident", {}).get("birth_elements")},
@@ -305,6 +306,9 @@ def _table(result: dict[str, Any]) -> str:
              f"module   {result['fqn']} ({result['class_path']})",
              f"recorded on {rec['host']} ({rec['device']}): {rec['incident_cls']}, "
              f"{rec['birth_elements']} non-finite elements; replayed on {result['device']}"]
+    if result["capture"].get("of") == "first_offender":
+        lines.append("call     the first offender's call in the trainer's finite re-run (no birth was found there): "
+                     "the inputs training fed it")
     if result["dropped"]:
         lines.append(f"dropped by the size limit: {', '.join(result['dropped'][:4])}")
     lines.append(f"{'setting':<10} {'reproduces':<11} {'non-finite':>10} {'max |x| finite':>15}  note")

@@ -67,15 +67,31 @@ def _nonfinite_input(kept: KeptForward) -> bool:
     return any(bool((~torch.isfinite(t)).any()) for t in tensors if t.is_floating_point())  # sync-ok: replay
 
 
-def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
-    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+def _named_module_of(model: torch.nn.Module, site: str | None) -> tuple[str, torch.nn.Module] | None:
+    """(FQN, module) a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
     if site is None:
         return None
     modules = dict(model.named_modules())
     for name in (site, site.rsplit(".", 1)[0]):
         if name in modules:
-            return modules[name]
+            return name, modules[name]
     return None
+
+
+def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
+    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+    named = _named_module_of(model, site)
+    return named[1] if named is not None else None
+
+
+def _first_call(module: torch.nn.Module, sink: list) -> Any:
+    """A forward pre-hook handle that puts ``module``'s first call (its arguments by reference, the CPU RNG
+    state at its start) into ``sink``: the call a not-reproducible incident's capsule holds."""
+    def enter(mod, args, kwargs) -> None:
+        if not sink:
+            sink.append((args, dict(kwargs), torch.get_rng_state()))
+
+    return module.register_forward_pre_hook(enter, with_kwargs=True)
 
 
 def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch.nn.Module | None) -> bool:
@@ -185,20 +201,21 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
            compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a replay that fails is
     ``not_classified`` with the error in ``note``. With ``capsules`` (a ``nanwatch.hooks.capsule.CapsuleWriter``),
-    a drilled-down incident also gets a capsule of its birth module's faulting call (``Incident.capsule``)."""
+    a drilled-down incident also gets a capsule of its birth module's faulting call (``Incident.capsule``), and a
+    not-reproducible one a capsule of its first offender's call in the re-run."""
     start = time.perf_counter()
     kinds = kinds or {}
     base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
             "host": f"{socket.gethostname()} rank {rank}"}
 
-    call: list[tuple] = []
+    call: list[tuple] = []  # (FQN, module, args, kwargs, CPU RNG, what the capsule is of)
 
     def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
         incident = Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
         if call and capsules is not None:  # never raises; None when not captured
-            module, args, kwargs, rng = call[0]
-            where = capsules.capture(incident=incident, name=base["birth"], module=module, args=args,
-                                     kwargs=kwargs, rng=rng)
+            name, module, args, kwargs, rng, of = call[0]
+            where = capsules.capture(incident=incident, name=name, module=module, args=args,
+                                     kwargs=kwargs, rng=rng, of=of)
             if where is not None:
                 incident = incident.model_copy(update={"capsule": where})
         return incident
@@ -219,15 +236,31 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
         return done("not_classified", why_not)
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if any(k.cuda_rng for k in kept) else []
-    watch = _module_of(model, site)
+    named = _named_module_of(model, site)
+    watch = named[1] if named is not None else None
+    # A not-reproducible incident has no drill-down (nothing non-finite to follow), so its capsule is the
+    # first offender's module with the call it received in the re-run of the first kept micro-batch: what
+    # training fed it (same inputs, same RNG, the weights guarded), for a replay on another host.
+    first_call: list[tuple] = []
+    hook = (_first_call(watch, first_call) if watch is not None and capsules is not None
+            and capsules.wants("not_reproducible") else None)
     try:
-        culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        try:
+            culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        finally:
+            if hook is not None:
+                hook.remove()
         if culprit is None:
+            if first_call and named is not None:
+                of = {"of": "first_offender", "site": site, "micro_batch": 0, "micro_batches": len(kept),
+                      "note": "the re-run was finite: this is the first offender's call in the re-run of the "
+                              "step's first kept micro-batch, the inputs training fed it"}
+                call.append((named[0], watch, *first_call[0], of))
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
         drilled = _drill(model, probes, culprit, capture=capsules is not None)
         if "_call" in drilled:
-            call.append(drilled.pop("_call"))
+            call.append((drilled.get("birth", ""), *drilled.pop("_call"), {"of": "birth"}))
         rows_masked = drilled.pop("rows_masked", False)
         base.update(drilled)
         if "birth" in base:

@@ -6,7 +6,7 @@ training code, says whether it reproduces and why.
 |--------------------------------------------|-------------------------|----------------------------------------|
 | fp16 eager QK overflow (q/k norms scaled)  | ``layers.0.self_attn``  | same non-finite, fp32 finite: precision |
 | one NaN weight of ``layers.0.mlp.down_proj`` | ``...down_proj`` (Linear) | non-finite everywhere: data_mask      |
-| a forward hook NaN-ing ``down_proj``'s output | ``...down_proj``       | finite: not reproducible, exit 1       |
+| a one-shot hook NaN-ing ``down_proj``'s output (training only) | the first offender's call in the re-run | finite: not reproducible, exit 1; the host counter +1 |
 | a pickle payload named ``.capsule``        | -                       | refused (exit 2), never unpickled      |
 | a birth module beyond a small size limit   | under the limit, dropped tensors listed; replay refuses (exit 2) |
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import background_collector, overflow_attention, run_view, tiny_qwen3, token_ids
+from support import background_collector, overflow_attention, run_view, scrape, tiny_qwen3, token_ids
 
 import nanwatch
 
@@ -112,15 +112,42 @@ def test_a_nan_weight_replays_nonfinite_under_every_setting(tmp_path):
 
 
 def test_a_nan_from_a_hook_the_replay_does_not_run_is_not_reproducible(tmp_path):
-    def poison(model) -> None:  # a NaN no arithmetic of the module makes: as a flaky chip would
-        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: out * math.nan, prepend=True)
+    fired: list[int] = []
 
-    reports = _train(poison, tmp_path, dtype=torch.float32, impl="sdpa")
+    def poison(model) -> None:  # a NaN no arithmetic of the module makes, once: as a flaky chip would
+        def hook(m, a, out):
+            if fired:
+                return out
+            fired.append(1)  # the training forward of step K only: the replay's re-run is finite
+            return out * math.nan
+
+        model.model.layers[0].mlp.down_proj.register_forward_hook(hook, prepend=True)
+
+    with background_collector(tmp_path) as srv:
+        reports = _train(poison, tmp_path, dtype=torch.float32, impl="sdpa", collector=srv.url)
+        scraped = scrape(srv.url)
     inc = reports[K].incident
-    assert inc is not None and inc.birth == "model.layers.0.mlp.down_proj" and inc.capsule, inc
+    assert inc is not None and inc.cls == "not_reproducible" and inc.same == "finite", inc
+    # no drill-down ran (nothing non-finite to follow), yet the first offender's call was captured
+    assert inc.capsule and inc.capsule.endswith(f"caps-r0-s{K}-not_reproducible.capsule"), inc
+    assert Path(inc.capsule).is_file()
+    from safetensors import safe_open
+
+    with safe_open(inc.capsule, framework="pt") as f:
+        meta = json.loads(f.metadata()["nanwatch.capsule"])
+        x = f.get_tensor("arg.0")
+    site_fqn = meta["fqn"]
+    assert inc.site is not None and inc.site.startswith(site_fqn) and site_fqn.startswith("model.layers.0"), meta
+    assert meta["capture"]["of"] == "first_offender" and meta["capture"]["micro_batches"] == 1, meta["capture"]
+    assert torch.isfinite(x).all() and x.shape[:2] == (2, 32), x.shape  # the hidden states of the batch
+    # on "another host" (a fresh process that never saw the hook): the same call is finite
     code, result, err = _replay(inc.capsule, "--try", "same,fp32")
     assert code == 1, (code, err)
     assert result["cls"] == "not_reproducible" and _rows(result)["same"]["status"] == "finite", result
+    assert result["recorded"]["incident_cls"] == "not_reproducible"
+    # and the collector counts it against this host
+    counted = sum(v for (name, _), v in scraped.items() if name == "nanwatch_not_reproducible_incidents_total")
+    assert counted == 1, {k: v for k, v in scraped.items() if "not_reproducible" in k[0]}
 
 
 class _Marker:
@@ -254,3 +281,4 @@ def test_one_capsule_per_class_and_at_most_capsule_max(tmp_path):
     assert first.endswith("cap-r3-s1-data_mask.capsule") and other.endswith("cap-r3-s3-precision.capsule")
     assert again is None and third is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cap-r3-s1-data_mask.capsule", "cap-r3-s3-precision.capsule"]
+

@@ -32,7 +32,7 @@ re-run of the step's first kept micro-batch, the inputs training fed it with the
 
 Not done here: object-store URLs for ``NANWATCH_CAPSULE_DIR`` (a local directory only), and a capsule for
 a backward birth (the differential replay declines a ``phase == "backward"`` incident: it re-runs forwards
-only, so there is no faulting call to capture).
+only, so there is no faulting call to capture; ``nanwatch replay`` refuses such a capsule, exit 2).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ unpickles: a pickle, a ``torch.save`` zip or any other file is refused and never
 imported only from ``transformers.`` and ``torch.nn.``: an arbitrary class path from someone else's file
 would be an import, that is code, on open.
 
-Each setting restores the recorded CPU (and CUDA) RNG state and runs the module's forward without grad:
+Each setting restores the recorded CPU (and CUDA) RNG state and runs the module's forward without grad
+(forward only: a capsule whose incident was first seen in backward is refused, exit 2, with why; the
+trainer writes none):
 
 - ``same``: the recorded dtypes, autocast state and SDPA backend flags;
 - ``fp32``: the module and its floating inputs upcast to float32, autocast off;
@@ -40,6 +42,12 @@ __all__ = ["CapsuleError", "main", "open_capsule", "replay_capsule"]
 SETTINGS = ("same", "fp32", "math", "flash", "efficient", "cudnn")
 _MAX_HEADER = 100 << 20
 _ALLOWED = ("transformers.", "torch.nn.")
+
+
+_BACKWARD = ("a backward birth is not replayed: this capsule's incident was first seen in backward, and nanwatch "
+             "replay runs the recorded module's forward only; re-running the backward faithfully needs the gradient "
+             "training fed into the module (its loss, loss scale and accumulation divisor), which a capsule does "
+             "not hold. Reproduce it in the training code with torch.autograd.detect_anomaly on that step")
 
 
 class CapsuleError(Exception):
@@ -261,6 +269,9 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
     import torch
 
     meta, tensors = open_capsule(path)
+    incident = meta.get("incident") if isinstance(meta.get("incident"), dict) else {}
+    if incident.get("phase") == "backward":
+        raise CapsuleError(_BACKWARD)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise CapsuleError("--device cuda: no CUDA device on this host")
     try:
@@ -305,7 +316,7 @@ def _table(result: dict[str, Any]) -> str:
     lines = [f"capsule  {result['capsule']}",
              f"module   {result['fqn']} ({result['class_path']})",
              f"recorded on {rec['host']} ({rec['device']}): {rec['incident_cls']}, "
-             f"{rec['birth_elements']} non-finite elements; replayed on {result['device']}"]
+             f"{rec['birth_elements']} non-finite elements; forward replayed on {result['device']}"]
     if result["capture"].get("of") == "first_offender":
         lines.append("call     the first offender's call in the trainer's finite re-run (no birth was found there): "
                      "the inputs training fed it")
@@ -327,9 +338,9 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="nanwatch replay", description="Re-run an incident capsule's birth module "
-                                "under several settings; exit 0 if the non-finite value reproduced, 1 if not, "
-                                "2 if it cannot be replayed here.")
+    p = argparse.ArgumentParser(prog="nanwatch replay", description="Re-run an incident capsule's birth module's "
+                                "forward under several settings; exit 0 if the non-finite value reproduced, 1 if "
+                                "not, 2 if it cannot be replayed here (a backward birth is not replayed).")
     p.add_argument("capsule", help="a .capsule file written by the trainer (NANWATCH_CAPSULE_DIR)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--try", dest="settings", default=",".join(SETTINGS),

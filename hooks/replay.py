@@ -227,7 +227,8 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
                # seen in backward, which does not make backward its birthplace
                else "compiled code ran in the step: its forward is not probed inside graphs (the value may have "
                "been born there, whatever pass first showed it) and the fp32 path is not applied" if compiled
-               else "the non-finite value was first seen in backward; the replay re-runs forwards only"
+               else "the non-finite value was first seen in backward; the replay re-runs forwards only, so "
+               "there is no capsule (a backward birth is not captured nor replayed)"
                if phase == "backward"
                else "no training forward was kept this step" if not kept
                else "no weight guard: the weights moved since the step, so a replay would not be that step"

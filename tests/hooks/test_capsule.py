@@ -282,3 +282,38 @@ def test_one_capsule_per_class_and_at_most_capsule_max(tmp_path):
     assert again is None and third is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cap-r3-s1-data_mask.capsule", "cap-r3-s3-precision.capsule"]
 
+
+class _NanBackward(torch.autograd.Function):
+    """Identity forward, a NaN gradient: a module whose backward overflows while its forward is finite."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.nan
+
+
+def test_a_backward_birth_gets_no_capsule_and_replay_refuses_one_saying_why(tmp_path):
+    def poison(model) -> None:  # down_proj's forward stays finite; the gradient through it turns NaN
+        model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda m, a, out: _NanBackward.apply(out) if torch.is_grad_enabled() else out)
+
+    reports = _train(poison, tmp_path, dtype=torch.float32, impl="sdpa")
+    inc = reports[K].incident
+    assert inc is not None and inc.phase == "backward" and inc.cls == "not_classified", inc
+    assert inc.capsule is None and "backward birth is not captured nor replayed" in inc.note, inc
+    assert not (tmp_path / "capsules").exists()
+    # a capsule that says its incident was first seen in backward (crafted: the trainer writes none) is
+    # refused, not replayed forward as if the forward were the faulting call
+    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.wire import Incident
+
+    w = CapsuleWriter(run_id="bwd", rank=0, directory=str(tmp_path / "crafted"), max_count=4, max_bytes=1 << 20)
+    path = w.capture(incident=Incident(cls="not_classified", step=1, phase="backward", site="lin"), name="lin",
+                     module=torch.nn.Linear(4, 4), args=(torch.ones(2, 4),), kwargs={}, rng=None)
+    w.join()
+    assert path and Path(path).is_file()
+    code, _, err = _replay(path)
+    assert code == 2 and "backward birth is not replayed" in err and "forward only" in err, (code, err)

@@ -128,7 +128,9 @@ def _directive(args: argparse.Namespace) -> int:
 
 #: subcommands owned by the trainer side: ``main(argv)`` gets the arguments after the subcommand name
 _DELEGATES = {"demo": ("nanwatch.demo", "train a tiny model into a NaN and back through a directive"),
-              "bench": ("nanwatch.bench", "measure the hooks' overhead, or load a collector ('bench collector')")}
+              "bench": ("nanwatch.bench", "measure the hooks' overhead, or load a collector ('bench collector')"),
+              "replay": ("nanwatch.hooks.capsule_replay", "re-run an incident capsule's birth module under several "
+                         "settings: does the NaN reproduce here, and is it precision or data")}
 
 
 def _delegate(name: str, argv: list[str]) -> int:

@@ -19,10 +19,12 @@ Two figures are easy to misread, so they are spelled out:
 from __future__ import annotations
 
 import math
+import shlex
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["figure", "headroom", "incident", "rlhf", "visits"]
+__all__ = ["figure", "headroom", "incident", "printable", "replay_command", "rlhf", "visits"]
 
 
 def figure(x: float | str | None) -> str:
@@ -57,6 +59,31 @@ def visits(n: float, *, unit: str = "site visits") -> str:
     return f"{n:g} non-finite {unit}"
 
 
+def printable(s: str) -> str:
+    """``s`` safe to print on a terminal or to show in a dashboard: control and format characters (bidi
+    overrides, zero-width), line and paragraph separators, private-use, surrogate and unassigned code points
+    are written as ``\\uXXXX``, so that a path sent by a trainer cannot rewrite what the on-call reads."""
+    if s.isprintable():  # no C* nor Zl/Zp character (the common case: 3 us, not 250, for 1,020 characters)
+        return s
+    return "".join(c if unicodedata.category(c)[0] != "C" and unicodedata.category(c) not in ("Zl", "Zp")
+                   else f"\\u{ord(c):04x}" for c in s)
+
+
+#: the replay to run first, by incident class (``nanwatch replay CAPSULE ...`` options; the runbook's first step)
+REPLAY_TRY = {"precision": "--try same,fp32,math", "data_mask": "--try same,fp32",
+              "not_reproducible": "--device cuda --try same", "not_classified": "--try same,fp32,math",
+              "optimizer": "--try same"}
+
+
+def replay_command(inc: Mapping[str, Any]) -> str | None:
+    """The command that replays an incident's capsule (None without one); a not-reproducible incident's is
+    to be run on the host that saw it and on another (silent data corruption shows on one host only)."""
+    capsule = inc.get("capsule")
+    if not capsule:
+        return None
+    return f"nanwatch replay {shlex.quote(printable(capsule))} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
+
+
 def incident(inc: Mapping[str, Any]) -> str:
     """An incident (``Incident.model_dump(mode="json")``, or the collector's incident event detail) in one
     phrase: its class, the birth module and kind, the elements there, parameters found non-finite."""
@@ -74,6 +101,10 @@ def incident(inc: Mapping[str, Any]) -> str:
     note = inc.get("note")
     if note:
         parts.append(note)
+    command = replay_command(inc)
+    if command is not None:
+        where = " on this host and on another" if inc.get("cls") == "not_reproducible" else ""
+        parts.append(f"capsule {printable(inc['capsule'])}: replay with `{command}`{where}")
     return "; ".join(parts)
 
 

@@ -48,10 +48,11 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.6"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.7"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
+#                                        1.7 Incident.capsule (where the incident capsule was written)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -261,6 +262,9 @@ class Incident(_Wire):
         default_factory=list, description="the coarse sites (blocks and their children) and the output head "
         "the non-finite value reached next, in order")
     host: Annotated[str, StringConstraints(max_length=255)] = ""
+    capsule: Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = Field(
+        None, description="where this incident's capsule was written (a local path, or an object-store URL): "
+        "`nanwatch replay CAPSULE` reproduces the birth anywhere")
     seconds: float = Field(0.0, description="wall time the replay took")
     note: ShortText = ""
 

@@ -357,10 +357,23 @@ def guard_panels() -> list[Any]:
                              "[$__rate_interval]))", "rank {{rank}}"), w=12)
     # incidents exist only once a step was replayed
     incidents = or_none(f"sum by (class) (nanwatch_incidents_total{{{RUN}}})", "class")
+    # the capsule path is a label of a bounded info series (one per run and class, latest incident), never of
+    # a counter: the dashboards read Prometheus only
+    capsules = (
+        _common(table.Panel(), "Latest incident by class",
+                "The run's latest incident of each class: the host and rank that saw it, and where its capsule "
+                "was written (empty: none was). Replay it anywhere with `nanwatch replay CAPSULE` (the runbook "
+                "says which --try to run for each class; `nanwatch status RUN` prints the command).", 24, 6)
+        .with_target(query(f"max by (class, host, rank, capsule) (nanwatch_latest_incident_info{{{RUN}}})",
+                           instant=True, as_table=True))
+        .with_transformation(organize(exclude=["Time", "Value"], order=["class", "host", "rank", "capsule"],
+                                      rename={"class": "Class", "host": "Host", "rank": "Rank",
+                                              "capsule": "Capsule"})))
     return [skipped,
             ts_panel("Incidents by class", "The trainer's verdict on non-finite steps: precision (a fallback "
                      "helps), data_mask, not_reproducible and optimizer (born in the optimizer update; no "
-                     "fallback helps: a person must look), not_classified.", query(incidents, "{{class}}"), w=12)]
+                     "fallback helps: a person must look), not_classified.", query(incidents, "{{class}}"), w=12),
+            capsules]
 
 
 def reporting_panels() -> list[Any]:

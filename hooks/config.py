@@ -160,6 +160,23 @@ class MonitorConfig:
     None: on when the model is on the CPU and a weight guard is attached (reading the step's non-finite
     flag is then free); True: also on a GPU, at one host read of that flag per step."""
 
+    capsule: bool | None = None
+    """Write an incident capsule (``nanwatch.hooks.capsule``) when the replay drills a non-finite step down to
+    its birth module: the module, its faulting call's inputs, RNG and settings in one safetensors file that
+    ``nanwatch replay`` re-runs anywhere. None: on unless ``NANWATCH_CAPSULE=0``. Costs nothing on clean steps
+    (it runs only inside the replay of an incident)."""
+
+    capsule_max: int | None = None
+    """At most this many capsules per run, one per incident class; default ``NANWATCH_CAPSULE_MAX`` or 4."""
+
+    capsule_dir: str | None = None
+    """Where capsules are written (a local directory); default ``NANWATCH_CAPSULE_DIR`` or
+    ``./nanwatch-capsules``."""
+
+    capsule_max_bytes: int | None = None
+    """A capsule's size limit: parameters first, then inputs; what does not fit is listed in it as dropped.
+    Default ``NANWATCH_CAPSULE_MAX_BYTES`` or 256 MiB."""
+
     process_group: Any = None
     """The training process group (a ``torch.distributed`` ProcessGroup) the weight guard reduces its
     non-finite flag over, so that every rank skips a step any rank saw a non-finite value in. None: the
@@ -244,6 +261,15 @@ class MonitorConfig:
             self.log_dir = os.environ.get("NANWATCH_LOG_DIR") or None
         elif not isinstance(self.log_dir, str):
             self.log_dir = os.fspath(self.log_dir)
+        if self.capsule_dir is not None and not isinstance(self.capsule_dir, str):
+            self.capsule_dir = os.fspath(self.capsule_dir)
+        if self.capsule_dir is not None and "://" in self.capsule_dir:
+            raise ValueError(f"capsule_dir {self.capsule_dir!r}: object-store URLs are not supported yet; "
+                             "use a local directory")
+        if self.capsule_max is not None and self.capsule_max < 0:
+            raise ValueError(f"capsule_max must be >= 0 (0: no capsules), got {self.capsule_max}")
+        if self.capsule_max_bytes is not None and self.capsule_max_bytes < 4096:
+            raise ValueError(f"capsule_max_bytes must be >= 4096, got {self.capsule_max_bytes}")
         if self.collector is not None:
             self.collectors = tuple(collector_urls(self.collector))
             if len(self.collectors) > 1 or not isinstance(self.collector, str):

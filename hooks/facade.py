@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nanwatch.hooks import compiled
+from nanwatch.hooks.capsule import CapsuleWriter, capsule_settings
 from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directive_agreement import rank_and_world
 from nanwatch.hooks.directive_state import DirectiveState
@@ -119,6 +120,14 @@ class Monitor:
                               keep_forward_inputs=lambda on: self._probes.keep_forward_inputs(on))
         self._sweep = ParamSweep(self._model, optimizers=self._guards.optimizers, every=config.param_check_every)
         self._incident_done = False
+        try:  # the options were checked by MonitorConfig; a bad NANWATCH_CAPSULE_* variable turns capsules off
+            on, count, folder, limit = capsule_settings(config.capsule, config.capsule_max, config.capsule_dir,
+                                                        config.capsule_max_bytes)
+        except ValueError as exc:
+            log.warning("nanwatch: incident capsules off: %s", exc)
+            on, count, folder, limit = False, 0, "", 0
+        self._capsules = CapsuleWriter(run_id=config.run_id, rank=self.rank, directory=folder, max_count=count,
+                                       max_bytes=limit) if on else None
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
                                 rec=self._rec, warn=self._warn_once, directive_state=self.directive_state,
                                 expects_logits=lambda: self._probes is not None and self._probes.head is not None)
@@ -221,6 +230,8 @@ class Monitor:
         if self._ended_by is None:
             guarded(self._flow.final, self._reported_step or 0, final)
         self._flow.close(timeout)
+        if self._capsules is not None:  # a capsule still being written is finished (bounded)
+            self._capsules.join(timeout)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
         """Protect the weights: a step in which a monitored site saw a non-finite value does not update
@@ -368,7 +379,7 @@ class Monitor:
             return
         self._incident_done = True
         classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self.directive_state,
-                 step=n, guarded=self._guards.effective, rank=self.rank)
+                 step=n, guarded=self._guards.effective, rank=self.rank, capsules=self._capsules)
 
     def last_report(self, timeout: float | None = 10.0) -> StepReport | None:
         """The latest completed StepReport, waiting (up to ``timeout``) for the last step's copy."""

@@ -17,7 +17,9 @@ On the culprit micro-batch a drill-down re-runs the same path once more with eve
 first module to *finish* with a non-finite output, from a finite input, is where the value was born (a
 leaf such as ``mlp.down_proj``); if that module's input was already non-finite, the value was born in the
 enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that were already non-finite and
-the exact count of non-finite elements it produced, and the path the value then took.
+the exact count of non-finite elements it produced, and the path the value then took. That module's
+faulting call (its arguments, parameters, RNG and settings) is what an incident capsule holds
+(``nanwatch.hooks.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
@@ -65,15 +67,31 @@ def _nonfinite_input(kept: KeptForward) -> bool:
     return any(bool((~torch.isfinite(t)).any()) for t in tensors if t.is_floating_point())  # sync-ok: replay
 
 
-def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
-    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+def _named_module_of(model: torch.nn.Module, site: str | None) -> tuple[str, torch.nn.Module] | None:
+    """(FQN, module) a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
     if site is None:
         return None
     modules = dict(model.named_modules())
     for name in (site, site.rsplit(".", 1)[0]):
         if name in modules:
-            return modules[name]
+            return name, modules[name]
     return None
+
+
+def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
+    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+    named = _named_module_of(model, site)
+    return named[1] if named is not None else None
+
+
+def _first_call(module: torch.nn.Module, sink: list) -> Any:
+    """A forward pre-hook handle that puts ``module``'s first call (its arguments by reference, the CPU RNG
+    state at its start) into ``sink``: the call a not-reproducible incident's capsule holds."""
+    def enter(mod, args, kwargs) -> None:
+        if not sink:
+            sink.append((args, dict(kwargs), torch.get_rng_state()))
+
+    return module.register_forward_pre_hook(enter, with_kwargs=True)
 
 
 def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch.nn.Module | None) -> bool:
@@ -104,17 +122,24 @@ def _first_input(args, kwargs) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
 
 
-def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[str, Any]:
+def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False) -> dict[str, Any]:
     """The birth module, its non-finite parameters and output count, and the downstream path.
 
     Modules are taken in the order they finish. The first one with a non-finite output is the birth if its
     input was finite (a leaf such as ``mlp.down_proj``). If its input was already non-finite, the value was
     born in the enclosing module's own code between its children (the attention kernel inside
-    ``self_attn``, say): the birth is that parent."""
+    ``self_attn``, say): the birth is that parent. With ``capture``, ``_call`` is also returned: the birth
+    module, its call's arguments (by reference) and the CPU RNG state at the call's start, for a capsule."""
     records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     masked: list[torch.Tensor] = []  # [B, Q]: the query rows the first 4-D attention mask leaves empty
+    calls: list[tuple[tuple, dict, torch.Tensor | None]] = []  # per record: the call, the CPU RNG at its start
+    started: dict[int, list[torch.Tensor | None]] = {}
+
+    def enter(module, args, kwargs) -> None:  # the RNG state a capsule replays the call from
+        started.setdefault(id(module), []).append(torch.get_rng_state() if capture else None)
 
     def watch(name: str, module, args, kwargs, output) -> None:
+        rng = started.get(id(module), [None]).pop() if started.get(id(module)) else None
         mask = kwargs.get("attention_mask")
         if not masked and isinstance(mask, torch.Tensor) and mask.dim() == 4:
             masked.append(dead_rows(mask).all(dim=1))
@@ -124,8 +149,11 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
             fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
             rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
             records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
+            calls.append((args, kwargs, rng))
 
     handles = [m.register_forward_hook(partial(watch, n), with_kwargs=True) for n, m in model.named_modules() if n]
+    if capture:
+        handles += [m.register_forward_pre_hook(enter, with_kwargs=True) for n, m in model.named_modules() if n]
     try:
         _run(model, probes, kept, None)
     finally:
@@ -143,6 +171,7 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
         name = name.rsplit(".", 1)[0]
         module = modules[name]
         count, rows = next(((r[3], r[5]) for r, _ in bad if r[0] == name), (count, rows))
+    call = next((c for r, c in zip(records, calls, strict=True) if r[0] == name), None)
     params = {}
     for pname, t in module.named_parameters(recurse=False):
         n = int((~torch.isfinite(t)).sum())  # sync-ok: the incident, once
@@ -160,22 +189,36 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward) -> dict[st
     # clean step of a left-padded batch has them too); where the shapes do not line up, nothing is blamed.
     rows_masked = (bool(masked) and rows is not None and rows.shape == masked[0].shape
                    and bool(rows.any()) and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
-    return {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
-            "rows_masked": rows_masked}
+    out = {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
+           "rows_masked": rows_masked}
+    if capture and call is not None:
+        out["_call"] = (module, *call)
+    return out
 
 
 def replay(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
            step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
-           compiled: bool, rank: int, kinds: dict[str, str] | None = None) -> Incident:
+           compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a replay that fails is
-    ``not_classified`` with the error in ``note``."""
+    ``not_classified`` with the error in ``note``. With ``capsules`` (a ``nanwatch.hooks.capsule.CapsuleWriter``),
+    a drilled-down incident also gets a capsule of its birth module's faulting call (``Incident.capsule``), and a
+    not-reproducible one a capsule of its first offender's call in the re-run."""
     start = time.perf_counter()
     kinds = kinds or {}
     base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
             "host": f"{socket.gethostname()} rank {rank}"}
 
+    call: list[tuple] = []  # (FQN, module, args, kwargs, CPU RNG, what the capsule is of)
+
     def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
-        return Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+        incident = Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+        if call and capsules is not None:  # never raises; None when not captured
+            name, module, args, kwargs, rng, of = call[0]
+            where = capsules.capture(incident=incident, name=name, module=module, args=args,
+                                     kwargs=kwargs, rng=rng, of=of)
+            if where is not None:
+                incident = incident.model_copy(update={"capsule": where})
+        return incident
 
     wrapper = collective_forward(model)
     why_not = (f"{wrapper}: a forward re-run on this rank alone would wait for the other ranks (a hang), "
@@ -184,7 +227,8 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
                # seen in backward, which does not make backward its birthplace
                else "compiled code ran in the step: its forward is not probed inside graphs (the value may have "
                "been born there, whatever pass first showed it) and the fp32 path is not applied" if compiled
-               else "the non-finite value was first seen in backward; the replay re-runs forwards only"
+               else "the non-finite value was first seen in backward; the replay re-runs forwards only, so "
+               "there is no capsule (a backward birth is not captured nor replayed)"
                if phase == "backward"
                else "no training forward was kept this step" if not kept
                else "no weight guard: the weights moved since the step, so a replay would not be that step"
@@ -193,13 +237,31 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
         return done("not_classified", why_not)
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if any(k.cuda_rng for k in kept) else []
-    watch = _module_of(model, site)
+    named = _named_module_of(model, site)
+    watch = named[1] if named is not None else None
+    # A not-reproducible incident has no drill-down (nothing non-finite to follow), so its capsule is the
+    # first offender's module with the call it received in the re-run of the first kept micro-batch: what
+    # training fed it (same inputs, same RNG, the weights guarded), for a replay on another host.
+    first_call: list[tuple] = []
+    hook = (_first_call(watch, first_call) if watch is not None and capsules is not None
+            and capsules.wants("not_reproducible") else None)
     try:
-        culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        try:
+            culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        finally:
+            if hook is not None:
+                hook.remove()
         if culprit is None:
+            if first_call and named is not None:
+                of = {"of": "first_offender", "site": site, "micro_batch": 0, "micro_batches": len(kept),
+                      "note": "the re-run was finite: this is the first offender's call in the re-run of the "
+                              "step's first kept micro-batch, the inputs training fed it"}
+                call.append((named[0], watch, *first_call[0], of))
             return done("not_reproducible", "the same path on the same inputs was finite",
                         same="finite")
-        drilled = _drill(model, probes, culprit)
+        drilled = _drill(model, probes, culprit, capture=capsules is not None)
+        if "_call" in drilled:
+            call.append((drilled.get("birth", ""), *drilled.pop("_call"), {"of": "birth"}))
         rows_masked = drilled.pop("rows_masked", False)
         base.update(drilled)
         if "birth" in base:
@@ -226,7 +288,7 @@ def replay(*, model: torch.nn.Module, probes: Probes, directive_state: Directive
 
 
 def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
-             step: int, guarded: bool, rank: int) -> Incident | None:
+             step: int, guarded: bool, rank: int, capsules: Any = None) -> Incident | None:
     """The open step, known to be non-finite: classify it by a replay and put the verdict into the
     recorder, for the step's report (one host read of the step's values, once per run). None when the
     value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
@@ -238,7 +300,7 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
                       step=step, site=first[0] if first else None, phase=first[1] if first else None,
                       masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
-                      kinds=so_far.kinds)
+                      kinds=so_far.kinds, capsules=capsules)
     rec.set_incident(incident)
     # INFO: the report's own line (nanwatch.hooks.local_log) tells the incident at WARNING, once, with its step,
     # site and birth; two lines for one incident would read as two

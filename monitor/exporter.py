@@ -41,7 +41,8 @@ __all__ = ["FORMATS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiat
 #: counter families kept per run (``RunState.counters``) and exported as they are, labels after run_id
 _RUN_COUNTERS = {"site": "nanwatch_site_nonfinite_values_total", "sdpa": "nanwatch_sdpa_calls_total",
                  "unmeasured": "nanwatch_unmeasured_steps_total", "incident": "nanwatch_incidents_total",
-                 "loss_scale_overflow": "nanwatch_loss_scale_overflows_total"}
+                 "loss_scale_overflow": "nanwatch_loss_scale_overflows_total",
+                 "not_reproducible": "nanwatch_not_reproducible_incidents_total"}
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 #: RLHF figures and how they combine over ranks (each rank's latest step)
 _RLHF = {"ratio_max": max, "kl_k1_max": max, "kl_k3_max": max, "logprob_min": min,
@@ -85,6 +86,7 @@ class RunSnapshot:
     ended: bool = False
     latest_offenders: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     math_fallback: tuple[str, str, str] | None = None
+    latest_incidents: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     loss_scale: float | None = None
 
 
@@ -138,7 +140,8 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(state.hung(run, now)), run.ended,
-        tuple(run.latest_offenders.items()), run.math_fallback, min(scales, default=None))
+        tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
+        min(scales, default=None))
     return snap, until, bool(born) or bool(fresh)
 
 
@@ -224,6 +227,8 @@ class _SnapshotMetrics(Collector):
 
             for stage, (site, pass_, rank) in run.latest_offenders:
                 f["nanwatch_latest_offender_info"].add_metric([run_id, stage, site, pass_, rank], 1)
+            for cls, (host, rank, capsule) in run.latest_incidents:
+                f["nanwatch_latest_incident_info"].add_metric([run_id, cls, host, rank, capsule], 1)
             if run.math_fallback is not None:
                 f["nanwatch_math_fallback_info"].add_metric([run_id, *run.math_fallback], 1)
             if run.loss_scale is not None:

@@ -28,6 +28,7 @@ rank crashed (``RunState.crashed``): no longer live, the run ends crashed.
 
 from __future__ import annotations
 
+import string
 import time
 from typing import NamedTuple
 
@@ -41,9 +42,10 @@ from nanwatch.monitor.state import (
     RunState,
 )
 from nanwatch.monitor.store import EventRow, Store
+from nanwatch.readable import printable
 from nanwatch.wire import ReportBatch, StepReport, dtype_name, is_half
 
-__all__ = ["Ingested", "apply_report", "fold", "is_new"]
+__all__ = ["Ingested", "apply_report", "fold", "host_label", "is_new"]
 
 
 class Ingested(NamedTuple):
@@ -84,6 +86,20 @@ def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine
     # without a row write each, and the job's reports, every step, write it
     store.touch({r.run_id for r in batch.reports if r.scope != "heartbeat"}, now)
     return Ingested(accepted, dupes)
+
+
+#: what a host label may hold: a DNS name's characters (and an IPv6 address's colons); anything else is ``_``
+_HOST_CHARS = frozenset(string.ascii_lowercase + string.digits + ".-_:")
+
+
+def host_label(host: str) -> str:
+    """The ``host`` label of an Incident's ``host`` (``"<hostname> rank <r>"``): the hostname, lower-cased,
+    each character outside a DNS name's (control and bidi characters included) written as ``_``, at most 253
+    characters (a DNS name's longest); ``unknown`` if nothing is left. Bounded and safe to show."""
+    head, sep, tail = host.rpartition(" rank ")
+    name = head if sep and tail.strip().isdigit() else host
+    name = "".join(c if c in _HOST_CHARS else "_" for c in name.strip().lower())[:253]
+    return name or "unknown"
 
 
 #: scopes whose measurements are one rank's own (per-rank views and counters)
@@ -208,6 +224,8 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
                 bump("unmeasured", (reason,), 1)
         if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
             bump("incident", (r.incident.cls,), 1)
+        if r.incident is not None:
+            _note_incident(run, r, cap, bump)
     if r.step_skipped:
         if r.scope == "rank" and rank_ok:
             bump("skipped", (rank_label,), 1)
@@ -239,6 +257,19 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
                    **view)
     run.hold(st, shown=True)
     return st, previous_mode, changed
+
+
+def _note_incident(run: RunState, r: StepReport, cap: int, bump) -> None:
+    """The incident's host and capsule: the run's latest of its class (for the dashboard) and, if the replay
+    could not reproduce it, one more not-reproducible incident on its host (the silent-data-corruption
+    signal, counted per run and summed over runs by host in the alert)."""
+    inc = r.incident
+    host = host_label(inc.host) if inc.host else "unknown"
+    if inc.cls == "not_reproducible" and run.admit(("not_reproducible", host), 1, cap):
+        bump("not_reproducible", (host,), 1)
+    if run.admit(("latest_incident", inc.cls), 1, cap):
+        who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank
+        run.latest_incidents[inc.cls] = (host, str(who), printable(inc.capsule or ""))
 
 
 def _note_latest_offender(run: RunState, r: StepReport, offenders: dict[str, tuple[str, str]]) -> None:

@@ -100,6 +100,15 @@ _SPECS = (
     MetricSpec("nanwatch_run_ended", "gauge", ("run_id",),
                "1 once every rank of the run sent its final report (the run ended normally); kept until the "
                "run's retention, gone when a new incarnation reports."),
+    # added for the incident capsule (wire 1.7 ``Incident.capsule``; issue #20)
+    MetricSpec("nanwatch_not_reproducible_incidents_total", "counter", ("run_id", "host"),
+               "Incidents the trainer's differential replay could not reproduce (class not_reproducible), by the "
+               "host that saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own "
+               "replay does not is the silent-data-corruption signal: sum by (host) over runs."),
+    MetricSpec("nanwatch_latest_incident_info", "gauge", ("run_id", "class", "host", "rank", "capsule"),
+               "The run's latest incident of each class (always 1; one series per run and class): the host and "
+               "rank that saw it and where its capsule was written (empty when none was): replay it with "
+               "`nanwatch replay CAPSULE`."),
     MetricSpec("nanwatch_collector_reports_accepted_total", "counter", (),
                "Step reports applied to the state."),
     MetricSpec("nanwatch_collector_reports_duplicate_total", "counter", (),

@@ -166,6 +166,9 @@ class RunState:
     latest_offenders: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     """By stage: (site, pass, rank) of the first offender of the run's most recent non-finite report in
     that stage (loss-scale overflows excepted): this incident's offender, not the run's first."""
+    latest_incidents: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """By incident class: (host, rank, capsule) of the run's latest incident of that class (in memory, as the
+    latest offenders; ``nanwatch_latest_incident_info``): where its capsule lies, for the dashboard."""
     math_fallback: tuple[str, str, str] | None = None
     """(site, dtype, rank) of the latest training SDPA call that ran on the math backend in half precision."""
     overflow_steps: dict[int, None] = field(default_factory=dict)

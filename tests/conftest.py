@@ -1,7 +1,16 @@
 """Fixtures shared by every test package. Helpers that are not fixtures live in support.py."""
 
+import os
+
 import pytest
 from support import ADMIN, TOKEN, CollectorProcess
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _capsules_out_of_the_checkout(tmp_path_factory):
+    """Incident capsules are on by default (``./nanwatch-capsules``): every test run that provokes an
+    incident would write into the checkout. They go to a temporary folder unless a test says otherwise."""
+    os.environ.setdefault("NANWATCH_CAPSULE_DIR", str(tmp_path_factory.mktemp("capsules")))
 
 
 @pytest.fixture(scope="module")

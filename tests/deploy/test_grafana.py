@@ -195,6 +195,8 @@ _SCENARIO = [
     ('nanwatch_skipped_steps_total{run_id="r1", rank="0"}', "0x4 1x15"),
     ('nanwatch_first_offender_info{run_id="r1", site="model.layers.0.self_attn", pass="forward", '
      'stage="train", rank="0"}', "_x4 1x15"),
+    ('nanwatch_latest_incident_info{run_id="r1", class="precision", host="gpu-0", rank="0", '
+     'capsule="/capsules/r1/step5.rank0.nwcap"}', "_x5 1x14"),
     *[(f'nanwatch_rlhf_stat{{run_id="r1", stat="{s}"}}', "0.1x20")
       for s in ("ratio_max", "clip_fraction", "kl_k1_mean", "kl_k3_mean", "kl_k3_ratio_mean", "kl_k1_max",
                 "kl_k3_max", "logprob_min", "advantage_std")],
@@ -333,6 +335,10 @@ def test_run_health_content():
     assert any("nanwatch_collector_logit_tau" in t["expr"] for t in logits["targets"])
     headroom = _panel(RUN_HEALTH, "Headroom by site kind")
     assert headroom["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 10}
+    capsules = _panel(RUN_HEALTH, "Latest incident by class")  # the capsule path: a label of a bounded info
+    assert capsules["type"] == "table" and "nanwatch_latest_incident_info" in capsules["targets"][0]["expr"]
+    organize = capsules["transformations"][0]["options"]
+    assert "capsule" not in organize["excludeByName"] and organize["renameByName"]["capsule"] == "Capsule"
     offender = _panel(RUN_HEALTH, "First offender")
     assert offender["type"] == "table" and offender["targets"][0]["instant"] is True
     assert _panel(RUN_HEALTH, "Attention mode per rank")["type"] == "state-timeline"

@@ -1,15 +1,20 @@
 """nanwatch: numerical-health monitoring for PyTorch training.
 
 ``nanwatch.attach`` is the trainer-side entry point; it is imported lazily so that the collector, which
-imports ``nanwatch.wire``, never pulls in torch.
+imports ``nanwatch.wire``, never pulls in torch. Importing the package installs only the finder that keeps
+old module paths working (``nanwatch._aliases``, standard library alone).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nanwatch._aliases import install as _install_aliases
+
 __all__ = ["attach", "__version__"]
 __version__ = "0.1.0"
+
+_install_aliases()
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks import attach

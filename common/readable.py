@@ -1,5 +1,5 @@
 """Words for the figures: the one wording of nanwatch's numbers for people, shared by the trainer's log lines
-(``nanwatch.hooks.local_log``) and ``nanwatch status`` (both the collector's and a local file's view).
+(``nanwatch.hooks.report.local_log``) and ``nanwatch status`` (both the collector's and a local file's view).
 
 Every function takes plain values or the JSON form of a wire model (a dict), so that the CLI, which reads
 the collector's JSON, and the trainer, which holds pydantic models, say the same thing in the same words.

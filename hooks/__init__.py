@@ -3,7 +3,7 @@
 ``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
 
 The names below are imported lazily (module ``__getattr__``, as in the root package), so that importing a
-leaf such as ``nanwatch.hooks.transport`` runs this file without pulling in torch: each leaf costs only its
+leaf such as ``nanwatch.hooks.report.transport`` runs this file without pulling in torch: each leaf costs only its
 own dependencies, as its docstring says.
 """
 

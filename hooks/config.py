@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.hooks.transport import collector_urls, pick_collector
+from nanwatch.addresses import collector_urls, pick_collector
 from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
@@ -76,10 +76,10 @@ class MonitorConfig:
     site; 0 turns it off."""
 
     guard: GuardChoice = "auto"
-    """The weight guard (``nanwatch.hooks.weight_guard``): a step in which a monitored site saw a non-finite
+    """The weight guard (``nanwatch.hooks.remedies.weight_guard``): a step in which a monitored site saw a non-finite
     value does not update the weights. ``auto``: every ``torch.optim.Optimizer`` that steps the model's
     parameters is guarded, the one passed as ``optimizer=`` and any other found at its first step (a global
-    optimizer-step pre-hook, ``nanwatch.hooks.optimizer_discovery``). Fused optimizers are guarded on the
+    optimizer-step pre-hook, ``nanwatch.hooks.remedies.optimizer_discovery``). Fused optimizers are guarded on the
     device at no cost; others at one host read of the step's flag per optimizer step (what GradScaler pays
     for them). ``off``: nanwatch never skips a step and issues no flag reduction (an explicit
     ``Monitor.guard(opt)`` still guards ``opt``)."""
@@ -87,7 +87,7 @@ class MonitorConfig:
     optimizer_check: bool = True
     """After every step of an optimizer nanwatch found (passed or discovered), check the parameters it
     just wrote: one ``torch._foreach_norm(ord=inf)`` over the parameters that had a gradient, on the device
-    (``nanwatch.hooks.optimizer_check``). A value born in the update (fp16 AdamW's eps underflow, a huge
+    (``nanwatch.hooks.measure.optimizer_check``). A value born in the update (fp16 AdamW's eps underflow, a huge
     learning rate) is then named at the step it happened (site kind ``param``, phase ``optimizer``), with an
     incident of class ``optimizer``, instead of at the next forward it poisons."""
 
@@ -156,12 +156,12 @@ class MonitorConfig:
     waits on it: only the reporter thread does, and the reports it cannot build meanwhile are dropped."""
 
     replay: bool | None = None
-    """Classify the run's first non-finite step by a differential replay (``nanwatch.hooks.replay``).
+    """Classify the run's first non-finite step by a differential replay (``nanwatch.hooks.remedies.rerun``).
     None: on when the model is on the CPU and a weight guard is attached (reading the step's non-finite
     flag is then free); True: also on a GPU, at one host read of that flag per step."""
 
     capsule: bool | None = None
-    """Write an incident capsule (``nanwatch.hooks.capsule``) when the replay drills a non-finite step down to
+    """Write an incident capsule (``nanwatch.hooks.remedies.capsule``) when the replay drills a non-finite step down to
     its birth module: the module, its faulting call's inputs, RNG and settings in one safetensors file that
     ``nanwatch replay`` re-runs anywhere. None: on unless ``NANWATCH_CAPSULE=0``. Costs nothing on clean steps
     (it runs only inside the replay of an incident)."""
@@ -186,10 +186,10 @@ class MonitorConfig:
 
     guard_reduce: bool = True
     """Under torch.distributed, reduce the weight guard's flag across ``process_group`` (one async
-    all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.collective``). False only when the
+    all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when the
     ranks share no gradients (independent models): each rank then decides alone."""
 
-    # ---- the local record: log lines and a JSONL file (nanwatch.hooks.local_log) -------------------
+    # ---- the local record: log lines and a JSONL file (nanwatch.hooks.report.local_log) -------------------
     log_incidents: bool = True
     """Log one line (``logging.getLogger("nanwatch")``, WARNING) when a non-finite episode starts, when an
     incident is classified, when the attention mode changes and when the values turn finite again: in the

@@ -5,7 +5,7 @@ The walk from ``attach`` down: ``install`` (hooks and handles) -> ``probes`` (ho
 copy) -> ``transport`` (to the collector). Directives come back through ``directive_state``.
 
 Which thread owns which field of the trainer side is written down once, in
-``nanwatch.hooks.directive_state`` (where the training and reporter threads meet).
+``nanwatch.hooks.directives.directive_state`` (where the training and reporter threads meet).
 """
 
 from __future__ import annotations
@@ -23,25 +23,25 @@ from typing import Any
 
 import torch
 
-from nanwatch.hooks import compiled
-from nanwatch.hooks.capsule import CapsuleWriter, capsule_settings
 from nanwatch.hooks.config import MonitorConfig, resolve_config
-from nanwatch.hooks.directive_agreement import rank_and_world
-from nanwatch.hooks.directive_state import DirectiveState
-from nanwatch.hooks.eval_windows import EvalWindows
+from nanwatch.hooks.directives.agreement import rank_and_world
+from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
-from nanwatch.hooks.guards import Guards
-from nanwatch.hooks.install import install, user_model
-from nanwatch.hooks.loss_scaling import LossScaling
-from nanwatch.hooks.optimizer_discovery import steps_model
-from nanwatch.hooks.param_sweep import ParamSweep
-from nanwatch.hooks.probes import Probes
-from nanwatch.hooks.recorder import Recorder, StepState
-from nanwatch.hooks.replay import classify
-from nanwatch.hooks.report import StepContext
-from nanwatch.hooks.report_flow import ReportFlow
-from nanwatch.hooks.rlhf import checked_kl, record_rlhf
-from nanwatch.hooks.weight_guard import WeightGuard
+from nanwatch.hooks.instrument.eval_windows import EvalWindows
+from nanwatch.hooks.instrument.install import install, user_model
+from nanwatch.hooks.instrument.probes import Probes
+from nanwatch.hooks.measure import compiled
+from nanwatch.hooks.measure.param_sweep import ParamSweep
+from nanwatch.hooks.measure.recorder import Recorder, StepState
+from nanwatch.hooks.measure.rlhf import checked_kl, record_rlhf
+from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
+from nanwatch.hooks.remedies.guards import Guards
+from nanwatch.hooks.remedies.loss_scaling import LossScaling
+from nanwatch.hooks.remedies.optimizer_discovery import steps_model
+from nanwatch.hooks.remedies.rerun import classify
+from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.hooks.report.build import StepContext
+from nanwatch.hooks.report.flow import ReportFlow
 from nanwatch.wire import MAX_INT, StepReport
 
 __all__ = ["Monitor", "attach"]
@@ -109,7 +109,7 @@ class Monitor:
         self._raised: str | None = None  # the exception type the open step raised
         self._ended_by: str | None = None  # an exception that ended the run (no final report then)
         self._reported_step: int | None = None  # the step of the last report handed over (the final's step)
-        self._scaling: LossScaling | None = None  # the GradScalers watched (``nanwatch.hooks.loss_scaling``)
+        self._scaling: LossScaling | None = None  # the GradScalers watched (``nanwatch.hooks.remedies.loss_scaling``)
         self._warn_once = WarnOnce()
         self.directive_state = DirectiveState(model=self._model, rec=self._rec, rank=self.rank,
                                               check_every=config.directive_check_every)
@@ -153,7 +153,7 @@ class Monitor:
     def attach(self, *, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> Monitor:
         """Register every probe, and cover ``optimizer`` (its weight guard, unless ``guard="off"``, and its
         post-step check) and any other optimizer found stepping the model's parameters
-        (``nanwatch.hooks.optimizer_discovery``); watch ``scaler`` (a ``torch.amp.GradScaler``, see
+        (``nanwatch.hooks.remedies.optimizer_discovery``); watch ``scaler`` (a ``torch.amp.GradScaler``, see
         :meth:`watch_scaler`) and any GradScaler found stepping such an optimizer; on any failure, undo what
         was done and re-raise (the model is left as it was)."""
         model = self._model()
@@ -168,7 +168,7 @@ class Monitor:
             _open.add(self)
             self._flow.open_job()  # job scope: a collective (every rank attaches), on this thread
             if cfg.collector:
-                from nanwatch.hooks.transport import DirectivePoller, ReportSender
+                from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
 
                 self._flow.send_to(ReportSender(cfg.collector, token=cfg.token))
                 if cfg.directive_source in ("auto", "collector") and self.rank == 0:  # the others: by agreement
@@ -195,7 +195,7 @@ class Monitor:
     def watch_scaler(self, scaler: Any) -> None:
         """Watch a ``torch.amp.GradScaler``: a step in which it found inf/NaN gradients (and no forward value
         was non-finite) is reported as ``scaler_overflow=True``, not as an incident, and every training report
-        carries its ``loss_scale`` (``nanwatch.hooks.loss_scaling``). A scaler that steps an optimizer of this
+        carries its ``loss_scale`` (``nanwatch.hooks.remedies.loss_scaling``). A scaler that steps an optimizer of this
         model is also found by itself, at its first ``scaler.step``; this call is for being explicit.
 
         Example usage::
@@ -236,7 +236,7 @@ class Monitor:
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
         """Protect the weights: a step in which a monitored site saw a non-finite value does not update
         them. Free (no host sync) for fused optimizers; others at one host read of the step's flag per
-        optimizer step (see ``nanwatch.hooks.weight_guard``). ``sync``: deprecated, no longer needed
+        optimizer step (see ``nanwatch.hooks.remedies.weight_guard``). ``sync``: deprecated, no longer needed
         (None and True guard alike); ``sync=False`` opts a non-fused optimizer out of the host read, and
         then only the ``skip_step`` directive protects it. Guards even under ``guard="off"`` (an explicit
         call); an optimizer already guarded is not guarded twice. Removed when the Monitor closes.
@@ -299,7 +299,7 @@ class Monitor:
             guarded(self._check_params)
 
     def _check_params(self) -> None:
-        """This step's share of the parameters and optimizer state (``nanwatch.hooks.param_sweep``)."""
+        """This step's share of the parameters and optimizer state (``nanwatch.hooks.measure.param_sweep``)."""
         self._probes.check_tensors(self._sweep.share())
 
     def end_step(self) -> None:
@@ -366,7 +366,7 @@ class Monitor:
 
     def _forward_outside_step(self, stage: str) -> None:
         """Probes: a model forward of ``stage`` starts outside any training step (an implicit eval window,
-        ``nanwatch.hooks.eval_windows``)."""
+        ``nanwatch.hooks.instrument.eval_windows``)."""
         if self._active:  # a window is only ever open while active
             self._evals.outside_step(stage, open_step=self._open_step, last_step=self._last_step)
 

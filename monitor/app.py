@@ -22,19 +22,19 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from nanwatch.monitor.auth import TokenTable
-from nanwatch.monitor.deps import ReaderToken, Resources
-from nanwatch.monitor.directive_log import DirectiveLog
-from nanwatch.monitor.exception_handlers import install_exception_handlers
-from nanwatch.monitor.exporter import MetricsRenderer
-from nanwatch.monitor.ledger import Ledger
-from nanwatch.monitor.long_poll import LongPoll
-from nanwatch.monitor.middleware import IngressGuard
-from nanwatch.monitor.openapi import document_models
-from nanwatch.monitor.routers import directives, health, metrics, reports, runs
+from nanwatch.monitor.model.auth import TokenTable
+from nanwatch.monitor.model.directive_log import DirectiveLog
+from nanwatch.monitor.model.long_poll import LongPoll
+from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.model.store import Store
+from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
-from nanwatch.monitor.state import CollectorState
-from nanwatch.monitor.store import Store
+from nanwatch.monitor.web.deps import ReaderToken, Resources
+from nanwatch.monitor.web.exception_handlers import install_exception_handlers
+from nanwatch.monitor.web.middleware import IngressGuard
+from nanwatch.monitor.web.openapi import document_models
+from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs
+from nanwatch.monitor.write.ledger import Ledger
 
 __all__ = ["create_app"]
 

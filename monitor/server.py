@@ -18,8 +18,8 @@ from urllib.parse import unquote_plus
 import uvicorn
 
 from nanwatch.monitor.app import create_app
-from nanwatch.monitor.protocol import guarded_protocol
 from nanwatch.monitor.settings import Settings
+from nanwatch.monitor.web.protocol import guarded_protocol
 
 __all__ = ["LOGGED_PARAMETERS", "BackgroundServer", "raise_fd_limit", "redact_query", "serve"]
 
@@ -88,7 +88,7 @@ def _check_tls(cert: Path, key: Path | None) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn, plus: limits on request heads and trailers (size, time) and on idle connections after an
-    answer (``nanwatch.monitor.protocol``), TLS when a certificate is configured, only allow-listed query
+    answer (``nanwatch.monitor.web.protocol``), TLS when a certificate is configured, only allow-listed query
     values in the access log, and on shutdown the long-polls answered first so none is cancelled mid-wait."""
 
     def __init__(self, settings: Settings, port: int) -> None:

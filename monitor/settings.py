@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from nanwatch.monitor.memory import default_limit_bytes
+from nanwatch.monitor.model.memory import default_limit_bytes
 from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
 from nanwatch.tokens import check_token, read_token_file
 
@@ -136,7 +136,7 @@ class Settings(BaseSettings):
     anything else, so a slow sender holds only the bytes it sent)."""
     keep_alive_s: Annotated[float, Field(gt=0)] = 5.0
     """A connection that begins no new request this long after its last answer is closed, whatever else
-    the client sends (uvicorn's ``timeout_keep_alive``, enforced by ``nanwatch.monitor.protocol``)."""
+    the client sends (uvicorn's ``timeout_keep_alive``, enforced by ``nanwatch.monitor.web.protocol``)."""
     directive_margin_steps: Annotated[int, Field(ge=0)] = 0
     """Extra steps before a directive without ``apply_at_step`` applies. By default it applies at the
     earliest step every rank can: the next step for one rank, the next agreement step under
@@ -169,7 +169,7 @@ class Settings(BaseSettings):
         return self
 
     def memory_limit_bytes(self) -> int:
-        """``memory_limit_mib`` in bytes, or its default (``nanwatch.monitor.memory.default_limit_bytes``)."""
+        """``memory_limit_mib`` in bytes, or its default (``nanwatch.monitor.model.memory.default_limit_bytes``)."""
         return self.memory_limit_mib << 20 if self.memory_limit_mib is not None else default_limit_bytes()
 
     def ingest_tokens(self) -> dict[str, str]:

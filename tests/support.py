@@ -19,7 +19,7 @@ from torch import nn
 from nanwatch.bench.load import synthetic_report as step_report
 from nanwatch.bench.serve import CollectorProcess as _CollectorProcess
 from nanwatch.bench.serve import free_port
-from nanwatch.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
+from nanwatch.bench.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
            "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",

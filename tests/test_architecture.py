@@ -115,12 +115,12 @@ def _reach(start: str, graph: dict[str, set[str]] | None = None, *, parents: boo
     return seen, external
 
 
-_NEUTRAL = ("nanwatch.cli", "nanwatch.demo", "nanwatch.bench")
+_NEUTRAL = ("nanwatch.cli", "nanwatch.cli.demo", "nanwatch.bench")
 
 
 @pytest.mark.parametrize("folder,banned_modules,banned_packages", [
     ("hooks", ("nanwatch.monitor", *_NEUTRAL), WEB_STACK),
-    ("monitor", ("nanwatch.hooks", "nanwatch.integrations", *_NEUTRAL), {"torch", "transformers", "trl"}),
+    ("monitor", ("nanwatch.hooks", "nanwatch.hooks.integrations", *_NEUTRAL), {"torch", "transformers", "trl"}),
 ])
 def test_each_side_keeps_to_its_room_at_any_depth(folder, banned_modules, banned_packages):
     """A room is a source folder: hooks/ (nanwatch.hooks, including nanwatch.hooks.integrations) or monitor/."""
@@ -139,10 +139,83 @@ def test_the_wire_imports_pydantic_alone():
 
 
 def test_the_root_package_imports_nothing_at_import_time():
+    """Only the old-path finder, which needs the standard library alone."""
     tree = ast.parse(MODULES["nanwatch"].read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert {n.module for n in top if isinstance(n, ast.ImportFrom)} <= {"__future__", "typing"}
+    assert {(n.module, a.name) for n in top if isinstance(n, ast.ImportFrom) for a in n.names} <= {
+        ("__future__", "annotations"), ("typing", "TYPE_CHECKING"), ("typing", "Any"), ("nanwatch._aliases", "install")}
     assert not [n for n in top if isinstance(n, ast.Import)]
+    assert _reach("nanwatch._aliases") == ({"nanwatch._aliases"}, {"__future__", "importlib", "sys", "warnings",
+                                                                     "types"})
+
+
+# ---- the layout shows the flow: groups by concern, none importing back up -----------------------------------
+#: each side's groups, lowest first. A group may import the groups before it in its list and never one
+#: after it; groups in one tuple are siblings and import neither each other. A top-level module is a group
+#: of its own (``nanwatch.hooks.facade``), a subpackage is one with everything under it.
+LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "hooks": [("nanwatch.hooks.failsafe",), ("nanwatch.hooks.config",), ("nanwatch.hooks.measure",),
+              ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
+              ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
+              ("nanwatch.hooks.integrations",)],
+    "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
+                ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
+                ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
+    "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable"),
+               ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
+}
+
+
+def _group(module: str, layers: list[tuple[str, ...]]) -> tuple[int, str] | None:
+    """(layer index, group) of ``module``: the longest group name that is the module or a package above it."""
+    found = [(len(g), i, g) for i, groups in enumerate(layers) for g in groups
+             if module == g or module.startswith(g + ".")]
+    return max(found)[1:] if found else None
+
+
+def back_edges(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    """Imports that go up a layer, or across to a sibling group."""
+    bad = []
+    for mod, imports in graph.items():
+        here = _group(mod, layers)
+        for imp in imports:
+            there = _group(imp, layers)
+            if here is None or there is None or there[1] == here[1]:
+                continue
+            if there[0] > here[0] or (there[0] == here[0] and there[1] != here[1]):
+                bad.append(f"{mod} -> {imp}")
+    return sorted(bad)
+
+
+def test_no_import_goes_back_up_between_the_groups():
+    """Every import counts (function-level and ``TYPE_CHECKING`` ones too): a lazy import back up is still
+    a call back up. Both sides' groups, and the root package's contract under its applications."""
+    for side in ("hooks", "monitor"):
+        graph = {m: i for m, i in GRAPH.items() if MODULES[m].is_relative_to(ROOT / side)}
+        assert back_edges(graph, LAYERS[side]) == [], side
+        assert all(_group(m, LAYERS[side]) for m in graph), [m for m in graph if not _group(m, LAYERS[side])]
+    root = {m: {_side(i) for i in imps} for m, imps in GRAPH.items() if MODULES[m].is_relative_to(ROOT / "common")}
+    assert back_edges(root, LAYERS["common"]) == []
+
+
+def _side(module: str) -> str:
+    """A module of hooks/ or monitor/ seen from the root package: its side's package."""
+    for side in ("nanwatch.hooks", "nanwatch.monitor"):
+        if module == side or module.startswith(side + "."):
+            return side
+    return module
+
+
+def test_the_layer_check_can_fail():
+    layers = [("a",), ("b", "c"), ("d",)]
+    graph = {"a.x": {"b.y"}, "b.y": {"a.x", "c.z"}, "c.z": {"a.x"}, "d": {"b.y", "c.z"}}
+    assert back_edges(graph, layers) == ["a.x -> b.y", "b.y -> c.z"]
+
+
+def test_each_top_level_holds_at_most_ten_modules():
+    for folder in ("hooks", "monitor", "common"):
+        top = sorted(p.name for p in (ROOT / folder).glob("*.py"))
+        assert len(top) <= 10, (folder, top)
 
 
 def test_frameworks_are_only_imported_lazily_by_the_trainer_side():
@@ -200,7 +273,7 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the test above can fail
 
 
 #: deprecated re-exports kept for users of the old import path: they share the real modules' names on purpose
-ALIASES = ("nanwatch.integrations.",)
+ALIASES = ("nanwatch.hooks.integrations.",)
 
 
 def test_no_two_shipped_files_share_a_name():
@@ -318,7 +391,7 @@ def test_each_shipped_module_imports_with_only_its_own_dependencies():
 
     groups: dict[frozenset[str], list[str]] = defaultdict(list)
     for mod in MODULES:  # an integration needs a whole training stack: checked statically above, not here
-        if ".integrations." not in mod:
+        if ".integrations." not in mod and not mod.endswith(".__main__"):  # a __main__ runs its program
             groups[frozenset(own_dependencies(mod))].append(mod)
     failures = {}
     for deps, members in groups.items():
@@ -336,10 +409,11 @@ def test_the_leaves_that_promise_no_torch_or_web_stack_keep_it():
     assert own_dependencies("nanwatch.wire") == set()
     assert own_dependencies("nanwatch.policy") == set()
     assert own_dependencies("nanwatch.tokens") == set()
-    for light in ("nanwatch.hooks", "nanwatch.hooks.transport", "nanwatch.hooks.directive_decision",
-                  "nanwatch.hooks.call_stack", "nanwatch.hooks.local_rules", "nanwatch.tiny_models"):
+    for light in ("nanwatch.hooks", "nanwatch.hooks.report.transport", "nanwatch.hooks.directives.decision",
+                  "nanwatch.hooks.measure.call_stack", "nanwatch.hooks.directives.local_rules", "nanwatch.bench.tiny_models"):
         assert own_dependencies(light) == set(), light
-    for write_path in ("store", "state", "ledger", "ingest", "rules", "body", "event_log", "directive_log"):
+    for write_path in ("model.store", "model.state", "write.ledger", "write.fold", "write.rules", "web.body",
+                       "model.event_log", "model.directive_log"):
         assert own_dependencies(f"nanwatch.monitor.{write_path}") == set(), write_path
 
 

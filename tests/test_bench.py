@@ -47,7 +47,7 @@ def test_main_runs_every_variant_and_writes_json(tmp_path, capsys):
     assert results["config"]["layers"] == 1 and results["config"]["dtype"] == "bf16"
     assert "tiny Qwen3 (sdpa) 1 layers, hidden 32" in printed
     # the harness leaves nothing attached behind
-    from nanwatch.hooks import patching
+    from nanwatch.hooks.instrument import patching
 
     assert not patching.is_installed() and F.scaled_dot_product_attention is patching.ORIGINAL_SDPA
 
@@ -131,8 +131,8 @@ def test_the_floor_reads_what_nanwatch_reads():
     """The floor variant reads as many tensors a step as nanwatch does (one aminmax each), and leaves no
     hook behind."""
     from nanwatch.bench.floor import Floor
+    from nanwatch.bench.tiny_models import tiny_qwen3
     from nanwatch.hooks import attach
-    from nanwatch.tiny_models import tiny_qwen3
 
     model = tiny_qwen3("sdpa", num_hidden_layers=2, use_cache=False).train()
     ids = torch.randint(0, model.config.vocab_size, (2, 16))

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 
 def test_demo_breaks_then_recovers_through_the_collectors_directive(tmp_path):
-    from nanwatch.demo import run
+    from nanwatch.cli.demo import run
 
     out = run(steps=12, spike_at=4, db_dir=tmp_path, quiet=True)
     rows = out["rows"]

@@ -132,7 +132,7 @@ def test_a_report_that_raised_reads_as_crashed(tmp_path, capsys):
 
 
 def test_the_collector_says_crashed_too(tmp_path, capsys):
-    from nanwatch.hooks.transport import ReportSender
+    from nanwatch.hooks.report.transport import ReportSender
 
     t = time.time()
     with CollectorProcess(db_path=tmp_path / "c.db") as c:

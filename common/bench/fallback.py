@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int, url: str, spike_at: int, steps: in
     import torch.distributed as dist
 
     import nanwatch
-    from nanwatch.tiny_models import tiny_qwen3
+    from nanwatch.bench.tiny_models import tiny_qwen3
 
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from nanwatch.hooks.config import default_is_attention
-from nanwatch.hooks.probes import first_tensor
-from nanwatch.hooks.structure import coarse_sites
+from nanwatch.hooks.instrument.probes import first_tensor
+from nanwatch.hooks.measure.structure import coarse_sites
 
 __all__ = ["Floor"]
 

@@ -2,7 +2,7 @@
 
 Each rank trains two identical tiny Qwen3s under DistributedDataParallel, each with fused AdamW under the
 weight guard: one with the guard's reduction (``guard_reduce=True``, the default: one async all-reduce of
-two float32 per optimizer step, ``nanwatch.hooks.collective``), one without (each rank decides alone).
+two float32 per optimizer step, ``nanwatch.hooks.measure.collective``), one without (each rank decides alone).
 Their steps are interleaved round by round (the order alternating), so drift and the other load on the
 machine hit both alike; the added time is the median over rounds of each round's difference. The
 reduction is also timed alone (``FlagReduction.reduce`` in a loop, after training). CPU runs on gloo;
@@ -42,7 +42,7 @@ def _arm(dev, *, reduce: bool, seq: int):
 
     import nanwatch
     from nanwatch.bench.step import lm_step
-    from nanwatch.tiny_models import tiny_qwen3
+    from nanwatch.bench.tiny_models import tiny_qwen3
 
     model = torch.nn.parallel.DistributedDataParallel(
         tiny_qwen3("sdpa", vocab_size=128, use_cache=False).to(dev))
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, device: str, rounds: int, warmup: 
     import torch
     import torch.distributed as dist
 
-    from nanwatch.hooks.collective import FlagReduction
+    from nanwatch.hooks.measure.collective import FlagReduction
 
     warnings.simplefilter("ignore")
     dev = _setup(rank, world, port, device)

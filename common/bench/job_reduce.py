@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from nanwatch.bench.load import synthetic_report
-from nanwatch.hooks.job_report import JobReporting
-from nanwatch.hooks.job_stats import contribution, reduce_job
+from nanwatch.hooks.report.job import JobReporting
+from nanwatch.hooks.report.job_stats import contribution, reduce_job
 
 ROUNDS = 200
 

@@ -45,7 +45,7 @@ def _arm(name: str, dev, *, seq: int, layers: int):
 
     import nanwatch
     from nanwatch.bench.step import lm_step
-    from nanwatch.tiny_models import tiny_qwen3
+    from nanwatch.bench.tiny_models import tiny_qwen3
 
     model = tiny_qwen3("sdpa", vocab_size=128, use_cache=False, num_hidden_layers=layers).to(dev)
     step_params.setdefault("params", list(model.parameters()))

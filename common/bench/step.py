@@ -141,7 +141,7 @@ def lm_step(mon, model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
 
 
 def _build(cfg: BenchConfig):
-    from nanwatch.tiny_models import tiny_qwen3
+    from nanwatch.bench.tiny_models import tiny_qwen3
 
     model = tiny_qwen3(
         "sdpa", vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,

@@ -25,7 +25,7 @@ training, so the callback sees the exception, reports the step and detaches befo
 else that ends the process is reported at interpreter exit.
 
 Under ``fp16=True`` Accelerate's ``GradScaler`` (``trainer.accelerator.scaler``) is watched: an overflow it
-handles is reported as ``scaler_overflow``, with the ``loss_scale`` (``nanwatch.hooks.loss_scaling``), not as
+handles is reported as ``scaler_overflow``, with the ``loss_scale`` (``nanwatch.hooks.remedies.loss_scaling``), not as
 an incident. ``on_train_end`` sends the run's final report; a ``train()`` that raised sends none.
 
 The trainer's optimizer gets the weight guard (``Monitor.guard``): a step that saw a non-finite value does
@@ -48,10 +48,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from nanwatch.hooks.call_stack import nearest_self
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.facade import Monitor
 from nanwatch.hooks.integrations.log_scalars import LogScalars
+from nanwatch.hooks.measure.call_stack import nearest_self
 
 __all__ = ["NanwatchCallback"]
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
-from nanwatch.monitor.metric_names import METRICS
+from nanwatch.monitor.read.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from support import SMALL, step_reports, tiny_qwen3, token_ids
 
 import nanwatch
-from nanwatch.hooks.patching import ORIGINAL_SDPA
+from nanwatch.hooks.instrument.patching import ORIGINAL_SDPA
 from nanwatch.wire import Directive
 
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")

@@ -252,7 +252,7 @@ class _UserScale(torch.nn.Module):
 
 
 def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
-    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="user", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)
@@ -265,7 +265,7 @@ def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
 
 
 def test_one_capsule_per_class_and_at_most_capsule_max(tmp_path):
-    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="cap", rank=3, directory=str(tmp_path), max_count=2, max_bytes=1 << 20)
@@ -307,7 +307,7 @@ def test_a_backward_birth_gets_no_capsule_and_replay_refuses_one_saying_why(tmp_
     assert not (tmp_path / "capsules").exists()
     # a capsule that says its incident was first seen in backward (crafted: the trainer writes none) is
     # refused, not replayed forward as if the forward were the faulting call
-    from nanwatch.hooks.capsule import CapsuleWriter
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="bwd", rank=0, directory=str(tmp_path / "crafted"), max_count=4, max_bytes=1 << 20)

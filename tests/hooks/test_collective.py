@@ -13,11 +13,11 @@ import torch.distributed as dist
 from support import TinyNet, free_port, token_ids
 
 import nanwatch
-from nanwatch.hooks import recorder as recorder_module
-from nanwatch.hooks.collective import FlagReduction, collective_forward, reduction_active
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.recorder import NONFINITE_RANK, Recorder
-from nanwatch.hooks.replay import replay
+from nanwatch.hooks.measure import recorder as recorder_module
+from nanwatch.hooks.measure.collective import FlagReduction, collective_forward, reduction_active
+from nanwatch.hooks.measure.recorder import NONFINITE_RANK, Recorder
+from nanwatch.hooks.remedies.rerun import replay
 
 
 @pytest.fixture

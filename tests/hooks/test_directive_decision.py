@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanwatch.hooks.directive_decision import (
+from nanwatch.hooks.directives.decision import (
     Candidate,
     Decision,
     InForce,

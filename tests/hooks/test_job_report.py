@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support import free_port
 
-from nanwatch.hooks.job_stats import Table, merge_tables
+from nanwatch.hooks.report.job_stats import Table, merge_tables
 
 STEPS_BOTH = [0, 1, 2, 3, 4, 5, 7, 8]  # steps both ranks ran (rank 1 skipped 6 and stopped after 8)
 

@@ -126,7 +126,7 @@ def test_log_scalars_count_overflows_apart_from_nonfinite_steps():
 def test_a_scale_under_one_is_a_warning(caplog):
     from support import step_report
 
-    from nanwatch.hooks.local_log import _Lines
+    from nanwatch.hooks.report.local_log import _Lines
 
     caplog.set_level(logging.INFO, logger="nanwatch")
     lines = _Lines(incidents=True, every=None)
@@ -168,7 +168,7 @@ def test_a_normal_exit_sends_one_final_report_last(tmp_path):
     (path,) = tmp_path.glob("*.jsonl")
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[-1]["final"] is True and not any(rec.get("nanwatch_log") == "closed" for rec in lines)
-    from nanwatch.status_view import fold
+    from nanwatch.cli.status_view import fold
 
     (run,) = fold(lines)
     assert run["ranks"][0]["state"] == "ended" and run["latest_step"] == 2

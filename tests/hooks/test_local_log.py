@@ -1,4 +1,4 @@
-"""The local record (nanwatch.hooks.local_log): a line in the training log per non-finite episode, not per
+"""The local record (nanwatch.hooks.report.local_log): a line in the training log per non-finite episode, not per
 NaN step; a JSONL file of every report, exact (NaN stays NaN), rotated at its size limit; a folder that
 cannot be written costs a warning, never the run."""
 

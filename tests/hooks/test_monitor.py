@@ -12,7 +12,7 @@ from support import TinyNet, step_reports, tiny_qwen3, token_ids
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
-from nanwatch.hooks import patching
+from nanwatch.hooks.instrument import patching
 
 pytest.importorskip("transformers")
 
@@ -316,7 +316,7 @@ def test_a_probe_failure_warns_and_training_goes_on(monkeypatch):
         raise RuntimeError("probe exploded")
 
     with nanwatch.attach(model, run_id="boom") as mon:
-        monkeypatch.setattr("nanwatch.hooks.observations.torch.aminmax", boom)
+        monkeypatch.setattr("nanwatch.hooks.measure.observations.torch.aminmax", boom)
         with pytest.warns(RuntimeWarning, match="probe exploded"), mon.step(0):
             out = _train_step(model, token_ids(seed=1))
     assert torch.isfinite(out.loss)

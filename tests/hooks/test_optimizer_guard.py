@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from support import TinyNet, tiny_qwen3, token_ids
 
 import nanwatch
-from nanwatch.hooks.weight_guard import guard_of
+from nanwatch.hooks.remedies.weight_guard import guard_of
 
 pytest.importorskip("transformers")
 

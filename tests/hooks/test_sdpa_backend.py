@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from nanwatch.hooks.sdpa_backend import (
+from nanwatch.hooks.measure.sdpa_backend import (
     cache_clear,
     confirmed_backend,
     explain,
     lse_of,
     predict,
 )
-from nanwatch.hooks.sdpa_rules import (
+from nanwatch.hooks.measure.sdpa_rules import (
     DeviceProfile,
     Flags,
     SdpaMeta,
@@ -391,7 +391,7 @@ def test_gpu_prediction_confirmation_and_port_agree():
 
 
 def test_saved_lse_is_normalised_to_heads_by_rows():
-    from nanwatch.hooks.sdpa_backend import normalize_lse
+    from nanwatch.hooks.measure.sdpa_backend import normalize_lse
 
     out = torch.zeros(2, 4, 5, 8)  # [B, H, L, E]
     cudnn = torch.arange(40.0).view(2, 4, 5, 1)  # cuDNN's softmax stats: [B, H, L, 1]
@@ -413,7 +413,7 @@ def test_a_nan_query_is_named_first_whatever_the_kernel_does_with_it(monkeypatch
     from support import tiny_qwen3, token_ids
 
     import nanwatch
-    from nanwatch.hooks import patching
+    from nanwatch.hooks.instrument import patching
 
     real = patching.ORIGINAL_SDPA
 

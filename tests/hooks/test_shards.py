@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from nanwatch.addresses import collector_urls, pick_collector
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.transport import collector_urls, pick_collector
 
 SHARDS = [f"http://collector-{i}.nanwatch:9464" for i in range(4)]
 RUNS = [f"run-{i}" for i in range(4000)]
@@ -57,7 +57,7 @@ def test_report_options_are_checked_at_construction():
 
 
 def test_a_large_jobs_heartbeats_slow_down_so_one_job_costs_a_collector_under_100_requests_a_second():
-    from nanwatch.hooks.job_report import heartbeat, heartbeat_interval
+    from nanwatch.hooks.report.job import heartbeat, heartbeat_interval
     from nanwatch.wire import StepReport
 
     assert heartbeat_interval(None, 16) == heartbeat_interval(None, 3000) == 30.0

@@ -11,7 +11,7 @@ import time
 import pytest
 from support import CollectorProcess, free_port, scrape, step_report
 
-from nanwatch.hooks.transport import DirectivePoller, ReportSender, _Backoff, _retry_after
+from nanwatch.hooks.report.transport import DirectivePoller, ReportSender, _Backoff, _retry_after
 from nanwatch.wire import ReportBatch
 
 
@@ -130,7 +130,7 @@ def test_sender_against_a_real_collector_reports_its_drops(tmp_path):
 
 def test_transport_imports_neither_torch_nor_the_web_stack():
     # Loaded by path: the nanwatch.hooks package itself imports torch, the module must not need it.
-    code = ("import importlib.util as u, sys, nanwatch.hooks.transport as t; "
+    code = ("import importlib.util as u, sys, nanwatch.hooks.report.transport as t; "
             "spec = u.spec_from_file_location('lone_transport', t.__file__); "
             "[sys.modules.pop(m) for m in list(sys.modules) if m.split('.')[0] in ('torch', 'nanwatch')]; "
             "u.module_from_spec(spec); spec.loader.exec_module(u.module_from_spec(spec)); "
@@ -149,9 +149,9 @@ def test_the_transport_imports_without_torch():
         "        if name.split('.')[0] in ('torch', 'transformers'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import nanwatch.hooks.transport, nanwatch.hooks.directive_decision, nanwatch.hooks.call_stack\n"
-        "import nanwatch.hooks.local_rules, nanwatch.hooks.compiled, nanwatch.hooks.failsafe\n"
-        "import nanwatch.tiny_models\n"
+        "import nanwatch.hooks.report.transport, nanwatch.hooks.directives.decision, nanwatch.hooks.measure.call_stack\n"
+        "import nanwatch.hooks.directives.local_rules, nanwatch.hooks.measure.compiled, nanwatch.hooks.failsafe\n"
+        "import nanwatch.bench.tiny_models\n"
         "from nanwatch.hooks import __all__ as names\n"
         "assert names == ['Monitor', 'MonitorConfig', 'attach'], names\n"
         "assert 'torch' not in sys.modules\n"
@@ -161,7 +161,7 @@ def test_the_transport_imports_without_torch():
 
 
 def test_one_collector_url_check():
-    from nanwatch.hooks.transport import check_collector_url
+    from nanwatch.addresses import check_collector_url
 
     assert check_collector_url("https://c.example:8443/prefix").port == 8443
     for bad in ("http://", "http://host:notaport", "ftp://host", "host:80"):

@@ -264,12 +264,12 @@ def test_the_old_import_path_still_works_and_says_it_moved():
 
     from nanwatch.hooks.integrations import trl as new_trl
 
-    for name in ("nanwatch.integrations.transformers", "nanwatch.integrations.trl"):
+    for name in ("nanwatch.hooks.integrations.transformers", "nanwatch.hooks.integrations.trl"):
         sys.modules.pop(name, None)
     with pytest.warns(DeprecationWarning, match="nanwatch.hooks.integrations.transformers"):
-        old = importlib.import_module("nanwatch.integrations.transformers")
+        old = importlib.import_module("nanwatch.hooks.integrations.transformers")
     with pytest.warns(DeprecationWarning, match="nanwatch.hooks.integrations.trl"):
-        old_trl = importlib.import_module("nanwatch.integrations.trl")
+        old_trl = importlib.import_module("nanwatch.hooks.integrations.trl")
     assert old.NanwatchCallback is NanwatchCallback and old_trl.instrument is new_trl.instrument
 
 

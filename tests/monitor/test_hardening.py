@@ -16,9 +16,9 @@ import httpx
 import pytest
 from support import ADMIN, JSON, TOKEN, CollectorProcess, background_collector, failing, scrape, step_report
 
-from nanwatch.monitor import exporter
+from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.read import exporter
 from nanwatch.monitor.settings import Settings
-from nanwatch.monitor.state import CollectorState
 from nanwatch.wire import MAX_INT, Incident, ReportBatch
 
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}", **JSON}

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from support import ADMIN, TOKEN, require_tool, scrape, step_report
 
-from nanwatch.hooks.transport import DirectivePoller, ReportSender
-from nanwatch.monitor.metric_names import METRICS
+from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
+from nanwatch.monitor.read.metric_names import METRICS
 from nanwatch.wire import ReportBatch
 
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}

@@ -12,7 +12,7 @@ import pytest
 from support import ADMIN, JSON, CollectorProcess, scrape, step_report
 
 from nanwatch.cli import main as cli_main
-from nanwatch.hooks.transport import ReportSender
+from nanwatch.hooks.report.transport import ReportSender
 from nanwatch.wire import MAX_INT, ReportBatch
 
 TEAM_A, TEAM_B, READER = "team-a-secret", "team-b-secret", "reader-secret"

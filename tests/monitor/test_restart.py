@@ -6,7 +6,7 @@ import httpx
 import pytest
 from support import JSON, CollectorProcess, scrape, step_report
 
-from nanwatch.hooks.transport import ReportSender
+from nanwatch.hooks.report.transport import ReportSender
 from nanwatch.wire import ReportBatch
 
 pytestmark = pytest.mark.slow

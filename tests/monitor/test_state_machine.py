@@ -40,11 +40,11 @@ from hypothesis.stateful import (
 )
 from support import JSON, scrape, step_report
 
-from nanwatch.monitor.ledger import Ledger
+from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.model.store import Store
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
-from nanwatch.monitor.state import CollectorState
-from nanwatch.monitor.store import Store
+from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.wire import MAX_INT, ReportBatch
 
 RUNS = ("a", "b")

@@ -1,0 +1,265 @@
+"""What ``nanwatch status`` prints, from either source: the collector's run view (``GET /v1/runs/{id}``, JSON)
+or a trainer's local JSONL record (``MonitorConfig.log_dir``, see ``nanwatch.hooks.report.local_log``), folded here
+into the same shape. One renderer prints both, so a figure reads the same wherever it came from.
+
+The fold mirrors the collector's ingest where it matters: run-level totals (non-finite site visits, SDPA
+calls, skipped steps) come from ``rank`` and ``job`` reports only (a ``detail`` report's figures are already
+in its job report), and a rank's view is its latest report. The lifecycle of a rank in a file: ``crashed``
+when its latest report carries ``raised``; ``ended`` when the Monitor wrote its closing record; ``live`` when
+its latest report is recent; otherwise ``silent`` (hung, or killed without a word), with how long.
+
+Imports nothing heavy (the CLI must start fast): the standard library and ``nanwatch.readable``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from nanwatch import readable
+
+__all__ = ["DEFAULT_LATE_S", "fold", "lifecycle", "read_records", "render_detail", "render_summary"]
+
+#: A rank silent this long is ``silent`` (the collector's own default, ``NANWATCH_RANK_LATE_S``)
+DEFAULT_LATE_S = 90.0
+_BACKUP = re.compile(r"\.jsonl(?:\.(\d+))?$")
+
+
+def _files(path: str) -> list[list[str]]:
+    """The JSONL file sets under ``path`` (a file, one of its rotated backups, or a folder): each set is one
+    Monitor's file and its backups, oldest first (``.N`` ... ``.1``, then the current one)."""
+    if os.path.isdir(path):
+        names = [p for p in glob.glob(os.path.join(path, "*.jsonl*")) if _BACKUP.search(p)]
+    else:
+        base = _BACKUP.sub(".jsonl", path) if _BACKUP.search(path) else path
+        names = [p for p in (base, *glob.glob(glob.escape(base) + ".*")) if os.path.isfile(p)] or [path]
+    sets: dict[str, list[tuple[int, str]]] = {}
+    for p in names:
+        m = _BACKUP.search(p)
+        base = p[: m.start()] + ".jsonl" if m else p
+        sets.setdefault(base, []).append((int(m.group(1)) if m and m.group(1) else 0, p))
+    return [[p for _, p in sorted(members, reverse=True)] for _, members in sorted(sets.items())]
+
+
+def read_records(path: str) -> Iterator[dict[str, Any]]:
+    """Every record under ``path``, file set by file set, each in the order it was written. A line that is
+    not JSON (a torn last line) is skipped."""
+    for members in _files(path):
+        for p in members:
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)  # NaN and Infinity are JSON constants here, as on the wire
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict):
+                        yield rec
+
+
+def _headroom(sites: list[dict]) -> dict[str, float]:
+    """The collector's per-kind headroom of one report: backward sites count as ``grad``; a NaN shows."""
+    out: dict[str, float] = {}
+    for s in sites:
+        kind = "grad" if s.get("phase") == "backward" else s.get("kind", "tensor")
+        h, cur = float(s.get("headroom", math.nan)), out.get(kind)
+        if cur is None or h > cur or h != h:
+            out[kind] = h
+    return out
+
+
+class _Run:
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.latest_step = 0
+        self.nonfinite = 0.0
+        self.job_skipped = 0
+        self.sdpa: dict[tuple[str, str, str], float] = {}
+        self.first: dict | None = None
+        self.events: list[dict] = []
+        self.ranks: dict[int, dict] = {}  # rank -> view of its latest incarnation
+        self.ended: dict[tuple[int, str], float] = {}
+
+    def report(self, r: dict) -> None:
+        scope, rank, step = r.get("scope", "rank"), int(r.get("rank", 0)), int(r.get("step", 0))
+        self.latest_step = max(self.latest_step, step)
+        sites = r.get("sites") or []
+        visits = sum(s.get("nan", 0) + s.get("inf", 0) for s in sites)
+        run_level = scope in ("rank", "job")
+        if run_level:
+            self.nonfinite += visits
+            for c in r.get("sdpa") or []:
+                key = (c["backend"], c["dtype"], c.get("stage", "train"))
+                self.sdpa[key] = self.sdpa.get(key, 0.0) + c.get("calls", 1)
+            self.job_skipped += scope == "job" and bool(r.get("step_skipped"))
+            fo = r.get("first_offender")
+            if fo is not None and (self.first is None or r["time"] < self.first["time"]):
+                who = r.get("first_offender_rank")
+                self.first = dict(site=fo, phase=r.get("first_offender_phase"), stage=r.get("first_offender_stage"),
+                                  rank=rank if who is None else who, step=step, time=r["time"])
+        inc = r.get("incident")
+        if inc is not None and scope != "detail":
+            detail = {k: v for k, v in inc.items() if k not in ("site", "step")}
+            self.events.append(dict(time=r["time"], kind="incident", step=inc.get("step"), rank=rank,
+                                    site=inc.get("site"), actor="", detail=detail))
+        view = self.ranks.get(rank)
+        if scope == "heartbeat":
+            if view is not None and r["time"] >= view["time"]:
+                view["time"] = r["time"]
+            return
+        if view is not None and (r["time"], r.get("seq", 0)) < (view["time"], view["seq"]):
+            return  # an older incarnation's report, read after a newer one's
+        skipped = (view["skipped_steps"] if view is not None and view["incarnation"] == r["incarnation"] else 0)
+        if view is not None and view["incarnation"] == r["incarnation"] and view["attention_mode"] != r.get(
+                "attention_mode", "none"):
+            self.events.append(dict(time=r["time"], kind="mode_changed", step=step, rank=rank, site=None, actor="",
+                                    detail={"previous_mode": view["attention_mode"],
+                                            "directive_version": r.get("directive_version", 0)}))
+        if r.get("stage", "train") != "train" and view is not None and view["incarnation"] == r["incarnation"]:
+            view.update(time=r["time"], seq=r.get("seq", 0), raised=r.get("raised"))  # eval: liveness only
+            return
+        logits = [float(lg["bound"]) for lg in r.get("logits") or []]
+        self.ranks[rank] = dict(
+            rank=rank, incarnation=r["incarnation"], seq=r.get("seq", 0), scope=scope, step=step, time=r["time"],
+            world_size=r.get("world_size", 1), attention_mode=r.get("attention_mode", "none"),
+            directive_version=r.get("directive_version", 0), dropped_reports=r.get("dropped_reports", 0),
+            nonfinite=visits, first_offender=r.get("first_offender"),
+            first_offender_phase=r.get("first_offender_phase"), headroom=_headroom(sites),
+            logit_max=max(logits) if logits else None, rlhf=r.get("rlhf"), raised=r.get("raised"),
+            skipped_steps=skipped + bool(r.get("step_skipped") and scope in ("rank", "detail")))
+
+    def closed(self, rec: dict) -> None:
+        self.ended[(int(rec.get("rank", 0)), str(rec.get("incarnation", "")))] = float(rec.get("time", 0.0))
+
+    def detail(self, now: float, late_s: float) -> dict[str, Any]:
+        ranks = []
+        for view in sorted(self.ranks.values(), key=lambda v: v["rank"]):
+            ended = self.ended.get((view["rank"], view["incarnation"]))
+            silent = max(0.0, now - view["time"])
+            state = ("crashed" if view["raised"] else "ended" if ended is not None
+                     else "live" if silent <= late_s else "silent")
+            ranks.append({**view, "state": state, "silent_s": silent, "late": state == "silent"})
+        first_nf = []
+        if self.first is not None:
+            first_nf = [dict(time=self.first["time"], kind="first_nonfinite", step=self.first["step"],
+                             rank=self.first["rank"], site=self.first["site"], actor="",
+                             detail={"phase": self.first["phase"], "stage": self.first["stage"] or "train"})]
+        events = sorted(first_nf + self.events, key=lambda e: e["time"])
+        last = max((v["time"] for v in self.ranks.values()), default=None)
+        skipped = max((v["skipped_steps"] for v in self.ranks.values()), default=0) + self.job_skipped
+        top = self.ranks.get(0) or next(iter(self.ranks.values()), None)
+        return dict(
+            run_id=self.run_id, source="file", live_ranks=sum(v["state"] == "live" for v in ranks),
+            latest_step=self.latest_step, last_report_time=last, nonfinite_total=self.nonfinite,
+            skipped_steps=skipped,
+            directive=None if top is None else dict(version=top["directive_version"], mode=top["attention_mode"]),
+            first_offender=None if self.first is None else {k: v for k, v in self.first.items() if k != "time"},
+            ranks=ranks, sdpa=[dict(backend=b, dtype=d, stage=s, calls=n) for (b, d, s), n in sorted(self.sdpa.items())],
+            event_counts={}, events=events)
+
+
+def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
+         late_s: float = DEFAULT_LATE_S) -> list[dict[str, Any]]:
+    """Run views (the collector's ``RunDetail`` shape, plus ``source``, ``skipped_steps`` and each rank's
+    ``state``) from a local record's reports and closing records, one per run id, sorted."""
+    runs: dict[str, _Run] = {}
+    for rec in records:
+        run_id = rec.get("run_id")
+        if not isinstance(run_id, str):
+            continue
+        run = runs.get(run_id) or runs.setdefault(run_id, _Run(run_id))
+        if rec.get("nanwatch_log") == "closed" or rec.get("final") is True:  # a final report: a normal end
+            run.closed(rec)
+        elif "seq" in rec and "incarnation" in rec and str(rec.get("v", "1")).split(".")[0] == "1":
+            run.report(rec)
+    now = time.time() if now is None else now
+    return [runs[k].detail(now, late_s) for k in sorted(runs)]
+
+
+def lifecycle(r: dict[str, Any]) -> str:
+    """A run's lifecycle in a few words: live, ended, crashed, or silent/hung (which rank, how long). A
+    collector that reports its own is taken at its word: ``status: crashed`` and ``crashed_ranks`` (the
+    collector's run view), or a rank's ``crashed`` exception type."""
+    ranks = r.get("ranks") or []
+    crashed = [{"rank": v["rank"], "raised": v.get("raised") or v.get("crashed"), "step": v.get("step")}
+               for v in ranks if v.get("state") == "crashed" or v.get("raised") or v.get("crashed")]
+    crashed += [c for c in r.get("crashed_ranks") or () if c["rank"] not in {v["rank"] for v in crashed}]
+    if r.get("status") == "crashed" or crashed:
+        which = ", ".join(f"rank {c['rank']} raised {c.get('raised') or '?'}"
+                          + (f" at step {c['step']}" if c.get("step") is not None else "") for c in crashed)
+        return "crashed" + (f" ({which})" if which else "")
+    late = [v for v in ranks if v.get("late")]
+    if late:
+        v = max(late, key=lambda v: v.get("silent_s") or 0)
+        return f"silent: rank {v['rank']} quiet for {v.get('silent_s', 0):.0f} s (hung, or gone without a word)"
+    if r.get("status") == "ended" or r.get("ended") or (ranks and all(v.get("state") == "ended" or v.get("ended")
+                                                                      for v in ranks)):
+        return "ended"
+    if r.get("live_ranks"):
+        return "live"
+    return "no live rank (ended or gone; totals are kept)"
+
+
+def _headroom_line(by_kind: dict[str, float]) -> str:
+    """Headroom per site kind, kinds that read alike grouped: ``<0.01% of max everywhere`` on a healthy run."""
+    groups: dict[str, list[str]] = {}
+    for kind, h in sorted(by_kind.items()):
+        groups.setdefault(readable.headroom(h), []).append(kind)
+    if len(groups) == 1:
+        return f"{next(iter(groups))} everywhere"
+    return "; ".join(f"{', '.join(kinds)} {text}" for text, kinds in groups.items())
+
+
+def render_summary(r: dict[str, Any]) -> str:
+    """One line for a run list."""
+    d = r.get("directive") or {}
+    return (f"{r['run_id']}: {lifecycle(r)}, {r['live_ranks']} live ranks, step {r['latest_step']}, "
+            f"{readable.visits(r['nonfinite_total'])}, {r.get('skipped_steps', 0):g} skipped steps, "
+            f"directive v{d.get('version', 0)} {d.get('mode', 'none')}")
+
+
+def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
+    """The lines of one run's view (from the collector's JSON or from :func:`fold`)."""
+    d, fo = r.get("directive") or {}, r.get("first_offender")
+    out = [f"run {r['run_id']}: {lifecycle(r)}; {r['live_ranks']} live ranks, latest step {r['latest_step']}"]
+    if "set_by" in d:
+        out.append(f"  directive: v{d['version']} {d['mode']} from step {d['apply_at_step']} "
+                   f"(set by {d['set_by'] or '-'}: {d['reason'] or '-'})")
+    elif d:
+        out.append(f"  attention mode: {d.get('mode', 'none')} (directive v{d.get('version', 0)})")
+    if fo:
+        stage = f", {fo['stage']}" if fo.get("stage") else ""
+        out.append(f"  first non-finite: {fo['site']} ({fo['phase']}{stage}) on rank {fo['rank']} at step {fo['step']}")
+    else:
+        out.append("  no non-finite value seen")
+    out.append(f"  non-finite site visits: {r['nonfinite_total']:g} (a visit is one call of a site, in one step, "
+               "whose tensor held a NaN or an Inf; not elements)")
+    for e in r.get("events") or []:
+        if e["kind"] == "incident":
+            out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
+    out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
+    stages = {"train": 0, "eval": 1, "generate": 2}
+    for s in sorted(r.get("sdpa") or [], key=lambda s: (s["backend"], s["dtype"], stages.get(s.get("stage"), 3))):
+        out.append(f"  sdpa {s['backend']:<10} {s['dtype']:<9} {s.get('stage', 'train'):<8} {s['calls']:g} calls")
+    for st in r.get("ranks") or []:
+        head = _headroom_line(st.get("headroom") or {})
+        state = st.get("state") or ("ended" if st.get("ended") else "silent" if st.get("late") else "live")
+        state += f" {st['silent_s']:.0f} s" if state == "silent" and st.get("silent_s") is not None else ""
+        skipped = f", {st['skipped_steps']:g} skipped" if "skipped_steps" in st else ""
+        out.append(f"  rank {st['rank']}: {state}, step {st['step']}, mode {st['attention_mode']}, "
+                   f"{readable.visits(st['nonfinite'])} in its latest step, logit max {readable.figure(st['logit_max'])}"
+                   f", dropped {st['dropped_reports']}{skipped}")
+        if head:
+            out.append(f"    headroom (amax / dtype max): {head}")
+        if st.get("rlhf"):
+            out.append(f"    rlhf: {readable.rlhf(st['rlhf'])}")
+    if events:
+        for e in (r.get("events") or [])[-events:]:
+            out.append(f"  event {e['kind']:<24} step {e['step']} rank {e['rank']} {e['site'] or ''} "
+                       f"{e['actor'] or ''} {json.dumps(e['detail'])}")
+    return out

@@ -1,0 +1,190 @@
+"""Installation: put one Monitor's probes on a model and hand back every handle that takes them off.
+
+What is installed: the attention modules' pre/post hooks, the logits head, the coarse localisation sites,
+the root module's hooks (forward count, fingerprint, kept inputs), the rotary embeddings' position ids,
+the boundary of a wrapper (DDP, ``torch.compile``), a gradient hook per parameter, a wrapper around
+``model.generate``, and the patched attention functions (``nanwatch.hooks.instrument.patching``). Installation is all
+or nothing: if any step fails, what was done is undone before the error propagates. The handles are
+removed in reverse order (last installed, first removed), as ``contextlib.ExitStack`` does.
+
+A model holds at most one Monitor, counting the modules inside it and those containing it (two monitors
+would double-count every site); a second is refused here.
+
+Example usage::
+
+    probes, handles = install(model, outer=wrapper, owner=monitor, config=cfg, rec=rec,
+                              directive_state=state, model_ref=weakref.ref(model))
+    ...
+    for h in reversed(handles):
+        h.remove()
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.instrument import patching
+from nanwatch.hooks.instrument.probes import Probes
+from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.structure import coarse_sites
+
+__all__ = ["RestoreAttr", "attention_modules", "install", "user_model"]
+
+#: model -> the Monitor attached to it (weak both ways: a model or Monitor that goes away leaves it)
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, object] = weakref.WeakKeyDictionary()
+
+
+def _module_wrappers() -> tuple[type, ...]:
+    """Wrapper classes that hold the user's model as ``.module``: DDP, DataParallel, and, when their library
+    is already loaded (a wrapper instance implies it; nanwatch never imports them), FSDP and DeepSpeed's
+    engine (HF ``Trainer`` with ``deepspeed=...`` hands the callback a ``DeepSpeedEngine``)."""
+    found: list[type] = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
+    for module, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                         ("deepspeed.runtime.engine", "DeepSpeedEngine")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def user_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside the wrappers training stacks put around it: DDP, DataParallel, FSDP and
+    DeepSpeed's engine (``.module``), ``torch.compile`` (``._orig_mod``), and their combinations (Accelerate
+    uses these). Site names are then the user's FQNs, and the output head is found. By type and attribute,
+    never by truthiness or ``len()`` (a compiled HF model refuses ``len()``)."""
+    wrappers = _module_wrappers()
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(model, wrappers) and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+    return model
+
+
+class RestoreAttr:
+    """A handle that puts an instance attribute back (``model.generate`` while wrapped)."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self._obj, self._name = obj, name
+
+    def remove(self) -> None:
+        try:
+            delattr(self._obj, self._name)
+        except AttributeError:
+            pass
+
+
+class _Claim:
+    """The handle that marks ``model`` as monitored by ``owner`` until removed."""
+
+    def __init__(self, model: torch.nn.Module, owner: object) -> None:
+        self._model, self._owner = weakref.ref(model), owner
+        _attached[model] = owner
+
+    def remove(self) -> None:
+        model = self._model()
+        if model is not None and _attached.get(model) is self._owner:
+            _attached.pop(model, None)
+
+
+def _refuse_overlap(model: torch.nn.Module) -> None:
+    for other in list(_attached):
+        if other is model or any(m is model for m in other.modules()) or any(m is other for m in model.modules()):
+            raise RuntimeError("nanwatch: this model (or a module inside it, or one containing it) already has a "
+                               "Monitor attached; close() it first (two monitors would double-count every site)")
+
+
+def attention_modules(model: torch.nn.Module, fqns: dict[int, str],
+                      is_attention: Callable[[str, torch.nn.Module], bool]) -> list[tuple[str, torch.nn.Module]]:
+    """The innermost modules ``is_attention`` accepts, with their site names (a match that contains
+    another match is dropped)."""
+    hits = [(fqns[id(m)], m) for n, m in model.named_modules() if is_attention(n, m)]
+    names = [n for n, _ in hits]
+    return [(n, m) for n, m in hits if not any(o.startswith(n + ".") for o in names)]
+
+
+def _wrap_generate(model: torch.nn.Module, probes: Probes) -> RestoreAttr:
+    """Forwards inside ``model.generate()`` (e.g. GRPO's rollouts) belong to the ``generate`` stage."""
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generating(*args, **kwargs):
+        with probes.generating():
+            return generate(*args, **kwargs)
+
+    model.generate = generating
+    return RestoreAttr(model, "generate")
+
+
+def install(model: torch.nn.Module, *, outer: torch.nn.Module | None, owner: object, config: MonitorConfig,
+            rec: Recorder, directive_state: DirectiveState,
+            model_ref: Callable[[], torch.nn.Module | None]) -> tuple[Probes, list]:
+    """Build the Probes of ``owner`` (a Monitor) and install them on ``model`` (``outer``: the wrapper the
+    user handed in, if any); returns them and the handles, in installation order."""
+    _refuse_overlap(model)
+    handles: list = []
+    try:
+        probes = _register(model, outer, config, rec, directive_state, model_ref, handles.append)
+        handles.append(_Claim(model, owner))
+        handles.append(probes.enable())
+        handles.append(patching.install(probes))
+    except BaseException:
+        for h in reversed(handles):
+            h.remove()
+        raise
+    return probes, handles
+
+
+def _register(model, outer, cfg: MonitorConfig, rec, directive_state, model_ref, hook) -> Probes:
+    # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
+    fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+    head = model.get_output_embeddings() if cfg.logits and hasattr(model, "get_output_embeddings") else None
+    head_name = fqns.get(id(head)) if isinstance(head, torch.nn.Module) else None
+    probes = Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=cfg.grads,
+                    exact_chunk_elems=cfg.exact_logit_chunk_elems,
+                    forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None,
+                    model=model_ref, head=head_name)
+    attn = attention_modules(model, fqns, cfg.is_attention)
+    if not attn:
+        warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, *DeltaNet); SDPA "
+                      "calls are still caught, eager attention is not. Pass is_attention= to name your attention "
+                      "modules.", RuntimeWarning, stacklevel=5)
+    for name, mod in attn:
+        hook(mod.register_forward_pre_hook(partial(probes.attn_pre, name)))
+        hook(mod.register_forward_hook(probes.attn_post, always_call=True))
+    if head_name is not None:
+        hook(head.register_forward_hook(partial(probes.output_hook, head_name, "logits"), always_call=True))
+    if cfg.coarse:
+        skip = {id(m) for _, m in attn} | ({id(head)} if head_name is not None else set())
+        for site, kind, mod in coarse_sites(model, fqns, skip):
+            hook(mod.register_forward_hook(partial(probes.output_hook, site, kind), always_call=True))
+            probes.mark_coarse(mod)
+    hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
+    hook(model.register_forward_hook(probes.root_post, with_kwargs=True))
+    if cfg.fingerprint:
+        for mod in model.modules():
+            if type(mod).__name__.endswith("RotaryEmbedding"):
+                hook(mod.register_forward_pre_hook(probes.rotary_pre, with_kwargs=True))
+    if outer is not None and outer is not model:  # DDP, torch.compile: the boundary runs in eager
+        hook(outer.register_forward_pre_hook(probes.boundary_pre))
+        hook(outer.register_forward_hook(probes.boundary_post))
+    # Parameter gradients: measured only in steps where compiled code ran (probes.param_grad), since
+    # their hooks run outside the graph; otherwise one early return per parameter and micro-batch.
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            hook(param.register_hook(partial(probes.param_grad, name)))
+    if callable(getattr(model, "generate", None)):
+        hook(_wrap_generate(model, probes))
+    return probes

@@ -1,0 +1,8 @@
+"""Measure: one step's values on the device (the recorder, its slot buffer and observation log), the
+inputs' fingerprint, attention-backend prediction and the logit bound, and the pure decode of a step's host
+copy. Imports nothing above it in ``nanwatch.hooks``.
+"""
+
+__all__ = ["call_stack", "collective", "compiled", "dtypes", "inputs", "kept_forward", "logit",
+           "observations", "optimizer_check", "param_sweep", "recorder", "rlhf", "sdpa_backend",
+           "sdpa_rules", "slot_buffer", "structure"]

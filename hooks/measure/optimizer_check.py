@@ -1,0 +1,178 @@
+"""The optimizer check: after an optimizer's step, the parameters it just wrote are read once, on the
+device, so that a non-finite value born in the update itself is named at the step it happened.
+
+Why (#17): a pure-fp16 AdamW underflows ``eps`` (1e-8 rounds to 0 in fp16), so where ``exp_avg_sq``
+underflows too the update is 0/0 or x/0, and ``optimizer.step()`` writes NaN/Inf into the parameters at
+step 0 (measured: all 25 parameters of the tiny Qwen3, on CPU). The forward and backward of that step were
+finite, so nothing named it; from step 1 on every site was NaN and the rotating parameter check named a
+different parameter each step. A weight guard cannot help (it decides before the update).
+
+How: a step post-hook on the optimizer (``Optimizer.register_step_post_hook``: it runs after the real
+update, and not at all when the weight guard or a GradScaler skipped the call) takes the parameters that
+had a gradient (the ones a ``torch.optim`` optimizer updates) and computes ``torch._foreach_norm(params,
+ord=inf)`` per (device, dtype): one multi-tensor kernel on CUDA, one read of each parameter; the largest
+magnitude of a parameter is NaN or Inf exactly when the parameter holds one. The per-parameter values stay
+on the device as a :class:`ParamBatch` of the step (no host sync); the report decodes them on the reporter
+thread, and only the non-finite ones become sites (kind ``param``, phase ``optimizer``; the first
+:data:`MAX_NAMED` in the model's parameter order, the rest counted). Execution order puts the batch where it
+was recorded, after the step's forward and backward, so a step whose forward was already non-finite keeps
+its forward site as the first offender.
+
+The same values describe the weights the next step starts from: at the next step start they are recorded
+again (phase ``forward``, as the rotating parameter check records), so every later step names a non-finite
+parameter first, not the attention layer it poisons (no precision remedy is offered for that). A
+parameter changed in place since (a checkpoint reload bumps its ``_version``) makes the carried values
+stale: they are then dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from nanwatch.hooks.failsafe import guarded
+from nanwatch.wire import Incident, dtype_name
+
+__all__ = ["MAX_NAMED", "BatchSeen", "OptimizerCheck", "ParamBatch", "optimizer_incident", "read_batch"]
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (as ``nanwatch.hooks.instrument.probes.local_shard``; not imported from there:
+    the probes import the recorder, which imports this module)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+#: Non-finite parameters of one batch named as sites in a report (the rest are counted).
+MAX_NAMED = 16
+
+
+@dataclass(slots=True)
+class ParamBatch:
+    """Parameters read together by one device op, one value each (the largest magnitude; NaN or Inf when
+    the parameter holds one). Training thread until handed over with the step."""
+
+    pos: int
+    """Where in the step's execution order it was recorded (the number of rows before it)."""
+    phase: str
+    """``optimizer``: read right after the update; ``forward``: the same values, as the next step starts."""
+    owner: str
+    """The optimizer's class name."""
+    names: list[str]
+    dtypes: list[str]
+    numels: list[int]
+    values: torch.Tensor
+    """``[len(names)]`` float32 on the recorder's device (set by ``Recorder.param_batch``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSeen:
+    """A decoded batch: which parameters were non-finite."""
+
+    batch: ParamBatch
+    bad: list[tuple[int, bool]]
+    """(index in the batch, is NaN) of each non-finite parameter, in the batch's (model) order."""
+
+
+def read_batch(batch: ParamBatch, values: list[float]) -> BatchSeen:
+    """The non-finite parameters of ``batch`` in ``values``, its host copy (reporter thread)."""
+    bad = [(i, v != v) for i, v in enumerate(values) if not math.isfinite(v)]
+    return BatchSeen(batch, bad)
+
+
+def optimizer_incident(seen: BatchSeen, *, step: int) -> Incident:
+    """The incident of a value born in the optimizer update: no replay can add to it (the forward and
+    backward were finite), and no precision switch helps."""
+    b = seen.batch
+    first = b.names[seen.bad[0][0]]
+    n = len(seen.bad)
+    return Incident(
+        cls="optimizer", step=step, site=first, phase="optimizer", birth=first, birth_kind="param",
+        birth_params={b.names[i][-64:]: 1 for i, _ in seen.bad[:64]},
+        note=(f"born in the optimizer update ({b.owner}) at step {step}: {n} parameter{'s' if n != 1 else ''} "
+              f"non-finite after step(), forward and backward finite; no precision switch helps (check eps "
+              "and the learning rate for the parameters' dtype, and restore the weights)"))
+
+
+class _Records(Protocol):
+    """What the check writes into: ``nanwatch.hooks.measure.recorder.Recorder`` (not imported: it imports this
+    module for the batch types)."""
+
+    def param_batch(self, batch: ParamBatch) -> None: ...
+
+
+class OptimizerCheck:
+    """One optimizer's post-step check (see the module docstring); ``remove()`` takes it off.
+
+    Example usage::
+
+        check = OptimizerCheck(opt, rec=rec, names={id(p): n for n, p in model.named_parameters()})
+        ...                      # every opt.step() records a ParamBatch into the open step
+        check.carry()            # at the next step start
+        check.remove()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, rec: _Records, names: dict[int, str]) -> None:
+        self.optimizer = optimizer
+        self._rec = rec
+        self._names = names
+        self._owner = type(optimizer).__name__
+        self._last: tuple[ParamBatch, list[torch.Tensor], list[int]] | None = None
+        #: the parameters of the last check, by id, and what is derived from them alone (their grouping by
+        #: device and dtype, names, dtypes, sizes): the same every step unless the set of updated ones changes
+        self._layout: tuple[tuple[int, ...], list[list[torch.Tensor]], dict[str, list]] | None = None
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not torch.compiler.is_compiling():
+            guarded(self._check)
+
+    def _check(self) -> None:
+        """Device ops only: one ``_foreach_norm`` per (device, dtype) of the updated parameters."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None and p.is_floating_point()]
+        if not params:
+            return
+        groups, meta = self._layout_of(params)
+        parts = [torch.stack(torch._foreach_norm([_local(p).detach() for p in group], ord=math.inf))
+                 for group in groups]
+        batch = ParamBatch(
+            pos=0, phase="optimizer", owner=self._owner, names=meta["names"], dtypes=meta["dtypes"],
+            numels=meta["numels"],
+            values=parts[0] if len(parts) == 1 else torch.cat([x.float().to(parts[0].device) for x in parts]))
+        self._rec.param_batch(batch)
+        ordered = meta["ordered"]
+        self._last = (batch, ordered, [p._version for p in ordered])
+
+    def _layout_of(self, params: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], dict[str, list]]:
+        """``params`` grouped by (device, dtype), and their names, dtypes and sizes in that order: computed
+        once per set of updated parameters, not every step."""
+        key = tuple(id(p) for p in params)
+        if self._layout is None or self._layout[0] != key:
+            by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in params:
+                by.setdefault((p.device, p.dtype), []).append(p)
+            groups = list(by.values())
+            ordered = [p for group in groups for p in group]
+            meta = {"names": [self._names.get(id(p)) or f"{self._owner}.param{i}" for i, p in enumerate(ordered)],
+                    "dtypes": [dtype_name(p.dtype) for p in ordered], "numels": [p.numel() for p in ordered],
+                    "ordered": ordered}
+            self._layout = (key, groups, meta)
+        return self._layout[1], self._layout[2]
+
+    def carry(self) -> None:
+        """Step start: the last check's values, as the weights this step starts from; kept while the
+        parameters are unchanged (a skipped step writes nothing), dropped once one was written since."""
+        if self._last is None:
+            return
+        batch, params, versions = self._last
+        if all(p._version == v for p, v in zip(params, versions, strict=True)):
+            self._rec.param_batch(dataclasses.replace(batch, phase="forward"))
+        else:
+            self._last = None
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._last = None

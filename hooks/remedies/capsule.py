@@ -1,0 +1,299 @@
+"""The incident capsule (issue #20): the birth module of a run's first non-finite step, in one file that
+``nanwatch replay CAPSULE`` re-runs anywhere.
+
+The drill-down (``nanwatch.hooks.remedies.rerun._drill``) re-runs the culprit micro-batch with every module
+watched; it knows the birth module and the exact positional and keyword arguments of its faulting call.
+This module copies them, with the module's own parameters and buffers and the CPU RNG state at the call's
+start, to the CPU on the training thread (they are needed before the step moves on: the next optimizer
+step changes the weights) and writes them on a background thread, in **one safetensors file**
+``<dir>/<run_id>-r<rank>-s<step>-<cls>.capsule``:
+
+- tensors ``param.<name>``, ``buffer.<name>``, ``arg.<i>[.<j>...]``, ``kwarg.<name>[.<j>...]``, ``rng.cpu``,
+  ``rng.cuda.<i>``;
+- the safetensors metadata (str -> str), key ``nanwatch.capsule``, holding one JSON document: format version,
+  the module's class path and FQN, for HF modules ``config`` (``config.to_dict()``, its class path and the
+  attention implementation) and constructor hints (``layer_idx``), for ``torch.nn`` modules the constructor
+  arguments recovered from its attributes, the structure of the call's arguments (non-tensor values that
+  are JSON-able; others listed as dropped), autocast and default dtype, the SDPA backend flags (which an
+  ``sdpa_kernel`` context sets), torch/transformers versions, device, host, the nanwatch Incident, the size
+  limit and what was dropped beyond it.
+
+Nothing is pickled: a capsule is tensors plus JSON, so opening one cannot run code.
+
+Bounds: at most ``capsule_max`` capsules per run; each under ``capsule_max_bytes`` (parameters first, then
+buffers, then inputs, in call order; what does not fit is not copied and is named in the metadata). Clean
+steps never reach this module: the drill-down only runs on the run's first non-finite step. Any failure
+is warned about once and the incident goes on without a capsule (``Incident.capsule`` None).
+
+A ``not_reproducible`` incident has no drill-down (the re-run is finite, there is no birth to follow): its
+capsule holds the first offender's module (the incident's ``site``) with the call it received in the
+re-run of the step's first kept micro-batch, the inputs training fed it with the weights guarded, so that
+``nanwatch replay`` on another host runs the same call (metadata ``capture.of`` is ``first_offender``).
+
+Not done here: object-store URLs for ``NANWATCH_CAPSULE_DIR`` (a local directory only), and a capsule for
+a backward birth (the differential replay declines a ``phase == "backward"`` incident: it re-runs forwards
+only, so there is no faulting call to capture; ``nanwatch replay`` refuses such a capsule, exit 2).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FORMAT", "META_KEY", "CapsuleWriter", "capsule_settings"]
+
+log = logging.getLogger("nanwatch")
+
+FORMAT = "nanwatch.capsule/1"
+META_KEY = "nanwatch.capsule"
+_SAFE = re.compile(r"[^A-Za-z0-9._=+@-]")
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def capsule_settings(enabled: bool | None, max_count: int | None, directory: str | None,
+                     max_bytes: int | None) -> tuple[bool, int, str, int]:
+    """The effective settings: the Monitor's options, else ``NANWATCH_CAPSULE`` (``0`` turns it off),
+    ``NANWATCH_CAPSULE_MAX`` (default 4), ``NANWATCH_CAPSULE_DIR`` (default ``./nanwatch-capsules``),
+    ``NANWATCH_CAPSULE_MAX_BYTES`` (default 256 MiB)."""
+    env = os.environ
+    on = enabled if enabled is not None else env.get("NANWATCH_CAPSULE", "1").strip().lower() not in (
+        "0", "false", "off", "no")
+    try:
+        count = max_count if max_count is not None else int(env.get("NANWATCH_CAPSULE_MAX", "4"))
+        limit = max_bytes if max_bytes is not None else int(env.get("NANWATCH_CAPSULE_MAX_BYTES", str(256 << 20)))
+    except ValueError:
+        raise ValueError("NANWATCH_CAPSULE_MAX and NANWATCH_CAPSULE_MAX_BYTES must be integers") from None
+    folder = directory if directory is not None else env.get("NANWATCH_CAPSULE_DIR") or "./nanwatch-capsules"
+    if "://" in str(folder):
+        raise ValueError(f"NANWATCH_CAPSULE_DIR / capsule_dir {folder!r}: object-store URLs are not supported "
+                         "yet; use a local directory")
+    if count < 0 or limit < 4096:
+        raise ValueError(f"capsule_max must be >= 0 and capsule_max_bytes >= 4096, got {count} and {limit}")
+    return bool(on) and count > 0, count, os.fspath(folder), limit
+
+
+def _class_path(obj: Any) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _ctor_args(module: torch.nn.Module) -> tuple[dict[str, Any], list[str]]:
+    """A ``torch.nn`` module's constructor arguments, recovered from its attributes of the same name
+    (``Linear.in_features``; ``bias`` from whether the parameter exists). Returns (args, missing): a
+    required argument that has no attribute is missing and the module cannot be rebuilt."""
+    args: dict[str, Any] = {}
+    missing: list[str] = []
+    try:
+        sig = inspect.signature(type(module).__init__)
+    except (TypeError, ValueError):
+        return {}, ["<signature>"]
+    for name, p in list(sig.parameters.items())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in ("device", "dtype"):
+            continue
+        if hasattr(module, name):
+            v = getattr(module, name)
+            if isinstance(v, torch.Tensor) or v is None and name == "bias":
+                v = v is not None
+            elif isinstance(v, (tuple, list)):
+                v = list(v) if all(isinstance(x, _JSON_SCALARS) for x in v) else None
+            if isinstance(v, _JSON_SCALARS + (list,)):
+                args[name] = v
+                continue
+        if p.default is p.empty:
+            missing.append(name)
+    return args, missing
+
+
+def _build_info(module: torch.nn.Module) -> dict[str, Any]:
+    """How ``nanwatch replay`` rebuilds the module: ``kind`` hf, nn or user."""
+    info: dict[str, Any] = {"class": _class_path(module)}
+    config = getattr(module, "config", None)
+    mod = type(module).__module__
+    if mod.startswith("transformers.") and config is not None and hasattr(config, "to_dict"):
+        hints = {}
+        sig = inspect.signature(type(module).__init__)
+        for name in sig.parameters:
+            v = getattr(module, name, None)
+            if name not in ("self", "config") and isinstance(v, _JSON_SCALARS) and v is not None:
+                hints[name] = v
+        info.update(kind="hf", config=config.to_dict(), config_class=_class_path(config),
+                    attn_implementation=getattr(config, "_attn_implementation", None), hints=hints)
+    elif mod.startswith("torch.nn."):
+        args, missing = _ctor_args(module)
+        info.update(kind="nn", args=args)
+        if missing:
+            info["missing"] = missing
+    else:
+        info.update(kind="user")
+    return info
+
+
+@dataclass
+class _Packer:
+    """The call's arguments as a JSON structure, tensors copied to the CPU within a byte budget."""
+
+    budget: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    used: int = 0
+
+    def tensor(self, key: str, t: torch.Tensor) -> dict[str, Any]:
+        # the header entry of a tensor: its name, dtype, shape and offsets (about 80 bytes and the name)
+        need = t.numel() * t.element_size() + len(key) + 96
+        if self.used + need > self.budget:
+            self.dropped.append(f"{key} ({tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, "
+                                f"{t.numel() * t.element_size()} bytes)")
+            return {"tensor": key, "dropped": True}
+        self.used += need
+        # a copy of its own (safetensors refuses tensors that share storage), contiguous, on the CPU
+        self.tensors[key] = t.detach().to("cpu", copy=True).contiguous()
+        return {"tensor": key}
+
+    def pack(self, key: str, x: Any) -> dict[str, Any]:
+        if isinstance(x, torch.Tensor):
+            return self.tensor(key, x)
+        if isinstance(x, _JSON_SCALARS):
+            return {"value": x}
+        if isinstance(x, torch.dtype):
+            return {"dtype": str(x).removeprefix("torch.")}
+        if isinstance(x, (tuple, list)):
+            return {"seq": [self.pack(f"{key}.{i}", v) for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
+        if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+            return {"dict": {k: self.pack(f"{key}.{k}", v) for k, v in x.items()}}
+        self.dropped.append(f"{key} ({type(x).__module__}.{type(x).__qualname__}: not a tensor nor JSON)")
+        return {"dropped": _class_path(x)}
+
+
+def _sdpa_flags() -> dict[str, bool]:
+    b = torch.backends.cuda
+    flags = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
+             "math": b.math_sdp_enabled()}
+    if hasattr(b, "cudnn_sdp_enabled"):
+        flags["cudnn"] = b.cudnn_sdp_enabled()
+    return flags
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        from importlib.metadata import version
+
+        out["transformers"] = version("transformers")
+        out["nanwatch"] = version("nanwatch")
+    except Exception:  # noqa: BLE001 - versions are informative
+        pass
+    return out
+
+
+class CapsuleWriter:
+    """Writes up to ``max_count`` capsules per run, one per incident class, each on a background thread."""
+
+    def __init__(self, *, run_id: str, rank: int, directory: str, max_count: int, max_bytes: int) -> None:
+        # absolute: the report names the file for someone on another machine, not relative to a cwd
+        self.run_id, self.rank, self.directory = run_id, rank, os.path.abspath(directory)
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.written = 0
+        self._classes: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._warned = False
+
+    def wants(self, cls: str) -> bool:
+        return self.written < self.max_count and cls not in self._classes
+
+    def capture(self, *, incident: Any, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+                rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor] | None = None,
+                of: dict[str, Any] | None = None) -> str | None:
+        """Copy the faulting call to the CPU now, write the file later; the path it will have (None: not
+        captured). ``of`` says which call it is (metadata ``capture``: ``{"of": "birth"}``, the drill-down's
+        birth module; ``{"of": "first_offender", ...}``, a not-reproducible incident's first offender in the
+        re-run). Never raises."""
+        if not self.wants(incident.cls):
+            return None
+        try:
+            path, tensors, meta = self._prepare(incident, name, module, args, kwargs, rng, cuda_rng or {},
+                                                of or {"of": "birth"})
+        except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+            self._warn(f"capsule not captured: {type(exc).__name__}: {exc}")
+            return None
+        self.written += 1
+        self._classes.add(incident.cls)
+        t = threading.Thread(target=self._write, args=(path, tensors, meta), name="nanwatch-capsule", daemon=True)
+        self._threads.append(t)
+        t.start()
+        return path
+
+    def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng, of):
+        step, cls = incident.step, incident.cls
+        fname = _SAFE.sub("_", f"{self.run_id}-r{self.rank}-s{step}-{cls}.capsule")
+        path = os.path.join(self.directory, fname)
+        if len(path) > 1024 or re.search(r"[\x00-\x1f\x7f]", path):  # Incident.capsule's wire bounds
+            raise ValueError(f"the capsule path is over 1024 characters or has control characters: {path[:80]!r}...")
+        # on this thread, once: an unwritable folder means no capsule, not a report naming a file never written
+        os.makedirs(self.directory, exist_ok=True)
+        if not os.access(self.directory, os.W_OK):
+            raise PermissionError(f"{self.directory} is not writable")
+        device = next((str(t.device) for t in (*module.parameters(), *module.buffers())), None)
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        device = device or (str(first.device) if first is not None else "cpu")
+        dev_type = torch.device(device).type
+        meta: dict[str, Any] = {
+            "format": FORMAT, "fqn": name, "build": _build_info(module), "training": module.training,
+            "device": device, "host": socket.gethostname(), "rank": self.rank, "run_id": self.run_id,
+            "versions": _versions(), "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+            "autocast": {"enabled": torch.is_autocast_enabled(dev_type) if dev_type in ("cpu", "cuda") else False,
+                         "dtype": str(torch.get_autocast_dtype(dev_type)).removeprefix("torch.")
+                         if dev_type in ("cpu", "cuda") else None, "device_type": dev_type},
+            "sdpa": _sdpa_flags(), "max_bytes": self.max_bytes, "capture": of,
+            "incident": incident.model_dump(mode="json"),
+        }
+        # the header's JSON (escaped once more as a metadata string) and its framing stay inside the limit
+        reserve = 2 * len(json.dumps(meta, default=str)) + (16 << 10)
+        p = _Packer(budget=max(0, self.max_bytes - reserve))
+        meta["params"] = [p.tensor(f"param.{n}", t)["tensor"] for n, t in module.named_parameters(recurse=True)]
+        meta["buffers"] = [p.tensor(f"buffer.{n}", t)["tensor"] for n, t in module.named_buffers(recurse=True)]
+        meta["args"] = [p.pack(f"arg.{i}", a) for i, a in enumerate(args)]
+        meta["kwargs"] = {k: p.pack(f"kwarg.{k}", v) for k, v in kwargs.items()}
+        if rng is not None:
+            p.tensor("rng.cpu", rng)
+        for i, s in cuda_rng.items():
+            p.tensor(f"rng.cuda.{i}", s)
+        meta["params"] = [k for k in meta["params"] if k in p.tensors]
+        meta["buffers"] = [k for k in meta["buffers"] if k in p.tensors]
+        meta["dropped"] = p.dropped
+        return path, p.tensors, meta
+
+    def _write(self, path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        try:
+            from safetensors.torch import save_file
+
+            tmp = f"{path}.{os.getpid()}.tmp"
+            save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, default=str)})
+            size = os.path.getsize(tmp)
+            if size > self.max_bytes:  # the reserve is generous; never leave a file beyond the limit
+                os.remove(tmp)
+                raise RuntimeError(f"{size} bytes would exceed capsule_max_bytes {self.max_bytes}")
+            os.replace(tmp, path)  # readers never see half a capsule
+            log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: nanwatch replay %s",
+                        path, size, f", {len(meta['dropped'])} tensors dropped" if meta["dropped"] else "", path)
+        except Exception as exc:  # noqa: BLE001 - the writer thread must not die loudly
+            self._warn(f"capsule {path} not written: {type(exc).__name__}: {exc}")
+
+    def _warn(self, msg: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("nanwatch: %s (training goes on)", msg)
+
+    def join(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) for the capsules being written: at close, and in tests."""
+        for t in self._threads:
+            t.join(timeout)

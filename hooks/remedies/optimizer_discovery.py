@@ -1,0 +1,87 @@
+"""Optimizer discovery: the optimizers that step a model's parameters, found at their first step, so that
+``attach(model)`` without ``optimizer=`` still guards and checks them (#17: it guarded nothing, silently).
+
+A global ``torch.optim.optimizer.register_optimizer_step_pre_hook`` runs before every step of every
+``torch.optim.Optimizer`` subclass in the process (Adafactor, bitsandbytes' 8-bit optimizers and
+Accelerate's inner optimizers are such subclasses). Each optimizer is looked at once (a weak set; later
+steps cost one set lookup): one whose parameter groups hold a parameter of the model is handed to the
+Monitor, which guards it from then on and, for this first call, is already inside its step (the pre-hook
+decides it: ``nanwatch.hooks.remedies.weight_guard.drop_grads_if_flagged``). Other models' optimizers are left
+alone, and an optimizer already guarded (passed explicitly, or by another Monitor) is not guarded twice.
+The hook is removed when the Monitor closes.
+
+What it cannot see: an optimizer that is not a ``torch.optim.Optimizer`` (or one whose subclass skips
+``Optimizer.__init__``, so that its ``step`` runs no hooks). The Monitor says so, loudly, when steps
+train and no optimizer was found (:data:`UNFOUND_AFTER_STEPS`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from nanwatch.hooks.failsafe import probe_failed
+
+__all__ = ["UNFOUND_AFTER_STEPS", "OptimizerDiscovery", "steps_model"]
+
+#: Training steps (a training forward in the step) after which a Monitor that found no optimizer says so.
+#: More than one, since a loop whose nanwatch steps are micro-batches steps its optimizer every few.
+UNFOUND_AFTER_STEPS = 8
+
+
+def steps_model(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer`` updates a parameter of ``model`` (False once the model is gone). Read afresh each call:
+    for the rare lookups that need no cache (a GradScaler's first step, ``nanwatch.hooks.remedies.loss_scaling``)."""
+    if model is None:
+        return False
+    ids = {id(p) for p in model.parameters()}
+    return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+
+class OptimizerDiscovery:
+    """Calls ``on_found(optimizer)`` once for each optimizer whose first step updates a parameter of
+    ``model`` (from inside that step, before its body runs); ``remove()`` takes the global hook off.
+
+    Example usage::
+
+        disc = OptimizerDiscovery(model, on_found=lambda opt: print("found", type(opt).__name__))
+        opt.step()        # -> found AdamW
+        disc.remove()
+    """
+
+    def __init__(self, model: torch.nn.Module, *, on_found: Callable[[torch.optim.Optimizer], None]) -> None:
+        self._params = {id(p) for p in model.parameters()}
+        self._model = weakref.ref(model)
+        self._on_found = on_found
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.found = 0
+        self._handle = register_optimizer_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer in self._seen:
+            return None
+        try:
+            self._seen.add(optimizer)
+            if self._steps_model(optimizer):
+                self.found += 1
+                self._on_found(optimizer)
+        except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+            probe_failed(exc)
+        return None  # the step's arguments unchanged
+
+    def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
+        ids = self._params
+        if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+            return True
+        model = self._model()  # a wrapper may have swapped the parameters since attach (FSDP flattening)
+        if model is None:
+            return False
+        self._params = ids = {id(p) for p in model.parameters()}
+        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+    def remove(self) -> None:
+        self._handle.remove()

@@ -1,0 +1,308 @@
+"""Differential replay: classify a run's first non-finite step before choosing the remedy.
+
+The training forwards of each step are kept by reference (their inputs and the RNG state at their start;
+nothing is copied). When a step turns out non-finite, the micro-batch is re-run, forward only and without
+grad, before the next optimizer step (the weight guard skipped this one, so the weights are those it ran
+with):
+
+1. on the same path, same inputs, same RNG: finite means **not reproducible** (suspect hardware or a
+   race: the incident names the rank and host);
+2. the inputs themselves: non-finite rows that are all fully masked query rows (pad rows of a left-padded
+   batch are fully masked on every clean step too: they are blamed only when they are where the value was
+   born), a non-finite floating input, or a parameter of the birth module already non-finite, is **data/mask**;
+3. under fp32 attention, and on the SDPA math kernel: if either is finite the fast path was at fault,
+   **precision** (a fallback helps); if both are non-finite too, **data/mask** (no precision switch helps).
+
+On the culprit micro-batch a drill-down re-runs the same path once more with every module watched: the
+first module to *finish* with a non-finite output, from a finite input, is where the value was born (a
+leaf such as ``mlp.down_proj``); if that module's input was already non-finite, the value was born in the
+enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that were already non-finite and
+the exact count of non-finite elements it produced, and the path the value then took. That module's
+faulting call (its arguments, parameters, RNG and settings) is what an incident capsule holds
+(``nanwatch.hooks.remedies.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
+
+Non-finite means: at the first offender's module, at any attention call's query or output, or at the
+model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
+forward, no more), once per run, plus one host read of the step's non-finite flag per step while replay is
+on. It does not run when it cannot be sound: a NaN born in backward (the replay re-runs forwards), no kept
+forward, compiled code in the step (the probes, and so the fp32 path, are off inside graphs), or no weight
+guard (the weights already moved). The incident then says ``not_classified`` and why.
+
+Many ranks: the replay runs on the rank whose step was non-finite, alone, outside the user's step. That is
+sound only where a forward issues no collective. Under DDP it calls the inner module (the Monitor's model
+is the user's, inside the wrapper), whose forward communicates nothing, and every rank skipped the step
+(the guard's reduction), so the weights are those the step ran with. Under FSDP, DTensor parameters,
+DeepSpeed ZeRO-3 or SyncBatchNorm a forward gathers from every rank: one rank re-running it hung the job
+(measured, FSDP2 on 2 gloo ranks), so there the replay does not run and the incident says which wrapper
+(``nanwatch.hooks.measure.collective.collective_forward``). Running it on every rank together would need the
+ranks to agree on every branch of the search (which micro-batch, which path), a collective per branch.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from functools import partial
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.instrument.probes import Probes, first_tensor
+from nanwatch.hooks.measure.collective import collective_forward
+from nanwatch.hooks.measure.inputs import dead_rows
+from nanwatch.hooks.measure.kept_forward import KeptForward
+from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.wire import Incident
+
+__all__ = ["classify", "replay"]
+
+log = logging.getLogger("nanwatch")
+
+
+def _nonfinite_input(kept: KeptForward) -> bool:
+    tensors = [x for x in (*kept.args, *kept.kwargs.values()) if isinstance(x, torch.Tensor)]
+    return any(bool((~torch.isfinite(t)).any()) for t in tensors if t.is_floating_point())  # sync-ok: replay
+
+
+def _named_module_of(model: torch.nn.Module, site: str | None) -> tuple[str, torch.nn.Module] | None:
+    """(FQN, module) a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+    if site is None:
+        return None
+    modules = dict(model.named_modules())
+    for name in (site, site.rsplit(".", 1)[0]):
+        if name in modules:
+            return name, modules[name]
+    return None
+
+
+def _module_of(model: torch.nn.Module, site: str | None) -> torch.nn.Module | None:
+    """The module a site is measured at (``x.query`` and ``x.log_probs`` are read inside module ``x``)."""
+    named = _named_module_of(model, site)
+    return named[1] if named is not None else None
+
+
+def _first_call(module: torch.nn.Module, sink: list) -> Any:
+    """A forward pre-hook handle that puts ``module``'s first call (its arguments by reference, the CPU RNG
+    state at its start) into ``sink``: the call a not-reproducible incident's capsule holds."""
+    def enter(mod, args, kwargs) -> None:
+        if not sink:
+            sink.append((args, dict(kwargs), torch.get_rng_state()))
+
+    return module.register_forward_pre_hook(enter, with_kwargs=True)
+
+
+def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch.nn.Module | None) -> bool:
+    """Re-run one forward without grad on its own RNG state; True when it is non-finite at ``watch``'s
+    output, at any attention call's query or output (a fused kernel can hide a NaN query), or at the
+    model's output."""
+    def record(module, args, output) -> None:
+        t = first_tensor(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            probes.replayed(t)
+
+    handle = watch.register_forward_hook(record) if watch is not None else None
+    torch.set_rng_state(kept.cpu_rng)
+    if kept.cuda_rng:
+        torch.cuda.set_rng_state_all(kept.cuda_rng)
+    try:
+        with probes.replaying_forward() as seen, torch.no_grad():
+            record(model, (), model(*kept.args, **kept.kwargs))
+    finally:
+        if handle is not None:
+            handle.remove()
+    return not bool(torch.stack(seen).all()) if seen else False  # sync-ok: replay, once per run
+
+
+def _first_input(args, kwargs) -> torch.Tensor | None:
+    """The floating tensor a module's input stands for: its first positional one, else ``hidden_states``."""
+    t = first_tensor(args) if args else kwargs.get("hidden_states")
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False) -> dict[str, Any]:
+    """The birth module, its non-finite parameters and output count, and the downstream path.
+
+    Modules are taken in the order they finish. The first one with a non-finite output is the birth if its
+    input was finite (a leaf such as ``mlp.down_proj``). If its input was already non-finite, the value was
+    born in the enclosing module's own code between its children (the attention kernel inside
+    ``self_attn``, say): the birth is that parent. With ``capture``, ``_call`` is also returned: the birth
+    module, its call's arguments (by reference) and the CPU RNG state at the call's start, for a capsule."""
+    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    masked: list[torch.Tensor] = []  # [B, Q]: the query rows the first 4-D attention mask leaves empty
+    calls: list[tuple[tuple, dict, torch.Tensor | None]] = []  # per record: the call, the CPU RNG at its start
+    started: dict[int, list[torch.Tensor | None]] = {}
+
+    def enter(module, args, kwargs) -> None:  # the RNG state a capsule replays the call from
+        started.setdefault(id(module), []).append(torch.get_rng_state() if capture else None)
+
+    def watch(name: str, module, args, kwargs, output) -> None:
+        rng = started.get(id(module), [None]).pop() if started.get(id(module)) else None
+        mask = kwargs.get("attention_mask")
+        if not masked and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            masked.append(dead_rows(mask).all(dim=1))
+        t = first_tensor(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            bad, x = ~torch.isfinite(t), _first_input(args, kwargs)
+            fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
+            rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
+            records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
+            calls.append((args, kwargs, rng))
+
+    handles = [m.register_forward_hook(partial(watch, n), with_kwargs=True) for n, m in model.named_modules() if n]
+    if capture:
+        handles += [m.register_forward_pre_hook(enter, with_kwargs=True) for n, m in model.named_modules() if n]
+    try:
+        _run(model, probes, kept, None)
+    finally:
+        for h in handles:
+            h.remove()
+    if not records:
+        return {}
+    flags = torch.stack([torch.stack((r[2], r[4])) for r in records]).tolist()  # sync-ok: the incident, once
+    bad = [(r, fed) for r, (flag, fed) in zip(records, flags, strict=True) if flag]
+    if not bad:
+        return {}
+    (name, module, _, count, _, rows), fed = bad[0]
+    modules = dict(model.named_modules())
+    if fed and "." in name and name.rsplit(".", 1)[0] in modules:  # born in the parent's own code
+        name = name.rsplit(".", 1)[0]
+        module = modules[name]
+        count, rows = next(((r[3], r[5]) for r, _ in bad if r[0] == name), (count, rows))
+    call = next((c for r, c in zip(records, calls, strict=True) if r[0] == name), None)
+    params = {}
+    for pname, t in module.named_parameters(recurse=False):
+        n = int((~torch.isfinite(t)).sum())  # sync-ok: the incident, once
+        if n:
+            params[pname] = n
+    # the path at the granularity of the coarse sites (blocks and their children) and the head, or of
+    # every module when there are no coarse sites
+    coarse = probes.coarse_ids
+    path: list[str] = []
+    for (later, mod, *_), _ in bad:
+        if (later != name and later not in path and len(path) < 16
+                and (not coarse or id(mod) in coarse or later == probes.head)):
+            path.append(later)
+    # The fully masked query rows are to blame only where the birth's non-finite rows are among them (every
+    # clean step of a left-padded batch has them too); where the shapes do not line up, nothing is blamed.
+    rows_masked = (bool(masked) and rows is not None and rows.shape == masked[0].shape
+                   and bool(rows.any()) and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
+    out = {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
+           "rows_masked": rows_masked}
+    if capture and call is not None:
+        out["_call"] = (module, *call)
+    return out
+
+
+def replay(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
+           step: int, site: str | None, phase: str | None, masked_rows: int, guarded: bool,
+           compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None) -> Incident:
+    """Classify the step; see the module docstring. Never raises into training: a replay that fails is
+    ``not_classified`` with the error in ``note``. With ``capsules`` (a ``nanwatch.hooks.remedies.capsule.CapsuleWriter``),
+    a drilled-down incident also gets a capsule of its birth module's faulting call (``Incident.capsule``), and a
+    not-reproducible one a capsule of its first offender's call in the re-run."""
+    start = time.perf_counter()
+    kinds = kinds or {}
+    base = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
+            "host": f"{socket.gethostname()} rank {rank}"}
+
+    call: list[tuple] = []  # (FQN, module, args, kwargs, CPU RNG, what the capsule is of)
+
+    def done(cls: str, note: str = "", **outcomes: Any) -> Incident:
+        incident = Incident(cls=cls, note=note, seconds=time.perf_counter() - start, **base, **outcomes)
+        if call and capsules is not None:  # never raises; None when not captured
+            name, module, args, kwargs, rng, of = call[0]
+            where = capsules.capture(incident=incident, name=name, module=module, args=args,
+                                     kwargs=kwargs, rng=rng, of=of)
+            if where is not None:
+                incident = incident.model_copy(update={"capsule": where})
+        return incident
+
+    wrapper = collective_forward(model)
+    why_not = (f"{wrapper}: a forward re-run on this rank alone would wait for the other ranks (a hang), "
+               "so the replay does not run under it" if wrapper
+               # before "backward": a compiled forward is not probed, so a NaN born inside its graph is first
+               # seen in backward, which does not make backward its birthplace
+               else "compiled code ran in the step: its forward is not probed inside graphs (the value may have "
+               "been born there, whatever pass first showed it) and the fp32 path is not applied" if compiled
+               else "the non-finite value was first seen in backward; the replay re-runs forwards only, so "
+               "there is no capsule (a backward birth is not captured nor replayed)"
+               if phase == "backward"
+               else "no training forward was kept this step" if not kept
+               else "no weight guard: the weights moved since the step, so a replay would not be that step"
+               if not guarded else "")
+    if why_not:
+        return done("not_classified", why_not)
+    saved_rng = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if any(k.cuda_rng for k in kept) else []
+    named = _named_module_of(model, site)
+    watch = named[1] if named is not None else None
+    # A not-reproducible incident has no drill-down (nothing non-finite to follow), so its capsule is the
+    # first offender's module with the call it received in the re-run of the first kept micro-batch: what
+    # training fed it (same inputs, same RNG, the weights guarded), for a replay on another host.
+    first_call: list[tuple] = []
+    hook = (_first_call(watch, first_call) if watch is not None and capsules is not None
+            and capsules.wants("not_reproducible") else None)
+    try:
+        try:
+            culprit = next((k for k in kept if _run(model, probes, k, watch)), None)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if culprit is None:
+            if first_call and named is not None:
+                of = {"of": "first_offender", "site": site, "micro_batch": 0, "micro_batches": len(kept),
+                      "note": "the re-run was finite: this is the first offender's call in the re-run of the "
+                              "step's first kept micro-batch, the inputs training fed it"}
+                call.append((named[0], watch, *first_call[0], of))
+            return done("not_reproducible", "the same path on the same inputs was finite",
+                        same="finite")
+        drilled = _drill(model, probes, culprit, capture=capsules is not None)
+        if "_call" in drilled:
+            call.append((drilled.get("birth", ""), *drilled.pop("_call"), {"of": "birth"}))
+        rows_masked = drilled.pop("rows_masked", False)
+        base.update(drilled)
+        if "birth" in base:
+            base["birth_kind"] = kinds.get(base["birth"], "logits" if base["birth"] == probes.head else "module")
+        with directive_state.forced("fp32"):
+            fp32 = _run(model, probes, culprit, watch)
+        with directive_state.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):
+            math_ = _run(model, probes, culprit, watch)
+        outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
+                    "math": "nonfinite" if math_ else "finite"}
+        if rows_masked or _nonfinite_input(culprit) or base.get("birth_params"):
+            note = ("fully masked query rows" if rows_masked else "a non-finite input" if not base.get("birth_params")
+                    else f"a parameter of {base['birth']} was already non-finite")
+            return done("data_mask", f"{note}: no precision switch helps", **outcomes)
+        if fp32 and math_:
+            return done("data_mask", "every path is non-finite", **outcomes)
+        return done("precision", "only the fast path is non-finite: a fallback helps", **outcomes)
+    except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+        return done("not_classified", f"the replay failed: {type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        torch.set_rng_state(saved_rng)
+        if saved_cuda:
+            torch.cuda.set_rng_state_all(saved_cuda)
+
+
+def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
+             step: int, guarded: bool, rank: int, capsules: Any = None) -> Incident | None:
+    """The open step, known to be non-finite: classify it by a replay and put the verdict into the
+    recorder, for the step's report (one host read of the step's values, once per run). None when the
+    value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
+    and the report names it (``nanwatch.hooks.measure.optimizer_check``)."""
+    so_far = rec.so_far()
+    first = so_far.first
+    if first is not None and first[1] == "optimizer":
+        return None
+    incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
+                      step=step, site=first[0] if first else None, phase=first[1] if first else None,
+                      masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
+                      kinds=so_far.kinds, capsules=capsules)
+    rec.set_incident(incident)
+    # INFO: the report's own line (nanwatch.hooks.report.local_log) tells the incident at WARNING, once, with its step,
+    # site and birth; two lines for one incident would read as two
+    log.info("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
+    return incident

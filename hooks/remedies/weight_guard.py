@@ -1,0 +1,164 @@
+"""The weight guard: a training step in which a monitored site saw a non-finite value does not update the
+weights. Every ``torch.optim.Optimizer`` is guarded by default (``MonitorConfig.guard="auto"``).
+
+Fused optimizers (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``, on CPU and CUDA) take a
+``found_inf`` device tensor, which is how ``GradScaler`` skips steps without a sync: their kernels leave
+the parameters (and the step count) alone where it is non-zero. The guard hands them nanwatch's own flag,
+the step's non-finite count read straight from the device buffer: free. With a ``GradScaler`` in use, the
+scaler sets its ``found_inf`` first and calls ``step()``; the guard combines the two, so either flag
+skips the step and the scaler's own bookkeeping (``update()``) is untouched.
+
+Other optimizers (foreach or for-loop AdamW, SGD, Adafactor, 8-bit optimizers...) read no such flag, and
+no cheaper sound skip exists for them: zeroing the gradients still moves the weights (momentum, weight
+decay), NaN times zero is NaN, and restoring the parameters and state afterwards costs a copy of both.
+So the guard reads the flag on the host, once per optimizer step, and skips the call when it is set: the
+sync GradScaler already pays for them (``sync-ok``). On a CPU that read costs nothing (the ops already
+ran); on a GPU it waits for the step's queued kernels before the optimizer's are launched. Measured by
+``nanwatch bench optimizer`` (README, 'Speed'). ``guard(opt, sync=False)`` opts one optimizer out of the
+read (only the ``skip_step`` directive protects it then), ``MonitorConfig.guard="off"`` all of them.
+
+The guard wraps ``step`` on the instance as a bound method (an LR scheduler created later wraps it in
+turn, through ``step.__func__``) and ``remove()`` puts back what was there, or, when something wrapped it
+since, turns the wrapper into a pass-through. An optimizer is guarded once, whatever number of Monitors
+or ``guard()`` calls see it (:func:`guard_of`).
+
+Under torch.distributed the flag every path reads is the job's, not the rank's: reduced (MAX) over the
+training process group before the optimizer reads it (``Recorder.job_nonfinite_flag``, one async
+collective, see ``nanwatch.hooks.measure.collective``), so every rank skips the step any rank saw a non-finite
+value in. The reduction is issued whenever the guard decides, and it decides under conditions that are
+the same on every rank: the optimizer's kind (fused or not), ``sync=`` and ``MonitorConfig.guard``, and the
+``skip_step`` mode, which ranks agree on. A reduction that fails (it should not) is a warning, and the rank
+decides on its own flag. With gradient accumulation the flag covers every micro-batch of the nanwatch step,
+i.e. of the optimizer step when the step spans it (the HF callback's does).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.failsafe import WarnOnce, probe_failed
+from nanwatch.hooks.measure.recorder import Recorder
+
+__all__ = ["WeightGuard", "drop_grads_if_flagged", "guard_of", "inner_optimizer"]
+
+log = logging.getLogger("nanwatch")
+
+#: optimizer -> its guard (weak both ways: the guard holds its optimizer, and its Monitor holds the guard)
+_guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[WeightGuard]] = weakref.WeakKeyDictionary()
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers: Accelerate's ``AcceleratedOptimizer`` (itself an Optimizer
+    subclass) keeps it in ``.optimizer`` and its ``step`` calls the inner one, through the GradScaler when
+    there is one."""
+    seen = set()
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def guard_of(optimizer: Any) -> WeightGuard | None:
+    """The guard on ``optimizer`` (seen through wrappers), if one is installed."""
+    ref = _guards.get(inner_optimizer(optimizer))
+    g = ref() if ref is not None else None
+    return g if g is not None and not g.removed else None
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer's step takes ``found_inf`` (fused kernels): it can skip on the device."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def job_flag(rec: Recorder) -> torch.Tensor:
+    """The job's non-finite flag for an optimizer step (device ops and, under torch.distributed, the one
+    reduction); this rank's own flag if the reduction fails."""
+    try:
+        return rec.job_nonfinite_flag()
+    except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+        probe_failed(exc)
+        return rec.nonfinite_flag()
+
+
+def drop_grads_if_flagged(optimizer: torch.optim.Optimizer, rec: Recorder) -> bool:
+    """Inside an optimizer's step already (its pre-hook): skip this call by dropping the gradients of its
+    parameters when the job's flag is set (every ``torch.optim`` optimizer skips a parameter whose
+    ``grad`` is None). One host read; True when dropped."""
+    flag = job_flag(rec)
+    rec.note_guard_skipped(flag)
+    if not bool(flag):  # sync-ok: an optimizer found at its first step, once (what the guard pays per step)
+        return False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+    log.warning("nanwatch: non-finite values in this step: %s step skipped (gradients dropped)",
+                type(optimizer).__name__)
+    return True
+
+
+class WeightGuard:
+    """Wraps one optimizer's ``step`` on the instance; ``remove()`` puts it back.
+
+    ``host_read``: a non-fused optimizer is guarded at one host read of the flag per step (False: only
+    under the ``skip_step`` directive, with a warning that says so). Fused ones ignore it (free)."""
+
+    def __init__(self, optimizer: Any, *, rec: Recorder, directive_state: DirectiveState, host_read: bool,
+                 warn: WarnOnce) -> None:
+        opt = self.optimizer = inner_optimizer(optimizer)
+        self.fused = is_fused(opt)
+        self.effective = self.fused or host_read
+        self.removed = False
+        if not self.effective:
+            warn(f"the weight guard skips a step of {type(opt).__name__} only under the skip_step directive: "
+                 "guard(optimizer, sync=False) turned off its one host read per step. Drop sync=False, or use a "
+                 "fused optimizer (Adam, AdamW, SGD or Adagrad with fused=True), which the guard protects at no "
+                 "cost")
+        self._rec = rec
+        self._previous = opt.__dict__.get("step")  # an instance wrapper already there (an LR scheduler's)
+        original = opt.step
+        func = getattr(original, "__func__", original)
+
+        @functools.wraps(func)  # GradScaler and LR schedulers inspect step(): keep the original's signature
+        def step(_opt, *args, **kwargs):
+            if self.removed or not (self.fused or host_read or directive_state.mode == "skip_step"):
+                return original(*args, **kwargs)  # unguarded (warned), or removed under another wrapper
+            flag = job_flag(rec)
+            rec.note_guard_skipped(flag)
+            if self.fused:
+                scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
+                opt.found_inf = flag if scaler_flag is None else torch.maximum(
+                    scaler_flag, flag.to(scaler_flag.device))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if scaler_flag is None:
+                        del opt.found_inf
+                    else:
+                        opt.found_inf = scaler_flag
+            if bool(flag):  # sync-ok: non-fused optimizer (GradScaler pays the same), or the skip_step directive
+                log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
+                return None
+            return original(*args, **kwargs)
+
+        self._installed = opt.step = types.MethodType(step, opt)
+        _guards[opt] = weakref.ref(self)
+
+    def remove(self) -> None:
+        self.removed = True
+        opt = self.optimizer
+        if opt.__dict__.get("step") is self._installed:
+            if self._previous is None:
+                del opt.__dict__["step"]
+            else:
+                opt.step = self._previous
+        # else: something wrapped it since (an LR scheduler created later); the wrapper now passes through
+        ref = _guards.get(opt)
+        if ref is not None and ref() is self:
+            del _guards[opt]

@@ -1,0 +1,591 @@
+"""The collector's in-memory state: latest view per (run_id, rank), counter totals, and what a scrape or
+``GET /v1/runs`` needs. Only the event-loop thread touches it (one uvicorn worker), so it takes no lock.
+
+Counters are kept whole (not per TTL window): a rank that goes silent loses its series from the scrape
+but keeps its total, so if it comes back its counter resumes instead of resetting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.counters import RequestCounters
+from nanwatch.monitor.model.store import EventRow, Loaded
+from nanwatch.policy import next_apply_step
+from nanwatch.wire import MAX_INT, RlhfStat
+
+__all__ = ["CRASH_KEY", "ENDED_FAMILY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
+           "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
+
+#: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
+#: be believed: ranks of one job report their own steps asynchronously, a few steps apart (#19)
+STEP_SLACK = 8
+#: the longest agreement cadence (``agree_every``) the collector believes; a larger one is a lie that would
+#: push ``apply_at_step`` out of reach (the trainer's default is 4)
+MAX_AGREE_EVERY = 10_000
+#: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
+RANK_SERIES = 8
+#: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
+RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
+#: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
+_PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
+
+
+@dataclass(slots=True)
+class RankState:
+    """A live rank's latest report, summarised. Fields keep the wire's names (``StepReport``), which are
+    also the API's (``RankView``, built from this by attribute)."""
+
+    rank: int
+    incarnation: str
+    seq: int
+    scope: str
+    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``beat``: known only
+    through heartbeats (and, for the rank that posts them, job reports): liveness alone; ``job``: the
+    run's job view (``RunState.job``), never in ``RunState.ranks``."""
+    step: int
+    time: float
+    received: float
+    seen: float
+    world_size: int = 1
+    agree_every: int | None = None
+    attention_mode: str = "none"
+    directive_version: int = 0
+    dropped_reports: int = 0
+    nonfinite: int = 0
+    first_offender: str | None = None
+    first_offender_phase: str | None = None
+    headroom: dict[str, float] = field(default_factory=dict)
+    logits: dict[str, float] = field(default_factory=dict)
+    """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
+    rlhf: RlhfStat | None = None
+    beat_seq: int = -1
+    """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
+    store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
+    crashed: str | None = None
+    """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
+    counted live. None while it runs."""
+    loss_scale: float | None = None
+    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling."""
+
+    @property
+    def logit_max(self) -> float | None:
+        """The largest logit bound over the rank's layers in its latest step (None: none reported)."""
+        return max(self.logits.values(), default=None)
+
+
+class Applied(NamedTuple):
+    """Rank 0 of ``incarnation`` reported the mode of directive ``version`` applied (``RunState.applied``);
+    ``step``: its latest report's step since, what the run has reached in its own words."""
+
+    version: int
+    incarnation: str
+    step: int
+
+
+class Crash(NamedTuple):
+    """A rank's step raised (``RunState.crashed``)."""
+
+    raised: str
+    incarnation: str
+    step: int
+
+
+#: counter-table family that stores whether a run ended normally (1) or not (0): not a metric
+ENDED_FAMILY = "ended"
+#: steps remembered per run to count a loss-scale overflow once per step, whichever ranks report it
+_OVERFLOW_STEPS = 64
+
+
+class Silent(NamedTuple):
+    """A rank that stopped reporting without a final report and without crashing (hung, or killed): its
+    last report time stays exported after its TTL (``RunState.silent``)."""
+
+    received: float
+    seen: float
+
+
+#: event-key prefix of a rank's crash (``rank_crashed:<rank>:<incarnation>:<raised>``): read back at start-up
+CRASH_KEY = "rank_crashed"
+
+
+def crash_key(rank: int, incarnation: str, raised: str) -> str:
+    return f"{CRASH_KEY}:{rank}:{incarnation}:{raised}"
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: str
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    """Live ranks' views, in the order they last reported (``hold``): the silent ones come first, so a scrape
+    finds the late ones and the sweep the expired ones without walking a 65,536-rank job."""
+    shown: set[int] = field(default_factory=set)
+    """Ranks with per-rank series of their own: their own reports (rank, detail), the job's poster, or a
+    heartbeat that differs from the job (another mode, dropped reports)."""
+    worlds: Counter[int] = field(default_factory=Counter)
+    """World sizes the held ranks' latest reports give, counted: the run's world size is the largest."""
+    #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
+    job: RankState | None = None
+    latest_step: int = 0
+    heartbeat_s: float = 0.0
+    """The longest heartbeat interval the run's ranks announce (wire 1.4 ``heartbeat_s``): a rank known by
+    its heartbeats is late only after two of them and gone after three, however long the trainer chose them
+    (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000 requests a second)."""
+    counters: dict[tuple[str, tuple], int] = field(default_factory=dict)
+    """Counter totals, exact Python ints (they never saturate; the scrape shows them as float64)."""
+    admitted: set[tuple] = field(default_factory=set)
+    series: int = 0
+    series_dropped: int = 0
+    last_seen: float = -math.inf
+    #: the run's ``first_nonfinite`` event (the wire's ``first_offender`` is a site name; this is the event)
+    first_offender_event: EventRow | None = None
+    event_keys: set[str] = field(default_factory=set)
+    event_counts: Counter[str] = field(default_factory=Counter)
+    #: (rank, incarnation) high-water marks the run holds
+    incarnations: int = 0
+    #: monotonic time of the run's last write (report, directive, event): retention counts from it
+    touched: float = field(default_factory=time.monotonic)
+    crashed: dict[int, Crash] = field(default_factory=dict)
+    """Ranks whose step raised, by rank: kept after their views expire (the run ends crashed) until the rank
+    reports again from a new incarnation (it was restarted)."""
+
+    newborn: set[tuple[str, tuple]] = field(default_factory=set)
+    """Counter keys born in this process since the last render (never stored before, nor exposed at 0 by
+    default): the next render shows them at 0, the one after at their value, so increase() sees the birth."""
+    exposed: bool = False
+    """The run's default series (the train stage's run non-finite counters, rendered at 0 when absent) have
+    been rendered: a key born there later was already seen at 0. Runs read back at start count as exposed."""
+    exposed_ranks: set[int] = field(default_factory=set)
+    """Ranks whose per-rank counter series have been rendered (at 0 where absent) in this process."""
+    latest_offenders: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """By stage: (site, pass, rank) of the first offender of the run's most recent non-finite report in
+    that stage (loss-scale overflows excepted): this incident's offender, not the run's first."""
+    latest_incidents: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """By incident class: (host, rank, capsule) of the run's latest incident of that class (in memory, as the
+    latest offenders; ``nanwatch_latest_incident_info``): where its capsule lies, for the dashboard."""
+    math_fallback: tuple[str, str, str] | None = None
+    """(site, dtype, rank) of the latest training SDPA call that ran on the math backend in half precision."""
+    overflow_steps: dict[int, None] = field(default_factory=dict)
+    """Recent steps whose loss-scale overflow was counted (insertion order, bounded): one count per step."""
+    ended_ranks: dict[int, str] = field(default_factory=dict)
+    """Ranks that sent a final report, with the incarnation that ended: no longer live nor late."""
+    ended_views: dict[int, RankState] = field(default_factory=dict)
+    """The last training view of each ended rank, for the API (``GET /v1/runs/{id}``) only: what the rank
+    looked like when it ended; no metric is made from it. In memory (one per rank)."""
+    ended: bool = False
+    """Every rank the run held ended normally (none held, hung or crashed): ``nanwatch_run_ended``."""
+    applied: Applied | None = None
+    """Which incarnation of rank 0 applied the current revertible directive, and how far it has reached
+    since: only that incarnation can end the directive by its auto-revert (``RuleEngine``). In memory."""
+    silent: dict[int, Silent] = field(default_factory=dict)
+    """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
+    for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""
+
+    def count_overflow(self, step: int) -> bool:
+        """Whether a loss-scale overflow at ``step`` is the step's first (ranks of one job report the same
+        step: it counts once)."""
+        if step in self.overflow_steps:
+            return False
+        self.overflow_steps[step] = None
+        if len(self.overflow_steps) > _OVERFLOW_STEPS:
+            del self.overflow_steps[next(iter(self.overflow_steps))]
+        return True
+
+    def end_rank(self, rank: int, incarnation: str) -> None:
+        """The rank's incarnation sent its final report: its view and series go now."""
+        self.ended_ranks[rank] = incarnation
+        if rank in self.ranks:
+            self.ended_views[rank] = self.ranks[rank]
+            self.drop(rank)
+        self.silent.pop(rank, None)
+        if self.job is not None and self.job.rank == rank:
+            self.job = None
+
+    def all_ended(self) -> bool:
+        """Every rank the run holds ended normally: none held (live or not yet swept), hung or crashed."""
+        return bool(self.ended_ranks) and not self.ranks and not self.silent and not self.crashed
+
+    def note_crash(self, rank: int, incarnation: str, raised: str | None, step: int) -> None:
+        """What a report says of its rank's lifecycle: ``raised`` marks it crashed; any report of another
+        incarnation (a restart) clears a crash."""
+        if raised is not None:
+            self.crashed[rank] = Crash(raised, incarnation, step)
+        elif rank in self.crashed and self.crashed[rank].incarnation != incarnation:
+            del self.crashed[rank]
+
+    def hold(self, st: RankState, *, shown: bool) -> None:
+        """``st`` is the rank's latest view: moved to the end of ``ranks`` (the most recent)."""
+        prev = self.ranks.pop(st.rank, None)
+        if prev is not None:
+            self._unworld(prev.world_size)
+        self.ranks[st.rank] = st
+        self.silent.pop(st.rank, None)
+        self.worlds[st.world_size] += 1
+        (self.shown.add if shown else self.shown.discard)(st.rank)
+
+    def drop(self, rank: int) -> None:
+        st = self.ranks.pop(rank)
+        self._unworld(st.world_size)
+        self.shown.discard(rank)
+
+    def _unworld(self, world_size: int) -> None:
+        self.worlds[world_size] -= 1
+        if not self.worlds[world_size]:
+            del self.worlds[world_size]
+
+    def admit(self, key: tuple, cost: int, cap: int) -> bool:
+        """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
+        if key in self.admitted:
+            return True
+        if self.series + cost > cap:
+            self.series_dropped += cost
+            return False
+        self.admitted.add(key)
+        self.series += cost
+        return True
+
+
+class CollectorState:
+    """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
+
+    def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None, max_runs: int = 10_000,
+                 max_incarnations: int = 65_536, max_events: int = 10_000, silent_keep_s: float = 86_400.0) -> None:
+        self.ttl_s = ttl_s
+        self.silent_keep_s = silent_keep_s
+        self.series_cap = series_cap
+        self.max_runs = max_runs
+        self.max_incarnations = max_incarnations
+        self.max_events = max_events
+        self.runs: dict[str, RunState] = {}
+        self.hwm: dict[tuple[str, int, str], int] = {}
+        #: reports applied and requests refused (written by the ledger and the refusal handler alone)
+        self.requests = RequestCounters()
+        #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
+        self.caps_hit: Counter[str] = Counter()
+        #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
+        #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
+        self.exposed: set[tuple[str, str]] = set()
+        #: run ids by namespace, for the per-namespace run cap (``over_caps``); built on first use
+        self._namespace_runs: dict[str, set[str]] | None = None
+        #: runs at their incarnation cap with no pair to forget, as they were then (``stale_incarnations``)
+        self._no_room: dict[str, tuple[int, ...]] = {}
+        self._writes = 0
+        if loaded is not None:
+            self._restore(loaded)
+
+    def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
+        """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
+        when memory may hold changes the database does not: they lose their per-rank latest views (they come
+        back with the next reports); every other run is left as it is, since the write did not change it.
+        ``marks``: the only high-water marks the write may have added (else every mark of the touched runs
+        is looked for, a walk over all of memory's marks)."""
+        for run_id in touched:
+            self.runs.pop(run_id, None)
+        if marks is None:
+            self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in touched}
+        else:  # the touched runs' other marks are the store's, and ``loaded`` puts them back as stored
+            for key in marks:
+                self.hwm.pop(key, None)
+        self._restore(loaded)
+
+    def _restore(self, loaded: Loaded) -> None:
+        """Add the runs ``loaded`` holds (absent from memory) as the store has them."""
+        if self.hwm:
+            self.hwm.update(loaded.hwm)
+        else:  # start-up: take the marks as read, not a second copy of them (the peak of a restart)
+            self.hwm = loaded.hwm
+        for run_id, _rank, _inc in loaded.hwm:
+            self.ensure_run(run_id).incarnations += 1
+        for run_id, step in loaded.latest_step.items():
+            self.ensure_run(run_id).latest_step = step
+        for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
+            self.ensure_run(run_id).touched = touched
+        for run_id, fam, labels, value in loaded.counters:
+            if fam in ("sdpa", "run_nonfinite") and len(labels) == 2:  # stored before their stage label
+                labels = (*labels, "train")
+            run = self.ensure_run(run_id)
+            if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector
+                run.ended = value == 1
+                continue
+            key = (fam, labels)  # a pre-label row and its labelled successor: counters only grow
+            run.counters[key] = max(value, run.counters.get(key, value))
+            if fam in _PER_RANK_FAMILIES:  # its series were exposed before the restart: shown at once
+                run.exposed_ranks.add(int(labels[0]))
+            per_rank = fam in _PER_RANK_FAMILIES
+            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
+                      self.series_cap)
+        for run_id, keys in loaded.event_keys.items():
+            run = self.ensure_run(run_id)
+            run.event_keys.update(keys)
+            for key in keys:  # a crash outlives a restart of the collector (a restarted rank clears it)
+                parts = key.split(":")
+                if parts[0] == CRASH_KEY and len(parts) == 4 and parts[1].isdigit():
+                    run.crashed[int(parts[1])] = Crash(parts[3], parts[2], -1)
+        for (run_id, kind), n in loaded.event_counts.items():
+            self.ensure_run(run_id).event_counts[kind] = n
+        for run_id, ev in loaded.first_offenders.items():
+            self.ensure_run(run_id).first_offender_event = ev
+        for run_id in loaded.directives:  # every run the store holds is a run in memory
+            self.ensure_run(run_id)
+        for run_id in loaded.run_ids():  # series read back were exposed before: never born again
+            self.ensure_run(run_id).exposed = True
+
+    def wrote(self) -> None:
+        """Something a scrape shows changed (a committed write, ranks or runs gone)."""
+        self._writes += 1
+
+    def version(self) -> tuple:
+        """Changes whenever anything a scrape shows may have: a cached render is reused only while equal."""
+        return (self._writes, *self.requests.version(), sum(self.caps_hit.values()))
+
+    def ensure_run(self, run_id: str) -> RunState:
+        """The run's state, created empty if the run is new (write paths only: ingest, events)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            run = self.runs[run_id] = RunState(run_id)
+        return run
+
+    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+                  beats: set[tuple[str, int, str]] = frozenset(), *,
+                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> str | None:
+        """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
+        counted), or None. Checked before anything is applied. ``beats``: the heartbeats' keys, which hold
+        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs.
+
+        ``max_runs`` counts per namespace (``namespace_of``: the run-id namespace a run belongs to, whoever
+        asks, so an admin's directive for a new run counts in that run's): one team's junk runs fill its
+        own namespace, never another's."""
+        new_runs = {r for r in run_ids if r not in self.runs}
+        if new_runs:
+            full = self._full_namespace(new_runs, namespace_of)
+            if full is not None:
+                self.caps_hit["runs"] += 1
+                return (f"the namespace {full!r} holds at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this "
+                        f"request adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S, "
+                        "or an admin deletes them (DELETE /v1/runs/{run_id})")
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
+        held = Counter()  # ranks held in memory (heartbeats), bounded alike
+        for run_id, rank, _inc in beats:
+            run = self.runs.get(run_id)
+            if run is None or rank not in run.ranks:
+                held[run_id] += 1
+        for run_id, n in (*fresh.items(), *held.items()):
+            run = self.runs.get(run_id)
+            now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
+            if now_held + n > self.max_incarnations:
+                self.caps_hit["incarnations"] += 1
+                return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
+                        "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
+        return None
+
+    def stale_incarnations(self, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """The high-water marks to forget so that ``keys`` (a request's new (run, rank, incarnation) pairs)
+        fit under ``max_incarnations``: every pair of a run that would overflow whose rank is not held live
+        under that incarnation. Empty while every run fits (the usual case costs one pass over ``keys``).
+
+        Why forgetting them is safe: a high-water mark only stops a replay by the sender of that very
+        incarnation, and a sender retries only while its process lives and reports; a process that does is
+        held (its rank's view is of its incarnation, refreshed by each report and heartbeat). A pair not held
+        was superseded by its rank's restart (elastic restarts stop every old process before starting the
+        new ones) or has been silent a whole TTL (``NANWATCH_RANK_TTL_S``, 300 s, far beyond the sender's
+        10 s longest back-off). So a run filled with junk incarnations makes room for a victim's restart
+        instead of refusing it; junk held live (ranks that keep reporting) still counts until its TTL."""
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
+        full = {run_id for run_id, n in fresh.items()
+                if (run := self.runs.get(run_id)) is not None and run.incarnations + n > self.max_incarnations
+                and self._no_room.get(run_id) != self._room_key(run)}
+        if not full:
+            return []
+        stale = [(run_id, rank, inc) for run_id, rank, inc in self.hwm
+                 if run_id in full and ((held := self.runs[run_id].ranks.get(rank)) is None or held.incarnation != inc)]
+        # a run found with nothing to forget is not searched again (one pass over every mark) until its
+        # ranks or incarnations change: a flood of refused new pairs costs no search each
+        if len(self._no_room) > 2 * len(self.runs) + 16:
+            self._no_room = {k: v for k, v in self._no_room.items() if k in self.runs}
+        for run_id in full - {k[0] for k in stale}:
+            self._no_room[run_id] = self._room_key(self.runs[run_id])
+        return stale
+
+    @staticmethod
+    def _room_key(run: RunState) -> tuple[int, ...]:
+        """What changes when one of a run's pairs may have stopped being live (a rank superseded, swept,
+        ended or crashed, or a pair added)."""
+        return run.incarnations, len(run.ranks), len(run.silent), len(run.ended_ranks), len(run.crashed)
+
+    def forget_incarnations(self, keys: list[tuple[str, int, str]]) -> None:
+        """Drop these high-water marks from memory (after the store's were deleted): ``stale_incarnations``."""
+        for key in keys:
+            if self.hwm.pop(key, None) is not None:
+                self.runs[key[0]].incarnations -= 1
+
+    def _full_namespace(self, new_runs: set[str], namespace_of: Callable[[str], str]) -> str | None:
+        """The namespace that ``new_runs`` would take past ``max_runs``, else None (and they are counted in).
+
+        Each namespace's run ids are kept in a set that may hold ids no longer in ``runs`` (forgotten, or
+        whose write was refused after this check): it is pruned to the live ones only when it seems full, so
+        a request costs O(its new runs), and a refusal at most one pass over its namespace's runs."""
+        if self._namespace_runs is None:
+            self._namespace_runs = {}
+            for run_id in self.runs:
+                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
+        adding: dict[str, set[str]] = {}
+        for run_id in new_runs:
+            adding.setdefault(namespace_of(run_id), set()).add(run_id)
+        for ns, fresh in adding.items():
+            members = self._namespace_runs.setdefault(ns, set())
+            if len(members) + len(fresh - members) > self.max_runs:
+                members -= {r for r in members if r not in self.runs}
+                if len(members) + len(fresh - members) > self.max_runs:
+                    return ns
+        for ns, fresh in adding.items():
+            self._namespace_runs[ns] |= fresh
+        return None
+
+    def next_apply_step(self, run_id: str, now: float) -> int:
+        """The earliest step every rank can apply a directive at, from the live ranks the run can vouch for
+        (steps count per incarnation: a restarted job counts from 0 again, and a rank that went silent
+        does not hold the step up): the next step for one rank; under torch.distributed the next agreement
+        step (ranks agree every ``agree_every`` steps and switch together there).
+
+        One report must not push it out of reach (#19): the step and cadence are those of ``vouched_view``,
+        and a cadence beyond ``MAX_AGREE_EVERY`` is not believed (the next step is asked for instead). Too
+        early is harmless -- a trainer applies a directive at the first step >= ``apply_at_step`` once its
+        ranks have agreed on it -- too late is not."""
+        run = self.runs.get(run_id)
+        view = self.vouched_view(run, now) if run is not None else None
+        if view is None:
+            return next_apply_step(0, world_size=1, agree_every=None)
+        every = view.agree_every if view.agree_every is not None and view.agree_every <= MAX_AGREE_EVERY else None
+        return min(next_apply_step(view.step, world_size=view.world_size, agree_every=every), MAX_INT)
+
+    def vouched_view(self, run: RunState, now: float) -> RankState | None:
+        """The live rank whose step the run can vouch for: rank 0 (whose agreement every rank follows) unless
+        its step runs more than ``STEP_SLACK`` ahead of every other live rank's; else the live rank of the
+        lower median step, which one lying rank among honest ones cannot move up. None with no live rank."""
+        live = self.live_ranks(run, now)
+        if not live:
+            return None
+        zero = next((st for st in live if st.rank == 0), None)
+        others = [st.step for st in live if st.rank != 0]
+        if zero is not None and (not others or zero.step <= max(others) + STEP_SLACK):
+            return zero
+        live.sort(key=lambda st: st.step)
+        return live[(len(live) - 1) // 2]
+
+    def ttl(self, run: RunState) -> float:
+        """How long a rank of ``run`` stays live after its last report: the TTL, or three heartbeats."""
+        return max(self.ttl_s, 3 * run.heartbeat_s)
+
+    @staticmethod
+    def late_after(run: RunState, late_s: float) -> float:
+        """How long a heartbeat-only rank of ``run`` may be silent before it is late: ``late_s``, or two
+        heartbeats."""
+        return max(late_s, 2 * run.heartbeat_s)
+
+    def held_ranks(self, run: RunState, now: float) -> list[RankState]:
+        """Ranks whose latest view is within the TTL, crashed ones included (the run view lists them)."""
+        horizon = now - self.ttl(run)
+        return [st for st in run.ranks.values() if st.seen >= horizon]
+
+    def live_ranks(self, run: RunState, now: float) -> list[RankState]:
+        """Ranks that reported within the TTL, crashed ones excepted (a rank whose step raised is not live,
+        whatever it sent as it went down)."""
+        horizon = now - self.ttl(run)
+        return [st for st in run.ranks.values() if st.seen >= horizon and st.crashed is None]
+
+    def ranks_view(self, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:
+        """(live ranks, the ranks with per-rank series now: ``shown`` ones and late ones), walking only the
+        silent front of ``ranks`` besides the shown ones."""
+        horizon, late_before = now - self.ttl(run), now - self.late_after(run, late_s)
+        expired, late = 0, []
+        for st in run.ranks.values():
+            if st.seen >= max(late_before, horizon):  # neither expired nor late, nor any after it
+                break
+            if st.seen < horizon:  # past its TTL, not swept yet: not live (whether or not it was late first)
+                expired += 1
+            elif st.seen < late_before and st.rank not in run.shown:
+                late.append(st)
+        shown = [st for k in run.shown if (st := run.ranks[k]).seen >= horizon]
+        crashed = sum(1 for k in run.crashed if (st := run.ranks.get(k)) is not None and st.seen >= horizon
+                      and st.crashed is not None)
+        return len(run.ranks) - expired - crashed, shown + late
+
+    def hung(self, run: RunState, now: float) -> list[tuple[int, float]]:
+        """(rank, last report wall time) of the run's ranks silent past their TTL without a final report or a
+        crash: the swept ones (``silent``) and those the sweeper has not reached yet (the silent front)."""
+        out = [(k, s.received) for k, s in run.silent.items()]
+        horizon = now - self.ttl(run)
+        for st in run.ranks.values():
+            if st.seen >= horizon:
+                break
+            if st.crashed is None and st.rank not in run.crashed:
+                out.append((st.rank, st.received))
+        return out
+
+    def next_late(self, run: RunState, now: float, late_s: float) -> float:
+        """Monotonic time at which the run's next heartbeat-only rank turns late (/metrics changes then)."""
+        late_s = self.late_after(run, late_s)
+        late_before = now - late_s
+        for st in run.ranks.values():
+            if st.seen >= late_before:
+                return st.seen + late_s
+        return math.inf
+
+    def live_job(self, run: RunState, now: float) -> RankState | None:
+        """The run's latest job report's view, while within the TTL (job mode's run-level gauges)."""
+        job = run.job
+        return job if job is not None and job.seen >= now - self.ttl_s else None
+
+    def is_live(self, run: RunState, now: float) -> bool:
+        return run.last_seen >= now - self.ttl_s
+
+    def sweep(self, now: float) -> int:
+        """Forget the latest view of ranks silent past the TTL (totals stay): a rank that neither ended nor
+        crashed stays ``silent`` (its last report time exported) for ``silent_keep_s``. Returns how many
+        views went."""
+        gone = 0
+        for run in self.runs.values():
+            expired = []
+            horizon = now - self.ttl(run)
+            for k, st in run.ranks.items():  # in the order they last reported: the silent ones first
+                if st.seen >= horizon:
+                    break
+                expired.append(k)
+            for rank in expired:
+                st = run.ranks[rank]
+                if st.crashed is None and rank not in run.crashed:
+                    run.silent[rank] = Silent(st.received, st.seen)
+                run.drop(rank)
+            gone += len(expired)
+            if run.silent:
+                hung = [k for k, s in run.silent.items() if s.seen < now - self.silent_keep_s]
+                for rank in hung:
+                    del run.silent[rank]
+                gone += len(hung)
+            if run.job is not None and run.job.seen < now - self.ttl_s:
+                run.job = None
+                gone += 1
+        if gone:
+            self.wrote()
+        return gone
+
+    def expired(self, now: float, retention_s: float, *, limit: int) -> list[str]:
+        """Runs not written to for ``retention_s`` (at most ``limit``, oldest first)."""
+        old = [run for run in self.runs.values() if run.touched < now - retention_s]
+        old.sort(key=lambda run: run.touched)
+        return [run.run_id for run in old[:limit]]
+
+    def forget(self, run_ids: list[str]) -> None:
+        """Drop the runs from memory (after their history was deleted from the store)."""
+        gone = set(run_ids)
+        for run_id in run_ids:
+            self.runs.pop(run_id, None)
+        self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
+        self.exposed -= {("series_dropped", run_id) for run_id in run_ids}
+        self.wrote()

@@ -1,0 +1,196 @@
+"""Response bodies of the collector's HTTP API (requests use the wire models).
+
+Answers are strict JSON, which every client parses (``JSON.parse`` refuses a bare ``NaN``): a non-finite
+float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, and the OpenAPI document says
+so (:data:`ApiFloat`). Only the trainer-to-collector wire keeps its documented ``NaN`` constants. Routes
+return models through ``ApiJSON`` (``model_dump_json``). Views of the state (``RankView``, ``EventView``)
+are read from it by attribute (``from_attributes``): one name per field, the wire's, end to end.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from starlette.responses import JSONResponse
+
+from nanwatch.monitor.model.event_log import first_nonfinite
+from nanwatch.monitor.model.store import EventRow
+from nanwatch.wire import Directive
+
+__all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
+           "RankView", "RlhfView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
+
+
+#: A float that may be non-finite: a JSON number, or one of three strings.
+ApiFloat = Annotated[float, WithJsonSchema(
+    {"anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}]},
+    mode="serialization")]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
+class _View(_Out):
+    """A response read from a state object's attributes of the same names."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings", from_attributes=True)
+
+
+class IngestResult(_View):
+    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+
+    accepted: int
+    duplicates: int
+
+
+class Problem(_Out):
+    """Every error: ``detail`` says what was wrong and what to do."""
+
+    detail: str
+
+
+class FieldError(_Out):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationProblem(_Out):
+    """A body or parameter that failed validation: one entry per offending field, located by ``loc``."""
+
+    detail: list[FieldError] = Field(description="the first errors (at most 20)")
+    error_count: int | None = Field(None, description="how many errors there were in all")
+
+
+class Health(_Out):
+    status: str
+
+
+class FirstOffender(_Out):
+    """Where the run's first non-finite value was reported (in arrival order)."""
+
+    site: str | None
+    phase: str | None
+    stage: str | None = Field(None, description="train, eval or generate (None: an event from before 1.1)")
+    rank: int | None
+    step: int | None
+    time: ApiFloat
+
+    @classmethod
+    def of(cls, ev: EventRow) -> FirstOffender:
+        """From the run's ``first_nonfinite`` event."""
+        where = first_nonfinite(ev)
+        return cls(site=ev.site, phase=where.get("phase"), stage=where.get("stage"), rank=ev.rank, step=ev.step,
+                   time=ev.time)
+
+
+class RlhfView(_View):
+    """A rank's latest RLHF health (the wire's ``RlhfStat``, its floats as ``ApiFloat``)."""
+
+    nonfinite: dict[str, int]
+    tokens: int
+    logprob_min: ApiFloat | None
+    ratio_max: ApiFloat | None
+    clip_fraction: ApiFloat | None
+    kl_k1_mean: ApiFloat | None
+    kl_k1_max: ApiFloat | None
+    kl_k3_mean: ApiFloat | None
+    kl_k3_max: ApiFloat | None
+    kl_k3_ratio_mean: ApiFloat | None
+    kl_optimised: str | None
+    advantage_std: ApiFloat | None
+
+
+class RankView(_View):
+    """The latest report of one live rank, summarised (``RankState``)."""
+
+    rank: int
+    incarnation: str
+    seq: int
+    scope: str = Field(description="rank or detail: the rank's own measured report; beat: known by heartbeats "
+                       "(job mode)")
+    step: int
+    time: ApiFloat
+    received: ApiFloat
+    world_size: int
+    attention_mode: str
+    directive_version: int
+    dropped_reports: int
+    nonfinite: int
+    first_offender: str | None
+    first_offender_phase: str | None
+    headroom: dict[str, ApiFloat]
+    logit_max: ApiFloat | None
+    rlhf: RlhfView | None = None
+    silent_s: ApiFloat = Field(0.0, description="seconds since the collector last heard from the rank")
+    late: bool = Field(False, description="silent past NANWATCH_RANK_LATE_S (or two heartbeats): hung, or gone")
+    crashed: str | None = Field(None, description="the exception type the rank's step raised: the rank crashed "
+                                "(not counted in live_ranks); None while it runs")
+    ended: bool = Field(False, description="the rank sent its final report (a normal end): this is its last view, "
+                        "kept for the API only (its series are gone)")
+
+
+class EventView(_View):
+    time: ApiFloat
+    kind: str
+    rank: int | None
+    step: int | None
+    site: str | None
+    actor: str
+    detail: dict[str, Any]
+
+
+class SdpaView(_Out):
+    backend: str
+    dtype: str
+    stage: str
+    calls: float
+
+
+class CrashedRank(_Out):
+    """A rank whose step raised (wire 1.5 ``raised``)."""
+
+    rank: int
+    raised: str
+    step: int | None = Field(description="the step it raised in (None: known from before a collector restart)")
+
+
+class RunSummary(_Out):
+    run_id: str
+    status: Literal["live", "crashed", "ended", "idle"] = Field(
+        description="crashed: a rank's step raised (the run ends crashed, whatever its other ranks do); live: "
+        "ranks reported within the TTL; ended: every rank sent its final report (the run ended normally); "
+        "idle: none of these (no rank reported within the TTL, and the run did not say it ended)")
+    live_ranks: int = Field(description="ranks that reported within the TTL, crashed ones excepted")
+    crashed_ranks: list[CrashedRank] = Field(default_factory=list)
+    latest_step: int
+    last_report_time: ApiFloat | None
+    nonfinite_total: float = Field(description="non-finite site visits: calls of a site whose tensor held a NaN "
+                                   "or an Inf, summed over steps (not elements)")
+    skipped_steps: float = Field(0, description="optimizer steps the weight guard skipped (the most any rank did)")
+    directive: Directive
+    first_offender: FirstOffender | None
+
+
+class RunList(_Out):
+    """One page of runs, by run id; pass ``next_after`` as ``after`` for the next page."""
+
+    runs: list[RunSummary]
+    next_after: str | None = Field(None, description="the cursor of the next page (the last run id of this one); "
+                                   "None on the last page")
+
+
+class RunDetail(RunSummary):
+    ranks: list[RankView]
+    sdpa: list[SdpaView]
+    event_counts: dict[str, int]
+    events: list[EventView]
+
+
+class ApiJSON(JSONResponse):
+    """JSON rendered by pydantic, keeping NaN/Infinity (routes still declare ``response_model``)."""
+
+    def render(self, content: Any) -> bytes:
+        return content.model_dump_json().encode() if isinstance(content, BaseModel) else super().render(content)

@@ -1,0 +1,314 @@
+"""The one door for every write: reports, directives, events and retention change the store and memory
+together, through the ``Ledger`` alone, all or nothing.
+
+A request's changes to memory, to SQLite and to long-pollers happen together after the COMMIT succeeds,
+or not at all. Changes are made in memory inside the store's transaction (so that the rules of one report
+see the reports before it in the same batch); if anything fails -- the database (a full disk, a read-only
+file) or the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is
+reloaded from the store -- the touched runs' rows alone, so a repair costs what those runs hold (bounded by
+the caps), not what the whole file does -- and no poller was woken (``Store.after_commit``). The client gets a
+503 to retry, or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the
+reload fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``);
+directives are safe even then, since readers see only committed versions (``DirectiveLog``).
+
+Forgetting runs (retention, an admin's deletion: ``forget``) deletes their events a batch at a time, yielding
+to the loop between batches, then the rest of their rows in one small transaction; writes to a run being
+forgotten are refused with a 503 meanwhile, so nothing acknowledged is deleted after it was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.directive_log import DirectiveLog
+from nanwatch.monitor.model.event_log import AUDIT_KINDS, DirectiveChange, EventLog
+from nanwatch.monitor.model.memory import MemoryBudget
+from nanwatch.monitor.model.refusal import CapReached, StoreUnavailable, Unstorable
+from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.model.store import DELETE_BATCH, EventRow, Store
+from nanwatch.monitor.write.fold import Ingested, fold
+from nanwatch.monitor.write.rules import RuleEngine
+from nanwatch.policy import Rule
+from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
+
+__all__ = ["Ledger"]
+
+log = logging.getLogger("nanwatch.monitor")
+T = TypeVar("T")
+
+
+class Ledger:
+    """Owns the store, the state, the directive and event logs and the rule engine; routes write through
+    its public methods and nothing else writes around it. Reads (polls, scrapes, ``/v1/runs``) go to the
+    state and the directive log directly, after ``resync``.
+
+    Example usage::
+
+        ledger = Ledger(store=store, state=state, directive_log=DirectiveLog(polls=LongPoll()), rules=rules,
+                        logit_tau=100.0, margin_steps=0)
+        ledger.ingest(batch)                       # Ingested(accepted=..., duplicates=...)
+        ledger.set_directive("run-1", DirectiveSpec(mode="fp32"), actor="alice")
+    """
+
+    def __init__(self, *, store: Store, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
+                 logit_tau: float, margin_steps: int,
+                 namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
+                 memory_limit_bytes: int | None = None, max_events: int | None = None) -> None:
+        self.store = store
+        #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
+        self.namespace_of = namespace_of
+        self.state = state
+        self.directive_log = directive_log
+        self.events = EventLog(state)
+        self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
+        self._margin = margin_steps
+        #: above its limit, nothing new is kept (``nanwatch.monitor.model.memory``); events are bounded in all
+        self.budget = MemoryBudget(limit_bytes=memory_limit_bytes, max_events=max_events,
+                                   count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
+        #: runs a failed write touched while the store could not be re-read: memory may hold what was never
+        #: committed; None when memory agrees with the store
+        self._unsynced: set[str] | None = None
+        #: the (run, rank, incarnation) marks those unsynced writes may have added to memory
+        self._unsynced_marks: set[tuple[str, int, str]] = set()
+        #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
+        self._forgetting: set[str] = set()
+
+    # ---- the requests' writes ----------------------------------------------------------------------------
+
+    def ingest(self, batch: ReportBatch) -> Ingested:
+        """Apply the batch all or nothing; raises ``CapReached`` (429), ``StoreUnavailable`` (retry) or
+        ``Unstorable`` (a value that can never be stored)."""
+        runs = {r.run_id for r in batch.reports}
+        keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
+        self._make_room(keys)
+        self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
+        marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
+
+        def apply() -> Ingested:
+            return fold(batch, state=self.state, store=self.store, rule_engine=self.rule_engine, into=self)
+
+        # above the memory limit, existing series keep moving; new ones are dropped and counted
+        done = self._atomically(runs, marks,
+                                (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
+        self.state.requests.applied(done.accepted, done.duplicates)
+        return done
+
+    def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
+        """A new version, all or nothing: a poller never sees a version the store does not hold."""
+        self._check_caps(set(), {run_id})
+        return self._atomically({run_id}, set(), lambda: self.issue_directive(run_id, spec, actor=actor))
+
+    def clear_directive(self, run_id: str, *, actor: str) -> Directive:
+        """Back to the model's own attention path: a new version with mode ``none``."""
+        return self.set_directive(run_id, DirectiveSpec(mode="none", reason="cleared"), actor=actor)
+
+    # ---- the sweeper's ---------------------------------------------------------------------------------
+
+    def sweep(self, now: float) -> int:
+        """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
+        return self.state.sweep(now)
+
+    async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
+        """Forget runs past retention (at most ``limit`` a call). Returns how many went."""
+        expired = self.state.expired(now, retention_s, limit=limit)
+        gone = await self.forget(expired)
+        if gone:
+            log.info("nanwatch collector: forgot %d runs past NANWATCH_RUN_RETENTION_S", gone)
+        return gone
+
+    async def forget(self, run_ids: list[str]) -> int:
+        """Delete the runs' whole history, from the store first, then from memory: their events
+        ``DELETE_BATCH`` rows a transaction, yielding to the loop between them (a run of 760k events held
+        it 5 s in one), then their marks, counters, directives and retention rows, several runs' worth (about
+        ``DELETE_BATCH`` rows, or one run at its caps) a transaction, which also raises the directive-version
+        floor. A run already being forgotten is skipped; writes to a run are refused (503, retry) until its
+        deletion ends. Returns how many runs went (on a store error, the rest are left for a later call)."""
+        todo = [r for r in dict.fromkeys(run_ids) if r not in self._forgetting]
+        self._forgetting.update(todo)
+        gone, group, rows = 0, [], 0
+        try:
+            for i, run_id in enumerate(todo):
+                while True:
+                    with self.store.transaction():
+                        n = self.store.delete_events(run_id)
+                    await asyncio.sleep(0)
+                    if n < DELETE_BATCH:
+                        break
+                group.append(run_id)
+                run = self.state.runs.get(run_id)
+                rows += 1 + (run.incarnations + len(run.counters) if run is not None else 0)
+                if rows >= DELETE_BATCH or i == len(todo) - 1:
+                    with self.store.transaction():
+                        self.store.delete_runs(group)
+                    self.state.forget(group)  # one pass over memory's marks per group, not per run
+                    self.directive_log.forget(group)
+                    self._forgetting.difference_update(group)
+                    gone, group, rows = gone + len(group), [], 0
+                    await asyncio.sleep(0)
+        except sqlite3.Error:
+            log.exception("nanwatch collector: could not delete %d runs; will retry", len(todo) - gone)
+        finally:
+            self._forgetting.difference_update(todo)
+        return gone
+
+    async def delete_run(self, run_id: str, *, actor: str) -> bool:
+        """An admin deletes a run's whole history (``DELETE /v1/runs/{run_id}``) through ``forget``, the path
+        retention takes, logged with the actor. False if there is no such run; raises ``StoreUnavailable`` if
+        the store refused (what was not deleted is still there: retry)."""
+        if not self.resync():
+            raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
+                                   "was deleted, retry")
+        if run_id not in self.state.runs:
+            return False
+        if await self.forget([run_id]) != 1:
+            raise StoreUnavailable("could not delete the run (the store refused, or it is being deleted now); "
+                                   "retry")
+        log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
+        return True
+
+    def resync(self) -> bool:
+        """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
+        hold what was never committed, until a reload succeeds (tried here: before every write, and before
+        every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
+        if self._unsynced is not None:
+            self._restore(self._unsynced, set())
+        return self._unsynced is None
+
+    # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
+
+    def has_event(self, run_id: str, dedupe: str) -> bool:
+        """Memory knows the keys recorded since start-up; the store, those before (not all read back)."""
+        return self.events.has(run_id, dedupe) or self.store.has_event(run_id, dedupe)
+
+    def directive(self, run_id: str) -> Directive:
+        return self.directive_log.latest(run_id)
+
+    def record_event(self, ev: EventRow) -> bool:
+        """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
+        if not self.events.has(ev.run_id, ev.dedupe) and self.store.has_event(ev.run_id, ev.dedupe):
+            self.events.add(ev, stored=False)  # recorded before start-up: known in memory from now on
+            return False
+        if not self.events.admits(ev):
+            return False
+        if ev.kind not in AUDIT_KINDS and (self.budget.over() or self.budget.events_full()):
+            self.state.caps_hit["memory" if self.budget.over() else "total_events"] += 1
+            return False
+        self.events.add(ev, stored=self.store.add_event(ev))
+        self.budget.event_added()
+        return True
+
+    def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
+        """Record a new version with its audit event (inside a transaction) and wake the run's pollers once
+        it has committed."""
+        cur = self.directive_log.latest(run_id)
+        step = spec.apply_at_step
+        if step is None:
+            step = min(self.state.next_apply_step(run_id, time.monotonic()) + self._margin, MAX_INT)
+        d = self.directive_log.successor(run_id, spec, apply_at_step=step, actor=actor)
+        self.store.put_directive(d)
+        self.store.touch({run_id}, d.created_at)
+        self.state.ensure_run(run_id).touched = time.monotonic()
+        kind = "directive_cleared" if spec.mode == "none" else "directive_set"
+        audit = DirectiveChange(version=d.version, mode=d.mode, reason=d.reason, previous_mode=cur.mode,
+                                previous_version=cur.version)
+        self.record_event(EventRow(run_id, d.created_at, kind, f"directive:{d.version}", step=step, actor=actor,
+                                   detail=audit))
+        self.directive_log.put(d)  # pending: a failed commit is never seen, and wakes nobody
+        self.store.after_commit(lambda: self.directive_log.commit(run_id))
+        return d
+
+    # ---- all or nothing --------------------------------------------------------------------------------
+
+    def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
+        """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take
+        past their incarnation cap (``CollectorState.stale_incarnations`` says why that is safe), in a
+        transaction of their own, committed before the request's."""
+        stale = self.state.stale_incarnations(keys)
+        if not stale:
+            return
+
+        def forget() -> None:
+            self.store.delete_hwm(stale)
+            self.state.forget_incarnations(stale)
+
+        self._atomically({run_id for run_id, _, _ in stale}, set(), forget)
+        log.info("nanwatch collector: forgot %d high-water marks of incarnations no longer live, to make room "
+                 "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
+
+    def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+                    beats: set[tuple[str, int, str]] = frozenset()) -> None:
+        over = self.state.over_caps(keys, run_ids, beats, namespace_of=self.namespace_of)
+        if over is not None:
+            raise CapReached(over)
+        if self.budget.over() and self._grows(keys, run_ids, beats):
+            self.state.caps_hit["memory"] += 1
+            raise CapReached(f"the collector is above its memory limit ({self.budget.limit_bytes >> 20} MiB, "
+                             "NANWATCH_MEMORY_LIMIT_MIB): no new run, incarnation or rank is taken until it is "
+                             "below; existing ones are still updated", reason="memory")
+
+    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str], beats: set[tuple[str, int, str]]) -> bool:
+        """Whether a request adds a run, a (run, rank, incarnation) high-water mark or a held rank."""
+        state = self.state
+        return (any(r not in state.runs for r in run_ids) or any(k not in state.hwm for k in keys)
+                or any(run_id not in state.runs or rank not in state.runs[run_id].ranks
+                       for run_id, rank, _inc in beats))
+
+    def _without_new_series(self, runs: set[str], write: Callable[[], T]) -> T:
+        """``write()`` with no new series (the series cap at 0 while it runs, inside the transaction, so that a
+        failed write's reload sees the real cap: admitted series still update), counted when it dropped any."""
+        state = self.state
+        dropped = sum(state.runs[r].series_dropped for r in runs if r in state.runs)
+        cap, state.series_cap = state.series_cap, 0
+        try:
+            return write()
+        finally:
+            state.series_cap = cap
+            if sum(state.runs[r].series_dropped for r in runs if r in state.runs) > dropped:
+                state.caps_hit["memory"] += 1
+
+    def _atomically(self, runs: set[str], marks: set[tuple[str, int, str]], write: Callable[[], T]) -> T:
+        """``write()`` in one transaction; ``runs``: the runs it may change, ``marks``: the high-water marks
+        it may add (a report's own: what a repair takes out of memory without walking every mark)."""
+        if not self.resync():
+            raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
+                                   "was applied, retry")
+        if runs & self._forgetting:
+            raise StoreUnavailable(f"run {sorted(runs & self._forgetting)[0]!r} is being deleted; nothing was "
+                                   "applied, retry")
+        try:
+            with self.store.transaction():
+                result = write()
+        except Exception as e:
+            self.directive_log.rollback()
+            self._restore(runs, marks)
+            if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, sqlite3.Error):
+                raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); nothing was applied") from e
+            if not isinstance(e, sqlite3.Error):
+                log.exception("nanwatch collector: a write failed and was rolled back")
+            raise StoreUnavailable(f"could not persist the request ({type(e).__name__}: {str(e)[:200]}); "
+                                   "nothing was applied, retry") from e
+        self.state.wrote()
+        return result
+
+    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]]) -> None:
+        """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
+        latest views come back with their next reports; other runs are not touched). If the store cannot be
+        read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
+        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
+        runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
+        try:
+            loaded = self.store.load(runs)
+        except sqlite3.Error:
+            log.exception("nanwatch collector: could not reload the store after a failed write")
+            self._unsynced, self._unsynced_marks = runs, marks
+            return
+        self.state.reload(loaded, touched=runs, marks=marks)
+        self._unsynced, self._unsynced_marks = None, set()
+        self.state.wrote()

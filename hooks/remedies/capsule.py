@@ -87,6 +87,30 @@ def _class_path(obj: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _init_signature(cls: type) -> inspect.Signature:
+    """``cls.__init__``'s signature, looking through wrappers that hide it: transformers 5.25's hub kernels
+    (``kernels.use_kernelized_func``) wrap an attention class's ``__init__`` as ``new_init(self, *args,
+    **kwargs)`` without ``functools.wraps``, so its parameters (``layer_idx``) are found only on the function
+    the wrapper closes over."""
+    fn = cls.__init__
+    sig = inspect.signature(fn)
+    for _ in range(4):  # wrappers of wrappers, bounded
+        named = [p for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        cells = getattr(fn, "__closure__", None) or ()
+        inner = next((c.cell_contents for c in cells if inspect.isfunction(_cell(c))), None)
+        if named or inner is None:
+            return sig
+        fn, sig = inner, inspect.signature(inner)
+    return sig
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 def _ctor_args(module: torch.nn.Module) -> tuple[dict[str, Any], list[str]]:
     """A ``torch.nn`` module's constructor arguments, recovered from its attributes of the same name
     (``Linear.in_features``; ``bias`` from whether the parameter exists). Returns (args, missing): a
@@ -94,7 +118,7 @@ def _ctor_args(module: torch.nn.Module) -> tuple[dict[str, Any], list[str]]:
     args: dict[str, Any] = {}
     missing: list[str] = []
     try:
-        sig = inspect.signature(type(module).__init__)
+        sig = _init_signature(type(module))
     except (TypeError, ValueError):
         return {}, ["<signature>"]
     for name, p in list(sig.parameters.items())[1:]:
@@ -121,7 +145,7 @@ def _build_info(module: torch.nn.Module) -> dict[str, Any]:
     mod = type(module).__module__
     if mod.startswith("transformers.") and config is not None and hasattr(config, "to_dict"):
         hints = {}
-        sig = inspect.signature(type(module).__init__)
+        sig = _init_signature(type(module))
         for name in sig.parameters:
             v = getattr(module, name, None)
             if name not in ("self", "config") and isinstance(v, _JSON_SCALARS) and v is not None:

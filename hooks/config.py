@@ -124,7 +124,7 @@ class MonitorConfig:
     """Upper bound on the score elements held at once by the exact computation (memory stays bounded)."""
 
     param_check_every: int = 8
-    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch guards or checks)
+    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch covers)
     once in this many steps, a rotating share at each step start, so that a tensor already non-finite is
     named as the birth site; 0 turns it off."""
 
@@ -133,8 +133,8 @@ class MonitorConfig:
     """The weight guard (``nanwatch.hooks.remedies.weight_guard``): a step in which a monitored site saw a
     non-finite value does not update the weights. ``auto``: every ``torch.optim.Optimizer`` that steps the
     model's parameters gets one, the one passed as ``optimizer=`` and any other found at its first step (a
-    global optimizer-step pre-hook, ``nanwatch.hooks.remedies.optimizer_discovery``). Fused optimizers are
-    guarded on the device at no cost; others at one host read of the step's flag per optimizer step (what
+    global optimizer-step pre-hook, ``nanwatch.hooks.remedies.optimizer_discovery``). A fused optimizer's
+    weight guard works on the device at no cost; others at one host read of the step's flag per optimizer step (what
     GradScaler pays for them). ``off``: nanwatch never skips a step and issues no flag reduction (an
     explicit ``Monitor.guard(opt)`` still puts a weight guard on ``opt``)."""
 

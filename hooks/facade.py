@@ -91,7 +91,7 @@ class Monitor:
     """
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
-        self.config = config
+        self.config = config = resolve_config(config)  # the environment and the shard (a no-op after attach)
         self._outer = weakref.ref(model)
         model = user_model(model)
         self._model = weakref.ref(model)

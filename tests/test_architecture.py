@@ -476,13 +476,14 @@ def test_the_private_reach_check_can_fail():
     assert private_reach(tree, {"_buf": {"A"}}) == ["line 6: a._buf", "line 9: a._buf", "line 10: import _y"]
 
 
-# ---- the README's words and map match the tree --------------------------------------------------------------
+# ---- the glossary's words and the README's map match the tree ------------------------------------------------
 README = (ROOT / "README.md").read_text()
+GLOSSARY = (ROOT / "docs" / "glossary.md").read_text()
 
 
-def _readme_table(heading: str) -> list[list[str]]:
-    """The rows of the first table under ``## heading``, as cells (header and rule dropped)."""
-    section = README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+def _readme_table(heading: str, text: str = README) -> list[list[str]]:
+    """The rows of the first table under ``## heading`` in ``text``, as cells (header and rule dropped)."""
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
 
@@ -506,14 +507,14 @@ def _definitions() -> dict[str, list[tuple[str, ast.AST]]]:
 
 def test_each_word_of_the_glossary_is_defined_once_where_it_says():
     defs = _definitions()
-    rows = _readme_table("Words")
+    rows = _readme_table("Words", GLOSSARY)
     assert len(rows) >= 7, rows
     for word, _, where in rows:
         for dotted in (w.strip(" `") for w in where.split(",")):
             module = max((m for m in MODULES if dotted.startswith(m + ".")), key=len)
             name, _, attr = dotted[len(module) + 1:].partition(".")
             places = [m for m, _ in defs[name]]
-            assert places == [module], f"{word}: {name} is defined in {places}, the README says {module}"
+            assert places == [module], f"{word}: {name} is defined in {places}, the glossary says {module}"
             if attr:
                 (node,) = [n for _, n in defs[name]]
                 members = {getattr(b, "name", None) for b in node.body} | {

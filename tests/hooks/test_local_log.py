@@ -15,7 +15,7 @@ import torch
 from support import step_reports, tiny_qwen3, token_ids
 
 import nanwatch
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.wire import StepReport
 
 
@@ -122,6 +122,8 @@ def test_log_settings_are_validated():
 
 def test_log_dir_defaults_to_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("NANWATCH_LOG_DIR", str(tmp_path))
-    assert MonitorConfig(run_id="x").log_dir == str(tmp_path)
+    assert MonitorConfig(run_id="x").log_dir is None  # constructing a config reads nothing
+    assert resolve_config(MonitorConfig(run_id="x")).log_dir == str(tmp_path)
+    assert resolve_config(MonitorConfig(run_id="x", log_dir="given")).log_dir == "given"
     monkeypatch.delenv("NANWATCH_LOG_DIR")
-    assert MonitorConfig(run_id="x").log_dir is None
+    assert resolve_config(MonitorConfig(run_id="x")).log_dir is None

@@ -395,18 +395,21 @@ def test_bad_watch_arguments_warn_and_keep_the_step_report():
 
 
 def test_the_ingest_token_comes_from_the_environment_or_a_secret_file(tmp_path, monkeypatch):
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks.config import MonitorConfig, resolve_config
 
     monkeypatch.delenv("NANWATCH_TOKEN", raising=False)
     (tmp_path / "tok").write_text("s3cret\n")
     monkeypatch.setenv("NANWATCH_TOKEN_FILE", str(tmp_path / "tok"))
-    assert MonitorConfig(run_id="t").token == "s3cret"
+    assert MonitorConfig(run_id="t").token is None  # constructing a config reads nothing
+    assert resolve_config(MonitorConfig(run_id="t")).token == "s3cret"
     monkeypatch.setenv("NANWATCH_TOKEN", "from-env")  # the variable wins over the file
-    assert MonitorConfig(run_id="t").token == "from-env"
+    assert resolve_config(MonitorConfig(run_id="t")).token == "from-env"
+    assert resolve_config(MonitorConfig(run_id="t", token="given")).token == "given"
     monkeypatch.delenv("NANWATCH_TOKEN")
     monkeypatch.setenv("NANWATCH_TOKEN_FILE", str(tmp_path / "missing"))
+    MonitorConfig(run_id="t")
     with pytest.raises(ValueError, match="NANWATCH_TOKEN_FILE"):
-        MonitorConfig(run_id="t")
+        resolve_config(MonitorConfig(run_id="t"))
 
 
 def test_attach_with_a_config_refuses_arguments_that_say_otherwise():
@@ -420,7 +423,8 @@ def test_attach_with_a_config_refuses_arguments_that_say_otherwise():
             nanwatch.attach(model, config=cfg, **kwargs)
     assert _hook_dicts(model) == {}
     with nanwatch.attach(model, run_id="cfg", config=cfg, grads=False) as mon:  # the same values are fine
-        assert mon.config is cfg
+        assert (mon.config.run_id, mon.config.grads) == ("cfg", False)
+        assert mon.config is not cfg and cfg.capsule is None  # resolved into a new config, the given one unchanged
     with pytest.raises(TypeError, match="run_id"):
         nanwatch.attach(model)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanwatch.addresses import collector_urls, pick_collector
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import MonitorConfig, resolve_config
 
 SHARDS = [f"http://collector-{i}.nanwatch:9464" for i in range(4)]
 RUNS = [f"run-{i}" for i in range(4000)]
@@ -35,12 +35,17 @@ def test_adding_a_shard_moves_only_about_one_run_in_n_and_only_onto_the_new_one(
 
 
 def test_a_config_with_several_collectors_holds_the_one_its_run_picks():
-    listed = MonitorConfig(run_id="run-7", collector=SHARDS)
-    comma = MonitorConfig(run_id="run-7", collector=" , ".join(SHARDS))
+    given = MonitorConfig(run_id="run-7", collector=SHARDS)
+    assert (given.collector, given.collectors) == (SHARDS, ())  # the shard is chosen by resolve_config
+    listed = resolve_config(given)
+    comma = resolve_config(MonitorConfig(run_id="run-7", collector=" , ".join(SHARDS)))
     assert listed.collector == comma.collector == pick_collector(SHARDS, "run-7")
     assert listed.collectors == comma.collectors == tuple(SHARDS)
-    one = MonitorConfig(run_id="run-7", collector=SHARDS[0])
+    assert resolve_config(listed) is listed  # resolving twice changes nothing
+    one = resolve_config(MonitorConfig(run_id="run-7", collector=SHARDS[0]))
     assert (one.collector, one.collectors) == (SHARDS[0], (SHARDS[0],))
+    with pytest.raises(ValueError, match="collector must be"):  # a bad URL is refused at construction
+        MonitorConfig(run_id="run-7", collector=[SHARDS[0], "ftp://b"])
 
 
 @pytest.mark.parametrize("bad", ["", "http://a:1,,http://b:2", ["http://a:1", "ftp://b"], []])

@@ -129,7 +129,7 @@ class Monitor:
         self._capsules = CapsuleWriter(run_id=config.run_id, rank=self.rank, directory=folder, max_count=count,
                                        max_bytes=limit) if on else None
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
-                                rec=self._rec, warn=self._warn_once, directive_state=self.directive_state,
+                                warn=self._warn_once, directive_state=self.directive_state,
                                 expects_logits=lambda: self._probes is not None and self._probes.head is not None)
 
     @property

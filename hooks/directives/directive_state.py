@@ -169,11 +169,11 @@ class DirectiveState:
 
         This reads the device buffer, i.e. one host sync, as GradScaler does; it is only paid while that
         directive is active (opt-in). Without the directive it returns False at no cost. Under
-        torch.distributed the flag is the job's (one reduction across ranks, ``Recorder.job_nonfinite_flag``):
+        torch.distributed the flag is the job's (one reduction across ranks, ``Recorder.nonfinite_flag(job=True)``):
         every rank calls this under the agreed mode, and every rank gets the same answer."""
         if self.mode != "skip_step":
             return False
-        return bool(self._rec.job_nonfinite_flag())  # sync-ok: opt-in skip_step directive, once per step
+        return bool(self._rec.nonfinite_flag(job=True))  # sync-ok: opt-in skip_step directive, once per step
 
     def fused_call(self, site: str, call, upcast):
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""

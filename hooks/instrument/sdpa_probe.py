@@ -133,7 +133,7 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
 
 def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> None:
     rows = dead_rows(mask)
-    probes.rec.forward_count(fwd, "masked_rows", rows.sum(dtype=probes.rec.acc_dtype), how="max")
+    probes.rec.slot(fwd.key("masked_rows"), rows.sum(dtype=probes.rec.acc_dtype), how="max")
 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
@@ -147,4 +147,4 @@ def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     fwd = rec.current_forward()
     if fwd is not None and s.is_floating_point():
         dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
-        rec.forward_count(fwd, "masked_rows", dead.sum(dtype=rec.acc_dtype), how="max")
+        rec.slot(fwd.key("masked_rows"), dead.sum(dtype=rec.acc_dtype), how="max")

@@ -47,7 +47,7 @@ def position_layout(rec: Recorder, fwd: ForwardMeta, pos: torch.Tensor,
     if mask2d is not None and mask2d.shape == text.shape:
         real = mask2d.to(torch.bool)
         restart = restart & real[..., 1:] & real[..., :-1]  # padding is not a document boundary
-    rec.forward_count(fwd, "resets", restart.sum(dtype=rec.acc_dtype))
+    rec.slot(fwd.key("resets"), restart.sum(dtype=rec.acc_dtype))
     fwd.packed_checked = True
 
 

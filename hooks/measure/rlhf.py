@@ -30,7 +30,7 @@ RLHF_SLOTS: tuple[tuple[str, str], ...] = (
 
 
 def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
-    rec.slot_add(("rlhf", name), x.sum(dtype=rec.acc_dtype))
+    rec.slot(("rlhf", name), x.sum(dtype=rec.acc_dtype))
 
 
 def _where(ok: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
@@ -72,34 +72,34 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
             _count(rec, name, bad)
     ok = m & torch.isfinite(lp)
     _count(rec, "tokens", m)
-    rec.slot_max(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax())
+    rec.slot(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax(), how="max")
     if old_logprobs is not None:
         ratio = torch.exp(lp - old_logprobs.detach().float())
         rok = ok & torch.isfinite(ratio)
         _count(rec, "ratio_n", rok)
         _count(rec, "clipped", rok & ((ratio - 1.0).abs() > clip_eps))
-        rec.slot_max(("rlhf", "ratio_max"), _where(rok, ratio, -math.inf).amax())
+        rec.slot(("rlhf", "ratio_max"), _where(rok, ratio, -math.inf).amax(), how="max")
     if ref_logprobs is not None:
         d = ref_logprobs.detach().float() - lp  # log(ref/policy)
         k1 = -d
         k3 = torch.exp(d) - d - 1.0
         kok = ok & torch.isfinite(k3)
         _count(rec, "kl_n", kok)
-        rec.slot_add(("rlhf", "k1_sum"), _where(kok, k1, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot_add(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot_max(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax())
-        rec.slot_max(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax())
+        rec.slot(("rlhf", "k1_sum"), _where(kok, k1, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax(), how="max")
+        rec.slot(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax(), how="max")
         if kl_optimised == "k3_ratio":  # ratio 1 where there are no old logprobs (TRL: one iteration)
             k3r = k3 if old_logprobs is None else k3 * ratio  # the ratio computed above
             rok = kok & torch.isfinite(k3r)
             _count(rec, "k3r_n", rok)
-            rec.slot_add(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.acc_dtype))
+            rec.slot(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.acc_dtype))
     if advantages is not None:
         a = advantages.detach().float()
         aok = torch.isfinite(a) & (m if a.shape == m.shape else True)
         _count(rec, "adv_n", aok)
-        rec.slot_add(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot_add(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.acc_dtype))
+        rec.slot(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.acc_dtype))
 
 
 def rlhf_slots(get) -> dict[tuple[str, str], float]:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
+from nanwatch.hooks.measure.decode import nonfinite_phases
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.remedies.weight_guard import inner_optimizer
 from nanwatch.wire import SiteStat
@@ -194,7 +195,7 @@ class LossScaling:
                 per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             for t in per_device.values():
                 t = t.detach().float().reshape(())
-                self._rec.slot_max(SCALER_FOUND, t)
+                self._rec.slot(SCALER_FOUND, t, how="max")
                 self._found.append(t)
         except Exception as exc:  # noqa: BLE001 - another torch's scaler: say so once, carry on
             self._warn(f"could not read the GradScaler's found_inf ({exc!r}): loss-scale overflows are "
@@ -220,7 +221,7 @@ class LossScaling:
         """The open step's non-finite values were an overflow the scaler handled (it found inf/NaN, and only
         gradients were non-finite): no incident, so no replay. Host reads, as :meth:`overflow_found` (replay
         mode only)."""
-        return self.overflow_found() and self._rec.nonfinite_phases() <= {"backward"}
+        return self.overflow_found() and nonfinite_phases(self._rec) <= {"backward"}
 
     def new_step(self) -> None:
         self._found = []

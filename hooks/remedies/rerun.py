@@ -52,6 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
+from nanwatch.hooks.measure.decode import step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward
 from nanwatch.hooks.measure.recorder import Recorder
@@ -293,7 +294,7 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     recorder, for the step's report (one host read of the step's values, once per run). None when the
     value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
     and the report names it (``nanwatch.hooks.measure.optimizer_check``)."""
-    so_far = rec.so_far()
+    so_far = step_so_far(rec)
     first = so_far.first
     if first is not None and first[1] == "optimizer":
         return None

@@ -23,7 +23,7 @@ since, turns the wrapper into a pass-through. An optimizer is guarded once, what
 or ``guard()`` calls see it (:func:`guard_of`).
 
 Under torch.distributed the flag every path reads is the job's, not the rank's: reduced (MAX) over the
-training process group before the optimizer reads it (``Recorder.job_nonfinite_flag``, one async
+training process group before the optimizer reads it (``Recorder.nonfinite_flag(job=True)``, one async
 collective, see ``nanwatch.hooks.measure.collective``), so every rank skips the step any rank saw a non-finite
 value in. The reduction is issued whenever the guard decides, and it decides under conditions that are
 the same on every rank: the optimizer's kind (fused or not), ``sync=`` and ``MonitorConfig.guard``, and the
@@ -44,7 +44,7 @@ import torch
 
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, Recorder
 
 __all__ = ["WeightGuard", "drop_grads_if_flagged", "guard_of", "inner_optimizer"]
 
@@ -81,7 +81,7 @@ def job_flag(rec: Recorder) -> torch.Tensor:
     """The job's non-finite flag for an optimizer step (device ops and, under torch.distributed, the one
     reduction); this rank's own flag if the reduction fails."""
     try:
-        return rec.job_nonfinite_flag()
+        return rec.nonfinite_flag(job=True)
     except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
         probe_failed(exc)
         return rec.nonfinite_flag()
@@ -92,7 +92,7 @@ def drop_grads_if_flagged(optimizer: torch.optim.Optimizer, rec: Recorder) -> bo
     parameters when the job's flag is set (every ``torch.optim`` optimizer skips a parameter whose
     ``grad`` is None). One host read; True when dropped."""
     flag = job_flag(rec)
-    rec.note_guard_skipped(flag)
+    rec.slot(GUARD_SKIPPED, flag, how="max")
     if not bool(flag):  # sync-ok: an optimizer found at its first step, once (what the guard pays per step)
         return False
     for group in optimizer.param_groups:
@@ -130,7 +130,7 @@ class WeightGuard:
             if self.removed or not (self.fused or host_read or directive_state.mode == "skip_step"):
                 return original(*args, **kwargs)  # unguarded (warned), or removed under another wrapper
             flag = job_flag(rec)
-            rec.note_guard_skipped(flag)
+            rec.slot(GUARD_SKIPPED, flag, how="max")
             if self.fused:
                 scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
                 opt.found_inf = flag if scaler_flag is None else torch.maximum(

@@ -1,19 +1,19 @@
-"""Report assembly, on the reporter thread: a step's host-side record plus its decoded device values become
-one :class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no
-attention measured) attached and told once."""
+"""Report assembly, on the reporter thread: a step's decoded values (``nanwatch.hooks.measure.decode``'s
+``StepStats``) plus what the training thread knew at step end (:class:`StepContext`) become one
+:class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no attention
+measured) attached and told once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
+from nanwatch.hooks.measure.decode import StepStats
 from nanwatch.hooks.measure.optimizer_check import MAX_NAMED, optimizer_incident
-from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.measure.rlhf import decode_rlhf
+from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
-from nanwatch.hooks.report.reporter import Pending
-from nanwatch.wire import Coverage, LogitStat, SiteStat, StepReport
+from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]
 
@@ -33,40 +33,25 @@ class StepContext:
 
 
 class ReportBuilder:
-    """Builds the StepReports of one Monitor (one rank, one incarnation)."""
+    """Builds the StepReports of one Monitor (one rank, one incarnation) from decoded values: a step's
+    ``StepStats`` and its context in, a report out; nothing here reads the recorder."""
 
-    def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, rec: Recorder,
-                 warn: WarnOnce, dropped_reports: Callable[[], int], expects_logits: Callable[[], bool],
-                 agree_every: int | None) -> None:
+    def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
+                 expects_logits: Callable[[], bool], agree_every: int | None) -> None:
         self._ids = dict(run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation,
                          agree_every=agree_every)
         self._expects_logits = expects_logits
-        self._rec = rec
         self._warn = warn
-        self._dropped = dropped_reports
         self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
 
-    def build(self, pending: Pending, values: list[float]) -> StepReport:
-        ctx: StepContext = pending.context
-        if ctx.final:
-            return self.final(pending.seq, pending.step, ctx)
+    def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
+        """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
+        lost so far, carried by this one)."""
         state = ctx.state
-        sites, sdpa, logits, prints, first = self._rec.decode(state, values)
-        loss_scale, overflow = self._loss_scaling(state, values, sites)
+        loss_scale, overflow = _loss_scaling(state, stats)
         warns = list(state.warnings)
-        incident = state.incident
-        for seen in self._rec.batches_seen(state, values):
-            b = seen.batch
-            if not seen.bad or b.phase != "optimizer":
-                continue
-            more = f" (the first {MAX_NAMED} are sites)" if len(seen.bad) > MAX_NAMED else ""
-            warns.append(f"step {pending.step}: {len(seen.bad)} parameters non-finite after {b.owner}.step(){more}")
-            if (incident is None and not overflow and not self._optimizer_incident_done and first is not None
-                    and first[:2] == (b.names[seen.bad[0][0]], "optimizer")):
-                self._optimizer_incident_done = True
-                incident = optimizer_incident(seen, step=pending.step)
-                self._warn(f"step {pending.step}: {incident.note}")
-        for f in prints:
+        incident = self._optimizer_warnings(stats, state.incident, step, warns, overflow=overflow)
+        for f in stats.fingerprints:
             if f.cross_doc_leak:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
                              "causal attention: documents attend across boundaries (HF builds a cache when "
@@ -74,39 +59,46 @@ class ReportBuilder:
         if ctx.raised is not None:
             warns.append(f"the step raised {ctx.raised} before it finished: the rank crashed, and what the step "
                          "did not reach is missing, not unmeasured")
-        coverage = self._coverage(state, sites, logits, warns, raised=ctx.raised is not None)
+        coverage = self._coverage(state, stats.sites, stats.logits, warns, raised=ctx.raised is not None)
         for w in warns:
             self._warn(w)
+        first = stats.first_offender
         return StepReport(
-            **self._ids, seq=pending.seq, step=pending.step, stage=state.stage, raised=ctx.raised, time=ctx.time,
-            sites=sites, sdpa=sdpa, logits=logits, fingerprints=prints, coverage=coverage,
-            rlhf=decode_rlhf(self._rec.getter(state, values), state.rlhf if isinstance(state.rlhf, str) else None)
-            if state.rlhf else None,
-            attention_mode=ctx.mode, directive_version=ctx.directive_version,
-            first_offender=first[0] if first else None, first_offender_phase=first[1] if first else None,
-            first_offender_stage=first[2] if first else None, first_offender_rank=self._ids["rank"] if first else None,
-            step_skipped=self._rec.step_skipped(state, values), incident=incident,
-            nonfinite_rank=self._rec.nonfinite_rank(state, values), loss_scale=loss_scale,
-            scaler_overflow=overflow, dropped_reports=self._dropped(), warnings=warns[:64])
+            **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
+            sites=stats.sites, sdpa=stats.sdpa, logits=stats.logits, fingerprints=stats.fingerprints,
+            coverage=coverage, rlhf=stats.rlhf, attention_mode=ctx.mode, directive_version=ctx.directive_version,
+            first_offender=first.site if first else None, first_offender_phase=first.phase if first else None,
+            first_offender_stage=first.stage if first else None,
+            first_offender_rank=self._ids["rank"] if first else None,
+            step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
+            loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64])
 
-    def final(self, seq: int, step: int, ctx: StepContext) -> StepReport:
+    def _optimizer_warnings(self, stats: StepStats, incident: Incident | None, step: int, warns: list[str], *,
+                            overflow: bool | None) -> Incident | None:
+        """Warn of each optimizer update that wrote non-finite parameters; the step's incident is the
+        optimizer's when its first offender is such a parameter (once per run; never over a rerun's verdict
+        or a loss-scale overflow the scaler handled)."""
+        first = stats.first_offender
+        for seen in stats.batches:
+            b = seen.batch
+            if not seen.bad or b.phase != "optimizer":
+                continue
+            more = f" (the first {MAX_NAMED} are sites)" if len(seen.bad) > MAX_NAMED else ""
+            warns.append(f"step {step}: {len(seen.bad)} parameters non-finite after {b.owner}.step(){more}")
+            if (incident is None and not overflow and not self._optimizer_incident_done and first is not None
+                    and first[:2] == (b.names[seen.bad[0][0]], "optimizer")):
+                self._optimizer_incident_done = True
+                incident = optimizer_incident(seen, step=step)
+                self._warn(f"step {step}: {incident.note}")
+        return incident
+
+    def final(self, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
         """The incarnation's last report (the Monitor closed normally): ids, the last step, the directive
         state and the drops, no measurements."""
         return StepReport(**self._ids, seq=seq, step=step, time=ctx.time, final=True, attention_mode=ctx.mode,
-                          directive_version=ctx.directive_version, dropped_reports=self._dropped())
+                          directive_version=ctx.directive_version, dropped_reports=dropped)
 
-    def _loss_scaling(self, state: StepState, values: list[float], sites: list[SiteStat]
-                      ) -> tuple[float | None, bool | None]:
-        """(loss_scale, scaler_overflow) of a training step run under a watched GradScaler, else (None, None)
-        (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when)."""
-        if not state.loss_scaling or state.stage != "train":
-            return None, None
-        get = self._rec.getter(state, values)
-        scale = get("max", LOSS_SCALE, -1.0)
-        found = get("max", SCALER_FOUND, 0.0)
-        return (scale if scale >= 0 else None), handled_by_scaler(found > 0, sites)
-
-    def _coverage(self, state: StepState, sites: list[SiteStat], logits: list[LogitStat],
+    def _coverage(self, state: StepState, sites: Sequence[SiteStat], logits: Sequence[LogitStat],
                   warns: list[str], *, raised: bool = False) -> Coverage:
         """What the step measured, and why any part of it was not (with a warning that says what to do). A
         step that raised makes no such claim: its forward stopped where the exception was, so a missing part
@@ -118,7 +110,7 @@ class ReportBuilder:
                         compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
                         params_checked=c.params_checked, unmeasured=unmeasured)
 
-    def _unmeasured(self, state: StepState, logits: list[LogitStat], warns: list[str]) -> list[str]:
+    def _unmeasured(self, state: StepState, logits: Sequence[LogitStat], warns: list[str]) -> list[str]:
         c = state.coverage
         unmeasured = []
         if not c.forwards and not c.compiled_forwards:
@@ -144,3 +136,13 @@ class ReportBuilder:
                          "(math backend, or saved tensors offloaded) and the step was not an exact_logit_every "
                          "step")
         return unmeasured
+
+
+def _loss_scaling(state: StepState, stats: StepStats) -> tuple[float | None, bool | None]:
+    """(loss_scale, scaler_overflow) of a training step run under a watched GradScaler, else (None, None)
+    (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when)."""
+    if not state.loss_scaling or state.stage != "train":
+        return None, None
+    scale = stats.slot("max", LOSS_SCALE, -1.0)
+    found = stats.slot("max", SCALER_FOUND, 0.0)
+    return (scale if scale >= 0 else None), handled_by_scaler(found > 0, stats.sites)

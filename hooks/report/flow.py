@@ -1,11 +1,17 @@
-"""Where a finished step goes, on the reporter thread: built into a StepReport, observed by the directive
-state (the clean-step streak) and the local rule engine, then delivered to the collector's sender, the local
-log (``nanwatch.hooks.report.local_log``: log lines and a JSONL file) and the user's ``on_report``. One object owns
-that chain, so the Monitor hands it a step and nothing more.
+"""Where a finished step goes, on the reporter thread: decoded (``nanwatch.hooks.measure.decode``), built into
+a StepReport, observed by the directive state (the clean-step streak) and the local rule engine, then
+delivered to the collector's sender, the local log (``nanwatch.hooks.report.local_log``: log lines and a JSONL
+file) and the user's ``on_report``. One object owns that chain, so the Monitor hands it a step and nothing
+more.
+
+One way, as values: the flow owns the reporter thread and drives the hand-over (``Reporter.take`` /
+``finish``); each step becomes a :class:`Built` value (the report, the streak's verdict, the raw RLHF slots
+for the job reduction), and the consumers are fed from that value. Nothing is left on ``self`` from one
+stage to the next, and the reporter never calls back up.
 
 Example usage::
 
-    flow = ReportFlow(config, rank=0, world_size=1, incarnation="ab12", rec=rec, warn=WarnOnce(),
+    flow = ReportFlow(config, rank=0, world_size=1, incarnation="ab12", warn=WarnOnce(),
                       directive_state=state, expects_logits=lambda: True)
     flow.capture(rec.flat(), step, StepContext(rec.swap(), state.mode, state.version, time.time()))
     flow.last_report()
@@ -14,7 +20,9 @@ Example usage::
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,29 +30,39 @@ from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.directives.local_rules import LocalRuleEngine
 from nanwatch.hooks.failsafe import WarnOnce
-from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.rlhf import rlhf_slots
+from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
-from nanwatch.hooks.report.reporter import Pending, Reporter
+from nanwatch.hooks.report.reporter import Landed, Reporter
 from nanwatch.wire import StepReport
 
-__all__ = ["ReportFlow"]
+__all__ = ["Built", "ReportFlow"]
 
 log = logging.getLogger("nanwatch")
 
 
-class ReportFlow:
-    """The reporter thread's side of one Monitor: the builder, the rules, the sender, the callback."""
+@dataclass(frozen=True, slots=True)
+class Built:
+    """One step, turned into values on the reporter thread: the report and what each consumer gets."""
 
-    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, rec: Recorder,
-                 warn: WarnOnce, directive_state: DirectiveState, expects_logits: Callable[[], bool]) -> None:
+    report: StepReport
+    clean: bool | None
+    """For the directive state's clean-step streak: True clean (or a loss-scale overflow the scaler handled),
+    False not; None: no training step (an evaluation, the final report), which neither makes nor breaks one."""
+    rlhf: dict[tuple[str, str], float] | None
+    """A training step's raw RLHF slots, for the job reduction (None: no RLHF stats, or no training step)."""
+
+
+class ReportFlow:
+    """The reporter thread's side of one Monitor: the thread, the builder, the rules, the sender, the callback."""
+
+    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
+                 directive_state: DirectiveState, expects_logits: Callable[[], bool]) -> None:
         self._on_report = config.on_report
         self._directive_state = directive_state
-        self._config, self._rank, self._world, self._rec = config, rank, world_size, rec
+        self._config, self._rank, self._world = config, rank, world_size
         self._job: JobReporting | None = None
-        self._rlhf: dict | None = None  # the step's raw RLHF slots, from _build to _deliver (reporter thread)
         source = config.directive_source
         local = source == "local" or (source == "auto" and not config.collector)
         self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=directive_state,
@@ -52,11 +70,11 @@ class ReportFlow:
         self._sender = None
         self._local = LocalLog(config, rank=rank, incarnation=incarnation, warn=warn)  # log lines, JSONL file
         self._builder = ReportBuilder(
-            run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, rec=rec, warn=warn,
-            dropped_reports=lambda: self.dropped, expects_logits=expects_logits,
-            agree_every=config.directive_check_every if world_size > 1 else None)
-        self._reporter = Reporter(self._build, on_report=self._deliver, max_pending=config.max_pending_reports,
-                                  on_close=self._closing)
+            run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, warn=warn,
+            expects_logits=expects_logits, agree_every=config.directive_check_every if world_size > 1 else None)
+        self._reporter = Reporter(max_pending=config.max_pending_reports)
+        self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
+        self._thread.start()
 
     def open_job(self) -> bool:
         """Training thread, at attach, on every rank together (a collective when the scope is ``job``): report
@@ -88,31 +106,62 @@ class ReportFlow:
         return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
 
     def close(self, timeout: float) -> None:
-        self._reporter.close(timeout)
+        self._reporter.close()
+        self._thread.join(timeout)
         if self._sender is not None:
             self._sender.close(timeout_s=timeout)
 
     # ---- reporter thread ---------------------------------------------------------------------------
-    def _build(self, pending: Pending, values: list[float]) -> StepReport:
-        report = self._builder.build(pending, values)
-        if report.final:
-            return report
-        if report.stage == "train":  # an evaluation is no training step: it neither makes nor breaks a streak
-            # a loss-scale overflow the scaler handled is normal operation: it keeps a clean streak going
-            self._directive_state.note_report(report.first_offender is None or bool(report.scaler_overflow))
-        if self._rules is not None:
-            self._rules.observe(report)
-        if self._job is not None and report.stage == "train":
-            state = pending.context.state
-            self._rlhf = rlhf_slots(self._rec.getter(state, values)) if state.rlhf else None
-        return report
+    def _run(self) -> None:
+        """Take each landed step, turn it into a :class:`Built` value, feed the directive state and the rules,
+        hand the report back for ``last_report()``, deliver; after the last step, close the sinks."""
+        while (landed := self._reporter.take()) is not None:
+            built = None
+            try:
+                built = self._build(landed)
+                self._observe(built)
+            except Exception:
+                built = None
+                log.exception("nanwatch: could not build the report for step %s", landed.pending.step)
+            finally:
+                self._reporter.finish(landed.pending, built.report if built is not None else None)
+            if built is not None:
+                try:
+                    self._deliver(built)
+                except Exception:
+                    log.exception("nanwatch: could not deliver the report for step %s", landed.pending.step)
+        try:
+            self._closing()
+        except Exception:
+            log.exception("nanwatch: reporter close hook failed")
 
-    def _deliver(self, report: StepReport) -> None:
+    def _build(self, landed: Landed) -> Built:
+        """The step's values: its decoded stats built into a report, and what the consumers get."""
+        p = landed.pending
+        ctx: StepContext = p.context
+        if ctx.final:
+            return Built(self._builder.final(ctx, seq=p.seq, step=p.step, dropped=self.dropped), None, None)
+        stats = decode_step(ctx.state, landed.values)
+        report = self._builder.build(stats, ctx, seq=p.seq, step=p.step, dropped=self.dropped)
+        if report.stage != "train":  # an evaluation is no training step: it neither makes nor breaks a streak
+            return Built(report, None, None)
+        # a loss-scale overflow the scaler handled is normal operation: it keeps a clean streak going
+        return Built(report, report.first_offender is None or bool(report.scaler_overflow), stats.rlhf_slots)
+
+    def _observe(self, built: Built) -> None:
+        """Feed the directive state's clean streak and the local rule engine (never the final report)."""
+        if built.clean is not None:
+            self._directive_state.note_report(built.clean)
+        if self._rules is not None and not built.report.final:
+            self._rules.observe(built.report)
+
+    def _deliver(self, built: Built) -> None:
         """Send what this rank posts for the step: its own report, or (job scope) the job's, a detail or a
         heartbeat. ``on_report`` sees exactly what is sent; ``last_report()`` stays this rank's own. An eval
         report is never reduced (ranks need not evaluate alike, and a collective one rank issued alone would
         hang): it goes as this rank's own report, numbered in the job's sequence; so do a step that raised and
         the final report (every rank sends its own: a rank closing alone must not wait on its peers)."""
+        report = built.report
         if self._job is None:
             outs = [report]
         elif report.stage != "train" or report.raised is not None or report.final:
@@ -120,7 +169,7 @@ class ReportFlow:
             # reporter's closing header then releases any peer waiting on this step's reduction)
             outs = self._job.own(report)
         else:
-            outs = self._job.route(report, self._rlhf)
+            outs = self._job.route(report, built.rlhf)
         for out in outs:
             if self._sender is not None:
                 self._sender.submit(out)

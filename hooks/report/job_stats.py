@@ -25,7 +25,17 @@ from typing import get_args
 
 from nanwatch.hooks.measure.rlhf import RLHF_SLOTS, decode_rlhf
 from nanwatch.hooks.remedies.loss_scaling import handled_by_scaler
-from nanwatch.wire import MODES, Coverage, Fingerprint, LogitStat, SdpaCall, SiteStat, StepReport, Unmeasured
+from nanwatch.wire import (
+    MODES,
+    Coverage,
+    Fingerprint,
+    LogitStat,
+    RlhfStat,
+    SdpaCall,
+    SiteStat,
+    StepReport,
+    Unmeasured,
+)
 
 __all__ = ["Contribution", "JobStep", "Table", "contribution", "merge_tables", "reduce_job"]
 
@@ -208,52 +218,20 @@ class _Reader:
 
 def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[float], *, world: int) -> JobStep:
     """The job's report from the reduced vectors: ``poster``'s own report (ids, time, warnings, incident and
-    any field this module does not reduce) with the reduced figures in place of its own."""
+    any field this module does not reduce) with the reduced figures in place of its own. Reads the vectors in
+    the order ``Contribution.vectors`` wrote them."""
     s, m = _Reader(sums), _Reader(maxes)
     ranks = int(s.one())
-    sites = []
-    for site, phase, stage, kind, dtype in table.sites:
-        calls, numel, nan, inf = (int(x) for x in s.take(4))
-        amax, headroom = m.take(2)
-        sites.append(SiteStat(site=site, kind=kind, phase=phase, stage=stage, dtype=dtype, calls=calls, numel=numel,
-                              nan=nan, inf=inf, amax=amax if amax >= 0 or not numel else math.nan,
-                              headroom=math.inf if inf else (math.nan if headroom == _NONE else headroom)))
+    sites = _read_sites(table, s, m)
     sdpa = [SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5], reason=k[6],
                      stage=k[7], calls=int(n)) for k, n in zip(table.sdpa, s.take(len(table.sdpa)), strict=True)]
-    groups = table.groups()
-    best: dict[tuple[str, str], tuple[float, float, str]] = {}
-    for (site, stage, backend), n, low in zip(groups, s.take(len(groups)), m.take(len(groups)), strict=True):
-        if (site, stage) not in best or (n, low) > best[(site, stage)][:2]:
-            best[(site, stage)] = (n, low, backend)
-    logits = []
-    for layer, source, heads in table.logits:
-        bound, exact, bound_nan, exact_nan = m.take(4)
-        per_head = m.take(heads)
-        logits.append(LogitStat(layer=layer, bound=math.nan if bound_nan else bound, source=source,
-                                exact=math.nan if exact_nan else (None if exact == _NONE else exact),
-                                per_head=per_head or None))
-    prints = []
-    for index, position_ids, mask in table.forwards:
-        rows = int(s.one())
-        packed, plain, leak = (bool(x) for x in m.take(3))
-        prints.append(Fingerprint(forward=index, position_ids=position_ids, mask=mask, fully_masked_rows=rows,
-                                  packed=packed, plain_causal=plain, cross_doc_leak=leak))
+    backends = _read_backends(table, s, m)
+    logits, prints = _read_logits(table, m), _read_forwards(table, s, m)
     counts = dict(zip(_COUNTS, (int(x) for x in s.take(len(_COUNTS))), strict=True))
     head_seen, *flags = m.take(1 + len(_UNMEASURED))
     coverage = Coverage(**counts, sites=len(sites), logits=bool(head_seen),
                         unmeasured=[u for u, f in zip(_UNMEASURED, flags, strict=True) if f])
-    rlhf_ranks = s.one()
-    slots: dict[tuple[str, tuple[str, str]], float] = {}
-    for kind, name in RLHF_SLOTS:
-        if kind == "sum":
-            total, present = s.take(2)
-            if present:
-                slots[(kind, ("rlhf", name))] = total
-        else:
-            slots[(kind, ("rlhf", name))] = m.one()
-    kl = int(m.one())
-    rlhf = decode_rlhf(lambda kind, key, default=0.0: slots.get((kind, key), default),
-                       _KL[kl] if kl >= 0 else None) if rlhf_ranks else None
+    rlhf = _read_rlhf(s, m)
     skipped = m.one()
     first = m.one()
     first_at, first_rank = divmod(int(-first), world) if first != _NONE else (None, None)
@@ -268,4 +246,62 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
         # the poster's scaler found inf (gradients are all-reduced: every rank's finds the same); still an
         # overflow only if no rank's forward was non-finite
         "scaler_overflow": None if poster.scaler_overflow is None else handled_by_scaler(poster.scaler_overflow, sites)})
-    return JobStep(report, {k: v[2] for k, v in best.items()}, directive)
+    return JobStep(report, backends, directive)
+
+
+def _read_sites(table: Table, s: _Reader, m: _Reader) -> list[SiteStat]:
+    sites = []
+    for site, phase, stage, kind, dtype in table.sites:
+        calls, numel, nan, inf = (int(x) for x in s.take(4))
+        amax, headroom = m.take(2)
+        sites.append(SiteStat(site=site, kind=kind, phase=phase, stage=stage, dtype=dtype, calls=calls, numel=numel,
+                              nan=nan, inf=inf, amax=amax if amax >= 0 or not numel else math.nan,
+                              headroom=math.inf if inf else (math.nan if headroom == _NONE else headroom)))
+    return sites
+
+
+def _read_backends(table: Table, s: _Reader, m: _Reader) -> dict[tuple[str, str], str]:
+    """(site, stage) -> the backend most ranks ran there (ties: the one the lowest rank ran)."""
+    groups = table.groups()
+    best: dict[tuple[str, str], tuple[float, float, str]] = {}
+    for (site, stage, backend), n, low in zip(groups, s.take(len(groups)), m.take(len(groups)), strict=True):
+        if (site, stage) not in best or (n, low) > best[(site, stage)][:2]:
+            best[(site, stage)] = (n, low, backend)
+    return {k: v[2] for k, v in best.items()}
+
+
+def _read_logits(table: Table, m: _Reader) -> list[LogitStat]:
+    logits = []
+    for layer, source, heads in table.logits:
+        bound, exact, bound_nan, exact_nan = m.take(4)
+        per_head = m.take(heads)
+        logits.append(LogitStat(layer=layer, bound=math.nan if bound_nan else bound, source=source,
+                                exact=math.nan if exact_nan else (None if exact == _NONE else exact),
+                                per_head=per_head or None))
+    return logits
+
+
+def _read_forwards(table: Table, s: _Reader, m: _Reader) -> list[Fingerprint]:
+    prints = []
+    for index, position_ids, mask in table.forwards:
+        rows = int(s.one())
+        packed, plain, leak = (bool(x) for x in m.take(3))
+        prints.append(Fingerprint(forward=index, position_ids=position_ids, mask=mask, fully_masked_rows=rows,
+                                  packed=packed, plain_causal=plain, cross_doc_leak=leak))
+    return prints
+
+
+def _read_rlhf(s: _Reader, m: _Reader) -> RlhfStat | None:
+    """The job's RLHF stats, decoded once from the reduced slots (sums summed, maxima maxed)."""
+    rlhf_ranks = s.one()
+    slots: dict[tuple[str, tuple[str, str]], float] = {}
+    for kind, name in RLHF_SLOTS:
+        if kind == "sum":
+            total, present = s.take(2)
+            if present:
+                slots[(kind, ("rlhf", name))] = total
+        else:
+            slots[(kind, ("rlhf", name))] = m.one()
+    kl = int(m.one())
+    return decode_rlhf(lambda kind, key, default=0.0: slots.get((kind, key), default),
+                       _KL[kl] if kl >= 0 else None) if rlhf_ranks else None

@@ -1,8 +1,14 @@
-"""Step end without a host sync: one asynchronous device-to-host copy plus an event; a background thread
-waits on the event and builds the StepReport.
+"""Step end without a host sync: one asynchronous device-to-host copy plus an event, handed to the reporter
+thread, which takes each step once its copy has landed (:meth:`Reporter.take`) and gives the finished report
+back (:meth:`Reporter.finish`).
 
 Host buffers are a small pool (pinned on CUDA) so the copy never blocks the training thread; if the
 thread falls behind by more than the pool, that step's report is dropped and counted instead.
+
+Why the reporter calls nothing: it is the hand-over between two threads, not a stage of the pipeline. The
+thread that consumes it (``nanwatch.hooks.report.flow``) drives it: it takes a ``Landed`` step, turns it into
+values (the decoded stats, the report, what the directive state and the sinks get) and hands the report back
+for ``last_report()``. Data flows one way, and every call shows in an import.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +24,9 @@ import torch
 
 from nanwatch.wire import StepReport
 
-__all__ = ["Pending", "Reporter"]
+__all__ = ["Landed", "Pending", "Reporter"]
 
 log = logging.getLogger("nanwatch")
-
 
 @dataclass(slots=True)
 class Pending:
@@ -33,18 +37,23 @@ class Pending:
     host: torch.Tensor | None  # None: a report of no measurements (``Reporter.post``)
     size: int
     event: Any  # torch.cuda.Event | None
-    context: Any  # opaque: handed back to ``build``
+    context: Any  # opaque to the reporter: handed back with the values (``Landed``)
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A step whose copy has landed: its ``Pending`` record and the host values (empty for a report of no
+    measurements)."""
+
+    pending: Pending
+    values: list[float]
 
 
 class Reporter:
-    """Owns the host-buffer pool and the thread that turns ``Pending`` steps into ``StepReport``s."""
+    """Owns the host-buffer pool and the queue between the training thread (``capture``, ``post``) and the
+    reporter thread (``take``, ``finish``)."""
 
-    def __init__(self, build: Callable[[Pending, list[float]], StepReport], *,
-                 on_report: Callable[[StepReport], None] | None = None, max_pending: int = 8,
-                 on_close: Callable[[], None] | None = None) -> None:
-        self._build = build
-        self._on_report = on_report
-        self._on_close = on_close  # the thread's last act, after every queued step (job reports: tell peers)
+    def __init__(self, *, max_pending: int = 8) -> None:
         self._queue: queue.Queue[Pending | None] = queue.Queue()
         self._free: list[torch.Tensor] = []
         self._outstanding = 0
@@ -55,13 +64,11 @@ class Reporter:
         self._submitted = -1
         self._done = -1
         self.dropped = 0
-        self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
-        self._thread.start()
 
     def capture(self, data: torch.Tensor, step: int, context: Any) -> bool:
         """Step end: enqueue the copy of ``data`` (1-D, the step's measurements) into a free host buffer
         (asynchronous towards pinned memory, plus an event on a CUDA tensor's stream) and hand it to the
-        thread, with ``context`` for ``build``. False, and counted as dropped, when the thread is
+        thread, with ``context`` for the report. False, and counted as dropped, when the thread is
         ``max_pending`` steps behind: training never waits for reporting."""
         n = data.numel()
         host = self._host_buffer(n, data.dtype, data.device)
@@ -107,42 +114,37 @@ class Reporter:
             self._cond.wait_for(lambda: self._done >= self._submitted, timeout=timeout)
             return self._last
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self) -> None:
+        """Training thread: no more steps; :meth:`take` returns None after the last queued one."""
         self._queue.put(None)
-        self._thread.join(timeout)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                if self._on_close is not None:
-                    try:
-                        self._on_close()
-                    except Exception:
-                        log.exception("nanwatch: reporter close hook failed")
-                return
-            report = None
+    # ---- reporter thread ---------------------------------------------------------------------------
+    def take(self) -> Landed | None:
+        """The next step, once its copy has landed; None once closed. Give it back with :meth:`finish`. A
+        copy that cannot be read is logged and finished here (no report), and the next step is taken."""
+        while (item := self._queue.get()) is not None:
             try:
                 if item.event is not None:
-                    # Poll rather than synchronize: a sync-debug mode set by the trainer is global and
-                    # would flag an event sync even on this thread.
+                    # Poll rather than synchronize: a sync-debug mode set by the trainer is global and would
+                    # flag an event sync even on this thread.
                     while not item.event.query():
                         time.sleep(0.0005)
                 values = [] if item.host is None else item.host[: item.size].tolist()  # sync-ok: host tensor
-                report = self._build(item, values)
             except Exception:
-                log.exception("nanwatch: could not build the report for step %s", item.step)
-            finally:
-                with self._cond:
-                    if item.host is not None:
-                        self._free.append(item.host)
-                        self._outstanding -= 1
-                    if report is not None and not report.final:  # last_report() stays the last step's
-                        self._last = report
-                    self._done = item.seq
-                    self._cond.notify_all()
-            if report is not None and self._on_report is not None:
-                try:
-                    self._on_report(report)
-                except Exception:
-                    log.exception("nanwatch: on_report callback failed for step %s", item.step)
+                log.exception("nanwatch: could not read the copy of step %s", item.step)
+                self.finish(item, None)
+                continue
+            return Landed(item, values)
+        return None
+
+    def finish(self, item: Pending, report: StepReport | None) -> None:
+        """``item`` is done: its host buffer goes back to the pool, ``report`` (None: it failed) becomes
+        ``last_report()`` unless it is the final report, and ``last_report()`` waiters wake."""
+        with self._cond:
+            if item.host is not None:
+                self._free.append(item.host)
+                self._outstanding -= 1
+            if report is not None and not report.final:  # last_report() stays the last step's
+                self._last = report
+            self._done = item.seq
+            self._cond.notify_all()

@@ -16,6 +16,7 @@ import nanwatch
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.measure import recorder as recorder_module
 from nanwatch.hooks.measure.collective import FlagReduction, collective_forward, reduction_active
+from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.recorder import NONFINITE_RANK, Recorder
 from nanwatch.hooks.remedies.rerun import replay
 
@@ -42,11 +43,11 @@ def test_the_reduction_carries_the_flag_and_the_lowest_faulting_rank(one_rank_gr
 def test_the_lowest_faulting_rank_is_decoded_from_the_buffer():
     rec = Recorder("cpu")
     for code in (-3.0, -1.0, -2.0):  # three optimizer steps in one nanwatch step: the lowest rank wins
-        rec.slot_max(NONFINITE_RANK, torch.tensor(code))
+        rec.slot(NONFINITE_RANK, torch.tensor(code), how="max")
     values = rec.flat().tolist()
-    assert rec.nonfinite_rank(rec.swap(), values) == 1
+    assert decode_step(rec.swap(), values).nonfinite_rank == 1
     values = rec.flat().tolist()
-    assert rec.nonfinite_rank(rec.swap(), values) is None  # nothing reduced this step
+    assert decode_step(rec.swap(), values).nonfinite_rank is None  # nothing reduced this step
 
 
 def test_forwards_that_issue_collectives_are_named():

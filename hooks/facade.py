@@ -26,7 +26,7 @@ import torch
 from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directives.agreement import rank_and_world
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import WarnOnce, guarded, probe_failed
+from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.eval_windows import EvalWindows
 from nanwatch.hooks.instrument.install import install, user_model
 from nanwatch.hooks.instrument.probes import Probes
@@ -35,9 +35,9 @@ from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.hooks.measure.rlhf import checked_kl, record_rlhf
 from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
-from nanwatch.hooks.remedies.guards import Guards
 from nanwatch.hooks.remedies.loss_scaling import LossScaling
 from nanwatch.hooks.remedies.optimizer_discovery import steps_model
+from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
 from nanwatch.hooks.remedies.rerun import classify
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.build import StepContext
@@ -115,7 +115,7 @@ class Monitor:
                                               check_every=config.directive_check_every)
         self._probes: Probes | None = None
         self._evals = EvalWindows(self._rec, hand_over=self._hand_over, new_window=lambda: self._probes.new_window())
-        self._guards = Guards(self._model, config=config, rec=self._rec, directive_state=self.directive_state,
+        self._guards = OptimizerHooks(self._model, config=config, rec=self._rec, directive_state=self.directive_state,
                               warn=self._warn_once, device=self._device,
                               keep_forward_inputs=lambda on: self._probes.keep_forward_inputs(on))
         self._sweep = ParamSweep(self._model, optimizers=self._guards.optimizers, every=config.param_check_every)
@@ -216,9 +216,9 @@ class Monitor:
             self._flow.close(timeout)  # never attached (or already closed): just the thread
             return
         if self._evals.open:  # e.g. the final evaluation, run after the last step
-            guarded(self.end_eval)
+            contained(self.end_eval)
         if self._open_step is not None:  # e.g. the training loop raised inside a step: report it
-            guarded(self.end_step)
+            contained(self.end_step)
         self._active = False
         _open.discard(self)
         while self._handles:  # last installed, first removed
@@ -228,7 +228,7 @@ class Monitor:
                             final=True)
         self.directive_state.close()
         if self._ended_by is None:
-            guarded(self._flow.final, self._reported_step or 0, final)
+            contained(self._flow.final, self._reported_step or 0, final)
         self._flow.close(timeout)
         if self._capsules is not None:  # a capsule still being written is finished (bounded)
             self._capsules.join(timeout)
@@ -251,7 +251,7 @@ class Monitor:
         return self._guards.guard(optimizer, sync=sync)
 
     def _found_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Discovery found ``optimizer`` stepping the model (``Guards.found``), while attached."""
+        """Discovery found ``optimizer`` stepping the model (``OptimizerHooks.found``), while attached."""
         if self._active:
             self._guards.found(optimizer)
 
@@ -272,7 +272,7 @@ class Monitor:
                 self.mark_raised(type(exc))
             raise
         finally:
-            guarded(end)
+            contained(end)
 
     def begin_step(self, n: int) -> None:
         """Open step ``n`` (for callbacks; ``with mon.step(n):`` is the same). A step still open is
@@ -280,9 +280,9 @@ class Monitor:
         if not isinstance(n, int) or not 0 <= n <= MAX_INT:
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {n!r}")
         if self._evals.open:  # an evaluation between steps ends when training resumes
-            guarded(self.end_eval)
+            contained(self.end_eval)
         if self._open_step is not None:
-            guarded(self.end_step)
+            contained(self.end_step)
         self._open_step = self._last_step = n
         self._raised = None
         self._ended_by = None  # training went on after an exception it caught (e.g. an OOM retry)
@@ -296,7 +296,7 @@ class Monitor:
             probe_failed(exc)
         self._guards.at_step_start()
         if self.config.param_check_every and self._probes is not None:
-            guarded(self._check_params)
+            contained(self._check_params)
 
     def _check_params(self) -> None:
         """This step's share of the parameters and optimizer state (``nanwatch.hooks.measure.param_sweep``)."""
@@ -305,7 +305,7 @@ class Monitor:
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync)."""
         if self._evals.open:  # an evaluation inside the step: reported on its own, first
-            guarded(self.end_eval)
+            contained(self.end_eval)
         n, self._open_step = self._open_step, None
         raised, self._raised = self._raised, None
         if self._probes is not None:
@@ -315,9 +315,9 @@ class Monitor:
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
         self._guards.at_step_end()
         if self._scaling is not None:
-            guarded(self._scaling.at_step_end)
+            contained(self._scaling.at_step_end)
         if self._probes.keep_inputs and not self._incident_done and raised is None:
-            guarded(self._classify, n)
+            contained(self._classify, n)
         self._hand_over(n, raised)
         if self._scaling is not None:
             self._scaling.new_step()
@@ -356,7 +356,7 @@ class Monitor:
         if step is not None and (not isinstance(step, int) or not 0 <= step <= MAX_INT):
             raise ValueError(f"nanwatch: step numbers are integers from 0 to {MAX_INT}, got {step!r}")
         if self._evals.open:
-            guarded(self.end_eval)
+            contained(self.end_eval)
         if self._active:
             self._evals.begin(step, open_step=self._open_step, last_step=self._last_step)
 
@@ -403,7 +403,7 @@ class Monitor:
         logprob, tensor. A bad name or kind is a warning and the tensor is not measured: it must not
         cost the whole step's report."""
         if self._active and not torch.compiler.is_compiling():
-            guarded(self._probes.watch, name, kind, tensor, self._warn_once)
+            contained(self._probes.watch, name, kind, tensor, self._warn_once)
         return tensor
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
@@ -417,8 +417,8 @@ class Monitor:
         if not self._active or torch.compiler.is_compiling():
             return
         kl_optimised = checked_kl(kl_optimised, self._warn_once)
-        guarded(self._probes.site, "rlhf.logprobs", "logprob", logprobs)
-        guarded(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
+        contained(self._probes.site, "rlhf.logprobs", "logprob", logprobs)
+        contained(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs,
                 old_logprobs=old_logprobs, advantages=advantages, mask=mask, clip_eps=clip_eps,
                 kl_optimised=kl_optimised)
 

@@ -37,7 +37,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import guarded
+from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.inputs import position_layout, record_forward_inputs
 from nanwatch.hooks.measure.kept_forward import keep
@@ -301,7 +301,7 @@ class Probes:
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
         if self._active and grad is not None:
-            guarded(self.rec.tensor, site, kind, "backward", grad, stage)
+            contained(self.rec.tensor, site, kind, "backward", grad, stage)
 
     # ---- module hooks (registered by the Monitor) ----------------------------------------------------
     def attn_pre(self, name: str, module, args) -> None:
@@ -320,7 +320,7 @@ class Probes:
             self.rec.cover(recomputed=1)
         else:  # a module-level attention site (eager softmax, linear attention): no logit figure is owed
             self.rec.cover(attention=1, probed=1)
-        guarded(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
+        contained(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
 
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
@@ -330,7 +330,7 @@ class Probes:
                 self._head_seen = True
                 if self.stage() == "train" and not recomputing():
                     self.rec.cover(logits=True)
-            guarded(self.site, name, kind, first_tensor(output))
+            contained(self.site, name, kind, first_tensor(output))
 
     def check_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Step start: floating parameters or optimizer state, read once (forward order first, so that a
@@ -338,7 +338,7 @@ class Probes:
         if not self._active:
             return
         for name, t in tensors:  # read at each step: a wrapper may swap a parameter's .data between steps
-            guarded(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
+            contained(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
         self.rec.cover(params_checked=len(tensors))
 
     def root_pre(self, module, args, kwargs) -> None:
@@ -350,13 +350,13 @@ class Probes:
         self._head_seen = False
         stage = self.stage()
         if not self._in_step and self._outside is not None:
-            guarded(self._outside, stage)
+            contained(self._outside, stage)
         train = stage == "train"
         self.rec.cover(forwards=1, train=train)
         if self._keep_inputs and train:
             self.kept.append(keep(args, kwargs))
         if self._signature is not None and not self._generating:
-            guarded(record_forward_inputs, self.rec, self._signature, args, kwargs)
+            contained(record_forward_inputs, self.rec, self._signature, args, kwargs)
 
     def root_post(self, module, args, kwargs, output) -> None:
         """A head that never materialises logits (TRL's fused LM head returns log-probabilities from the
@@ -369,7 +369,7 @@ class Probes:
                 self.rec.cover(logits=True)
             self.rec.warn(f"the output head ran fused (e.g. TRL's fused LM head): no logits were materialised, "
                           f"so its log-probabilities are measured instead, at {self.head}.log_probs")
-            guarded(self.site, self.head + ".log_probs", "logprob", log_probs)
+            contained(self.site, self.head + ".log_probs", "logprob", log_probs)
 
     def rotary_pre(self, module, args, kwargs) -> None:
         """HF rotary embeddings see the position ids actually used, also when the model built them."""
@@ -380,7 +380,7 @@ class Probes:
             return
         pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor):
-            guarded(position_layout, self.rec, fwd, pos)
+            contained(position_layout, self.rec, fwd, pos)
 
     # ---- around compiled code ----------------------------------------------------------------------
     def boundary_pre(self, module, args) -> None:
@@ -399,4 +399,4 @@ class Probes:
         where compiled code ran, when the activations could not be."""
         if not self._active or grad is None or not compiled.ran():
             return
-        guarded(self.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")
+        contained(self.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

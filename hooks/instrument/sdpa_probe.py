@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanwatch.hooks.failsafe import guarded, probe_failed
+from nanwatch.hooks.failsafe import contained, probe_failed
 from nanwatch.hooks.instrument.probes import Frame, Probes, recomputing
 from nanwatch.hooks.measure.dtypes import HALF
 from nanwatch.hooks.measure.inputs import dead_rows
@@ -80,10 +80,10 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
         probes.rec.cover(recomputed=1)
-        guarded(_logit_at_recompute, probes, frame.site, out)
-        guarded(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
+        contained(_logit_at_recompute, probes, frame.site, out)
+        contained(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
     else:
-        guarded(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted,
+        contained(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted,
                 reason)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 

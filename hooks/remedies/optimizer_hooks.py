@@ -1,6 +1,7 @@
-"""The optimizers one Monitor covers: their weight guards (``nanwatch.hooks.remedies.weight_guard``), their post-step
-checks (``nanwatch.hooks.measure.optimizer_check``), the discovery of the ones ``attach()`` was not given
-(``nanwatch.hooks.remedies.optimizer_discovery``), and the one warning when training steps pass and none was found.
+"""The hooks on the optimizers one Monitor covers: their weight guards (``nanwatch.hooks.remedies.weight_guard``),
+their post-step checks (``nanwatch.hooks.measure.optimizer_check``), the discovery of the ones ``attach()`` was
+not given (``nanwatch.hooks.remedies.optimizer_discovery``), and the one warning when training steps pass and
+none was found.
 
 The Monitor keeps the public ``guard()`` and the attached/closed state; this keeps the bookkeeping (which
 optimizer is guarded or checked, and every handle to remove), so that the facade stays wiring. Training
@@ -17,19 +18,19 @@ import torch
 
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import WarnOnce, guarded
+from nanwatch.hooks.failsafe import WarnOnce, contained
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.remedies.weight_guard import WeightGuard, drop_grads_if_flagged, guard_of, inner_optimizer
 
-__all__ = ["Guards"]
+__all__ = ["OptimizerHooks"]
 
 log = logging.getLogger("nanwatch")
 
 
-class Guards:
-    """The guards, checks and discovery of one Monitor's optimizers; ``remove()`` takes every one off (last
+class OptimizerHooks:
+    """The weight guards, checks and discovery of one Monitor's optimizers; ``remove()`` takes every one off (last
     installed, first removed), keeping the record of what was covered.
 
     ``keep_forward_inputs(on)``: told after each new guard whether the replay needs the forward inputs kept
@@ -37,11 +38,11 @@ class Guards:
 
     Example usage::
 
-        guards = Guards(model_ref, config=cfg, rec=rec, directive_state=state, warn=WarnOnce(),
+        hooks = OptimizerHooks(model_ref, config=cfg, rec=rec, directive_state=state, warn=WarnOnce(),
                         device=device, keep_forward_inputs=probes.keep_forward_inputs)
-        guards.guard(opt, sync=None)   # guarded and checked
+        hooks.guard(opt, sync=None)   # weight guard on, and checked
         ...
-        guards.remove()
+        hooks.remove()
     """
 
     def __init__(self, model: weakref.ref[torch.nn.Module], *, config: MonitorConfig, rec: Recorder,
@@ -117,12 +118,12 @@ class Guards:
     def at_step_start(self) -> None:
         """The weights this step starts from, as the last update left them (``OptimizerCheck.carry``)."""
         for check in self._checks.values():
-            guarded(check.carry)
+            contained(check.carry)
 
     def at_step_end(self) -> None:
         """Discovery on and still no optimizer: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
         if self._discovery is not None and not self._checks and not self._guards:
-            guarded(self._note_unfound)
+            contained(self._note_unfound)
 
     def _note_unfound(self) -> None:
         self._steps_unfound += self._rec.trained

@@ -28,8 +28,8 @@ from nanwatch.hooks.directives.agreement import rank_and_world
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.eval_windows import EvalWindows
-from nanwatch.hooks.instrument.install import install, user_model
-from nanwatch.hooks.instrument.probes import Probes
+from nanwatch.hooks.instrument.install import install, probes_for, user_model
+from nanwatch.hooks.instrument.probes import Probes, watch
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder, StepState
@@ -117,7 +117,7 @@ class Monitor:
         self._evals = EvalWindows(self._rec, hand_over=self._hand_over, new_window=lambda: self._probes.new_window())
         self._guards = OptimizerHooks(self._model, config=config, rec=self._rec, directive_state=self.directive_state,
                               warn=self._warn_once, device=self._device,
-                              keep_forward_inputs=lambda on: self._probes.keep_forward_inputs(on))
+                              keep_forward_inputs=lambda on: self._probes.rerun.keep_forward_inputs(on))
         self._sweep = ParamSweep(self._model, optimizers=self._guards.optimizers, every=config.param_check_every)
         self._incident_done = False
         try:  # the options were checked by MonitorConfig; a bad NANWATCH_CAPSULE_* variable turns capsules off
@@ -161,8 +161,9 @@ class Monitor:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
         cfg = self.config
         try:
-            self._probes, self._handles = install(model, outer=self._outer(), owner=self, config=cfg, rec=self._rec,
-                                                  directive_state=self.directive_state, model_ref=self._model)
+            self._probes = probes_for(model, config=cfg, rec=self._rec, directive_state=self.directive_state,
+                                      model_ref=self._model)
+            self._handles = install(model, self._probes, outer=self._outer(), owner=self, config=cfg)
             self._probes.outside_step(self._forward_outside_step)
             self._active = True
             _open.add(self)
@@ -316,7 +317,7 @@ class Monitor:
         self._guards.at_step_end()
         if self._scaling is not None:
             contained(self._scaling.at_step_end)
-        if self._probes.keep_inputs and not self._incident_done and raised is None:
+        if self._probes.rerun.keep_inputs and not self._incident_done and raised is None:
             contained(self._classify, n)
         self._hand_over(n, raised)
         if self._scaling is not None:
@@ -403,7 +404,7 @@ class Monitor:
         logprob, tensor. A bad name or kind is a warning and the tensor is not measured: it must not
         cost the whole step's report."""
         if self._active and not torch.compiler.is_compiling():
-            contained(self._probes.watch, name, kind, tensor, self._warn_once)
+            contained(watch, self._probes, name, kind, tensor, self._warn_once)
         return tensor
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,

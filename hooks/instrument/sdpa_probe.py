@@ -67,15 +67,15 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
     if mode == "fp32":
         upcast()
     recompute = recomputing()
-    if not (probes.replaying or recompute):  # the call's first run: predict its backend
+    if not (probes.rerun.rerunning or recompute):  # the call's first run: predict its backend
         try:
             predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
         except Exception as exc:
             probe_failed(exc)
             predicted, reason = "unknown", None
     out = directive_state.fused_call(frame.site, call, upcast) if mode == "fused" else call()
-    if probes.replaying:  # the differential replay: the forced path; only whether it stayed finite
-        probes.replayed(args[0], out)
+    if probes.rerun.rerunning:  # the differential rerun: the forced path; only whether it stayed finite
+        probes.rerun.saw(args[0], out)
     elif recompute:
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
@@ -138,8 +138,8 @@ def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
-    if probes.replaying or recomputing():
-        return  # read in the first forward already (or a replay, which measures nothing)
+    if probes.rerun.rerunning or recomputing():
+        return  # read in the first forward already (or a rerun, which measures nothing)
     rec = probes.rec
     s = scores.detach()
     rowmax = s.amax(dim=-1)

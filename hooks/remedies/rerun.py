@@ -101,14 +101,14 @@ def _run(model: torch.nn.Module, probes: Probes, kept: KeptForward, watch: torch
     def record(module, args, output) -> None:
         t = first_tensor(output)
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            probes.replayed(t)
+            probes.rerun.saw(t)
 
     handle = watch.register_forward_hook(record) if watch is not None else None
     torch.set_rng_state(kept.cpu_rng)
     if kept.cuda_rng:
         torch.cuda.set_rng_state_all(kept.cuda_rng)
     try:
-        with probes.replaying_forward() as seen, torch.no_grad():
+        with probes.rerun.rerunning_forward() as seen, torch.no_grad():
             record(model, (), model(*kept.args, **kept.kwargs))
     finally:
         if handle is not None:
@@ -297,7 +297,7 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     first = so_far.first
     if first is not None and first[1] == "optimizer":
         return None
-    incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.kept),
+    incident = replay(model=model, probes=probes, directive_state=directive_state, kept=list(probes.rerun.kept),
                       step=step, site=first[0] if first else None, phase=first[1] if first else None,
                       masked_rows=so_far.masked_rows, guarded=guarded, compiled=so_far.compiled, rank=rank,
                       kinds=so_far.kinds, capsules=capsules)

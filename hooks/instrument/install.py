@@ -40,7 +40,7 @@ from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.structure import coarse_sites
 
-__all__ = ["RestoreAttr", "attention_modules", "install", "probes_for", "user_model"]
+__all__ = ["RestoreAttr", "attention_modules", "device_of", "install", "probes_for", "user_model"]
 
 #: model -> the Monitor attached to it (weak both ways: a model or Monitor that goes away leaves it)
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, object] = weakref.WeakKeyDictionary()
@@ -73,6 +73,14 @@ def user_model(model: torch.nn.Module) -> torch.nn.Module:
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod
     return model
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a Monitor's measurements of ``model`` live: its first parameter's device, else the CPU."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 class RestoreAttr:

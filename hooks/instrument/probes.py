@@ -7,7 +7,7 @@ sampling flag, the masks already counted in this forward, the directive state (w
 the module names and what the differential rerun needs (:attr:`Probes.rerun`,
 ``nanwatch.hooks.instrument.rerun_tap``). ``nanwatch.hooks.instrument.install`` builds it (``probes_for``)
 and registers the hook bodies; its flags change only through its own methods and context managers
-(``enable``, ``generating``, ``in_step``); no probe reaches into the Monitor.
+(``enable``, ``generating``, ``begin_step``); no probe reaches into the Monitor.
 
 Sites are named by the innermost instrumented module, tracked with a thread-local stack of
 :class:`Frame` s that the attention modules' pre/post hooks maintain.
@@ -162,7 +162,7 @@ class Probes:
         self._masks_seen: set[tuple[int, int, int]] = set()
         #: modules whose output is a coarse site (``nanwatch.hooks.measure.structure``)
         self.coarse_ids: set[int] = set()
-        self._in_step = False  # a training step is open (the Monitor says so through ``in_step``)
+        self._in_step = False  # a training step is open (between ``begin_step`` and ``end_step``)
         #: told the stage of each model forward that starts outside any training step (``outside_step``)
         self._outside: Callable[[str], None] | None = None
 
@@ -196,9 +196,10 @@ class Probes:
         attention but measures nothing)."""
         return self._active and not self.rerun.rerunning
 
-    def in_step(self, open_: bool) -> None:
-        """A training step is open (True) or not: forwards outside one are announced (``outside_step``)."""
-        self._in_step = open_
+    def end_step(self) -> None:
+        """The training step closed: forwards from now on are announced (``outside_step``) until the next
+        :meth:`begin_step`."""
+        self._in_step = False
 
     def outside_step(self, callback: Callable[[str], None] | None) -> None:
         """Call ``callback(stage)`` when a model forward starts outside any training step (before anything of
@@ -221,6 +222,8 @@ class Probes:
         self.coarse_ids.add(id(module))
 
     def begin_step(self, *, sampled: bool) -> None:
+        """A training step opens (``sampled``: it computes the exact per-head logit max)."""
+        self._in_step = True
         self.sampled = sampled
         self._masks_seen.clear()
         self.rerun.clear()

@@ -1,10 +1,7 @@
-"""The Monitor, nanwatch's trainer-side facade: the public API, and the wiring of its parts.
-
-From ``attach`` down: ``instrument`` (probes, hooks) -> ``measure`` (the recorder, on the device) ->
-``report`` (hand-over, StepReport on the reporter thread, the collector); ``remedies`` keep a bad step out of
-the weights and explain it; directives come back through ``directive_state``, which also says which thread
-owns which field. Each part is built after the parts it needs and handed them as values; what the Monitor
-builds it owns through one ``contextlib.ExitStack``, closed in reverse order.
+"""The Monitor, nanwatch's trainer-side facade: the public API, and the wiring of its parts (``instrument``
+-> ``measure`` -> ``report``; ``remedies``; ``directives``, whose ``directive_state`` says which thread owns
+which field). Each part is built after the parts it needs and handed them as values; what the Monitor builds
+it owns through one ``contextlib.ExitStack``, closed in reverse order.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from nanwatch.hooks.instrument.install import device_of, install, probes_for, us
 from nanwatch.hooks.instrument.probes import watch as watch_site
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.rlhf import checked_kl, record_rlhf
+from nanwatch.hooks.measure.rlhf import rlhf_probe
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.flow import ReportFlow
@@ -50,12 +47,10 @@ def _close_at_exit() -> None:
     exception: the interpreter sets ``sys.last_type`` for the one that ended it, before atexit runs."""
     raised = getattr(sys, "last_type", None)
     for mon in list(_open):
-        try:
+        with contextlib.suppress(Exception):  # the interpreter is going down; say nothing more
             if raised is not None:
                 mon.mark_raised(raised)
             mon.close(timeout=5.0)
-        except Exception:  # noqa: BLE001 - the interpreter is going down; say nothing more
-            pass
 
 
 @dataclass(slots=True)
@@ -88,10 +83,9 @@ class Monitor:
                     with mon.evaluating():   # one stage="eval" report, keyed by step n
                         evaluate(model)
 
-    Evaluations are reported on their own (``stage="eval"``, ``step`` = the training step they follow): in
-    an ``evaluating()`` window, and also without one, when a forward in eval mode starts outside any
-    training step (that implicit window closes at the next training forward, step, or ``close``). A step
-    that raised says so (``raised``), and its rank is marked crashed by the collector.
+    Evaluations are reported on their own (``stage="eval"``), in an ``evaluating()`` window or when an eval
+    mode forward starts outside any training step (until the next training forward, step, or ``close``). A
+    step that raised says so (``raised``), and the collector marks its rank crashed.
     """
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
@@ -111,8 +105,8 @@ class Monitor:
                                            model_ref=self._model)
         self._remedies = StepRemedies(config, rank=self.rank, device=device, rec=rec, model=self._model,
                                       probes=probes, directive_state=state, warn=warn)
-        self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
-                                rec=rec, warn=warn, directive_state=state,
+        self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, rec=rec, warn=warn,
+                                incarnation=self.incarnation, directive_state=state,
                                 expects_logits=partial(operator.is_not, probes.head, None))  # known by now
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.max_pending_reports)
@@ -132,9 +126,7 @@ class Monitor:
 
     # ---- attach / detach -------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
-        if not self._active:
-            self.attach()
-        return self
+        return self if self._active else self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
@@ -142,11 +134,9 @@ class Monitor:
         self.close()
 
     def attach(self, *, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> Monitor:
-        """Register every probe, and cover ``optimizer`` (its weight guard, unless ``guard="off"``, and its
-        post-step check) and any other optimizer found stepping the model's parameters
-        (``nanwatch.hooks.remedies.optimizer_discovery``); watch ``scaler`` (a ``torch.amp.GradScaler``, see
-        :meth:`watch_scaler`) and any GradScaler found stepping such an optimizer; on any failure, undo what
-        was done and re-raise (the model is left as it was)."""
+        """Register every probe; cover ``optimizer`` (weight guard unless ``guard="off"``, post-step check)
+        and any other optimizer found stepping the model's parameters; watch ``scaler`` (:meth:`watch_scaler`)
+        and any GradScaler found stepping such an optimizer. On any failure, undo it all and re-raise."""
         model = self._model()
         if model is None:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
@@ -163,26 +153,22 @@ class Monitor:
             self._remedies.attach(model, optimizer=optimizer, scaler=scaler)
         except BaseException as exc:
             self._active = True
-            self._handover.ended_by = type(exc).__name__  # an attach that failed is no normal end: no final
+            self._handover.ended_by = type(exc).__name__  # a failed attach is no normal end: no final report
             self.close(timeout=1.0)
             raise
         return self
 
     def watch_scaler(self, scaler: Any) -> None:
         """Watch a ``torch.amp.GradScaler``: a step in which it found inf/NaN gradients (and no forward value
-        was non-finite) is reported as ``scaler_overflow=True``, not as an incident, and every training
-        report carries its ``loss_scale`` (``nanwatch.hooks.remedies.loss_scaling``). A scaler that steps an
-        optimizer of this model is also found by itself, at its first ``scaler.step``; this is for being
-        explicit: ``mon.watch_scaler(scaler)``, or ``nanwatch.attach(model, ..., scaler=scaler)``."""
+        was non-finite) is ``scaler_overflow=True``, no incident; reports carry its ``loss_scale``. A scaler
+        stepping this model's optimizer is also found by itself (its first ``scaler.step``)."""
         if not self._active:
             raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
         self._remedies.watch_scaler(scaler)
 
     def close(self, timeout: float = 10.0) -> None:
         """Remove every hook, restore the patched functions, flush the last reports (bounded wait). A normal
-        close (no step, evaluation or ``with`` block raised, not the interpreter going down on an exception)
-        sends the incarnation's final report (``final=True``) after the last step's: the run ended, it did
-        not crash or hang."""
+        close (nothing raised) sends the final report (``final=True``): the run ended, not crashed or hung."""
         if self._active:
             if self._evals.open:  # e.g. the final evaluation, run after the last step
                 contained(self.end_eval)
@@ -194,12 +180,10 @@ class Monitor:
         self._stack.close()
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
-        """Protect the weights: a step in which a monitored site saw a non-finite value does not update
-        them. Free (no host sync) for fused optimizers; others at one host read of the step's flag per
-        optimizer step (``nanwatch.hooks.remedies.weight_guard``). ``sync``: deprecated (None and True guard
-        alike); ``sync=False`` opts a non-fused optimizer out of the host read, and then only the
-        ``skip_step`` directive protects it. Guards even under ``guard="off"``; an optimizer already guarded
-        is not guarded twice. Removed when the Monitor closes. ``attach(model, optimizer=opt)`` calls it."""
+        """A weight guard: a step in which a site saw a non-finite value does not update the weights. Free for
+        fused optimizers, else one host read of the step's flag per optimizer step. ``sync`` is deprecated;
+        ``sync=False`` skips that read (then only ``skip_step`` protects). Applies even under ``guard="off"``,
+        never twice on one optimizer; removed at close. ``attach(model, optimizer=opt)`` calls it."""
         if not self._active:
             raise RuntimeError("nanwatch: guard() needs an attached Monitor")
         return self._remedies.guard(optimizer, sync=sync)
@@ -211,8 +195,7 @@ class Monitor:
         return window(self, end=self.end_step, mark_raised=self.mark_raised)
 
     def begin_step(self, n: int) -> None:
-        """Open step ``n`` (for callbacks; ``with mon.step(n):`` is the same). A step still open is
-        reported first."""
+        """Open step ``n`` (for callbacks: ``with mon.step(n):``); a step still open is reported first."""
         check_step(n)
         if self._evals.open:  # an evaluation between steps ends when training resumes
             contained(self.end_eval)
@@ -221,8 +204,7 @@ class Monitor:
         self._evals.training(n)
         self._raised = None
         self._handover.ended_by = None  # training went on after an exception it caught (e.g. an OOM retry)
-        every = self.config.exact_logit_every
-        self._probes.begin_step(sampled=bool(every) and n % every == 0)
+        self._probes.begin_step(n)
         try:
             self.directive_state.at_step_boundary(n)
         except Exception as exc:
@@ -230,8 +212,7 @@ class Monitor:
         self._remedies.at_step_start()  # then this step's share of the parameters and optimizer state
 
     def end_step(self) -> None:
-        """Close the open step and hand it to the reporter (no host sync, but in rerun mode: one read of the
-        step's non-finite flag, ``nanwatch.hooks.remedies.rerun``)."""
+        """Close the open step and hand it to the reporter (no host sync, but one flag read in rerun mode)."""
         if self._evals.open:  # an evaluation inside the step: reported on its own, first
             contained(self.end_eval)
         n, raised, self._raised = self._evals.open_step, self._raised, None
@@ -245,10 +226,8 @@ class Monitor:
         self._remedies.new_step()
 
     def mark_raised(self, exc: BaseException | type[BaseException]) -> None:
-        """The open eval window, else the open step, raised ``exc`` (an exception or its type): its report
-        says so (``raised``), makes no coverage claim about what the exception cut short, and the collector
-        marks the rank crashed. For integrations that see the exception (``with mon.step(n):``,
-        ``evaluating()`` and ``__exit__`` call it themselves)."""
+        """The open eval window, else the open step, raised ``exc`` (or its type): its report says so, claims
+        no coverage, and the collector marks the rank crashed. For integrations that see the exception."""
         kind = (exc if isinstance(exc, type) else type(exc)).__name__[:128]
         self._handover.ended_by = self._handover.ended_by or kind  # not a normal end: no final report
         if not self._evals.mark_raised(kind) and self._evals.open_step is not None:
@@ -256,15 +235,13 @@ class Monitor:
 
     # ---- evaluations -----------------------------------------------------------------------------
     def evaluating(self, step: int | None = None) -> contextlib.AbstractContextManager[Monitor]:
-        """An evaluation: everything inside is one ``stage="eval"`` report of its own, keyed by ``step``
-        (default: the last training step opened, or 0). Inside an open training step too: the step's own
-        record is put aside meanwhile, so the evaluation never reaches its figures or its first offender."""
+        """An evaluation: everything inside is one ``stage="eval"`` report, keyed by ``step`` (default: the
+        last training step opened, or 0); inside a step too, never in the step's figures or first offender."""
         self.begin_eval(step)
         return window(self, end=self.end_eval, mark_raised=self.mark_raised)
 
     def begin_eval(self, step: int | None = None) -> None:
-        """Open an eval window (for callbacks; ``with mon.evaluating():`` is the same). A window still open is
-        reported first."""
+        """Open an eval window (for callbacks: ``with mon.evaluating():``); one open is reported first."""
         if step is not None:
             check_step(step)
         if self._evals.open:
@@ -290,12 +267,9 @@ class Monitor:
         """Reports that never reached the collector: behind the reporter, or queued and dropped to send."""
         return self._flow.dropped
 
-    # ---- public probes ---------------------------------------------------------------------------
     def watch(self, name: str, tensor: torch.Tensor, *, kind: str = "tensor") -> torch.Tensor:
-        """Measure any tensor (and its gradient, if it requires grad); returns it unchanged. ``name``
-        becomes the site (1-256 printable characters); ``kind`` is one of attention, logits, logprob,
-        tensor. A bad name or kind is a warning and the tensor is not measured: it must not cost the whole
-        step's report."""
+        """Measure any tensor (and its gradient); returns it unchanged. ``name``: the site (1-256 printable
+        characters); ``kind``: attention, logits, logprob or tensor. A bad one is only warned about."""
         if self._active and not torch.compiler.is_compiling():
             contained(watch_site, self._probes, name, kind, tensor, self._warn_once)
         return tensor
@@ -306,12 +280,10 @@ class Monitor:
         """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device. ``advantages`` may
         be per token (the mask's shape) or per sequence (``[B]``, as GRPO's are); ``kl_optimised`` says
         which KL the loss uses (``k1``, ``k3`` or ``k3_ratio``), so that the report labels it."""
-        if not self._active or torch.compiler.is_compiling():
-            return
-        kl_optimised = checked_kl(kl_optimised, self._warn_once)
-        contained(self._probes.site, "rlhf.logprobs", "logprob", logprobs)
-        contained(record_rlhf, self._rec, logprobs=logprobs, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs,
-                  advantages=advantages, mask=mask, clip_eps=clip_eps, kl_optimised=kl_optimised)
+        if self._active and not torch.compiler.is_compiling():
+            rlhf_probe(self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs,
+                       ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                       clip_eps=clip_eps, kl_optimised=kl_optimised)
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,
@@ -320,11 +292,9 @@ def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str 
     """Attach nanwatch to ``model`` and return the Monitor (a context manager that detaches on exit).
 
     ``optimizer``: guard its weights (``Monitor.guard``) and check its updates; without it, the optimizer
-    that steps the model's parameters is found at its first step (``guard=`` and ``optimizer_check=``
-    say what is done with it). ``scaler``: a ``torch.amp.GradScaler`` to watch (``Monitor.watch_scaler``;
-    one stepping the model's optimizer is also found by itself). ``options`` are MonitorConfig fields
-    (``grads=``, ``exact_logit_every=``, ``rank=``, ``directive_source=``, ...). With ``config=``,
-    ``run_id``/``collector``/``options`` may only repeat what it says (a differing value is a ValueError).
+    stepping the model's parameters is found at its first step (``guard=``, ``optimizer_check=``).
+    ``scaler``: a GradScaler to watch (``Monitor.watch_scaler``). ``options`` are MonitorConfig fields; with
+    ``config=``, ``run_id``/``collector``/``options`` may only repeat what it says (else a ValueError).
     """
     config = resolve_config(config, run_id=run_id, collector=collector, **options)
     return Monitor(model, config).attach(optimizer=optimizer, scaler=scaler)

@@ -152,7 +152,8 @@ def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder, 
     fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
     head = _head(model, config)
     return Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=config.grads,
-                  exact_chunk_elems=config.exact_logit_chunk_elems, model=model_ref,
+                  exact_every=config.exact_logit_every, exact_chunk_elems=config.exact_logit_chunk_elems,
+                  model=model_ref,
                   head=fqns.get(id(head)) if head is not None else None)
 
 

@@ -143,11 +143,13 @@ class Probes:
     breaks). Its flags are its own: others change them through the methods and context managers below."""
 
     def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
-                 exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None], head: str | None) -> None:
+                 exact_every: int, exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None],
+                 head: str | None) -> None:
         self.rec = rec
         self.directive_state = directive_state
         self.grads = grads
         self.exact_chunk_elems = exact_chunk_elems
+        self._exact_every = exact_every  # ``exact_logit_every``: a step whose number it divides is sampled
         #: the module names of the model (``id(module)`` -> FQN), read once at construction
         self.fqns = fqns
         #: what the differential rerun needs: kept forward inputs, and its own pass through the model
@@ -221,10 +223,11 @@ class Probes:
         """``module``'s output is a coarse site: an SDPA call it makes itself is named ``<site>.sdpa``."""
         self.coarse_ids.add(id(module))
 
-    def begin_step(self, *, sampled: bool) -> None:
-        """A training step opens (``sampled``: it computes the exact per-head logit max)."""
+    def begin_step(self, step: int) -> None:
+        """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
+        ``exact_logit_every`` steps)."""
         self._in_step = True
-        self.sampled = sampled
+        self.sampled = bool(self._exact_every) and step % self._exact_every == 0
         self._masks_seen.clear()
         self.rerun.clear()
 

@@ -34,8 +34,8 @@ def check_step(n: object) -> None:
 @contextlib.contextmanager
 def window(owner: _T, *, end: Callable[[], None],
            mark_raised: Callable[[type[BaseException]], None]) -> Iterator[_T]:
-    """The body of ``Monitor.step()`` and ``Monitor.evaluating()``: an exception is the window's (``mark_raised``),
-    and ``end`` reports the window whatever happened (a failure of its own only warns)."""
+    """The body of ``Monitor.step()`` and ``Monitor.evaluating()``: an exception is the window's
+    (``mark_raised``), and ``end`` reports the window whatever happened (a failure of its own only warns)."""
     try:
         yield owner
     except BaseException as exc:

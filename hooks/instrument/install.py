@@ -144,8 +144,8 @@ def _head(model: torch.nn.Module, cfg: MonitorConfig) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Module) else None
 
 
-def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder, directive_state: DirectiveState,
-               model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
+def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
+               directive_state: DirectiveState, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
     """The Probes of one Monitor on ``model`` (the user's, inside any wrapper): its module names and output
     head, read once; no hook is registered (that is :func:`install`)."""
     # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
@@ -179,7 +179,8 @@ def _register(model, outer, cfg: MonitorConfig, probes: Probes, hook) -> None:
     fqns = probes.fqns
     head = _head(model, cfg) if probes.head is not None else None
     head_name = probes.head
-    hooks = ModuleHooks(probes, forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None)
+    signature = inspect.signature(model.forward) if cfg.fingerprint else None
+    hooks = ModuleHooks(probes, forward_signature=signature)
     attn = attention_modules(model, fqns, cfg.is_attention)
     if not attn:
         warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, *DeltaNet); SDPA "

@@ -43,7 +43,7 @@ def autocast_dtype(orig, q: torch.Tensor) -> torch.dtype | None:
 
 def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
     """One SDPA call: apply the directive's attention path, run it, measure it. Exceptions from the
-    call itself are the user's and propagate; the measuring is guarded."""
+    call itself are the user's and propagate; the measuring's are contained (``failsafe.contained``)."""
     directive_state = probes.directive_state
     mode = directive_state.mode
     autocast = autocast_dtype(orig, q)
@@ -83,8 +83,8 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
         contained(_logit_at_recompute, probes, frame.site, out)
         contained(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
     else:
-        contained(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted,
-                reason)
+        contained(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale,
+                  predicted, reason)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -18,7 +18,8 @@ from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.wire import RlhfStat
 
-__all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe", "rlhf_slots"]
+__all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
+           "rlhf_slots"]
 
 RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",

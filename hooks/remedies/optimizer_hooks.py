@@ -1,7 +1,7 @@
-"""The hooks on the optimizers one Monitor covers: their weight guards (``nanwatch.hooks.remedies.weight_guard``),
-their post-step checks (``nanwatch.hooks.measure.optimizer_check``), the discovery of the ones ``attach()`` was
-not given (``nanwatch.hooks.remedies.optimizer_discovery``), and the one warning when training steps pass and
-none was found.
+"""The hooks on the optimizers one Monitor covers: their weight guards
+(``nanwatch.hooks.remedies.weight_guard``), their post-step checks (``nanwatch.hooks.measure.optimizer_check``),
+the discovery of the ones ``attach()`` was not given (``nanwatch.hooks.remedies.optimizer_discovery``), and
+the one warning when training steps pass and none was found.
 
 The Monitor keeps the public ``guard()`` and the attached/closed state; this keeps the bookkeeping (which
 optimizer is guarded or checked, and every handle to remove), so that the facade stays wiring. Training
@@ -67,7 +67,7 @@ class OptimizerHooks:
         self._handles.append(self._discovery)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None) -> WeightGuard:
-        """``Monitor.guard``'s body: the weight guard on ``optimizer`` (a new one, or the one already there)."""
+        """``Monitor.guard``'s body: the weight guard on ``optimizer`` (a new one, or the one there)."""
         existing = guard_of(optimizer)
         if existing is not None:
             if existing not in self._guards:

@@ -9,15 +9,17 @@ with):
    race: the incident names the rank and host);
 2. the inputs themselves: non-finite rows that are all fully masked query rows (pad rows of a left-padded
    batch are fully masked on every clean step too: they are blamed only when they are where the value was
-   born), a non-finite floating input, or a parameter of the birth module already non-finite, is **data/mask**;
+   born), a non-finite floating input, or a parameter of the birth module already non-finite, is
+   **data/mask**;
 3. under fp32 attention, and on the SDPA math kernel: if either is finite the fast path was at fault,
    **precision** (a fallback helps); if both are non-finite too, **data/mask** (no precision switch helps).
 
 On the culprit micro-batch a drill-down re-runs the same path once more with every module watched: the
 first module to *finish* with a non-finite output, from a finite input, is where the value was born (a
 leaf such as ``mlp.down_proj``); if that module's input was already non-finite, the value was born in the
-enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that were already non-finite and
-the exact count of non-finite elements it produced, and the path the value then took. That module's
+enclosing module's own arithmetic (the attention kernel inside ``self_attn``), with its own parameters that
+were already non-finite and the exact count of non-finite elements it produced, and the path the value then
+took. That module's
 faulting call (its arguments, parameters, RNG and settings) is what an incident capsule holds
 (``nanwatch.hooks.remedies.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
 
@@ -26,7 +28,8 @@ model's output. The cost is up to three forwards of one micro-batch without grad
 forward, no more), once per run, plus one host read of the step's non-finite flag per step while rerun mode
 is on (``MonitorConfig.replay``). It does not run when it cannot be sound: a NaN born in backward (the rerun
 re-runs forwards), no kept forward, compiled code in the step (the probes, and so the fp32 path, are off
-inside graphs), or no weight guard (the weights already moved). The incident then says ``not_classified`` and why.
+inside graphs), or no weight guard (the weights already moved). The incident then says ``not_classified``
+and why.
 
 Many ranks: the rerun runs on the rank whose step was non-finite, alone, outside the user's step. That is
 sound only where a forward issues no collective. Under DDP it calls the inner module (the Monitor's model
@@ -167,13 +170,15 @@ class _Finishes:
         t = first_tensor(output)
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             bad, x = ~torch.isfinite(t), _first_input(args, kwargs)
-            fed = (~torch.isfinite(x)).any() if x is not None else torch.zeros((), dtype=torch.bool, device=t.device)
+            fed = ((~torch.isfinite(x)).any() if x is not None
+                   else torch.zeros((), dtype=torch.bool, device=t.device))
             rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
             self.records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
             self.calls.append((args, kwargs, rng))
 
 
-def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False) -> dict[str, Any]:
+def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False
+           ) -> dict[str, Any]:
     """The birth module, its non-finite parameters and output count, and the downstream path.
 
     Modules are taken in the order they finish. The first one with a non-finite output is the birth if its
@@ -190,7 +195,7 @@ def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: b
             h.remove()
     if not seen.records:
         return {}
-    flags = torch.stack([torch.stack((r[2], r[4])) for r in seen.records]).tolist()  # sync-ok: the incident, once
+    flags = torch.stack([torch.stack((r[2], r[4])) for r in seen.records]).tolist()  # sync-ok: incident, once
     bad = [(r, fed) for r, (flag, fed) in zip(seen.records, flags, strict=True) if flag]
     return _birth(model, probes, seen, bad) if bad else {}
 
@@ -222,8 +227,9 @@ def _birth(model: torch.nn.Module, probes: Probes, seen: _Finishes, bad: list[tu
     # The fully masked query rows are to blame only where the birth's non-finite rows are among them (every
     # clean step of a left-padded batch has them too); where the shapes do not line up, nothing is blamed.
     masked = seen.masked
-    rows_masked = (bool(masked) and rows is not None and rows.shape == masked[0].shape
-                   and bool(rows.any()) and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
+    fits = bool(masked) and rows is not None and rows.shape == masked[0].shape
+    rows_masked = (fits and bool(rows.any())  # sync-ok: the incident, once
+                   and not bool((rows & ~masked[0].to(rows.device)).any()))  # sync-ok: once
     out = {"birth": name, "birth_params": params, "birth_elements": int(count), "path": path,
            "rows_masked": rows_masked}
     if seen.capture and call is not None:
@@ -238,7 +244,8 @@ class _Verdict:
     def __init__(self, *, step: int, site: str | None, phase: str | None, masked_rows: int, rank: int,
                  capsules: Any) -> None:
         self.start = time.perf_counter()
-        self.base: dict[str, Any] = {"step": step, "site": site, "phase": phase, "fully_masked_rows": masked_rows,
+        self.base: dict[str, Any] = {"step": step, "site": site, "phase": phase,
+                                     "fully_masked_rows": masked_rows,
                                      "host": f"{socket.gethostname()} rank {rank}"}
         self.capsules = capsules
         self.call: list[tuple] = []
@@ -247,7 +254,8 @@ class _Verdict:
         return self.capsules is not None and self.capsules.wants(cls)
 
     def done(self, cls: str, note: str = "", **outcomes: Any) -> Incident:
-        incident = Incident(cls=cls, note=note, seconds=time.perf_counter() - self.start, **self.base, **outcomes)
+        seconds = time.perf_counter() - self.start
+        incident = Incident(cls=cls, note=note, seconds=seconds, **self.base, **outcomes)
         if self.call and self.capsules is not None:  # never raises; None when not captured
             name, module, args, kwargs, rng, of = self.call[0]
             where = self.capsules.capture(incident=incident, name=name, module=module, args=args,
@@ -280,7 +288,8 @@ def _why_not(model: torch.nn.Module, *, phase: str | None, kept: list[KeptForwar
 
 
 def _culprit(model: torch.nn.Module, probes: Probes, kept: list[KeptForward],
-             named: tuple[str, torch.nn.Module] | None, site: str | None, verdict: _Verdict) -> KeptForward | None:
+             named: tuple[str, torch.nn.Module] | None, site: str | None, verdict: _Verdict
+             ) -> KeptForward | None:
     """The first kept micro-batch whose re-run on the same path is non-finite, or None. A not-reproducible
     incident has no drill-down (nothing non-finite to follow), so its capsule is the first offender's module
     with the call it received in the re-run of the first kept micro-batch: what training fed it (same inputs,
@@ -325,7 +334,8 @@ def _search(model: torch.nn.Module, probes: Probes, directive_state: DirectiveSt
     outcomes = {"same": "nonfinite", "fp32": "nonfinite" if fp32 else "finite",
                 "math": "nonfinite" if math_ else "finite"}
     if rows_masked or _nonfinite_input(culprit) or base.get("birth_params"):
-        note = ("fully masked query rows" if rows_masked else "a non-finite input" if not base.get("birth_params")
+        note = ("fully masked query rows" if rows_masked
+                else "a non-finite input" if not base.get("birth_params")
                 else f"a parameter of {base['birth']} was already non-finite")
         return verdict.done("data_mask", f"{note}: no precision switch helps", **outcomes)
     if fp32 and math_:
@@ -342,7 +352,8 @@ def rerun(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveS
     birth module's faulting call (``Incident.capsule``), and a not-reproducible one a capsule of its first
     offender's call in the re-run. ``weight_guard_on``: a weight guard kept the step out of the weights (else
     the weights moved, and a rerun would not be that step)."""
-    verdict = _Verdict(step=step, site=site, phase=phase, masked_rows=masked_rows, rank=rank, capsules=capsules)
+    verdict = _Verdict(step=step, site=site, phase=phase, masked_rows=masked_rows, rank=rank,
+                       capsules=capsules)
     why_not = _why_not(model, phase=phase, kept=kept, weight_guard_on=weight_guard_on, compiled=compiled)
     if why_not:
         return verdict.done("not_classified", why_not)
@@ -385,13 +396,14 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     first = so_far.first
     if first is not None and first[1] == "optimizer":
         return None
-    incident = rerun(model=model, probes=probes, directive_state=directive_state, kept=list(probes.rerun.kept),
-                     step=step, site=first[0] if first else None, phase=first[1] if first else None,
-                     masked_rows=so_far.masked_rows, weight_guard_on=weight_guard_on, compiled=so_far.compiled,
-                     rank=rank, kinds=so_far.kinds, capsules=capsules)
+    incident = rerun(model=model, probes=probes, directive_state=directive_state,
+                     kept=list(probes.rerun.kept), step=step, site=first[0] if first else None,
+                     phase=first[1] if first else None, masked_rows=so_far.masked_rows,
+                     weight_guard_on=weight_guard_on, compiled=so_far.compiled, rank=rank, kinds=so_far.kinds,
+                     capsules=capsules)
     rec.set_incident(incident)
-    # INFO: the report's own line (nanwatch.hooks.report.local_log) tells the incident at WARNING, once, with its
-    # step, site and birth; two lines for one incident would read as two
+    # INFO: the report's own line (nanwatch.hooks.report.local_log) tells the incident at WARNING, once,
+    # with its step, site and birth; two lines for one incident would read as two
     log.info("nanwatch: step %d: first non-finite step classified %s (%s)", step, incident.cls, incident.note)
     return incident
 
@@ -438,8 +450,8 @@ class DifferentialRerun:
         self._done = False  # the run's first non-finite step was classified: once per run
 
     def at_step_end(self, step: int, *, scaling: Any, weight_guard_on: bool) -> Incident | None:
-        """Step ``step`` ends normally (``scaling``: the Monitor's ``LossScaling``, or None): classify it if it
-        is the run's first non-finite one and its forwards were kept."""
+        """Step ``step`` ends normally (``scaling``: the Monitor's ``LossScaling``, or None): classify it if
+        it is the run's first non-finite one and its forwards were kept."""
         if self._done or not self._probes.rerun.keep_inputs:
             return None
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode (free on the CPU; opt-in on GPU)
@@ -447,8 +459,9 @@ class DifferentialRerun:
         if scaling is not None and scaling.handled_overflow():  # sync-ok: rerun mode, flag set
             return None
         self._done = True
-        return classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self._directive_state,
-                        step=step, weight_guard_on=weight_guard_on, rank=self._rank, capsules=self.capsules)
+        return classify(rec=self._rec, model=self._model(), probes=self._probes,
+                        directive_state=self._directive_state, step=step, weight_guard_on=weight_guard_on,
+                        rank=self._rank, capsules=self.capsules)
 
     def close(self, timeout: float) -> None:
         """A capsule still being written is finished (bounded wait)."""

@@ -50,8 +50,8 @@ class StepRemedies:
         self._config, self._rec, self._model, self._warn, self._probes = config, rec, model, warn, probes
         self.rerun = DifferentialRerun(config, rank=rank, device=device, rec=rec, model=model, probes=probes,
                                        directive_state=directive_state)
-        self.optimizers = OptimizerHooks(model, config=config, rec=rec, directive_state=directive_state, warn=warn,
-                                         rerun_tap=probes.rerun if self.rerun.on else None)
+        self.optimizers = OptimizerHooks(model, config=config, rec=rec, directive_state=directive_state,
+                                         warn=warn, rerun_tap=probes.rerun if self.rerun.on else None)
         self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
         self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
 
@@ -93,14 +93,15 @@ class StepRemedies:
         self._probes.check_tensors(self._sweep.share())
 
     def at_step_end(self, step: int, *, raised: str | None) -> None:
-        """Before the step's hand-over: the optimizers' end-of-step bookkeeping, the loss scale into the step's
-        slots, and, in rerun mode, the step's classification if it is the run's first non-finite one (not
-        when it raised: it never finished)."""
+        """Before the step's hand-over: the optimizers' end-of-step bookkeeping, the loss scale into the
+        step's slots, and, in rerun mode, the step's classification if it is the run's first non-finite one
+        (not when it raised: it never finished)."""
         self.optimizers.at_step_end()
         if self._scaling is not None:
             contained(self._scaling.at_step_end)
         if raised is None:
-            contained(self.rerun.at_step_end, step, scaling=self._scaling, weight_guard_on=self.optimizers.effective)
+            contained(self.rerun.at_step_end, step, scaling=self._scaling,
+                      weight_guard_on=self.optimizers.effective)
 
     def new_step(self) -> None:
         """After the step's hand-over: the scalers' per-step flags start afresh."""

@@ -7,7 +7,7 @@ import logging
 import threading
 import warnings
 
-__all__ = ["WarnOnce", "guarded", "probe_failed"]
+__all__ = ["WarnOnce", "contained", "probe_failed"]
 
 log = logging.getLogger("nanwatch")
 
@@ -17,8 +17,8 @@ def probe_failed(exc: BaseException) -> None:
     warnings.warn(f"nanwatch: probe failed and was skipped: {exc!r}", RuntimeWarning, stacklevel=3)
 
 
-def guarded(fn, *args, **kwargs) -> None:
-    """Call a probe; any exception becomes a warning."""
+def contained(fn, *args, **kwargs) -> None:
+    """Call a probe; any exception it raises is contained: it becomes a warning, never the trainer's error."""
     try:
         fn(*args, **kwargs)
     except Exception as exc:

@@ -1,4 +1,5 @@
-"""Installation: put one Monitor's probes on a model and hand back every handle that takes them off.
+"""Installation: build one Monitor's probes for a model (:func:`probes_for`: names and head, no hook yet),
+put them on it (:func:`install`) and hand back every handle that takes them off.
 
 What is installed: the attention modules' pre/post hooks, the logits head, the coarse localisation sites,
 the root module's hooks (forward count, fingerprint, kept inputs), the rotary embeddings' position ids,
@@ -12,8 +13,8 @@ would double-count every site); a second is refused here.
 
 Example usage::
 
-    probes, handles = install(model, outer=wrapper, owner=monitor, config=cfg, rec=rec,
-                              directive_state=state, model_ref=weakref.ref(model))
+    probes = probes_for(model, config=cfg, rec=rec, directive_state=state, model_ref=weakref.ref(model))
+    handles = install(model, probes, outer=wrapper, owner=monitor, config=cfg)
     ...
     for h in reversed(handles):
         h.remove()
@@ -34,11 +35,12 @@ import torch
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.instrument import patching
+from nanwatch.hooks.instrument.module_hooks import ModuleHooks
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.structure import coarse_sites
 
-__all__ = ["RestoreAttr", "attention_modules", "install", "user_model"]
+__all__ = ["RestoreAttr", "attention_modules", "device_of", "install", "probes_for", "user_model"]
 
 #: model -> the Monitor attached to it (weak both ways: a model or Monitor that goes away leaves it)
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, object] = weakref.WeakKeyDictionary()
@@ -71,6 +73,14 @@ def user_model(model: torch.nn.Module) -> torch.nn.Module:
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod
     return model
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a Monitor's measurements of ``model`` live: its first parameter's device, else the CPU."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 class RestoreAttr:
@@ -128,15 +138,33 @@ def _wrap_generate(model: torch.nn.Module, probes: Probes) -> RestoreAttr:
     return RestoreAttr(model, "generate")
 
 
-def install(model: torch.nn.Module, *, outer: torch.nn.Module | None, owner: object, config: MonitorConfig,
-            rec: Recorder, directive_state: DirectiveState,
-            model_ref: Callable[[], torch.nn.Module | None]) -> tuple[Probes, list]:
-    """Build the Probes of ``owner`` (a Monitor) and install them on ``model`` (``outer``: the wrapper the
-    user handed in, if any); returns them and the handles, in installation order."""
+def _head(model: torch.nn.Module, cfg: MonitorConfig) -> torch.nn.Module | None:
+    """The model's output head (HF's ``get_output_embeddings``), when logits are measured."""
+    head = model.get_output_embeddings() if cfg.logits and hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
+               directive_state: DirectiveState, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
+    """The Probes of one Monitor on ``model`` (the user's, inside any wrapper): its module names and output
+    head, read once; no hook is registered (that is :func:`install`)."""
+    # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
+    fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+    head = _head(model, config)
+    return Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=config.grads,
+                  exact_every=config.exact_logit_every, exact_chunk_elems=config.exact_logit_chunk_elems,
+                  model=model_ref,
+                  head=fqns.get(id(head)) if head is not None else None)
+
+
+def install(model: torch.nn.Module, probes: Probes, *, outer: torch.nn.Module | None, owner: object,
+            config: MonitorConfig) -> list:
+    """Install ``probes`` (built by :func:`probes_for`) on ``model`` for ``owner`` (a Monitor; ``outer``: the
+    wrapper the user handed in, if any); returns the handles, in installation order."""
     _refuse_overlap(model)
     handles: list = []
     try:
-        probes = _register(model, outer, config, rec, directive_state, model_ref, handles.append)
+        _register(model, outer, config, probes, handles.append)
         handles.append(_Claim(model, owner))
         handles.append(probes.enable())
         handles.append(patching.install(probes))
@@ -144,47 +172,43 @@ def install(model: torch.nn.Module, *, outer: torch.nn.Module | None, owner: obj
         for h in reversed(handles):
             h.remove()
         raise
-    return probes, handles
+    return handles
 
 
-def _register(model, outer, cfg: MonitorConfig, rec, directive_state, model_ref, hook) -> Probes:
-    # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
-    fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-    head = model.get_output_embeddings() if cfg.logits and hasattr(model, "get_output_embeddings") else None
-    head_name = fqns.get(id(head)) if isinstance(head, torch.nn.Module) else None
-    probes = Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=cfg.grads,
-                    exact_chunk_elems=cfg.exact_logit_chunk_elems,
-                    forward_signature=inspect.signature(model.forward) if cfg.fingerprint else None,
-                    model=model_ref, head=head_name)
+def _register(model, outer, cfg: MonitorConfig, probes: Probes, hook) -> None:
+    fqns = probes.fqns
+    head = _head(model, cfg) if probes.head is not None else None
+    head_name = probes.head
+    signature = inspect.signature(model.forward) if cfg.fingerprint else None
+    hooks = ModuleHooks(probes, forward_signature=signature)
     attn = attention_modules(model, fqns, cfg.is_attention)
     if not attn:
         warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, *DeltaNet); SDPA "
                       "calls are still caught, eager attention is not. Pass is_attention= to name your attention "
                       "modules.", RuntimeWarning, stacklevel=5)
     for name, mod in attn:
-        hook(mod.register_forward_pre_hook(partial(probes.attn_pre, name)))
-        hook(mod.register_forward_hook(probes.attn_post, always_call=True))
+        hook(mod.register_forward_pre_hook(partial(hooks.attn_pre, name)))
+        hook(mod.register_forward_hook(hooks.attn_post, always_call=True))
     if head_name is not None:
-        hook(head.register_forward_hook(partial(probes.output_hook, head_name, "logits"), always_call=True))
+        hook(head.register_forward_hook(partial(hooks.output_hook, head_name, "logits"), always_call=True))
     if cfg.coarse:
         skip = {id(m) for _, m in attn} | ({id(head)} if head_name is not None else set())
         for site, kind, mod in coarse_sites(model, fqns, skip):
-            hook(mod.register_forward_hook(partial(probes.output_hook, site, kind), always_call=True))
+            hook(mod.register_forward_hook(partial(hooks.output_hook, site, kind), always_call=True))
             probes.mark_coarse(mod)
-    hook(model.register_forward_pre_hook(probes.root_pre, with_kwargs=True))
-    hook(model.register_forward_hook(probes.root_post, with_kwargs=True))
+    hook(model.register_forward_pre_hook(hooks.root_pre, with_kwargs=True))
+    hook(model.register_forward_hook(hooks.root_post, with_kwargs=True))
     if cfg.fingerprint:
         for mod in model.modules():
             if type(mod).__name__.endswith("RotaryEmbedding"):
-                hook(mod.register_forward_pre_hook(probes.rotary_pre, with_kwargs=True))
+                hook(mod.register_forward_pre_hook(hooks.rotary_pre, with_kwargs=True))
     if outer is not None and outer is not model:  # DDP, torch.compile: the boundary runs in eager
-        hook(outer.register_forward_pre_hook(probes.boundary_pre))
-        hook(outer.register_forward_hook(probes.boundary_post))
-    # Parameter gradients: measured only in steps where compiled code ran (probes.param_grad), since
+        hook(outer.register_forward_pre_hook(hooks.boundary_pre))
+        hook(outer.register_forward_hook(hooks.boundary_post))
+    # Parameter gradients: measured only in steps where compiled code ran (hooks.param_grad), since
     # their hooks run outside the graph; otherwise one early return per parameter and micro-batch.
     for name, param in model.named_parameters():
         if param.requires_grad:
-            hook(param.register_hook(partial(probes.param_grad, name)))
+            hook(param.register_hook(partial(hooks.param_grad, name)))
     if callable(getattr(model, "generate", None)):
         hook(_wrap_generate(model, probes))
-    return probes

@@ -1,11 +1,13 @@
-"""The probes' side of a Monitor: the bodies of the module and gradient hooks, and the small context the
-attention wrappers measure into.
+"""The probes' side of a Monitor: the small context every hook body and attention wrapper measures into,
+and the measuring of one site.
 
-A :class:`Probes` is the one object hook bodies and the SDPA/softmax wrappers see. It holds the
-recorder, the step's sampling flag, the masks already counted in this forward, the directive state (which
-attention path runs) and the module names. ``nanwatch.hooks.instrument.install`` creates it and registers its methods
-as hooks; its flags change only through its own methods and context managers (``enable``, ``generating``,
-``replaying_forward``, ``keep_forward_inputs``); no probe reaches into the Monitor.
+A :class:`Probes` is the one object the hook bodies (``nanwatch.hooks.instrument.module_hooks``) and the
+SDPA/softmax wrappers (``nanwatch.hooks.instrument.sdpa_probe``) see. It holds the recorder, the step's
+sampling flag, the masks already counted in this forward, the directive state (which attention path runs),
+the module names and what the differential rerun needs (:attr:`Probes.rerun`,
+``nanwatch.hooks.instrument.rerun_tap``). ``nanwatch.hooks.instrument.install`` builds it (``probes_for``)
+and registers the hook bodies; its flags change only through its own methods and context managers
+(``enable``, ``generating``, ``begin_step``); no probe reaches into the Monitor.
 
 Sites are named by the innermost instrumented module, tracked with a thread-local stack of
 :class:`Frame` s that the attention modules' pre/post hooks maintain.
@@ -26,7 +28,6 @@ Three situations change what a probe may do:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import typing
 from collections.abc import Callable, Iterator
@@ -37,16 +38,13 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import guarded
-from nanwatch.hooks.measure import compiled
-from nanwatch.hooks.measure.inputs import position_layout, record_forward_inputs
-from nanwatch.hooks.measure.kept_forward import keep
+from nanwatch.hooks.failsafe import contained
+from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.wire import SiteKind, SiteName
 
-__all__ = ["Frame", "Probes", "first_tensor", "pop", "push", "recomputing", "top"]
+__all__ = ["Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
 
-_is_compiling = torch.compiler.is_compiling
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
 _graph_task_id = torch._C._current_graph_task_id
@@ -123,37 +121,50 @@ def first_tensor(output) -> torch.Tensor | None:
     return logits if isinstance(logits, torch.Tensor) else None
 
 
+
+def watch(probes: Probes, name: str, kind: str, x: torch.Tensor, warn: Callable[[str], None]) -> None:
+    """``Monitor.watch``: measure ``x`` as site ``name`` if the name and kind are valid; else warn and
+    measure nothing (a bad argument must not cost the step's report)."""
+    try:
+        _SITE_NAME.validate_python(name)
+        ok = kind in _SITE_KINDS
+    except ValidationError:
+        ok = False
+    if not ok:
+        warn(f"watch({name!r}, kind={kind!r}) ignored: the name must be 1-256 printable characters and "
+             f"kind one of {sorted(_SITE_KINDS)}")
+        return
+    probes.site(name, kind, x)
+
+
 class Probes:
     """What every probe of one Monitor shares. Hooks registered with its methods do nothing while it is
     not ``active`` (see :meth:`enable`), and nothing inside ``torch.compile`` tracing (they would add graph
     breaks). Its flags are its own: others change them through the methods and context managers below."""
 
     def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
-                 exact_chunk_elems: int, forward_signature: inspect.Signature | None,
-                 model: Callable[[], torch.nn.Module | None], head: str | None) -> None:
+                 exact_every: int, exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None],
+                 head: str | None) -> None:
         self.rec = rec
         self.directive_state = directive_state
         self.grads = grads
         self.exact_chunk_elems = exact_chunk_elems
+        self._exact_every = exact_every  # ``exact_logit_every``: a step whose number it divides is sampled
+        #: the module names of the model (``id(module)`` -> FQN), read once at construction
+        self.fqns = fqns
+        #: what the differential rerun needs: kept forward inputs, and its own pass through the model
+        self.rerun = RerunTap()
         self._active = False
         #: this step computes the exact per-head logit max (``exact_logit_every``)
         self.sampled = False
         #: the output head's site name, when the model has one (its logits are expected every step)
         self.head = head
         self._generating = 0  # depth inside ``generate()`` (generate may nest)
-        self._replaying = False
-        self._replay_finite: list[torch.Tensor] = []
-        self._keep_inputs = False
-        #: this step's training forwards, kept for a replay while :attr:`keep_inputs`
-        self.kept: list = []
-        self._fqns = fqns
-        self._signature = forward_signature
         self._model = model
         self._masks_seen: set[tuple[int, int, int]] = set()
-        self._head_seen = False
         #: modules whose output is a coarse site (``nanwatch.hooks.measure.structure``)
         self.coarse_ids: set[int] = set()
-        self._in_step = False  # a training step is open (the Monitor says so through ``in_step``)
+        self._in_step = False  # a training step is open (between ``begin_step`` and ``end_step``)
         #: told the stage of each model forward that starts outside any training step (``outside_step``)
         self._outside: Callable[[str], None] | None = None
 
@@ -182,50 +193,26 @@ class Probes:
             self._generating -= 1
 
     @property
-    def replaying(self) -> bool:
-        """The differential replay is re-running a forward: attention is routed (the forced path) but
-        nothing is measured, except whether each attention call's query and output stayed finite."""
-        return self._replaying
-
-    @contextlib.contextmanager
-    def replaying_forward(self) -> Iterator[list[torch.Tensor]]:
-        """Re-run a forward for the replay; yields the list of device flags (finite or not) that attention
-        calls inside add to through :meth:`replayed`."""
-        finite = self._replay_finite = []
-        self._replaying = True
-        try:
-            yield finite
-        finally:
-            self._replaying = False
-
-    def replayed(self, *tensors: torch.Tensor) -> None:
-        """Inside :meth:`replaying_forward`: note whether each of ``tensors`` is finite (device flags)."""
-        self._replay_finite += [torch.isfinite(t).all() for t in tensors]
-
-    @property
-    def keep_inputs(self) -> bool:
-        """Each training forward's inputs are kept for a replay (``nanwatch.hooks.remedies.rerun``), in ``kept``."""
-        return self._keep_inputs
-
-    def keep_forward_inputs(self, on: bool) -> None:
-        """Keep (or stop keeping) each training forward's inputs, from the next forward on."""
-        self._keep_inputs = on
-
-    @property
     def measuring(self) -> bool:
-        """Hooks measure: attached and stepping, and not inside the differential replay (which routes
+        """Hooks measure: attached and stepping, and not inside the differential rerun (which routes
         attention but measures nothing)."""
-        return self._active and not self._replaying
+        return self._active and not self.rerun.rerunning
 
-    def in_step(self, open_: bool) -> None:
-        """A training step is open (True) or not: forwards outside one are announced (``outside_step``)."""
-        self._in_step = open_
+    def end_step(self) -> None:
+        """The training step closed: forwards from now on are announced (``outside_step``) until the next
+        :meth:`begin_step`."""
+        self._in_step = False
 
     def outside_step(self, callback: Callable[[str], None] | None) -> None:
         """Call ``callback(stage)`` when a model forward starts outside any training step (before anything of
         it is measured): the Monitor opens an evaluation's own report for an eval forward there, so an
         evaluation run between steps is never charged to the next one."""
         self._outside = callback
+
+    def forward_starts(self, stage: str) -> None:
+        """The root hook: a model forward of ``stage`` starts; outside a training step, it is announced."""
+        if not self._in_step and self._outside is not None:
+            contained(self._outside, stage)
 
     def new_window(self) -> None:
         """The recorder switched records (an eval window opened or closed): forward indices start afresh, so
@@ -236,10 +223,13 @@ class Probes:
         """``module``'s output is a coarse site: an SDPA call it makes itself is named ``<site>.sdpa``."""
         self.coarse_ids.add(id(module))
 
-    def begin_step(self, *, sampled: bool) -> None:
-        self.sampled = sampled
+    def begin_step(self, step: int) -> None:
+        """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
+        ``exact_logit_every`` steps)."""
+        self._in_step = True
+        self.sampled = bool(self._exact_every) and step % self._exact_every == 0
         self._masks_seen.clear()
-        self.kept.clear()
+        self.rerun.clear()
 
     def stage(self) -> str:
         """The stage of the forward running now: ``generate`` (inside ``generate()``), ``eval`` (the model in
@@ -251,9 +241,10 @@ class Probes:
         model = self._model()
         return "train" if model is None or model.training or torch.is_grad_enabled() else "eval"
 
+    # ---- naming ----------------------------------------------------------------------------------------
     def fqn_of(self, module: torch.nn.Module) -> str | None:
         """The module's name in the attached model, or None (not ours, or detached)."""
-        return self._fqns.get(id(module)) if self._active else None
+        return self.fqns.get(id(module)) if self._active else None
 
     def sdpa_site_of(self, module: torch.nn.Module) -> str | None:
         """The site of an SDPA call made by ``module`` outside any attention module: its name, with
@@ -272,20 +263,6 @@ class Probes:
         return True
 
     # ---- measuring a site ----------------------------------------------------------------------------
-    def watch(self, name: str, kind: str, x: torch.Tensor, warn: Callable[[str], None]) -> None:
-        """``Monitor.watch``: measure ``x`` as site ``name`` if the name and kind are valid; else warn and
-        measure nothing (a bad argument must not cost the step's report)."""
-        try:
-            _SITE_NAME.validate_python(name)
-            ok = kind in _SITE_KINDS
-        except ValidationError:
-            ok = False
-        if not ok:
-            warn(f"watch({name!r}, kind={kind!r}) ignored: the name must be 1-256 printable characters and "
-                 f"kind one of {sorted(_SITE_KINDS)}")
-            return
-        self.site(name, kind, x)
-
     def site(self, site: str, kind: str, x: torch.Tensor | None) -> None:
         """Measure ``x`` (forward) and, through a tensor hook, the gradient flowing back into it."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not self.measuring:
@@ -301,36 +278,7 @@ class Probes:
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
         if self._active and grad is not None:
-            guarded(self.rec.tensor, site, kind, "backward", grad, stage)
-
-    # ---- module hooks (registered by the Monitor) ----------------------------------------------------
-    def attn_pre(self, name: str, module, args) -> None:
-        if _is_compiling():
-            compiled.count("attention")  # replayed after each run of the graph: no graph break
-        elif self._active:
-            push(Frame(self, name, attention=True))
-
-    def attn_post(self, module, args, output) -> None:
-        if _is_compiling():
-            return
-        fr = pop()
-        if fr is None or fr.probes is not self or not self.measuring or fr.sdpa_calls:
-            return  # SDPA already measured this module's attention output
-        if recomputing():
-            self.rec.cover(recomputed=1)
-        else:  # a module-level attention site (eager softmax, linear attention): no logit figure is owed
-            self.rec.cover(attention=1, probed=1)
-        guarded(self.site, fr.site, "attention", first_tensor(output))  # in a recompute: the grad hook only
-
-    def output_hook(self, name: str, kind: str, module, args, output) -> None:
-        """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
-        each decoder block and its parts, MoE routers and experts, the final norm)."""
-        if self.measuring and not _is_compiling():
-            if kind == "logits":
-                self._head_seen = True
-                if self.stage() == "train" and not recomputing():
-                    self.rec.cover(logits=True)
-            guarded(self.site, name, kind, first_tensor(output))
+            contained(self.rec.tensor, site, kind, "backward", grad, stage)
 
     def check_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Step start: floating parameters or optimizer state, read once (forward order first, so that a
@@ -338,65 +286,5 @@ class Probes:
         if not self._active:
             return
         for name, t in tensors:  # read at each step: a wrapper may swap a parameter's .data between steps
-            guarded(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
+            contained(self.rec.tensor, name, "param", "forward", local_shard(t).detach(), "train")
         self.rec.cover(params_checked=len(tensors))
-
-    def root_pre(self, module, args, kwargs) -> None:
-        if _is_compiling():
-            compiled.count("forward")  # replayed by dynamo after each run of the graph: no graph break
-            return
-        if not self.measuring or recomputing():
-            return
-        self._head_seen = False
-        stage = self.stage()
-        if not self._in_step and self._outside is not None:
-            guarded(self._outside, stage)
-        train = stage == "train"
-        self.rec.cover(forwards=1, train=train)
-        if self._keep_inputs and train:
-            self.kept.append(keep(args, kwargs))
-        if self._signature is not None and not self._generating:
-            guarded(record_forward_inputs, self.rec, self._signature, args, kwargs)
-
-    def root_post(self, module, args, kwargs, output) -> None:
-        """A head that never materialises logits (TRL's fused LM head returns log-probabilities from the
-        hidden states and the head's weight): measure what it returned instead, and say so."""
-        if not self.measuring or _is_compiling() or self._head_seen or self.head is None or recomputing():
-            return
-        log_probs = getattr(output, "log_probs", None)
-        if isinstance(log_probs, torch.Tensor):
-            if self.stage() == "train":
-                self.rec.cover(logits=True)
-            self.rec.warn(f"the output head ran fused (e.g. TRL's fused LM head): no logits were materialised, "
-                          f"so its log-probabilities are measured instead, at {self.head}.log_probs")
-            guarded(self.site, self.head + ".log_probs", "logprob", log_probs)
-
-    def rotary_pre(self, module, args, kwargs) -> None:
-        """HF rotary embeddings see the position ids actually used, also when the model built them."""
-        if not self.measuring or _is_compiling() or self._generating or recomputing():
-            return
-        fwd = self.rec.current_forward()
-        if fwd is None or fwd.position_ids != "none":
-            return
-        pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        if isinstance(pos, torch.Tensor):
-            guarded(position_layout, self.rec, fwd, pos)
-
-    # ---- around compiled code ----------------------------------------------------------------------
-    def boundary_pre(self, module, args) -> None:
-        """A wrapper (``torch.compile``'s OptimizedModule, DDP) is about to run the model."""
-        if not _is_compiling():
-            self._head_seen = False
-
-    def boundary_post(self, module, args, output) -> None:
-        """The wrapper returned: if the head's own hook did not run (it was inside a compiled graph),
-        measure the logits here, at the boundary, in eager."""
-        if self._active and not _is_compiling() and not self._head_seen and self.head is not None:
-            self.output_hook(self.head, "logits", module, args, output)
-
-    def param_grad(self, name: str, grad: torch.Tensor) -> None:
-        """A parameter's gradient (its hook runs outside any compiled graph). Measured only in steps
-        where compiled code ran, when the activations could not be."""
-        if not self._active or grad is None or not compiled.ran():
-            return
-        guarded(self.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanwatch.hooks.failsafe import guarded, probe_failed
+from nanwatch.hooks.failsafe import contained, probe_failed
 from nanwatch.hooks.instrument.probes import Frame, Probes, recomputing
 from nanwatch.hooks.measure.dtypes import HALF
 from nanwatch.hooks.measure.inputs import dead_rows
@@ -43,7 +43,7 @@ def autocast_dtype(orig, q: torch.Tensor) -> torch.dtype | None:
 
 def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_causal, scale, enable_gqa, kw):
     """One SDPA call: apply the directive's attention path, run it, measure it. Exceptions from the
-    call itself are the user's and propagate; the measuring is guarded."""
+    call itself are the user's and propagate; the measuring's are contained (``failsafe.contained``)."""
     directive_state = probes.directive_state
     mode = directive_state.mode
     autocast = autocast_dtype(orig, q)
@@ -67,24 +67,24 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
     if mode == "fp32":
         upcast()
     recompute = recomputing()
-    if not (probes.replaying or recompute):  # the call's first run: predict its backend
+    if not (probes.rerun.rerunning or recompute):  # the call's first run: predict its backend
         try:
             predicted, reason = predict(*args, dropout, is_causal, scale, enable_gqa)
         except Exception as exc:
             probe_failed(exc)
             predicted, reason = "unknown", None
     out = directive_state.fused_call(frame.site, call, upcast) if mode == "fused" else call()
-    if probes.replaying:  # the differential replay: the forced path; only whether it stayed finite
-        probes.replayed(args[0], out)
+    if probes.rerun.rerunning:  # the differential rerun: the forced path; only whether it stayed finite
+        probes.rerun.saw(args[0], out)
     elif recompute:
         # Activation checkpointing re-runs this call in backward (same path, so the recompute matches):
         # it was counted and measured in the first forward; only the logit bound is read now.
         probes.rec.cover(recomputed=1)
-        guarded(_logit_at_recompute, probes, frame.site, out)
-        guarded(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
+        contained(_logit_at_recompute, probes, frame.site, out)
+        contained(probes.site, frame.site, "attention", out)  # places the gradient hook only (reentrant)
     else:
-        guarded(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale, predicted,
-                reason)
+        contained(_after_sdpa, probes, frame.site, out, args[0], args[1], args[3], is_causal, scale,
+                  predicted, reason)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -138,8 +138,8 @@ def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
     """Eager attention: the softmax input *is* the scaled, masked score matrix [B, H, Q, K]."""
-    if probes.replaying or recomputing():
-        return  # read in the first forward already (or a replay, which measures nothing)
+    if probes.rerun.rerunning or recomputing():
+        return  # read in the first forward already (or a rerun, which measures nothing)
     rec = probes.rec
     s = scores.detach()
     rowmax = s.amax(dim=-1)

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nanwatch.hooks.failsafe import guarded
+from nanwatch.hooks.failsafe import contained
 from nanwatch.wire import Incident, dtype_name
 
 __all__ = ["MAX_NAMED", "BatchSeen", "OptimizerCheck", "ParamBatch", "optimizer_incident", "read_batch"]
@@ -127,7 +127,7 @@ class OptimizerCheck:
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not torch.compiler.is_compiling():
-            guarded(self._check)
+            contained(self._check)
 
     def _check(self) -> None:
         """Device ops only: one ``_foreach_norm`` per (device, dtype) of the updated parameters."""

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.wire import RlhfStat
 
-__all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_slots"]
+__all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
+           "rlhf_slots"]
 
 RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
@@ -43,6 +46,16 @@ def checked_kl(kl_optimised: str | None, warn: Callable[[str], None]) -> str | N
         warn(f"rlhf(kl_optimised={kl_optimised!r}) ignored: use 'k1', 'k3' or 'k3_ratio'")
         return None
     return kl_optimised
+
+
+def rlhf_probe(rec: Recorder, *, site: Callable[[str, str, torch.Tensor], None], warn: Callable[[str], None],
+               logprobs: torch.Tensor, kl_optimised: str | None = None, **tensors: Any) -> None:
+    """``Monitor.rlhf``'s body: ``logprobs`` measured as the site ``rlhf.logprobs`` (``site``, the probes'),
+    then :func:`record_rlhf` (``tensors``: its other arguments), ``kl_optimised`` checked first (a name
+    nanwatch does not report is warned about and dropped). Each part that fails only warns."""
+    kl_optimised = checked_kl(kl_optimised, warn)
+    contained(site, "rlhf.logprobs", "logprob", logprobs)
+    contained(record_rlhf, rec, logprobs=logprobs, kl_optimised=kl_optimised, **tensors)
 
 
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,

@@ -1,6 +1,6 @@
 """Dynamic loss scaling seen by nanwatch: a ``torch.amp.GradScaler`` that finds inf/NaN gradients, skips the
 update and lowers the scale is working as designed (#18), so such a step is reported as
-``scaler_overflow=True`` with its ``loss_scale``, and starts no incident, no replay, no NaN episode and no
+``scaler_overflow=True`` with its ``loss_scale``, and starts no incident, no rerun, no NaN episode and no
 directive. A forward non-finite value in the same step (the loss itself went NaN) is a real incident.
 
 **Which scaler.** ``attach(..., scaler=)`` or ``Monitor.watch_scaler(scaler)``; the HF callback watches
@@ -23,9 +23,9 @@ the overflowing first steps of a run included (``scaler.step`` runs in every ste
   ``update()`` when ``update()`` runs inside the step (the usual loop, and HF/Accelerate, whose optimizer step
   calls it); the scale this step's backward used when a loop calls ``update()`` after closing the step.
 
-The one host read: in replay mode (``MonitorConfig.replay``, on by default on the CPU) the Monitor already
+The one host read: in rerun mode (``MonitorConfig.replay``, on by default on the CPU) the Monitor already
 reads the step's non-finite flag on the host; when it is set and the scaler found inf, the found flag and the
-open step's phases are read too (``# sync-ok``), so that an overflow does not start the differential replay.
+open step's phases are read too (``# sync-ok``), so that an overflow does not start the differential rerun.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
 from nanwatch.hooks.measure.decode import nonfinite_phases
 from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.remedies.optimizer_discovery import steps_model
 from nanwatch.hooks.remedies.weight_guard import inner_optimizer
 from nanwatch.wire import SiteStat
 
@@ -136,14 +137,14 @@ if _ORIGINAL_STEP is not None:
 class LossScaling:
     """The scalers one Monitor watches, and the discovery of the others. Training thread."""
 
-    def __init__(self, rec: Recorder, *, steps_model: Callable[[torch.optim.Optimizer], bool], warn: WarnOnce,
+    def __init__(self, rec: Recorder, *, model: Callable[[], torch.nn.Module | None], warn: WarnOnce,
                  discover: bool = True) -> None:
         self._rec = rec
-        self._steps_model = steps_model
+        self._model = model  # weak: a scaler found stepping another model's optimizer is left alone
         self._warn = warn
         self.watches: list[ScalerWatch] = []
         self._refused: weakref.WeakSet = weakref.WeakSet()  # optimizers of other models: looked at once
-        #: this step's found_inf device tensors, for the replay-mode decision (``overflow_found``)
+        #: this step's found_inf device tensors, for the rerun-mode decision (``overflow_found``)
         self._found: list[torch.Tensor] = []
         self._discover = discover and _ORIGINAL_STEP is not None
         if self._discover:
@@ -171,7 +172,7 @@ class LossScaling:
         opt = inner_optimizer(optimizer)
         if opt in self._refused:
             return None
-        if not self._steps_model(opt):
+        if not steps_model(self._model(), opt):
             self._refused.add(opt)
             return None
         w = self.watch(scaler)
@@ -214,12 +215,12 @@ class LossScaling:
 
     def overflow_found(self) -> bool:
         """Whether a watched scaler found inf/NaN gradients in the open step: a host read of its flag (the
-        caller's ``# sync-ok``: replay mode only)."""
-        return any(bool(t) for t in self._found)  # sync-ok: replay mode, a step whose flag is already set
+        caller's ``# sync-ok``: rerun mode only)."""
+        return any(bool(t) for t in self._found)  # sync-ok: rerun mode, a step whose flag is already set
 
     def handled_overflow(self) -> bool:
         """The open step's non-finite values were an overflow the scaler handled (it found inf/NaN, and only
-        gradients were non-finite): no incident, so no replay. Host reads, as :meth:`overflow_found` (replay
+        gradients were non-finite): no incident, so no rerun. Host reads, as :meth:`overflow_found` (rerun
         mode only)."""
         return self.overflow_found() and nonfinite_phases(self._rec) <= {"backward"}
 

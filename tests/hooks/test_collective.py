@@ -1,6 +1,6 @@
 """The guard's reduction and the collective-forward check, in one process (the two-rank behaviour is in
 test_dist_guard.py): the reduction's encoding of the lowest faulting rank, the report field it becomes,
-the replay declining under a forward that issues collectives, and a reduction that fails becoming a
+the rerun declining under a forward that issues collectives, and a reduction that fails becoming a
 warning while the rank's own flag still protects its weights."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nanwatch.hooks.measure import recorder as recorder_module
 from nanwatch.hooks.measure.collective import FlagReduction, collective_forward, reduction_active
 from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.recorder import NONFINITE_RANK, Recorder
-from nanwatch.hooks.remedies.rerun import replay
+from nanwatch.hooks.remedies.rerun import rerun
 
 
 @pytest.fixture
@@ -58,10 +58,10 @@ def test_forwards_that_issue_collectives_are_named():
     assert "fully_shard" in collective_forward(torch.nn.Sequential(sharded))
 
 
-def test_the_replay_declines_under_such_a_forward_and_says_why():
+def test_the_rerun_declines_under_such_a_forward_and_says_why():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
-    inc = replay(model=model, probes=None, directive_state=None, kept=[object()], step=3, site="0",
-                 phase="forward", masked_rows=0, guarded=True, compiled=False, rank=1)
+    inc = rerun(model=model, probes=None, directive_state=None, kept=[object()], step=3, site="0",
+                phase="forward", masked_rows=0, weight_guard_on=True, compiled=False, rank=1)
     assert inc.cls == "not_classified" and "SyncBatchNorm" in inc.note and "hang" in inc.note
 
 

@@ -1,6 +1,7 @@
-"""The optimizers one Monitor covers: their weight guards (``nanwatch.hooks.remedies.weight_guard``), their post-step
-checks (``nanwatch.hooks.measure.optimizer_check``), the discovery of the ones ``attach()`` was not given
-(``nanwatch.hooks.remedies.optimizer_discovery``), and the one warning when training steps pass and none was found.
+"""The hooks on the optimizers one Monitor covers: their weight guards
+(``nanwatch.hooks.remedies.weight_guard``), their post-step checks (``nanwatch.hooks.measure.optimizer_check``),
+the discovery of the ones ``attach()`` was not given (``nanwatch.hooks.remedies.optimizer_discovery``), and
+the one warning when training steps pass and none was found.
 
 The Monitor keeps the public ``guard()`` and the attached/closed state; this keeps the bookkeeping (which
 optimizer is guarded or checked, and every handle to remove), so that the facade stays wiring. Training
@@ -11,74 +12,75 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import WarnOnce, guarded
+from nanwatch.hooks.failsafe import WarnOnce, contained
+from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.remedies.weight_guard import WeightGuard, drop_grads_if_flagged, guard_of, inner_optimizer
 
-__all__ = ["Guards"]
+__all__ = ["OptimizerHooks"]
 
 log = logging.getLogger("nanwatch")
 
 
-class Guards:
-    """The guards, checks and discovery of one Monitor's optimizers; ``remove()`` takes every one off (last
-    installed, first removed), keeping the record of what was covered.
+class OptimizerHooks:
+    """The weight guards, checks and discovery of one Monitor's optimizers; ``remove()`` takes every one off
+    (last installed, first removed), keeping the record of what was covered.
 
-    ``keep_forward_inputs(on)``: told after each new guard whether the replay needs the forward inputs kept
-    (replay on, and an effective guard to protect the weights meanwhile).
+    ``rerun_tap``: the probes' :class:`~nanwatch.hooks.instrument.rerun_tap.RerunTap` when rerun mode is on
+    (else None), told after each new weight guard whether to keep the forward inputs (rerun mode needs an
+    effective weight guard to protect the weights meanwhile).
 
     Example usage::
 
-        guards = Guards(model_ref, config=cfg, rec=rec, directive_state=state, warn=WarnOnce(),
-                        device=device, keep_forward_inputs=probes.keep_forward_inputs)
-        guards.guard(opt, sync=None)   # guarded and checked
+        hooks = OptimizerHooks(model_ref, config=cfg, rec=rec, directive_state=state, warn=WarnOnce(),
+                               rerun_tap=probes.rerun)
+        hooks.guard(opt, sync=None)   # weight guard on, and checked
         ...
-        guards.remove()
+        hooks.remove()
     """
 
     def __init__(self, model: weakref.ref[torch.nn.Module], *, config: MonitorConfig, rec: Recorder,
-                 directive_state: DirectiveState, warn: WarnOnce, device: torch.device,
-                 keep_forward_inputs: Callable[[bool], None]) -> None:
+                 directive_state: DirectiveState, warn: WarnOnce, rerun_tap: RerunTap | None) -> None:
         self._model = model
         self._config = config
         self._rec = rec
         self._directive_state = directive_state
         self._warn = warn
-        self._replay = config.replay if config.replay is not None else device.type == "cpu"
-        self._keep_forward_inputs = keep_forward_inputs
+        self._rerun_tap = rerun_tap
         self._guards: list[WeightGuard] = []
         self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
         self._discovery: OptimizerDiscovery | None = None
         self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
         self._handles: list = []
 
-    def discover(self, model: torch.nn.Module, *, on_found: Callable[[torch.optim.Optimizer], None]) -> None:
-        """Find the optimizers stepping ``model``'s parameters at their first step (``on_found``)."""
-        self._discovery = OptimizerDiscovery(model, on_found=on_found)
+    def discover(self, model: torch.nn.Module) -> None:
+        """Find the optimizers stepping ``model``'s parameters at their first step (:meth:`found`), until
+        :meth:`remove`."""
+        self._discovery = OptimizerDiscovery(model, on_found=self.found)
         self._handles.append(self._discovery)
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None) -> WeightGuard:
-        """``Monitor.guard``'s body: the guard on ``optimizer`` (a new one, or the one already there)."""
+        """``Monitor.guard``'s body: the weight guard on ``optimizer`` (a new one, or the one there)."""
         existing = guard_of(optimizer)
         if existing is not None:
             if existing not in self._guards:
                 self._warn(f"{type(existing.optimizer).__name__} is guarded by another Monitor already; "
                            "it is not guarded twice")
             return existing
-        g = WeightGuard(optimizer, rec=self._rec, directive_state=self._directive_state, host_read=sync is not False,
-                        warn=self._warn)
+        g = WeightGuard(optimizer, rec=self._rec, directive_state=self._directive_state,
+                        host_read=sync is not False, warn=self._warn)
         self._guards.append(g)
         self._handles.append(g)
         self.check(optimizer)
-        self._keep_forward_inputs(bool(self._replay and self.effective))
+        if self._rerun_tap is not None:
+            self._rerun_tap.keep_forward_inputs(self.effective)
         return g
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
@@ -105,7 +107,7 @@ class Guards:
 
     @property
     def effective(self) -> bool:
-        """Some guard skips a flagged step by itself (not only under the ``skip_step`` directive)."""
+        """Some weight guard skips a flagged step by itself (not only under the ``skip_step`` directive)."""
         return any(g.effective for g in self._guards)
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -117,12 +119,12 @@ class Guards:
     def at_step_start(self) -> None:
         """The weights this step starts from, as the last update left them (``OptimizerCheck.carry``)."""
         for check in self._checks.values():
-            guarded(check.carry)
+            contained(check.carry)
 
     def at_step_end(self) -> None:
         """Discovery on and still no optimizer: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
         if self._discovery is not None and not self._checks and not self._guards:
-            guarded(self._note_unfound)
+            contained(self._note_unfound)
 
     def _note_unfound(self) -> None:
         self._steps_unfound += self._rec.trained
@@ -133,5 +135,6 @@ class Guards:
                        "that is not a torch.optim.Optimizer cannot be guarded (use should_skip_step())")
 
     def remove(self) -> None:
+        """Take every hook off, last installed first (the Monitor's close)."""
         while self._handles:  # last installed, first removed
             self._handles.pop().remove()

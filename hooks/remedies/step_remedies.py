@@ -1,0 +1,121 @@
+"""The remedies one Monitor applies around each training step, in one place: the optimizers' hooks (weight
+guards, post-step checks, discovery: ``nanwatch.hooks.remedies.optimizer_hooks``), the GradScalers watched
+(``nanwatch.hooks.remedies.loss_scaling``), the differential rerun with its capsules
+(``nanwatch.hooks.remedies.rerun``), and at each step start the rotating read of the parameters and of the
+covered optimizers' state (``nanwatch.hooks.measure.param_sweep``).
+
+The Monitor says when (attach, step start, step end, close); this knows in which order the remedies act,
+so that the facade stays wiring. Training thread.
+
+Example usage::
+
+    remedies = StepRemedies(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
+                            directive_state=state, warn=WarnOnce())
+    remedies.attach(model, optimizer=opt, scaler=None)
+    remedies.at_step_start()
+    ...                                   # the step
+    remedies.at_step_end(41, raised=None)
+    ...                                   # the step's hand-over
+    remedies.new_step()
+    remedies.remove()                     # at close; then remedies.join(timeout)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.failsafe import WarnOnce, contained
+from nanwatch.hooks.instrument.probes import Probes
+from nanwatch.hooks.measure.param_sweep import ParamSweep
+from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.remedies.loss_scaling import LossScaling
+from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
+from nanwatch.hooks.remedies.rerun import DifferentialRerun
+from nanwatch.hooks.remedies.weight_guard import WeightGuard
+
+__all__ = ["StepRemedies"]
+
+
+class StepRemedies:
+    """The optimizers' hooks, the scalers' watch and the rerun of one Monitor."""
+
+    def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
+                 model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState,
+                 warn: WarnOnce) -> None:
+        self._config, self._rec, self._model, self._warn, self._probes = config, rec, model, warn, probes
+        self.rerun = DifferentialRerun(config, rank=rank, device=device, rec=rec, model=model, probes=probes,
+                                       directive_state=directive_state)
+        self.optimizers = OptimizerHooks(model, config=config, rec=rec, directive_state=directive_state,
+                                         warn=warn, rerun_tap=probes.rerun if self.rerun.on else None)
+        self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
+        self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
+
+    def attach(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, scaler: Any) -> None:
+        """Watch ``scaler`` and any GradScaler found stepping the model's optimizer; find the optimizers
+        stepping ``model``'s parameters (unless ``guard="off"`` and no ``optimizer_check``); check
+        ``optimizer`` and, under ``guard="auto"``, put a weight guard on it. Undone by :meth:`remove`, also
+        when this raises half-way."""
+        cfg = self._config
+        self._scaling = LossScaling(self._rec, model=self._model, warn=self._warn)
+        if scaler is not None:
+            self._scaling.watch(scaler)
+        if cfg.guard == "auto" or cfg.optimizer_check:
+            self.optimizers.discover(model)
+        if optimizer is not None:
+            self.optimizers.check(optimizer)
+            if cfg.guard == "auto":
+                self.guard(optimizer, sync=None)
+
+    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None) -> WeightGuard:
+        """``Monitor.guard``'s body (see there)."""
+        return self.optimizers.guard(optimizer, sync=sync)
+
+    def watch_scaler(self, scaler: Any) -> None:
+        """``Monitor.watch_scaler``'s body (see there); a RuntimeError before :meth:`attach`."""
+        if self._scaling is None:
+            raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
+        self._scaling.watch(scaler)
+
+    def at_step_start(self) -> None:
+        """The weights this step starts from, as the last update left them (``OptimizerCheck.carry``); then
+        this step's share of the parameters and optimizer state, read before any forward so that a tensor
+        already non-finite is named the birth site."""
+        self.optimizers.at_step_start()
+        if self._config.param_check_every:
+            contained(self._check_params)
+
+    def _check_params(self) -> None:
+        self._probes.check_tensors(self._sweep.share())
+
+    def at_step_end(self, step: int, *, raised: str | None) -> None:
+        """Before the step's hand-over: the optimizers' end-of-step bookkeeping, the loss scale into the
+        step's slots, and, in rerun mode, the step's classification if it is the run's first non-finite one
+        (not when it raised: it never finished)."""
+        self.optimizers.at_step_end()
+        if self._scaling is not None:
+            contained(self._scaling.at_step_end)
+        if raised is None:
+            contained(self.rerun.at_step_end, step, scaling=self._scaling,
+                      weight_guard_on=self.optimizers.effective)
+
+    def new_step(self) -> None:
+        """After the step's hand-over: the scalers' per-step flags start afresh."""
+        if self._scaling is not None:
+            self._scaling.new_step()
+
+    def remove(self) -> None:
+        """Take every hook off: the optimizers' (installed after the scalers' watch), then the scalers'."""
+        try:
+            self.optimizers.remove()
+        finally:
+            if self._scaling is not None:
+                self._scaling.remove()
+
+    def join(self, timeout: float) -> None:
+        """A capsule still being written is finished (bounded wait)."""
+        self.rerun.close(timeout)

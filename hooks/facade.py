@@ -89,10 +89,9 @@ class Monitor:
     """
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig) -> None:
-        config = resolve_config(config)  # the environment and the shard (a no-op after attach)
-        self.config, self._outer = config, weakref.ref(model)
-        model = user_model(model)
-        self._model = weakref.ref(model)
+        self.config = config = resolve_config(config)  # the environment and the shard (no-op after attach)
+        self._outer = weakref.ref(model)
+        self._model = weakref.ref(model := user_model(model))
         self.rank, self.world_size = rank_and_world(rank=config.rank, world_size=config.world_size)
         self.incarnation = uuid.uuid4().hex[:12]
         self._active = False

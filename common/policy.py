@@ -103,7 +103,7 @@ def matches(rule: Rule, r: StepReport, *, logit_tau: float) -> Iterator[tuple[st
 def precision_helps(r: StepReport) -> bool:
     """Whether a precision directive (``fp32``, ``fused``) can cure what ``r`` shows: only a half-precision
     overflow born in attention or the logits, in training. The birth decides where the report names one (the
-    incident's replay or drill-down); else the step's first offender, which is the birth when no replay ran
+    incident's rerun or drill-down); else the step's first offender, which is the birth when no rerun ran
     (attention downstream of an MLP's NaN comes after it, so the MLP is first). Never for a step classified
     ``data_mask`` or ``not_reproducible``, an optimizer or parameter birth, a non-finite query (born
     upstream), an eval or generate stage value, or a gradient overflow that dynamic loss scaling handled."""

@@ -73,16 +73,18 @@ Stage = Literal["train", "eval", "generate"]
 #: output head exists but its output was never seen in a training forward; ``no_logit_bound`` an attention
 #: layer was measured but no logit figure could be read for it (see the report's warnings for why).
 Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_logit_bound"]
-#: What the differential replay of a run's first non-finite step found (``Incident.cls``):
+#: What the differential rerun of a run's first non-finite step found (``Incident.cls``):
 #: ``precision`` only the fast path is non-finite (a fallback helps); ``data_mask`` every path is, or the
 #: inputs already were (fully masked rows, non-finite inputs): no precision switch helps; ``not_reproducible``
 #: the same path re-run on the same inputs is finite (suspect hardware or a race); ``optimizer`` the values were
 #: finite through forward and backward and the optimizer's update wrote the non-finite ones (e.g. fp16 Adam's
-#: eps underflow): no attention switch helps; ``not_classified`` the replay could not run soundly
+#: eps underflow): no attention switch helps; ``not_classified`` the rerun could not run soundly
 #: (``Incident.note`` says why).
 IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer", "not_classified"]
-#: How a replay path ended: non-finite at the first offender or the output, finite, or not run.
-ReplayOutcome = Literal["nonfinite", "finite", "skipped"]
+#: How a rerun path ended: non-finite at the first offender or the output, finite, or not run.
+RerunOutcome = Literal["nonfinite", "finite", "skipped"]
+#: The old name of ``RerunOutcome`` ("replay" now means only replaying a capsule).
+ReplayOutcome = RerunOutcome
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
 #: decoder block's output (the residual stream); ``mlp``, ``norm``, ``router`` (an MoE gate's logits),
 #: ``expert`` and ``module`` are its parts; ``param`` a parameter or optimizer-state tensor found
@@ -237,17 +239,17 @@ class Coverage(_Wire):
 
 
 class Incident(_Wire):
-    """The differential replay of a run's first non-finite step: the offending micro-batch re-run (forward,
+    """The differential rerun of a run's first non-finite step: the offending micro-batch re-run (forward,
     no grad) on the same inputs and RNG state, on the same path, under fp32 attention and on the math
     kernel; the class picks the remedy."""
 
     cls: IncidentClass = Field(description="precision, data_mask, not_reproducible or not_classified")
     step: Count
-    site: SiteName | None = Field(None, description="the first offender the replay looked at")
+    site: SiteName | None = Field(None, description="the first offender the rerun looked at")
     phase: Phase | None = None
-    same: ReplayOutcome = "skipped"
-    fp32: ReplayOutcome = "skipped"
-    math: ReplayOutcome = "skipped"
+    same: RerunOutcome = "skipped"
+    fp32: RerunOutcome = "skipped"
+    math: RerunOutcome = "skipped"
     fully_masked_rows: Count = 0
     birth: SiteName | None = Field(None, description="where the value was born (forward): the first module to "
                                    "finish non-finite from a finite input, or, if its input was already "
@@ -265,7 +267,7 @@ class Incident(_Wire):
     capsule: Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = Field(
         None, description="where this incident's capsule was written (a local path, or an object-store URL): "
         "`nanwatch replay CAPSULE` reproduces the birth anywhere")
-    seconds: float = Field(0.0, description="wall time the replay took")
+    seconds: float = Field(0.0, description="wall time the rerun took")
     note: ShortText = ""
 
 

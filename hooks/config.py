@@ -62,7 +62,7 @@ class MonitorConfig:
     * **what is measured**: ``grads``, ``logits``, ``coarse``, ``fingerprint``, ``is_attention``,
       ``exact_logit_every``, ``exact_logit_chunk_elems``, ``param_check_every``;
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
-      ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``replay``, ``capsule``,
+      ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``rerun`` (``replay``, deprecated), ``capsule``,
       ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
     * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
       ``logit_tau``;
@@ -157,11 +157,14 @@ class MonitorConfig:
     all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when
     the ranks share no gradients (independent models): each rank then decides alone."""
 
+    rerun: bool | None = None
+    """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.remedies.rerun``).
+    None: on when the model is on the CPU and a weight guard is attached (reading the step's non-finite flag
+    is then free); True: also on a GPU, at one host read of that flag per step."""
+
     replay: bool | None = None
-    """Classify the run's first non-finite step by the differential re-run (``nanwatch.hooks.remedies.rerun``;
-    the field keeps its old name). None: on when the model is on the CPU and a weight guard is attached
-    (reading the step's non-finite flag is then free); True: also on a GPU, at one host read of that flag
-    per step."""
+    """Deprecated name of ``rerun`` ("replay" now means only replaying a capsule); still accepted, with a
+    DeprecationWarning, and copied into ``rerun``."""
 
     capsule: bool | None = None
     """Write an incident capsule (``nanwatch.hooks.remedies.capsule``) when the differential re-run drills a
@@ -253,23 +256,31 @@ class MonitorConfig:
     by ``log_max_bytes * (log_backups + 1)``."""
 
     def __post_init__(self) -> None:
-        """Validation only (and ``policy`` folded into ``directive_source``): no environment, no file."""
-        self._take_deprecated_policy()
+        """Validation only (and the deprecated names folded into theirs): no environment, no file."""
+        for old, new in _RENAMED:
+            self._take_deprecated(old, new)
         _check_run(self)
         _check_measuring(self)
         _check_remedies(self)
         _check_directives_and_reports(self)
         _check_local_record(self)
 
-    def _take_deprecated_policy(self) -> None:
-        if self.policy is None:
+    def _take_deprecated(self, old: str, new: str) -> None:
+        value, default = getattr(self, old), _DEFAULTS[new]
+        if value is None:
             return
-        warnings.warn("MonitorConfig(policy=...) is deprecated: use directive_source=... (same values)",
-                      DeprecationWarning, stacklevel=4)
-        if self.directive_source not in ("auto", self.policy):
-            raise ValueError(f"policy={self.policy!r} (deprecated) and directive_source="
-                             f"{self.directive_source!r} disagree: pass directive_source alone")
-        self.directive_source, self.policy = self.policy, None
+        warnings.warn(f"MonitorConfig({old}=...) is deprecated: use {new}=... (same values)",
+                      DeprecationWarning, stacklevel=5)
+        if getattr(self, new) not in (default, value):
+            raise ValueError(f"{old}={value!r} (deprecated) and {new}={getattr(self, new)!r} disagree: "
+                             f"pass {new} alone")
+        setattr(self, new, value)
+        setattr(self, old, None)
+
+
+#: (deprecated field, its new name): "policy" means only the shared rules, "replay" only a capsule's
+_RENAMED = (("policy", "directive_source"), ("replay", "rerun"))
+_DEFAULTS = {"directive_source": "auto", "rerun": None}
 
 
 def _check_run(c: MonitorConfig) -> None:

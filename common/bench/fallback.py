@@ -4,7 +4,7 @@ A tiny fp16 eager Qwen3 per rank, fused AdamW under the weight guard, a real col
 on loopback, default settings), and attention that overflows at ``--spike-at`` (on the last rank only when
 there are several). For one rank and for two gloo ranks it reports the steps and seconds from the start of
 the non-finite step to the start of the first step on the fp32 path, the steps the guard skipped, the
-differential replay's one-time cost, and the cost of the ranks' agreement (one all-reduce of four int64
+differential rerun's one-time cost, and the cost of the ranks' agreement (one all-reduce of four int64
 over gloo per ``directive_check_every`` steps, default every step) as a share of a step.
 """
 
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, url: str, spike_at: int, steps: in
     for row in rows:
         r = by_step.get(row["step"])
         row["skipped"] = bool(r is not None and r.step_skipped)
-        row["replay_s"] = r.incident.seconds if r is not None and r.incident is not None else None
+        row["rerun_s"] = r.incident.seconds if r is not None and r.incident is not None else None
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "agree_s": agree}))
 
 
@@ -99,7 +99,7 @@ def run(*, ranks: int, spike_at: int = 5, steps: int = 12) -> dict:
         "steps_to_fallback": applied["step"] - spike_at if applied else None,
         "seconds_to_fallback": applied["start"] - rows[spike_at]["start"] if applied else None,
         "skipped_steps": [row["step"] for row in rows if row["skipped"]],
-        "replay_seconds": next((row["replay_s"] for row in rows if row["replay_s"] is not None), None),
+        "rerun_seconds": next((row["rerun_s"] for row in rows if row["rerun_s"] is not None), None),
         "step_seconds": step_s,
         "agree_seconds": statistics.median(agree) if agree else None,
         "agree_share_of_step": statistics.median(agree) / step_s if agree and step_s else None,
@@ -108,13 +108,13 @@ def run(*, ranks: int, spike_at: int = 5, steps: int = 12) -> dict:
 
 def format_table(results: list[dict]) -> str:
     lines = [f"{'ranks':>5} {'NaN at':>6} {'fp32 at':>7} {'steps':>5} {'seconds':>8} {'skipped':<10} "
-             f"{'replay s':>8} {'step ms':>8} {'agree us':>8} {'agree/step':>10} same step"]
+             f"{'rerun s':>8} {'step ms':>8} {'agree us':>8} {'agree/step':>10} same step"]
     for r in results:
         def f(v, fmt):
             return format(v, fmt) if v is not None else "-"
         lines.append(f"{r['ranks']:>5} {r['spike_at']:>6} {f(r['fallback_step'], 'd'):>7} "
                      f"{f(r['steps_to_fallback'], 'd'):>5} {f(r['seconds_to_fallback'], '.3f'):>8} "
-                     f"{str(r['skipped_steps']):<10} {f(r['replay_seconds'], '.3f'):>8} "
+                     f"{str(r['skipped_steps']):<10} {f(r['rerun_seconds'], '.3f'):>8} "
                      f"{f(r['step_seconds'] and r['step_seconds'] * 1e3, '.1f'):>8} "
                      f"{f(r['agree_seconds'] and r['agree_seconds'] * 1e6, '.0f'):>8} "
                      f"{f(r['agree_share_of_step'] and r['agree_share_of_step'] * 100, '.3f'):>9}% "

@@ -4,7 +4,7 @@ Four tiny Qwen3s (same weights, same batch), each with a non-fused AdamW (torch'
 for the device) under its own Monitor: ``bare`` (nanwatch attached, ``guard="off"``,
 ``optimizer_check=False``), ``guard`` (the weight guard's one host read of the step's flag per optimizer
 step), ``check`` (the post-step ``_foreach_norm(inf)`` of the updated parameters, no host read) and
-``both`` (the defaults). Replay is off in all four (it reads the flag too, on CPU). Each round runs a
+``both`` (the defaults). The rerun is off in all four (it reads the flag too, on CPU). Each round runs a
 block of steps of every arm back to back, the order rotating by round, and closes the block with one
 device sync: on a GPU the host read's real cost is the CPU's lost head start over the device, which a sync
 after every step would hide. Reported per arm: the median step, and its ratio to ``bare`` from paired
@@ -50,7 +50,7 @@ def _arm(name: str, dev, *, seq: int, layers: int):
     model = tiny_qwen3("sdpa", vocab_size=128, use_cache=False, num_hidden_layers=layers).to(dev)
     step_params.setdefault("params", list(model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # no fused=: the host-read path
-    mon = nanwatch.attach(model, run_id=f"bench-optimizer-{name}", optimizer=opt, replay=False, **ARMS[name])
+    mon = nanwatch.attach(model, run_id=f"bench-optimizer-{name}", optimizer=opt, rerun=False, **ARMS[name])
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0)).to(dev)
     return mon, lm_step(mon, model, opt, ids)
 

@@ -106,7 +106,7 @@ def run(*, steps: int, spike_at: int, db_dir: Path, seed: int = 0, quiet: bool =
                 if not note and rows and rows[-1]["mode"] != row["mode"]:
                     note = f"directive v{r.directive_version} applied, {time.monotonic() - broke_at:.2f} s after the NaN step began"
                 if row["incident"]:
-                    note = (note + "; " if note else "") + f"replay: {row['incident']}"
+                    note = (note + "; " if note else "") + f"rerun: {row['incident']}"
                 rows.append(row)
                 fo = f"{r.first_offender} ({r.first_offender_phase})" if r.first_offender else "-"
                 update = "skipped" if r.step_skipped else "applied"
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if recovered:
         skipped = [r["step"] for r in rows if r["skipped"]]
         print(f"\nNaN first seen at step {broke[0]} in {rows[broke[0]]['first_offender']} "
-              f"(replay: {rows[broke[0]]['incident']}); fp32 directive applied at step {fixed[0]['step']}, "
+              f"(rerun: {rows[broke[0]]['incident']}); fp32 directive applied at step {fixed[0]['step']}, "
               f"{fixed[0]['step'] - broke[0]} step(s) later; optimizer steps skipped by the weight guard: "
               f"{skipped}; every step since is finite.")
         return 0

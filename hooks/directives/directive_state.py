@@ -152,7 +152,7 @@ class DirectiveState:
     # ---- effects -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forced(self, mode: str) -> Iterator[None]:
-        """Run with ``mode`` for a moment (the differential replay), then put the directive back."""
+        """Run with ``mode`` for a moment (the differential rerun), then put the directive back."""
         saved = self.mode
         self._set_mode(mode, self.version)
         try:

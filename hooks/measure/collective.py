@@ -16,8 +16,8 @@ a local value, and issues nothing before it when its preparation could fail on o
 
 Under FSDP (FSDP1 or FSDP2 ``fully_shard``), tensor/sequence parallelism (DTensor parameters), DeepSpeed
 ZeRO-3 or ``SyncBatchNorm`` a forward issues collectives itself: a forward that one rank re-runs alone
-(the differential replay) waits for partners that never come. Measured: the job hung at the NaN step
-until killed. :func:`collective_forward` names such a model's wrapper, so the replay can decline and say
+(the differential rerun) waits for partners that never come. Measured: the job hung at the NaN step
+until killed. :func:`collective_forward` names such a model's wrapper, so the rerun can decline and say
 why.
 """
 

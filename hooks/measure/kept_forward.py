@@ -1,4 +1,4 @@
-"""What the differential replay (``nanwatch.hooks.remedies.rerun``) needs of a training forward to re-run it:
+"""What the differential rerun (``nanwatch.hooks.remedies.rerun``) needs of a training forward to re-run it:
 references to its arguments (nothing is copied) and the RNG state at its start."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def read_batch(batch: ParamBatch, values: list[float]) -> BatchSeen:
 
 
 def optimizer_incident(seen: BatchSeen, *, step: int) -> Incident:
-    """The incident of a value born in the optimizer update: no replay can add to it (the forward and
+    """The incident of a value born in the optimizer update: no rerun can add to it (the forward and
     backward were finite), and no precision switch helps."""
     b = seen.batch
     first = b.names[seen.bad[0][0]]

@@ -31,7 +31,7 @@ re-run of the step's first kept micro-batch, the inputs training fed it with the
 ``nanwatch replay`` on another host runs the same call (metadata ``capture.of`` is ``first_offender``).
 
 Not done here: object-store URLs for ``NANWATCH_CAPSULE_DIR`` (a local directory only), and a capsule for
-a backward birth (the differential replay declines a ``phase == "backward"`` incident: it re-runs forwards
+a backward birth (the differential rerun declines a ``phase == "backward"`` incident: it re-runs forwards
 only, so there is no faulting call to capture; ``nanwatch replay`` refuses such a capsule, exit 2).
 """
 

@@ -26,7 +26,7 @@ faulting call (its arguments, parameters, RNG and settings) is what an incident 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
 forward, no more), once per run, plus one host read of the step's non-finite flag per step while rerun mode
-is on (``MonitorConfig.replay``). It does not run when it cannot be sound: a NaN born in backward (the rerun
+is on (``MonitorConfig.rerun``). It does not run when it cannot be sound: a NaN born in backward (the rerun
 re-runs forwards), no kept forward, compiled code in the step (the probes, and so the fp32 path, are off
 inside graphs), or no weight guard (the weights already moved). The incident then says ``not_classified``
 and why.
@@ -441,9 +441,9 @@ class DifferentialRerun:
     def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
                  model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState
                  ) -> None:
-        #: rerun mode: ``MonitorConfig.replay``, by default on on the CPU (the per-step host read is free
+        #: rerun mode: ``MonitorConfig.rerun``, by default on on the CPU (the per-step host read is free
         #: there) and off on a GPU
-        self.on = config.replay if config.replay is not None else device.type == "cpu"
+        self.on = config.rerun if config.rerun is not None else device.type == "cpu"
         #: the capsule writer (None: capsules off)
         self.capsules = open_capsules(config, rank)
         self._rank, self._rec, self._model = rank, rec, model

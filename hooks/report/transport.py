@@ -74,7 +74,7 @@ class _Http:
     def request(self, method: str, path: str, body: bytes | None = None, *,
                 timeout_s: float | None = None) -> tuple[int, bytes, str | None]:
         """(status, body, Retry-After). A stale keep-alive connection gets one fresh retry: the
-        collector treats replays as duplicates, so resending is safe."""
+        collector recognises resends as duplicates, so resending is safe."""
         for attempt in (0, 1):
             if self.aborted:
                 raise ConnectionAbortedError("closed")
@@ -188,7 +188,7 @@ class ReportSender:
 
     @property
     def delivered(self) -> int:
-        """Reports the collector acknowledged (applied or recognised as replays)."""
+        """Reports the collector acknowledged (applied or recognised as resends)."""
         return self._delivered
 
     def submit(self, report: StepReport) -> bool:

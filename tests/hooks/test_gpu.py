@@ -92,7 +92,7 @@ def test_the_weight_guard_adds_zero_host_syncs():
     model = torch.nn.Sequential(Mixer(128), Mixer(128)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x = torch.randn(2, 64, 128, device="cuda")
-    with nanwatch.attach(model, run_id="gpu-guard", optimizer=opt, replay=False,
+    with nanwatch.attach(model, run_id="gpu-guard", optimizer=opt, rerun=False,
                          is_attention=lambda n, m: isinstance(m, Mixer)) as mon:
         for n, inputs in enumerate([x, x, x * float("nan")]):
             before = [p.detach().clone() for p in model.parameters()]

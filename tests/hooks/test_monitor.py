@@ -439,6 +439,10 @@ def test_the_old_names_still_work_and_say_they_are_deprecated():
         MonitorConfig(run_id="old", policy="off", directive_source="local")
     with pytest.raises(ValueError, match="directive_source"):
         MonitorConfig(run_id="old", directive_source="sometimes")
+    with pytest.warns(DeprecationWarning, match="use rerun"):  # "replay" now means a capsule's only
+        assert MonitorConfig(run_id="old", replay=False).rerun is False
+    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
+        MonitorConfig(run_id="old", replay=False, rerun=True)
     model = tiny_qwen3()
     with pytest.warns(DeprecationWarning, match="directive_source"):
         mon = nanwatch.attach(model, run_id="old", policy="off")

@@ -50,7 +50,7 @@ def _train(fault, *, replay: bool, impl: str = "eager", left_pad: int = 0, steps
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanwatch.attach(model, run_id="remedy", optimizer=opt, directive_source="local",
-                             replay=replay) as mon:
+                             rerun=replay) as mon:
             for n in range(steps):
                 if n == K:
                     fault(model)

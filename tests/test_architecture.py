@@ -545,3 +545,87 @@ def test_the_readme_map_lists_every_shipped_module():
     shipped = set(MODULES.values())
     assert shipped - listed == set(), sorted(str(p.relative_to(ROOT)) for p in shipped - listed)
     assert listed - shipped == set(), sorted(str(p.relative_to(ROOT)) for p in listed - shipped)
+
+
+# ---- one word, one meaning ---------------------------------------------------------------------------------
+def _identifiers(tree: ast.AST) -> set[str]:
+    """The names a module gives: classes, functions, arguments, keywords, assigned names and attributes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+#: a glossary word -> (modules where it may name anything, the other names that may contain it). "guard" is
+#: the weight guard alone (``weight_guard`` anywhere; the bare word in the names listed, each the weight
+#: guard's: its option, its reduction, its slot; ``guarded``/``replay`` are deprecated keyword/function
+#: names kept for old callers); "replay" a capsule's replay alone (the differential re-run is "rerun", an
+#: HTTP retry a "resend"); a heartbeat is never a "beat".
+WORD_PLACES: dict[str, tuple[tuple[str, ...], set[str]]] = {
+    "guard": (("nanwatch.hooks.remedies.weight_guard", "nanwatch.bench.guard"),
+              {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped", "guarded"}),
+    "replay": (("nanwatch.hooks.remedies.replay", "nanwatch.hooks.remedies.capsule", "nanwatch.cli"),
+               {"REPLAY_TRY", "replay_command", "ReplayOutcome", "replay", "_replay_warned"}),
+    "beat": ((), set()),
+}
+
+
+def misused_words(module: str, names: set[str]) -> list[str]:
+    bad = []
+    for word, (homes, allowed) in WORD_PLACES.items():
+        if module.startswith(homes):
+            continue
+        for name in names:
+            lowered = name.lower().replace("heartbeat", "").replace("weight_guard", "").replace("weightguard", "")
+            if word in lowered and name not in allowed:
+                bad.append(f"{module}: {name}")
+    return sorted(bad)
+
+
+def test_no_module_uses_a_glossary_word_for_another_thing():
+    found = [b for mod, path in MODULES.items() for b in misused_words(mod, _identifiers(ast.parse(path.read_text())))]
+    assert found == []
+
+
+def test_the_word_check_can_fail():
+    assert misused_words("nanwatch.monitor.x", {"IngressGuard", "beat_seq", "heartbeat_s", "_replay"}) == [
+        "nanwatch.monitor.x: IngressGuard", "nanwatch.monitor.x: _replay", "nanwatch.monitor.x: beat_seq"]
+
+
+# ---- small pieces: a class one sitting can hold, a function one screen can -----------------------------------
+MAX_METHODS, MAX_FUNCTION_LINES = 20, 60
+
+
+def oversized(tree: ast.AST, where: str) -> list[str]:
+    """Classes with more than ``MAX_METHODS`` methods and functions longer than ``MAX_FUNCTION_LINES`` lines."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = [b for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if len(methods) > MAX_METHODS:
+                found.append(f"{where}: class {node.name} has {len(methods)} methods")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{where}: {node.name} is {lines} lines")
+    return found
+
+
+def test_no_class_over_twenty_methods_and_no_function_over_sixty_lines():
+    found = [f for name, path in MODULES.items() for f in oversized(ast.parse(path.read_text()), name)]
+    assert found == []
+
+
+def test_the_size_check_can_fail():
+    body = "\n".join(f"    def m{i}(self):\n        pass" for i in range(21))
+    long = "def f():\n" + "    x = 1\n" * 60
+    assert oversized(ast.parse(f"class C:\n{body}\n{long}"), "m") == ["m: class C has 21 methods", "m: f is 61 lines"]

@@ -168,7 +168,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
             out.append(Sender("rank", 1.0 / (args.rate * len(mine)), i / lanes / args.rate, 1, body))
         return out
     out = []
-    beat_lanes = max(1, (args.connections - len(runs)) // len(runs))
+    heartbeat_lanes = max(1, (args.connections - len(runs)) // len(runs))
     for j, run_id in enumerate(runs):
         reports = [rank_report(run_id, 0)] + [rank_report(run_id, args.ranks - 1 - d, backend="math")
                                               for d in range(min(args.details, args.ranks - 1))]
@@ -178,7 +178,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
                           _round_robin([_Template([job, *details])])))
         groups = [list(range(a, min(a + args.heartbeat_batch, args.ranks)))
                   for a in range(0, args.ranks, args.heartbeat_batch)]
-        lanes = min(len(groups), beat_lanes)
+        lanes = min(len(groups), heartbeat_lanes)
         for i in range(lanes):
             mine = groups[i::lanes]
             templates = [_Template([heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0, every_s=args.heartbeat_every)

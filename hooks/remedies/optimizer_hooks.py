@@ -54,7 +54,7 @@ class OptimizerHooks:
         self._directive_state = directive_state
         self._warn = warn
         self._rerun_tap = rerun_tap
-        self._guards: list[WeightGuard] = []
+        self._weight_guards: list[WeightGuard] = []
         self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
         self._discovery: OptimizerDiscovery | None = None
         self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
@@ -70,13 +70,13 @@ class OptimizerHooks:
         """``Monitor.guard``'s body: the weight guard on ``optimizer`` (a new one, or the one there)."""
         existing = guard_of(optimizer)
         if existing is not None:
-            if existing not in self._guards:
+            if existing not in self._weight_guards:
                 self._warn(f"{type(existing.optimizer).__name__} is guarded by another Monitor already; "
                            "it is not guarded twice")
             return existing
         g = WeightGuard(optimizer, rec=self._rec, directive_state=self._directive_state,
                         host_read=sync is not False, warn=self._warn)
-        self._guards.append(g)
+        self._weight_guards.append(g)
         self._handles.append(g)
         self.check(optimizer)
         if self._rerun_tap is not None:
@@ -108,12 +108,12 @@ class OptimizerHooks:
     @property
     def effective(self) -> bool:
         """Some weight guard skips a flagged step by itself (not only under the ``skip_step`` directive)."""
-        return any(g.effective for g in self._guards)
+        return any(g.effective for g in self._weight_guards)
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers guarded or checked (their state joins the rotating parameter check)."""
         opts = {id(c.optimizer): c.optimizer for c in self._checks.values()}
-        opts.update((id(g.optimizer), g.optimizer) for g in self._guards)
+        opts.update((id(g.optimizer), g.optimizer) for g in self._weight_guards)
         return list(opts.values())
 
     def at_step_start(self) -> None:
@@ -123,7 +123,7 @@ class OptimizerHooks:
 
     def at_step_end(self) -> None:
         """Discovery on and still no optimizer: after ``UNFOUND_AFTER_STEPS`` training steps, say so, once."""
-        if self._discovery is not None and not self._checks and not self._guards:
+        if self._discovery is not None and not self._checks and not self._weight_guards:
             contained(self._note_unfound)
 
     def _note_unfound(self) -> None:

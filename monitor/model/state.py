@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.counters import RequestCounters
+from nanwatch.monitor.model.counters import ENDED_FAMILY, FAMILIES, RUN_NONFINITE, SDPA, RequestCounters
 from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "ENDED_FAMILY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
+__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
            "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
@@ -33,8 +33,6 @@ MAX_AGREE_EVERY = 10_000
 RANK_SERIES = 8
 #: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
 RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
-#: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
-_PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
 
 @dataclass(slots=True)
@@ -46,9 +44,9 @@ class RankState:
     incarnation: str
     seq: int
     scope: str
-    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``beat``: known only
+    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``heartbeat``: known only
     through heartbeats (and, for the rank that posts them, job reports): liveness alone; ``job``: the
-    run's job view (``RunState.job``), never in ``RunState.ranks``."""
+    run's job view (``RunState.job``), never in ``RunState.ranks``. The wire's scopes (``StepReport.scope``)."""
     step: int
     time: float
     received: float
@@ -65,9 +63,9 @@ class RankState:
     logits: dict[str, float] = field(default_factory=dict)
     """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
-    beat_seq: int = -1
+    heartbeat_seq: int = -1
     """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
-    store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
+    store's high-water marks; a resent one (seq not above this) is acknowledged and ignored."""
     crashed: str | None = None
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
@@ -97,8 +95,6 @@ class Crash(NamedTuple):
     step: int
 
 
-#: counter-table family that stores whether a run ended normally (1) or not (0): not a metric
-ENDED_FAMILY = "ended"
 #: steps remembered per run to count a loss-scale overflow once per step, whichever ranks report it
 _OVERFLOW_STEPS = 64
 
@@ -307,7 +303,7 @@ class CollectorState:
         for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
             self.ensure_run(run_id).touched = touched
         for run_id, fam, labels, value in loaded.counters:
-            if fam in ("sdpa", "run_nonfinite") and len(labels) == 2:  # stored before their stage label
+            if fam in (SDPA.key, RUN_NONFINITE.key) and len(labels) == 2:  # stored before their stage label
                 labels = (*labels, "train")
             run = self.ensure_run(run_id)
             if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector
@@ -315,9 +311,9 @@ class CollectorState:
                 continue
             key = (fam, labels)  # a pre-label row and its labelled successor: counters only grow
             run.counters[key] = max(value, run.counters.get(key, value))
-            if fam in _PER_RANK_FAMILIES:  # its series were exposed before the restart: shown at once
+            per_rank = fam in FAMILIES and FAMILIES[fam].per_rank
+            if per_rank:  # its series were exposed before the restart: shown at once
                 run.exposed_ranks.add(int(labels[0]))
-            per_rank = fam in _PER_RANK_FAMILIES
             run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
                       self.series_cap)
         for run_id, keys in loaded.event_keys.items():
@@ -389,7 +385,7 @@ class CollectorState:
         fit under ``max_incarnations``: every pair of a run that would overflow whose rank is not held live
         under that incarnation. Empty while every run fits (the usual case costs one pass over ``keys``).
 
-        Why forgetting them is safe: a high-water mark only stops a replay by the sender of that very
+        Why forgetting them is safe: a high-water mark only stops a resend by the sender of that very
         incarnation, and a sender retries only while its process lives and reports; a process that does is
         held (its rank's view is of its incarnation, refreshed by each report and heartbeat). A pair not held
         was superseded by its rank's restart (elastic restarts stop every old process before starting the

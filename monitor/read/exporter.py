@@ -265,7 +265,7 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
     for st in run.live:
         rank = str(st.rank)
         dropped = 0 if st.rank in run.fresh_ranks else st.dropped_reports
-        if st.scope != "beat" or st.rank == poster:
+        if st.scope != "heartbeat" or st.rank == poster:
             for pass_, kind in _PASSES:
                 labels = (rank, pass_, kind)
                 f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, counters.NONFINITE, labels))

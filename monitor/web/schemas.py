@@ -109,7 +109,7 @@ class RankView(_View):
     rank: int
     incarnation: str
     seq: int
-    scope: str = Field(description="rank or detail: the rank's own measured report; beat: known by heartbeats "
+    scope: str = Field(description="rank or detail: the rank's own measured report; heartbeat: known by heartbeats "
                        "(job mode)")
     step: int
     time: ApiFloat

@@ -104,7 +104,7 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     now = time.monotonic()
     late_before = now - res.state.late_after(run, settings.rank_late_s)
     shown = [st for st in res.state.held_ranks(run, now)
-             if st.scope != "beat" or st.seen < late_before or st.crashed is not None]
+             if st.scope != "heartbeat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
              for st in shown]
     held = {st.rank for st in shown}

@@ -162,7 +162,8 @@ class RunSummary(_Out):
     status: Literal["live", "crashed", "ended", "idle"] = Field(
         description="crashed: a rank's step raised (the run ends crashed, whatever its other ranks do); live: "
         "ranks reported within the TTL; ended: every rank sent its final report (the run ended normally); "
-        "idle: none of these (no rank reported within the TTL, and the run did not say it ended)")
+        "idle: none of these (no rank reported within the TTL, and the run did not say it ended). Decided by "
+        "nanwatch.run_status, as nanwatch status decides it (which also says silent: a rank is late)")
     live_ranks: int = Field(description="ranks that reported within the TTL, crashed ones excepted")
     crashed_ranks: list[CrashedRank] = Field(default_factory=list)
     latest_step: int

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.caps import Caps
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import AUDIT_KINDS, DirectiveChange, EventLog
 from nanwatch.monitor.model.memory import MemoryBudget
@@ -97,6 +98,8 @@ class Ledger:
         self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
         self._reads = _Reads(state, store, self.events, directive_log)
         self._margin = margin_steps
+        #: what the run and incarnation caps remember between requests
+        self.caps = Caps()
         #: above its limit, nothing new is kept (``nanwatch.monitor.model.memory``); events are bounded in all
         self.budget = MemoryBudget(limit_bytes=memory_limit_bytes, max_events=max_events,
                                    count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
@@ -277,9 +280,9 @@ class Ledger:
 
     def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
         """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take
-        past their incarnation cap (``CollectorState.stale_incarnations`` says why that is safe), in a
+        past their incarnation cap (``Caps.stale`` says why that is safe), in a
         transaction of their own, committed before the request's."""
-        stale = self.state.stale_incarnations(keys)
+        stale = self.caps.stale(self.state, keys)
         if not stale:
             return
 
@@ -292,22 +295,23 @@ class Ledger:
                  "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
 
     def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
-                    beats: set[tuple[str, int, str]] = frozenset()) -> None:
-        over = self.state.over_caps(keys, run_ids, beats, namespace_of=self.namespace_of)
+                    heartbeats: set[tuple[str, int, str]] = frozenset()) -> None:
+        over = self.caps.over(self.state, keys, run_ids, heartbeats, namespace_of=self.namespace_of)
         if over is not None:
             raise CapReached(over)
-        if self.budget.over() and self._grows(keys, run_ids, beats):
+        if self.budget.over() and self._grows(keys, run_ids, heartbeats):
             self.state.caps_hit["memory"] += 1
             raise CapReached(f"the collector is above its memory limit ({self.budget.limit_bytes >> 20} MiB, "
                              "NANWATCH_MEMORY_LIMIT_MIB): no new run, incarnation or rank is taken until it is "
                              "below; existing ones are still updated", reason="memory")
 
-    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str], beats: set[tuple[str, int, str]]) -> bool:
+    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+               heartbeats: set[tuple[str, int, str]]) -> bool:
         """Whether a request adds a run, a (run, rank, incarnation) high-water mark or a held rank."""
         state = self.state
         return (any(r not in state.runs for r in run_ids) or any(k not in state.hwm for k in keys)
                 or any(run_id not in state.runs or rank not in state.runs[run_id].ranks
-                       for run_id, rank, _inc in beats))
+                       for run_id, rank, _inc in heartbeats))
 
     def _without_new_series(self, runs: set[str], write: Callable[[], T]) -> T:
         """``write()`` with no new series (the series cap at 0 while it runs, inside the transaction, so that a

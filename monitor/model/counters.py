@@ -58,7 +58,7 @@ JOB_SKIPPED = CounterFamily(
     "")  # a job report's skipped step: every rank it covered skipped it, so it adds to each rank's series
 INCIDENT = CounterFamily(
     "incident", "nanwatch_incidents_total", ("class",),
-    "Non-finite steps classified by the trainer: by its differential replay (precision, data_mask, "
+    "Non-finite steps classified by the trainer: by its differential re-run (precision, data_mask, "
     "not_reproducible, not_classified), or born in the optimizer update (optimizer), summed over "
     "ranks.")
 UNMEASURED = CounterFamily(
@@ -80,9 +80,9 @@ LOSS_SCALE_OVERFLOW = CounterFamily(
     "ranks report it; these steps add nothing to the non-finite counters.")
 NOT_REPRODUCIBLE = CounterFamily(
     "not_reproducible", "nanwatch_not_reproducible_incidents_total", ("host",),
-    "Incidents the trainer's differential replay could not reproduce (class not_reproducible), by the "
+    "Incidents the trainer's differential re-run could not reproduce (class not_reproducible), by the "
     "host that saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own "
-    "replay does not is the silent-data-corruption signal: sum by (host) over runs.")
+    "re-run does not is the silent-data-corruption signal: sum by (host) over runs.")
 
 #: every counter family, by its stored key
 FAMILIES: dict[str, CounterFamily] = {f.key: f for f in (

@@ -39,7 +39,7 @@ class _View(_Out):
 
 
 class IngestResult(_View):
-    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+    """What the collector did with a batch. Resent reports are acknowledged too: they are ``duplicates``."""
 
     accepted: int
     duplicates: int

@@ -31,7 +31,7 @@ from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
 from nanwatch.monitor.web.exception_handlers import install_exception_handlers
-from nanwatch.monitor.web.middleware import IngressGuard
+from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs
 from nanwatch.monitor.write.ledger import Ledger
@@ -129,7 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     if settings.docs:
         app.include_router(_docs_router(app.title))
-    app.add_middleware(IngressGuard, max_body=settings.max_body_bytes, max_buffered=settings.max_buffered_bytes,
+    app.add_middleware(IngressGate, max_body=settings.max_body_bytes, max_buffered=settings.max_buffered_bytes,
                        max_buffered_per_token=settings.max_buffered_bytes_per_token,
                        retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s)
     if not settings.ingest_tokens() or not settings.admin_token_map():

@@ -19,7 +19,7 @@ import uvicorn
 
 from nanwatch.monitor.app import create_app
 from nanwatch.monitor.settings import Settings
-from nanwatch.monitor.web.protocol import guarded_protocol
+from nanwatch.monitor.web.protocol import bounded_protocol
 
 __all__ = ["LOGGED_PARAMETERS", "BackgroundServer", "raise_fd_limit", "redact_query", "serve"]
 
@@ -96,7 +96,7 @@ class _Server(uvicorn.Server):
             _check_tls(settings.tls_cert_file, settings.tls_key_file)
         self.app = create_app(settings)
         raise_fd_limit()
-        protocol = guarded_protocol(max_header_bytes=settings.max_header_bytes,
+        protocol = bounded_protocol(max_header_bytes=settings.max_header_bytes,
                                     header_timeout_s=settings.header_timeout_s)
         # One worker: the live state is in this process. Short graceful shutdown: long-polls just retry.
         tls = {"ssl_certfile": settings.tls_cert_file, "ssl_keyfile": settings.tls_key_file}

@@ -6,9 +6,11 @@ The fold mirrors the collector's ingest where it matters: run-level totals (non-
 calls, skipped steps) come from ``rank`` and ``job`` reports only (a ``detail`` report's figures are already
 in its job report), and a rank's view is its latest report. The lifecycle of a rank in a file: ``crashed``
 when its latest report carries ``raised``; ``ended`` when the Monitor wrote its closing record; ``live`` when
-its latest report is recent; otherwise ``silent`` (hung, or killed without a word), with how long.
+its latest report is recent; otherwise ``silent`` (hung, or killed without a word), with how long. The run's
+status is the collector's word for it, decided in one place for both (``nanwatch.run_status``).
 
-Imports nothing heavy (the CLI must start fast): the standard library and ``nanwatch.readable``.
+Imports nothing heavy (the CLI must start fast): the standard library, ``nanwatch.readable`` and
+``nanwatch.run_status``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nanwatch import readable
+from nanwatch.run_status import CRASHED, ENDED, IDLE, LIVE, SILENT, run_status
 
 __all__ = ["DEFAULT_LATE_S", "fold", "lifecycle", "read_records", "render_detail", "render_summary"]
 
@@ -141,9 +144,9 @@ class _Run:
         for view in sorted(self.ranks.values(), key=lambda v: v["rank"]):
             ended = self.ended.get((view["rank"], view["incarnation"]))
             silent = max(0.0, now - view["time"])
-            state = ("crashed" if view["raised"] else "ended" if ended is not None
-                     else "live" if silent <= late_s else "silent")
-            ranks.append({**view, "state": state, "silent_s": silent, "late": state == "silent"})
+            state = (CRASHED if view["raised"] else ENDED if ended is not None
+                     else LIVE if silent <= late_s else SILENT)
+            ranks.append({**view, "state": state, "silent_s": silent, "late": state == SILENT})
         first_nf = []
         if self.first is not None:
             first_nf = [dict(time=self.first["time"], kind="first_nonfinite", step=self.first["step"],
@@ -154,7 +157,7 @@ class _Run:
         skipped = max((v["skipped_steps"] for v in self.ranks.values()), default=0) + self.job_skipped
         top = self.ranks.get(0) or next(iter(self.ranks.values()), None)
         return dict(
-            run_id=self.run_id, source="file", live_ranks=sum(v["state"] == "live" for v in ranks),
+            run_id=self.run_id, source="file", live_ranks=sum(v["state"] == LIVE for v in ranks),
             latest_step=self.latest_step, last_report_time=last, nonfinite_total=self.nonfinite,
             skipped_steps=skipped,
             directive=None if top is None else dict(version=top["directive_version"], mode=top["attention_mode"]),
@@ -182,27 +185,31 @@ def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
 
 
 def lifecycle(r: dict[str, Any]) -> str:
-    """A run's lifecycle in a few words: live, ended, crashed, or silent/hung (which rank, how long). A
-    collector that reports its own is taken at its word: ``status: crashed`` and ``crashed_ranks`` (the
-    collector's run view), or a rank's ``crashed`` exception type."""
+    """A run's lifecycle in a few words: its status (``nanwatch.run_status``: crashed, silent, live, ended or
+    idle) and, for crashed or silent, which rank and how. A collector that reports its own is taken at its
+    word: ``status: crashed`` and ``crashed_ranks`` (the collector's run view), or a rank's ``crashed``
+    exception type."""
     ranks = r.get("ranks") or []
     crashed = [{"rank": v["rank"], "raised": v.get("raised") or v.get("crashed"), "step": v.get("step")}
-               for v in ranks if v.get("state") == "crashed" or v.get("raised") or v.get("crashed")]
+               for v in ranks if v.get("state") == CRASHED or v.get("raised") or v.get("crashed")]
     crashed += [c for c in r.get("crashed_ranks") or () if c["rank"] not in {v["rank"] for v in crashed}]
-    if r.get("status") == "crashed" or crashed:
+    late = [v for v in ranks if v.get("late")]
+    ended = r.get("status") == ENDED or r.get("ended") or (ranks and all(v.get("state") == ENDED or v.get("ended")
+                                                                        for v in ranks))
+    status = run_status(crashed=r.get("status") == CRASHED or bool(crashed), silent=bool(late),
+                        live=bool(r.get("live_ranks")), ended=bool(ended))
+    if status == CRASHED:
         which = ", ".join(f"rank {c['rank']} raised {c.get('raised') or '?'}"
                           + (f" at step {c['step']}" if c.get("step") is not None else "") for c in crashed)
-        return "crashed" + (f" ({which})" if which else "")
-    late = [v for v in ranks if v.get("late")]
-    if late:
+        return CRASHED + (f" ({which})" if which else "")
+    if status == SILENT:
         v = max(late, key=lambda v: v.get("silent_s") or 0)
-        return f"silent: rank {v['rank']} quiet for {v.get('silent_s', 0):.0f} s (hung, or gone without a word)"
-    if r.get("status") == "ended" or r.get("ended") or (ranks and all(v.get("state") == "ended" or v.get("ended")
-                                                                      for v in ranks)):
-        return "ended"
-    if r.get("live_ranks"):
-        return "live"
-    return "no live rank (ended or gone; totals are kept)"
+        return f"{SILENT}: rank {v['rank']} quiet for {v.get('silent_s', 0):.0f} s (hung, or gone without a word)"
+    return _IDLE_WORDS if status == IDLE else status
+
+
+#: what ``idle`` means, said in full to a person
+_IDLE_WORDS = "no live rank (ended or gone; totals are kept)"
 
 
 def _headroom_line(by_kind: dict[str, float]) -> str:

@@ -1,6 +1,6 @@
 """Model: the collector's state in memory (runs, ranks, counters) and on disk (the SQLite store), the
-event and directive logs, principals and the memory budget. Imports nothing else of ``nanwatch.monitor``.
+event and directive logs, the caps, principals and the memory budget. Imports nothing else of ``nanwatch.monitor``.
 """
 
-__all__ = ["auth", "counters", "directive_log", "event_log", "long_poll", "memory", "refusal", "state",
-           "store"]
+__all__ = ["auth", "caps", "counters", "directive_log", "event_log", "long_poll", "memory", "refusal", "schema",
+           "state", "store"]

@@ -10,17 +10,15 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.counters import RequestCounters
+from nanwatch.monitor.model.counters import ENDED_FAMILY, FAMILIES, RUN_NONFINITE, SDPA, RequestCounters
 from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "ENDED_FAMILY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
+__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
            "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
@@ -33,8 +31,6 @@ MAX_AGREE_EVERY = 10_000
 RANK_SERIES = 8
 #: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
 RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
-#: counter families labelled by rank: their series are the rank's, admitted (and capped) with it
-_PER_RANK_FAMILIES = frozenset({"nonfinite", "skipped"})
 
 
 @dataclass(slots=True)
@@ -46,9 +42,9 @@ class RankState:
     incarnation: str
     seq: int
     scope: str
-    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``beat``: known only
+    """``rank`` or ``detail``: the rank's own measurements (it has per-rank series); ``heartbeat``: known only
     through heartbeats (and, for the rank that posts them, job reports): liveness alone; ``job``: the
-    run's job view (``RunState.job``), never in ``RunState.ranks``."""
+    run's job view (``RunState.job``), never in ``RunState.ranks``. The wire's scopes (``StepReport.scope``)."""
     step: int
     time: float
     received: float
@@ -65,9 +61,9 @@ class RankState:
     logits: dict[str, float] = field(default_factory=dict)
     """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
-    beat_seq: int = -1
+    heartbeat_seq: int = -1
     """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
-    store's high-water marks; a replayed one (seq not above this) is acknowledged and ignored."""
+    store's high-water marks; a resent one (seq not above this) is acknowledged and ignored."""
     crashed: str | None = None
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
@@ -97,8 +93,6 @@ class Crash(NamedTuple):
     step: int
 
 
-#: counter-table family that stores whether a run ended normally (1) or not (0): not a metric
-ENDED_FAMILY = "ended"
 #: steps remembered per run to count a loss-scale overflow once per step, whichever ranks report it
 _OVERFLOW_STEPS = 64
 
@@ -259,6 +253,7 @@ class CollectorState:
         self.ttl_s = ttl_s
         self.silent_keep_s = silent_keep_s
         self.series_cap = series_cap
+        #: the caps a request is checked against (``nanwatch.monitor.model.caps``)
         self.max_runs = max_runs
         self.max_incarnations = max_incarnations
         self.max_events = max_events
@@ -271,13 +266,9 @@ class CollectorState:
         #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
         #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
         self.exposed: set[tuple[str, str]] = set()
-        #: run ids by namespace, for the per-namespace run cap (``over_caps``); built on first use
-        self._namespace_runs: dict[str, set[str]] | None = None
-        #: runs at their incarnation cap with no pair to forget, as they were then (``stale_incarnations``)
-        self._no_room: dict[str, tuple[int, ...]] = {}
         self._writes = 0
         if loaded is not None:
-            self._restore(loaded)
+            _restore(self, loaded)
 
     def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
         """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
@@ -292,49 +283,7 @@ class CollectorState:
         else:  # the touched runs' other marks are the store's, and ``loaded`` puts them back as stored
             for key in marks:
                 self.hwm.pop(key, None)
-        self._restore(loaded)
-
-    def _restore(self, loaded: Loaded) -> None:
-        """Add the runs ``loaded`` holds (absent from memory) as the store has them."""
-        if self.hwm:
-            self.hwm.update(loaded.hwm)
-        else:  # start-up: take the marks as read, not a second copy of them (the peak of a restart)
-            self.hwm = loaded.hwm
-        for run_id, _rank, _inc in loaded.hwm:
-            self.ensure_run(run_id).incarnations += 1
-        for run_id, step in loaded.latest_step.items():
-            self.ensure_run(run_id).latest_step = step
-        for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
-            self.ensure_run(run_id).touched = touched
-        for run_id, fam, labels, value in loaded.counters:
-            if fam in ("sdpa", "run_nonfinite") and len(labels) == 2:  # stored before their stage label
-                labels = (*labels, "train")
-            run = self.ensure_run(run_id)
-            if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector
-                run.ended = value == 1
-                continue
-            key = (fam, labels)  # a pre-label row and its labelled successor: counters only grow
-            run.counters[key] = max(value, run.counters.get(key, value))
-            if fam in _PER_RANK_FAMILIES:  # its series were exposed before the restart: shown at once
-                run.exposed_ranks.add(int(labels[0]))
-            per_rank = fam in _PER_RANK_FAMILIES
-            run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
-                      self.series_cap)
-        for run_id, keys in loaded.event_keys.items():
-            run = self.ensure_run(run_id)
-            run.event_keys.update(keys)
-            for key in keys:  # a crash outlives a restart of the collector (a restarted rank clears it)
-                parts = key.split(":")
-                if parts[0] == CRASH_KEY and len(parts) == 4 and parts[1].isdigit():
-                    run.crashed[int(parts[1])] = Crash(parts[3], parts[2], -1)
-        for (run_id, kind), n in loaded.event_counts.items():
-            self.ensure_run(run_id).event_counts[kind] = n
-        for run_id, ev in loaded.first_offenders.items():
-            self.ensure_run(run_id).first_offender_event = ev
-        for run_id in loaded.directives:  # every run the store holds is a run in memory
-            self.ensure_run(run_id)
-        for run_id in loaded.run_ids():  # series read back were exposed before: never born again
-            self.ensure_run(run_id).exposed = True
+        _restore(self, loaded)
 
     def wrote(self) -> None:
         """Something a scrape shows changed (a committed write, ranks or runs gone)."""
@@ -351,101 +300,11 @@ class CollectorState:
             run = self.runs[run_id] = RunState(run_id)
         return run
 
-    def over_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
-                  beats: set[tuple[str, int, str]] = frozenset(), *,
-                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> str | None:
-        """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
-        counted), or None. Checked before anything is applied. ``beats``: the heartbeats' keys, which hold
-        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs.
-
-        ``max_runs`` counts per namespace (``namespace_of``: the run-id namespace a run belongs to, whoever
-        asks, so an admin's directive for a new run counts in that run's): one team's junk runs fill its
-        own namespace, never another's."""
-        new_runs = {r for r in run_ids if r not in self.runs}
-        if new_runs:
-            full = self._full_namespace(new_runs, namespace_of)
-            if full is not None:
-                self.caps_hit["runs"] += 1
-                return (f"the namespace {full!r} holds at most {self.max_runs} runs (NANWATCH_MAX_RUNS) and this "
-                        f"request adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S, "
-                        "or an admin deletes them (DELETE /v1/runs/{run_id})")
-        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
-        held = Counter()  # ranks held in memory (heartbeats), bounded alike
-        for run_id, rank, _inc in beats:
-            run = self.runs.get(run_id)
-            if run is None or rank not in run.ranks:
-                held[run_id] += 1
-        for run_id, n in (*fresh.items(), *held.items()):
-            run = self.runs.get(run_id)
-            now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
-            if now_held + n > self.max_incarnations:
-                self.caps_hit["incarnations"] += 1
-                return (f"run {run_id!r} has reached {self.max_incarnations} (rank, incarnation) pairs "
-                        "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
-        return None
-
-    def stale_incarnations(self, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
-        """The high-water marks to forget so that ``keys`` (a request's new (run, rank, incarnation) pairs)
-        fit under ``max_incarnations``: every pair of a run that would overflow whose rank is not held live
-        under that incarnation. Empty while every run fits (the usual case costs one pass over ``keys``).
-
-        Why forgetting them is safe: a high-water mark only stops a replay by the sender of that very
-        incarnation, and a sender retries only while its process lives and reports; a process that does is
-        held (its rank's view is of its incarnation, refreshed by each report and heartbeat). A pair not held
-        was superseded by its rank's restart (elastic restarts stop every old process before starting the
-        new ones) or has been silent a whole TTL (``NANWATCH_RANK_TTL_S``, 300 s, far beyond the sender's
-        10 s longest back-off). So a run filled with junk incarnations makes room for a victim's restart
-        instead of refusing it; junk held live (ranks that keep reporting) still counts until its TTL."""
-        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in self.hwm)
-        full = {run_id for run_id, n in fresh.items()
-                if (run := self.runs.get(run_id)) is not None and run.incarnations + n > self.max_incarnations
-                and self._no_room.get(run_id) != self._room_key(run)}
-        if not full:
-            return []
-        stale = [(run_id, rank, inc) for run_id, rank, inc in self.hwm
-                 if run_id in full and ((held := self.runs[run_id].ranks.get(rank)) is None or held.incarnation != inc)]
-        # a run found with nothing to forget is not searched again (one pass over every mark) until its
-        # ranks or incarnations change: a flood of refused new pairs costs no search each
-        if len(self._no_room) > 2 * len(self.runs) + 16:
-            self._no_room = {k: v for k, v in self._no_room.items() if k in self.runs}
-        for run_id in full - {k[0] for k in stale}:
-            self._no_room[run_id] = self._room_key(self.runs[run_id])
-        return stale
-
-    @staticmethod
-    def _room_key(run: RunState) -> tuple[int, ...]:
-        """What changes when one of a run's pairs may have stopped being live (a rank superseded, swept,
-        ended or crashed, or a pair added)."""
-        return run.incarnations, len(run.ranks), len(run.silent), len(run.ended_ranks), len(run.crashed)
-
     def forget_incarnations(self, keys: list[tuple[str, int, str]]) -> None:
-        """Drop these high-water marks from memory (after the store's were deleted): ``stale_incarnations``."""
+        """Drop these high-water marks from memory (after the store's were deleted): ``Caps.stale``."""
         for key in keys:
             if self.hwm.pop(key, None) is not None:
                 self.runs[key[0]].incarnations -= 1
-
-    def _full_namespace(self, new_runs: set[str], namespace_of: Callable[[str], str]) -> str | None:
-        """The namespace that ``new_runs`` would take past ``max_runs``, else None (and they are counted in).
-
-        Each namespace's run ids are kept in a set that may hold ids no longer in ``runs`` (forgotten, or
-        whose write was refused after this check): it is pruned to the live ones only when it seems full, so
-        a request costs O(its new runs), and a refusal at most one pass over its namespace's runs."""
-        if self._namespace_runs is None:
-            self._namespace_runs = {}
-            for run_id in self.runs:
-                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
-        adding: dict[str, set[str]] = {}
-        for run_id in new_runs:
-            adding.setdefault(namespace_of(run_id), set()).add(run_id)
-        for ns, fresh in adding.items():
-            members = self._namespace_runs.setdefault(ns, set())
-            if len(members) + len(fresh - members) > self.max_runs:
-                members -= {r for r in members if r not in self.runs}
-                if len(members) + len(fresh - members) > self.max_runs:
-                    return ns
-        for ns, fresh in adding.items():
-            self._namespace_runs[ns] |= fresh
-        return None
 
     def next_apply_step(self, run_id: str, now: float) -> int:
         """The earliest step every rank can apply a directive at, from the live ranks the run can vouch for
@@ -589,3 +448,46 @@ class CollectorState:
         self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
         self.exposed -= {("series_dropped", run_id) for run_id in run_ids}
         self.wrote()
+
+
+def _restore(state: CollectorState, loaded: Loaded) -> None:
+    """Add the runs ``loaded`` holds (absent from memory) as the store has them."""
+    if state.hwm:
+        state.hwm.update(loaded.hwm)
+    else:  # start-up: take the marks as read, not a second copy of them (the peak of a restart)
+        state.hwm = loaded.hwm
+    for run_id, _rank, _inc in loaded.hwm:
+        state.ensure_run(run_id).incarnations += 1
+    for run_id, step in loaded.latest_step.items():
+        state.ensure_run(run_id).latest_step = step
+    for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
+        state.ensure_run(run_id).touched = touched
+    for run_id, fam, labels, value in loaded.counters:
+        if fam in (SDPA.key, RUN_NONFINITE.key) and len(labels) == 2:  # stored before their stage label
+            labels = (*labels, "train")
+        run = state.ensure_run(run_id)
+        if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector
+            run.ended = value == 1
+            continue
+        key = (fam, labels)  # a pre-label row and its labelled successor: counters only grow
+        run.counters[key] = max(value, run.counters.get(key, value))
+        per_rank = fam in FAMILIES and FAMILIES[fam].per_rank
+        if per_rank:  # its series were exposed before the restart: shown at once
+            run.exposed_ranks.add(int(labels[0]))
+        run.admit(("rank", int(labels[0])) if per_rank else (fam, *labels), RANK_SERIES if per_rank else 1,
+                  state.series_cap)
+    for run_id, keys in loaded.event_keys.items():
+        run = state.ensure_run(run_id)
+        run.event_keys.update(keys)
+        for key in keys:  # a crash outlives a restart of the collector (a restarted rank clears it)
+            parts = key.split(":")
+            if parts[0] == CRASH_KEY and len(parts) == 4 and parts[1].isdigit():
+                run.crashed[int(parts[1])] = Crash(parts[3], parts[2], -1)
+    for (run_id, kind), n in loaded.event_counts.items():
+        state.ensure_run(run_id).event_counts[kind] = n
+    for run_id, ev in loaded.first_offenders.items():
+        state.ensure_run(run_id).first_offender_event = ev
+    for run_id in loaded.directives:  # every run the store holds is a run in memory
+        state.ensure_run(run_id)
+    for run_id in loaded.run_ids():  # series read back were exposed before: never born again
+        state.ensure_run(run_id).exposed = True

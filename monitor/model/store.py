@@ -1,6 +1,6 @@
 """SQLite persistence (WAL): what must survive a restart. Events, versioned directives, ingest
 high-water marks and counter totals are written in one transaction per ingest request, before the
-request is acknowledged, so a crash after the 2xx loses nothing and a replay is never counted twice.
+request is acknowledged, so a crash after the 2xx loses nothing and a resent report is never counted twice.
 
 All calls happen on the event-loop thread (one uvicorn worker); with ``synchronous=NORMAL`` a WAL commit
 does not fsync, so a commit costs tens of microseconds and survives a process crash (not a power cut).
@@ -19,64 +19,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanwatch.monitor.model import schema
+from nanwatch.monitor.model.schema import DB_SCHEMA_VERSION, ForeignDatabase
 from nanwatch.wire import Directive
 
 log = logging.getLogger("nanwatch.monitor")
 
+#: the schema's version and refusal, importable from here as before (``nanwatch.monitor.model.schema``)
 __all__ = ["DB_SCHEMA_VERSION", "DELETE_BATCH", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
-_COUNTERS_TABLE = """CREATE TABLE IF NOT EXISTS counters (
-    run_id TEXT NOT NULL, family TEXT NOT NULL, labels TEXT NOT NULL, value TEXT NOT NULL,
-    PRIMARY KEY (run_id, family, labels)
-)"""
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL, dedupe TEXT NOT NULL,
-    rank INTEGER, step INTEGER, site TEXT, actor TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '{{}}',
-    UNIQUE (run_id, dedupe)
-);
-CREATE TABLE IF NOT EXISTS directives (
-    run_id TEXT NOT NULL, version INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, version)
-);
-CREATE TABLE IF NOT EXISTS hwm (
-    run_id TEXT NOT NULL, rank INTEGER NOT NULL, incarnation TEXT NOT NULL, seq INTEGER NOT NULL,
-    step INTEGER NOT NULL, PRIMARY KEY (run_id, rank, incarnation)
-);
-{_COUNTERS_TABLE};
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY, touched REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY, value TEXT NOT NULL
-);
-"""
-#: ``PRAGMA user_version`` of this database schema (not the wire's ``SCHEMA_VERSION``). 0 is a file from
-#: before the version was kept: accepted when its tables are a subset of these, with exactly these columns
-#: (then upgraded); 2 is upgraded in place (its counter totals were REAL, rewritten as exact decimal text);
-#: anything else is refused. 3: counter totals are exact integers of any size, stored as decimal TEXT
-#: (SQLite's INTEGER stops at 2^63 and REAL at 2^53, past which +1 adds nothing).
-DB_SCHEMA_VERSION = 3
 #: event rows deleted per transaction when a run is forgotten: each one a few milliseconds of the loop
 DELETE_BATCH = 2000
 #: ``meta`` key of the directive-version floor: above every version a forgotten run ever had, so a run id
 #: that comes back never reuses a version a poller may still hold (one row, whatever the number of runs)
 _FLOOR_KEY = "directive_floor"
-_COLUMNS = {
-    "events": ["id", "run_id", "time", "kind", "dedupe", "rank", "step", "site", "actor", "detail"],
-    "directives": ["run_id", "version", "body"],
-    "hwm": ["run_id", "rank", "incarnation", "seq", "step"],
-    "counters": ["run_id", "family", "labels", "value"],
-    "runs": ["run_id", "touched"],
-    "meta": ["key", "value"],
-}
-_TABLES = tuple(t for t in _COLUMNS if t != "meta")
-
-
-class ForeignDatabase(ValueError):
-    """The file is not a nanwatch collector database this version can use."""
-
-
 class DatabaseInUse(ValueError):
     """Another collector holds the database: two writers would each keep their own totals of one run."""
 
@@ -157,7 +113,7 @@ class Store:
             raise
         self._after: list[Callable[[], None]] | None = None
         try:
-            self._check_schema()
+            schema.check(self._db, path)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
         except BaseException:
@@ -169,58 +125,10 @@ class Store:
             os.close(self._lock)
             self._lock = None
 
-    def _check_schema(self) -> None:
-        db = self._db
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
-                  if not r[0].startswith("sqlite_")}
-        if version == DB_SCHEMA_VERSION:
-            return
-        if version not in (0, 2):
-            raise ForeignDatabase(f"{self._path}: schema version {version}; this collector speaks "
-                                  f"{DB_SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
-        foreign = sorted(t for t in tables if t not in _COLUMNS or self._columns(t) != _COLUMNS[t])
-        if foreign:
-            raise ForeignDatabase(f"{self._path} is not a nanwatch collector database (unexpected tables or "
-                                  f"columns: {', '.join(foreign)}); point --db at a new file")
-        try:
-            db.executescript(_SCHEMA)
-        except sqlite3.Error:
-            if not tables:  # a read-only fresh file: let probe() report it, and load() read nothing
-                return
-            raise
-        self._exact_counters()
-
-    def _columns(self, table: str) -> list[str]:
-        return [c[1] for c in self._db.execute(f"PRAGMA table_info({table})")]
-
-    def _exact_counters(self) -> None:
-        """Schema 2 (or 0) to 3 in one transaction: the counter totals, REAL before, become exact decimal
-        TEXT (a REAL total is a whole number, so ``int`` of it is exact). The table is bounded by the
-        series caps, so this is quick; a crash midway leaves the file as it was."""
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            rows = [(r, f, lab, str(int(v))) for r, f, lab, v in db.execute("SELECT * FROM counters")]
-            db.execute("DROP TABLE counters")
-            db.execute(_COUNTERS_TABLE)
-            db.executemany("INSERT INTO counters VALUES (?,?,?,?)", rows)
-            db.execute(f"PRAGMA user_version={DB_SCHEMA_VERSION}")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-
     def schema_problem(self) -> str | None:
         """None when every table holds its columns, else what is missing (``/readyz`` names it: every
         ingest would fail on it)."""
-        missing = []
-        for table, columns in _COLUMNS.items():
-            have = self._columns(table)
-            if not have:
-                missing.append(f"table {table}")
-            missing += [f"column {table}.{c}" for c in columns if have and c not in have]
-        return f"the database lacks {', '.join(missing)}" if missing else None
+        return schema.problem(self._db)
 
     def probe(self) -> str | None:
         """None when the store takes a write now (a one-row transaction), else why not: a full disk, a
@@ -264,7 +172,7 @@ class Store:
             "DO UPDATE SET seq=excluded.seq, step=excluded.step", rows)
 
     def put_counters(self, rows: list[tuple[str, str, tuple, int]]) -> None:
-        """Counter totals, exact: decimal text of a Python int (see ``DB_SCHEMA_VERSION``)."""
+        """Counter totals, exact: decimal text of a Python int (see ``schema.DB_SCHEMA_VERSION``)."""
         self._db.executemany(
             "INSERT INTO counters VALUES (?,?,?,?) ON CONFLICT (run_id, family, labels) "
             "DO UPDATE SET value=excluded.value",
@@ -299,7 +207,7 @@ class Store:
                    for r in rows), default=0)
         if top > self.directive_floor():
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (_FLOOR_KEY, str(top)))
-        for table in _TABLES:
+        for table in schema.TABLES:
             self._db.executemany(f"DELETE FROM {table} WHERE run_id=?", rows)
 
     def delete_hwm(self, keys: list[tuple[str, int, str]]) -> None:
@@ -330,47 +238,16 @@ class Store:
         """What the store holds: of every run (start-up), or of ``run_ids`` alone (the repair after a failed
         write, which costs what those runs hold, not what the whole file does)."""
         db = self._db
-        if not {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= set(_TABLES):
+        if not {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= set(schema.TABLES):
             return Loaded({}, {}, [], {}, {}, {}, {}, {})  # a read-only fresh file: nothing to read
         if run_ids is not None:
             loaded = Loaded({}, {}, [], {}, {}, {}, {}, {}, self.directive_floor())
             for run_id in sorted(run_ids):
-                self._load(loaded, " WHERE run_id=?", (run_id,))
+                _read(db, loaded, " WHERE run_id=?", (run_id,))
             return loaded
         loaded = Loaded({}, {}, [], {}, {}, {}, {}, {}, self.directive_floor())
-        self._load(loaded, "", ())
+        _read(db, loaded, "", ())
         return loaded
-
-    def _load(self, into: Loaded, where: str, args: tuple) -> None:
-        db = self._db
-        names: dict[str, str] = {}
-        one = names.setdefault  # one str object per distinct run id, incarnation, family or label, not per row
-        for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm" + where, args):
-            run = one(run, run)
-            into.hwm[(run, rank, one(inc, inc))] = seq
-            if step > into.latest_step.get(run, 0):
-                into.latest_step[run] = step
-            else:
-                into.latest_step.setdefault(run, step)
-        into.counters += [(one(run, run), one(fam, fam), tuple(one(x, x) for x in json.loads(lab)), int(val))
-                          for run, fam, lab, val in db.execute("SELECT * FROM counters" + where, args)]
-        d_where = where.replace("run_id", "d.run_id")
-        into.directives.update(
-            (run, Directive.model_validate_json(body))
-            for run, body in db.execute(
-                "SELECT d.run_id, d.body FROM directives d JOIN (SELECT run_id, MAX(version) v FROM directives "
-                f"{where} GROUP BY run_id) m ON d.run_id = m.run_id AND d.version = m.v{d_where}", args * 2))
-        crashes = " AND kind='rank_crashed'" if where else " WHERE kind='rank_crashed'"
-        for run, key in db.execute("SELECT run_id, dedupe FROM events" + where + crashes, args):
-            into.event_keys.setdefault(run, set()).add(key)
-        into.event_counts.update(((run, kind), n) for run, kind, n in db.execute(
-            f"SELECT run_id, kind, COUNT(*) FROM events{where} GROUP BY run_id, kind", args))
-        first = " AND kind='first_nonfinite'" if where else " WHERE kind='first_nonfinite'"
-        into.first_offenders.update((r[0], _event(r)) for r in db.execute(
-            "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events" + where + first, args))
-        now_wall, now_mono = time.time(), time.monotonic()
-        into.touched.update((run, now_mono - max(0.0, now_wall - wall))
-                            for run, wall in db.execute("SELECT * FROM runs" + where, args))
 
     def close(self) -> None:
         self._db.close()
@@ -379,3 +256,35 @@ class Store:
 
 def _event(r: tuple) -> EventRow:
     return EventRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]))
+
+
+def _read(db: sqlite3.Connection, into: Loaded, where: str, args: tuple) -> None:
+    """Add to ``into`` what the store holds of the runs ``where`` selects (all of them: an empty ``where``)."""
+    names: dict[str, str] = {}
+    one = names.setdefault  # one str object per distinct run id, incarnation, family or label, not per row
+    for run, rank, inc, seq, step in db.execute("SELECT * FROM hwm" + where, args):
+        run = one(run, run)
+        into.hwm[(run, rank, one(inc, inc))] = seq
+        if step > into.latest_step.get(run, 0):
+            into.latest_step[run] = step
+        else:
+            into.latest_step.setdefault(run, step)
+    into.counters += [(one(run, run), one(fam, fam), tuple(one(x, x) for x in json.loads(lab)), int(val))
+                      for run, fam, lab, val in db.execute("SELECT * FROM counters" + where, args)]
+    d_where = where.replace("run_id", "d.run_id")
+    into.directives.update(
+        (run, Directive.model_validate_json(body))
+        for run, body in db.execute(
+            "SELECT d.run_id, d.body FROM directives d JOIN (SELECT run_id, MAX(version) v FROM directives "
+            f"{where} GROUP BY run_id) m ON d.run_id = m.run_id AND d.version = m.v{d_where}", args * 2))
+    crashes = " AND kind='rank_crashed'" if where else " WHERE kind='rank_crashed'"
+    for run, key in db.execute("SELECT run_id, dedupe FROM events" + where + crashes, args):
+        into.event_keys.setdefault(run, set()).add(key)
+    into.event_counts.update(((run, kind), n) for run, kind, n in db.execute(
+        f"SELECT run_id, kind, COUNT(*) FROM events{where} GROUP BY run_id, kind", args))
+    first = " AND kind='first_nonfinite'" if where else " WHERE kind='first_nonfinite'"
+    into.first_offenders.update((r[0], _event(r)) for r in db.execute(
+        "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events" + where + first, args))
+    now_wall, now_mono = time.time(), time.monotonic()
+    into.touched.update((run, now_mono - max(0.0, now_wall - wall))
+                        for run, wall in db.execute("SELECT * FROM runs" + where, args))

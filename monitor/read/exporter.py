@@ -29,20 +29,17 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
+from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import first_nonfinite
 from nanwatch.monitor.model.state import CollectorState, RankState, RunState
 from nanwatch.monitor.model.store import EventRow
-from nanwatch.monitor.read.metric_names import METRICS, family
+from nanwatch.monitor.read import metric_names as m
+from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
 from nanwatch.wire import Directive
 
 __all__ = ["FORMATS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render", "snapshot", "snapshot_runs"]
 
-#: counter families kept per run (``RunState.counters``) and exported as they are, labels after run_id
-_RUN_COUNTERS = {"site": "nanwatch_site_nonfinite_values_total", "sdpa": "nanwatch_sdpa_calls_total",
-                 "unmeasured": "nanwatch_unmeasured_steps_total", "incident": "nanwatch_incidents_total",
-                 "loss_scale_overflow": "nanwatch_loss_scale_overflows_total",
-                 "not_reproducible": "nanwatch_not_reproducible_incidents_total"}
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 #: RLHF figures and how they combine over ranks (each rank's latest step)
 _RLHF = {"ratio_max": max, "kl_k1_max": max, "kl_k3_max": max, "logprob_min": min,
@@ -190,6 +187,149 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
     return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until)
 
 
+class _Families(dict):
+    """One render's metric families, by name, each fresh and empty from the table (``metric_names``)."""
+
+    def __init__(self) -> None:
+        super().__init__((name, family(name)) for name in METRICS)
+
+    def add(self, spec: MetricSpec, labels: list[str], value: float) -> None:
+        self[spec.name].add_metric(labels, value)
+
+
+#: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
+_AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
+    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
+    counters.NOT_REPRODUCIBLE)}
+
+
+def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
+    """A counter's total as this render shows it: 0 if it was born since the last render (exact;
+    prometheus_client writes float64)."""
+    key = (fam.key, labels)
+    return 0 if key in run.born else run.counters.get(key, 0)
+
+
+def _lifecycle(f: _Families, run: RunSnapshot) -> None:
+    """What a run shows whether or not it is live: dropped series, events, crashed and hung ranks, its end."""
+    run_id = run.run_id
+    if run.series_dropped:
+        f.add(m.SERIES_DROPPED, [run_id], 0 if ("series_dropped", ()) in run.born else run.series_dropped)
+    for kind, n in run.event_counts.items():
+        f.add(m.EVENTS, [run_id, kind], 0 if ("events", (kind,)) in run.born else n)
+    for rank in run.crashed:
+        f.add(m.RANK_CRASHED, [run_id, str(rank)], 1)
+    for rank, received in run.silent:  # hung: the stale-rank alert keeps firing while it is
+        f.add(m.LAST_REPORT_TIMESTAMP, [run_id, str(rank)], received)
+    if run.ended:
+        f.add(m.RUN_ENDED, [run_id], 1)
+
+
+def _where(f: _Families, run: RunSnapshot) -> None:
+    """The info series that say where: the latest offenders and incidents, the math fallback, the first
+    offender (from the event log)."""
+    run_id = run.run_id
+    for stage, (site, pass_, rank) in run.latest_offenders:
+        f.add(m.LATEST_OFFENDER_INFO, [run_id, stage, site, pass_, rank], 1)
+    for cls, (host, rank, capsule) in run.latest_incidents:
+        f.add(m.LATEST_INCIDENT_INFO, [run_id, cls, host, rank, capsule], 1)
+    if run.math_fallback is not None:
+        f.add(m.MATH_FALLBACK_INFO, [run_id, *run.math_fallback], 1)
+    fo = run.first_offender_event
+    if fo is not None:
+        where = first_nonfinite(fo)
+        f.add(m.FIRST_OFFENDER_INFO, [run_id, fo.site or "", str(where.get("phase") or ""),
+                                      str(where.get("stage") or "train"), "" if fo.rank is None else str(fo.rank)], 1)
+
+
+def _run_gauges(f: _Families, run: RunSnapshot) -> None:
+    """The live run's own gauges: loss scale, live ranks and world size (none once it ended: it holds no
+    ranks, so nothing is missing), its directive."""
+    run_id, job = run.run_id, run.job
+    if run.loss_scale is not None:
+        f.add(m.LOSS_SCALE, [run_id], run.loss_scale)
+    if not run.ended:
+        f.add(m.LIVE_RANKS, [run_id], run.live_count)
+    d = run.directive
+    f.add(m.DIRECTIVE_INFO, [run_id, d.mode, str(d.version)], 1)
+    if not run.ended:
+        f.add(m.RUN_WORLD_SIZE, [run_id], max(run.world_size, job.world_size if job else 1))
+
+
+def _per_rank(f: _Families, run: RunSnapshot) -> None:
+    """The per-rank series: all of them for a rank with its own view (and the job's poster, which stands for
+    the job's per-rank figures); for a rank known by heartbeats alone, only what must be seen by rank."""
+    run_id, job = run.run_id, run.job
+    job_skipped = _value(run, counters.JOB_SKIPPED, ())
+    poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
+    for st in run.live:
+        rank = str(st.rank)
+        dropped = 0 if st.rank in run.fresh_ranks else st.dropped_reports
+        if st.scope != "heartbeat" or st.rank == poster:
+            for pass_, kind in _PASSES:
+                labels = (rank, pass_, kind)
+                f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, counters.NONFINITE, labels))
+            f.add(m.ATTENTION_MODE, [run_id, rank, st.attention_mode], 1)
+            f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
+            f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
+            f.add(m.SKIPPED_STEPS, [run_id, rank], _value(run, counters.SKIPPED, (rank,)) + job_skipped)
+            continue
+        if st.seen < run.late_before:
+            f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
+        if st.attention_mode != job_mode:
+            f.add(m.ATTENTION_MODE, [run_id, rank, st.attention_mode], 1)
+        if st.dropped_reports:
+            f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
+
+
+def _measured(f: _Families, run: RunSnapshot) -> None:
+    """The latest step's figures over the measured views (ranks' own, and the job's): logit bounds and
+    headroom (max, a NaN wins), RLHF health (each figure combined its own way)."""
+    run_id, job = run.run_id, run.job
+    measured = [st for st in run.live if st.scope == "rank"] + ([job] if job is not None else [])
+    layers: dict[str, list[float]] = {}
+    kinds: dict[str, list[float]] = {}
+    for st in measured:
+        for layer, bound in st.logits.items():
+            layers.setdefault(layer, []).append(bound)
+        for kind, h in st.headroom.items():
+            kinds.setdefault(kind, []).append(h)
+    for layer, bounds in layers.items():
+        f.add(m.ATTENTION_LOGIT_MAX, [run_id, layer], _max(bounds))
+    for kind, hs in kinds.items():
+        f.add(m.TENSOR_HEADROOM_RATIO, [run_id, kind], _max(hs))
+    for stat, combine in _RLHF.items():
+        values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
+        if values:
+            f.add(m.RLHF_STAT, [run_id, stat], combine(values))
+
+
+def _run_counters(f: _Families, run: RunSnapshot) -> None:
+    """The run's counters: its train-stage non-finite values always (at 0 before any), the other stages
+    once seen, and the families exported as stored."""
+    run_id = run.run_id
+    for pass_, kind in _PASSES:
+        labels = (pass_, kind, "train")
+        f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+    for fam, labels in run.counters:
+        spec = _AS_STORED.get(fam)
+        if spec is not None:
+            f.add(spec, [run_id, *labels], _value(run, counters.FAMILIES[fam], labels))
+        elif fam == counters.RUN_NONFINITE.key and labels[2] != "train":
+            f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+
+
+def _collector_own(f: _Families, snap: Snapshot) -> None:
+    """The collector's own figures: its rules' tau, the reports it applied and ignored, what it refused."""
+    f.add(m.COLLECTOR_LOGIT_TAU, [], snap.tau)
+    f.add(m.REPORTS_ACCEPTED, [], snap.accepted)
+    f.add(m.REPORTS_DUPLICATE, [], snap.duplicates)
+    for reason, n in snap.rejected.items():
+        f.add(m.REQUESTS_REJECTED, [reason], n)
+    for cap, n in snap.caps_hit.items():
+        f.add(m.CAPS_HIT, [cap], n)
+
+
 class _SnapshotMetrics(Collector):
     """One scrape's metric families, built fresh from a ``Snapshot`` (prometheus_client's ``Collector``
     protocol: ``describe`` and ``collect``, registered in a registry made for this render)."""
@@ -203,107 +343,17 @@ class _SnapshotMetrics(Collector):
             yield family(name)
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snap
-        f = {name: family(name) for name in METRICS}
-        for run in snap.runs:
-            run_id = run.run_id
-            born = run.born
-            if run.series_dropped:
-                f["nanwatch_collector_series_dropped_total"].add_metric(
-                    [run_id], 0 if ("series_dropped", ()) in born else run.series_dropped)
-            for kind, n in run.event_counts.items():
-                f["nanwatch_events_total"].add_metric([run_id, kind], 0 if ("events", (kind,)) in born else n)
-            for rank in run.crashed:
-                f["nanwatch_rank_crashed"].add_metric([run_id, str(rank)], 1)
-            for rank, received in run.silent:  # hung: the stale-rank alert keeps firing while it is
-                f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, str(rank)], received)
-            if run.ended:
-                f["nanwatch_run_ended"].add_metric([run_id], 1)
-            if run.live is None:
+        f = _Families()
+        for run in self._snap.runs:
+            _lifecycle(f, run)
+            if run.live is None:  # no live rank: only the run's totals
                 continue
-
-            def value(key: tuple[str, tuple], counters=run.counters, born=born) -> int:
-                return 0 if key in born else counters.get(key, 0)  # exact; prometheus_client writes float64
-
-            for stage, (site, pass_, rank) in run.latest_offenders:
-                f["nanwatch_latest_offender_info"].add_metric([run_id, stage, site, pass_, rank], 1)
-            for cls, (host, rank, capsule) in run.latest_incidents:
-                f["nanwatch_latest_incident_info"].add_metric([run_id, cls, host, rank, capsule], 1)
-            if run.math_fallback is not None:
-                f["nanwatch_math_fallback_info"].add_metric([run_id, *run.math_fallback], 1)
-            if run.loss_scale is not None:
-                f["nanwatch_loss_scale"].add_metric([run_id], run.loss_scale)
-            fo = run.first_offender_event
-            if fo is not None:
-                where = first_nonfinite(fo)
-                f["nanwatch_first_offender_info"].add_metric(
-                    [run_id, fo.site or "", str(where.get("phase") or ""), str(where.get("stage") or "train"),
-                     "" if fo.rank is None else str(fo.rank)], 1)
-            live = run.live
-            if not run.ended:  # an ended run holds no ranks: no missing-ranks figures
-                f["nanwatch_live_ranks"].add_metric([run_id], run.live_count)
-            d = run.directive
-            f["nanwatch_directive_info"].add_metric([run_id, d.mode, str(d.version)], 1)
-            counters = run.counters
-            job = run.job
-            job_skipped = value(("job_skipped", ()))
-            poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
-            measured = [st for st in live if st.scope == "rank"] + ([job] if job is not None else [])
-            if not run.ended:
-                f["nanwatch_run_world_size"].add_metric([run_id], max(run.world_size, job.world_size if job else 1))
-            for pass_, kind in _PASSES:  # the train stage's, always (at 0 before any); other stages once seen
-                f["nanwatch_run_nonfinite_values_total"].add_metric(
-                    [run_id, pass_, kind, "train"], value(("run_nonfinite", (pass_, kind, "train"))))
-            for st in live:
-                rank = str(st.rank)
-                if st.scope != "beat" or st.rank == poster:
-                    for pass_, kind in _PASSES:
-                        f["nanwatch_nonfinite_values_total"].add_metric(
-                            [run_id, rank, pass_, kind], value(("nonfinite", (rank, pass_, kind))))
-                    f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
-                    f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
-                    f["nanwatch_reports_dropped_total"].add_metric(
-                        [run_id, rank], 0 if st.rank in run.fresh_ranks else st.dropped_reports)
-                    f["nanwatch_skipped_steps_total"].add_metric(
-                        [run_id, rank], value(("skipped", (rank,))) + job_skipped)
-                    continue
-                # known through heartbeats alone: only what must be seen by rank
-                if st.seen < run.late_before:
-                    f["nanwatch_last_report_timestamp_seconds"].add_metric([run_id, rank], st.received)
-                if st.attention_mode != job_mode:
-                    f["nanwatch_attention_mode"].add_metric([run_id, rank, st.attention_mode], 1)
-                if st.dropped_reports:
-                    f["nanwatch_reports_dropped_total"].add_metric(
-                        [run_id, rank], 0 if st.rank in run.fresh_ranks else st.dropped_reports)
-            layers: dict[str, list[float]] = {}
-            kinds: dict[str, list[float]] = {}
-            for st in measured:
-                for layer, bound in st.logits.items():
-                    layers.setdefault(layer, []).append(bound)
-                for kind, h in st.headroom.items():
-                    kinds.setdefault(kind, []).append(h)
-            for layer, bounds in layers.items():
-                f["nanwatch_attention_logit_max"].add_metric([run_id, layer], _max(bounds))
-            for kind, hs in kinds.items():
-                f["nanwatch_tensor_headroom_ratio"].add_metric([run_id, kind], _max(hs))
-            for stat, combine in _RLHF.items():
-                values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
-                if values:
-                    f["nanwatch_rlhf_stat"].add_metric([run_id, stat], combine(values))
-            for key in counters:
-                fam, labels = key
-                name = _RUN_COUNTERS.get(fam)
-                if name is not None:
-                    f[name].add_metric([run_id, *labels], value(key))
-                elif fam == "run_nonfinite" and labels[2] != "train":
-                    f["nanwatch_run_nonfinite_values_total"].add_metric([run_id, *labels], value(key))
-        f["nanwatch_collector_logit_tau"].add_metric([], snap.tau)
-        f["nanwatch_collector_reports_accepted_total"].add_metric([], snap.accepted)
-        f["nanwatch_collector_reports_duplicate_total"].add_metric([], snap.duplicates)
-        for reason, n in snap.rejected.items():
-            f["nanwatch_collector_requests_rejected_total"].add_metric([reason], n)
-        for cap, n in snap.caps_hit.items():
-            f["nanwatch_collector_caps_hit_total"].add_metric([cap], n)
+            _where(f, run)
+            _run_gauges(f, run)
+            _per_rank(f, run)
+            _measured(f, run)
+            _run_counters(f, run)
+        _collector_own(f, self._snap)
         yield from f.values()
 
 

@@ -1,4 +1,4 @@
-"""``IngressGuard``: cheap refusals before a request reaches a route, and the body read under limits.
+"""``IngressGate``: cheap refusals before a request reaches a route, and the body read under limits.
 
 * 401/403 for a body route (POST /v1/reports: an ingest token; PUT /v1/directives/{run_id}: an admin
   token) whose bearer token is missing or not of its role, before a single body byte is read: a client
@@ -31,7 +31,7 @@ from nanwatch.monitor.model.auth import Role
 from nanwatch.monitor.model.refusal import Refused
 from nanwatch.monitor.web.exception_handlers import answer_refusal
 
-__all__ = ["IngressGuard"]
+__all__ = ["IngressGate"]
 
 
 def _body_role(method: str, path: str) -> Role | None:
@@ -85,7 +85,9 @@ class _Overloaded(Exception):
     """``args[0]``: why (``_Budget.refusal``)."""
 
 
-class IngressGuard:
+class IngressGate:
+    """The gate every HTTP request passes before its route (the module's list of refusals)."""
+
     def __init__(self, app: ASGIApp, *, max_body: int, max_buffered: int, max_buffered_per_token: int,
                  retry_after_s: int, body_timeout_s: float) -> None:
         self.app, self.max_body, self.retry_after = app, max_body, str(retry_after_s)
@@ -135,7 +137,7 @@ class IngressGuard:
             self.budget.give_back(holder, held[0])
         if body is None:
             return None  # the client went away
-        return await self.app(scope, self._replay(body, receive), send)
+        return await self.app(scope, self._with_body(body, receive), send)
 
     async def _read_body(self, receive: Receive, holder: _Holder, held: list[int]) -> bytes | None:
         """The whole body; ``held[0]`` tracks what it holds of the budget (given back by the caller)."""
@@ -156,17 +158,18 @@ class IngressGuard:
                 return b"".join(chunks)
 
     @staticmethod
-    def _replay(body: bytes, receive: Receive) -> Receive:
+    def _with_body(body: bytes, receive: Receive) -> Receive:
+        """A ``receive`` that hands the route the body read here, whole, then the client's own messages."""
         sent = False
 
-        async def replay() -> Message:
+        async def with_body() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the disconnect, when it comes
 
-        return replay
+        return with_body
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, reason: str, status: int, detail: str, *,

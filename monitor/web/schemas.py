@@ -39,7 +39,7 @@ class _View(_Out):
 
 
 class IngestResult(_View):
-    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+    """What the collector did with a batch. Resent reports are acknowledged too: they are ``duplicates``."""
 
     accepted: int
     duplicates: int
@@ -109,7 +109,7 @@ class RankView(_View):
     rank: int
     incarnation: str
     seq: int
-    scope: str = Field(description="rank or detail: the rank's own measured report; beat: known by heartbeats "
+    scope: str = Field(description="rank or detail: the rank's own measured report; heartbeat: known by heartbeats "
                        "(job mode)")
     step: int
     time: ApiFloat
@@ -162,7 +162,8 @@ class RunSummary(_Out):
     status: Literal["live", "crashed", "ended", "idle"] = Field(
         description="crashed: a rank's step raised (the run ends crashed, whatever its other ranks do); live: "
         "ranks reported within the TTL; ended: every rank sent its final report (the run ended normally); "
-        "idle: none of these (no rank reported within the TTL, and the run did not say it ended)")
+        "idle: none of these (no rank reported within the TTL, and the run did not say it ended). Decided by "
+        "nanwatch.run_status, as nanwatch status decides it (which also says silent: a rank is late)")
     live_ranks: int = Field(description="ranks that reported within the TTL, crashed ones excepted")
     crashed_ranks: list[CrashedRank] = Field(default_factory=list)
     latest_step: int

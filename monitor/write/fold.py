@@ -1,6 +1,8 @@
-"""Folding a batch of step reports into the state and the store (the ledger calls this inside its
-transaction): drop replays, update the per-rank views and counters, let the rule engine record what the
-reports show, and write the high-water marks and counter totals, so that a replay is never counted twice.
+"""Folding step reports into the collector's memory, one at a time (the ledger calls this inside its
+transaction): a report the trainer resent is recognised and left out; a new one updates the per-rank views
+and counters, and its fold returns what the store must hold because of it (``Folded``: the counter totals
+it changed, its high-water mark, the run's end), gathered over the batch in ``Changes``. The ledger writes
+those, and the rule engine's intents, in the same transaction, so that a resend is never counted twice.
 
 A report folds in by whom it speaks for (wire 1.4 ``StepReport.scope``). A job of 65,536 ranks cannot
 post 65,536 measured reports a step to one collector (per-rank reports at 1,024 ranks already took its
@@ -17,7 +19,7 @@ the same run-level figures whichever way it arrived:
 * ``detail``: the rank's own view and per-rank counters (non-finite values by rank), and its events; never
   a run-level counter, which the job report of that step already holds.
 * ``heartbeat``: liveness only (last report time, mode, directive version, dropped reports); it is not
-  kept in the store's high-water marks (it carries no count: a replay cannot double anything).
+  kept in the store's high-water marks (it carries no count: a resend cannot double anything).
 
 An evaluation's report (wire 1.5 ``stage="eval"``) counts its non-finite values and SDPA calls (their sites
 and calls keep the ``eval`` stage label), keeps the rank live and is kept in the high-water marks like any
@@ -29,63 +31,96 @@ rank crashed (``RunState.crashed``): no longer live, the run ends crashed.
 from __future__ import annotations
 
 import string
-import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanwatch.monitor.model.state import (
-    ENDED_FAMILY,
-    RANK_SERIES,
-    RUN_LEVEL_SCOPES,
-    CollectorState,
-    RankState,
-    RunState,
-)
-from nanwatch.monitor.model.store import EventRow, Store
-from nanwatch.monitor.write.rules import RuleEngine, RuleWrites
+from nanwatch.monitor.model import counters
+from nanwatch.monitor.model.counters import ENDED_FAMILY, CounterFamily
+from nanwatch.monitor.model.state import RANK_SERIES, RUN_LEVEL_SCOPES, CollectorState, RankState, RunState
+from nanwatch.monitor.model.store import EventRow
 from nanwatch.readable import printable
-from nanwatch.wire import ReportBatch, StepReport, dtype_name, is_half
+from nanwatch.wire import StepReport, dtype_name, is_half
 
-__all__ = ["Ingested", "apply_report", "fold", "host_label", "is_new"]
+__all__ = ["Changes", "Folded", "Ingested", "apply_report", "fold", "host_label", "is_new"]
+
+#: a high-water mark row for the store: (run_id, rank, incarnation, seq, step)
+Mark = tuple[str, int, str, int, int]
+#: counter rows a report changed: (family, labels, new total), totals exact ints (they never saturate)
+Changed = list[tuple[str, tuple, int]]
 
 
 class Ingested(NamedTuple):
-    """What the collector did with a batch. Replays are acknowledged too: they are ``duplicates``."""
+    """What the collector did with a batch. Resent reports are acknowledged too: they are ``duplicates``."""
 
     accepted: int
     duplicates: int
 
 
-def fold(batch: ReportBatch, *, state: CollectorState, store: Store, rule_engine: RuleEngine,
-         into: RuleWrites) -> Ingested:
-    """Fold the new reports into memory and write them (inside the caller's transaction)."""
-    now, mono = time.time(), time.monotonic()
-    accepted = dupes = 0
-    hwm_rows: list[tuple[str, int, str, int, int]] = []
-    counter_rows: dict[tuple[str, str, tuple], int] = {}
-    for r in batch.reports:
-        if not is_new(state, r):
-            dupes += 1
-            continue
-        run = state.ensure_run(r.run_id)
-        was_ended = run.ended
-        rank, previous_mode, changed = apply_report(state, r, received=now, seen=mono)
-        if run.ended and not was_ended:  # the last rank the run held ended normally: once per ending
-            into.record_event(EventRow(r.run_id, now, "run_ended", f"run_ended:{r.rank}:{r.incarnation}:{r.seq}",
-                                       r.rank, r.step, None, "", {"ranks": len(run.ended_ranks)}))
-        for fam, labels, value in changed:
-            counter_rows[(r.run_id, fam, labels)] = value
-        if r.scope != "heartbeat":  # a heartbeat counts nothing: its replay is harmless, so no mark is kept
-            # an evaluation's step is the training step it follows: the store's step stays the run's
-            step = r.step if r.stage == "train" else state.runs[r.run_id].latest_step
-            hwm_rows.append((r.run_id, r.rank, r.incarnation, r.seq, step))
-        rule_engine.observe(r, rank, previous_mode, now, into=into)
-        accepted += 1
-    store.put_hwm(hwm_rows)
-    store.put_counters([(*k, v) for k, v in counter_rows.items()])
-    # retention counts from the last write; heartbeats alone keep a run live in memory (RunState.touched)
-    # without a row write each, and the job's reports, every step, write it
-    store.touch({r.run_id for r in batch.reports if r.scope != "heartbeat"}, now)
-    return Ingested(accepted, dupes)
+@dataclass(slots=True)
+class Folded:
+    """What one new report changed, for the ledger to write and the rules to read (memory already holds it)."""
+
+    rank: RankState | None
+    """The view the rules read: the rank's, or the job's; None if the rank is capped or the report kept it
+    live only."""
+    previous_mode: str | None
+    """The rank's attention mode before this report (None if unknown)."""
+    counters: Changed
+    mark: Mark | None
+    """The report's high-water mark (None for a heartbeat: it counts nothing, so its resend is harmless)."""
+    events: list[EventRow] = field(default_factory=list)
+    """Events the fold itself calls for (the run ended), recorded before the rules' intents."""
+
+
+@dataclass(slots=True)
+class Changes:
+    """What a batch's fold asks the store to hold: the high-water marks, the counter totals and the runs
+    written to (retention counts from there), and how many reports were new."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    marks: list[Mark] = field(default_factory=list)
+    counters: dict[tuple[str, str, tuple], int] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)
+
+    def add(self, r: StepReport, folded: Folded | None) -> None:
+        """Take one report's fold (None: a resend). Heartbeats alone keep a run live in memory
+        (``RunState.touched``) without a row write each; the job's reports, every step, write it."""
+        if r.scope != "heartbeat":
+            self.touched.add(r.run_id)
+        if folded is None:
+            self.duplicates += 1
+            return
+        self.accepted += 1
+        for fam, labels, value in folded.counters:
+            self.counters[(r.run_id, fam, labels)] = value
+        if folded.mark is not None:
+            self.marks.append(folded.mark)
+
+    def counter_rows(self) -> list[tuple[str, str, tuple, int]]:
+        return [(*k, v) for k, v in self.counters.items()]
+
+    def ingested(self) -> Ingested:
+        return Ingested(self.accepted, self.duplicates)
+
+
+def fold(state: CollectorState, r: StepReport, *, received: float, seen: float) -> Folded | None:
+    """Fold one report into memory; returns what the store must hold because of it, or None for a resend
+    (``is_new``)."""
+    if not is_new(state, r):
+        return None
+    run = state.ensure_run(r.run_id)
+    was_ended = run.ended
+    rank, previous_mode, changed = apply_report(state, r, received=received, seen=seen)
+    mark = None
+    if r.scope != "heartbeat":
+        # an evaluation's step is the training step it follows: the store's step stays the run's
+        mark = (r.run_id, r.rank, r.incarnation, r.seq, r.step if r.stage == "train" else run.latest_step)
+    folded = Folded(rank, previous_mode, changed, mark)
+    if run.ended and not was_ended:  # the last rank the run held ended normally: once per ending
+        folded.events.append(EventRow(r.run_id, received, "run_ended", f"run_ended:{r.rank}:{r.incarnation}:{r.seq}",
+                                      r.rank, r.step, None, "", {"ranks": len(run.ended_ranks)}))
+    return folded
 
 
 #: what a host label may hold: a DNS name's characters (and an IPv6 address's colons); anything else is ``_``
@@ -105,17 +140,14 @@ def host_label(host: str) -> str:
 #: scopes whose measurements are one rank's own (per-rank views and counters)
 _OWN_SCOPES = frozenset({"rank", "detail"})
 
-#: counter rows a report changed: (family, labels, new total), totals exact ints (they never saturate)
-Changed = list[tuple[str, tuple, int]]
-
 
 def is_new(state: CollectorState, r: StepReport) -> bool:
-    """False for a replay: the sender delivers in order, so seq <= high-water mark was applied (for a
+    """False for a resend: the sender delivers in order, so seq <= high-water mark was applied (for a
     heartbeat: seq <= the rank's last heartbeat, kept in memory)."""
     if r.scope == "heartbeat":
         run = state.runs.get(r.run_id)
         held = run.ranks.get(r.rank) if run is not None else None
-        return held is None or held.incarnation != r.incarnation or r.seq > held.beat_seq
+        return held is None or held.incarnation != r.incarnation or r.seq > held.heartbeat_seq
     return r.seq > state.hwm.get((r.run_id, r.rank, r.incarnation), -1)
 
 
@@ -146,128 +178,186 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     return rank, previous_mode, changed
 
 
-def _exposed(run: RunState, fam: str, labels: tuple) -> bool:
+class _Counts:
+    """The counter totals one report adds to, each series admitted under the run's cap, and the rows that
+    changed."""
+
+    __slots__ = ("cap", "changed", "run")
+
+    def __init__(self, run: RunState, cap: int) -> None:
+        self.run, self.cap = run, cap
+        self.changed: Changed = []
+
+    def admit(self, fam: CounterFamily, labels: tuple) -> bool:
+        """Whether the series may exist (a new one beyond the run's series cap is dropped and counted)."""
+        return self.run.admit((fam.key, *labels), 1, self.cap)
+
+    def add(self, fam: CounterFamily, labels: tuple, n: int) -> None:
+        run, key = self.run, (fam.key, labels)
+        old = run.counters.get(key)
+        if old is None and not _exposed(run, fam, labels):
+            run.newborn.add(key)  # born at zero: the next render shows 0, then the value
+        value = (old or 0) + n  # exact ints: a float total stops counting at 2^53
+        run.counters[key] = value
+        self.changed.append((fam.key, labels, value))
+
+
+def _exposed(run: RunState, fam: CounterFamily, labels: tuple) -> bool:
     """Whether a counter series not yet kept was already rendered at 0 by default (so it needs no birth
     render): the run's train-stage non-finite counters, and the per-rank ones of ranks already rendered."""
-    if fam in ("nonfinite", "skipped"):
+    if fam.per_rank:
         return int(labels[0]) in run.exposed_ranks
-    if fam == "run_nonfinite":
+    if fam is counters.RUN_NONFINITE:
         return labels[2] == "train" and run.exposed
-    return fam == "job_skipped" and bool(run.exposed_ranks)
+    return fam is counters.JOB_SKIPPED and bool(run.exposed_ranks)
+
+
+class _Sites(NamedTuple):
+    """What a report's sites add up to: headroom by site kind, non-finite calls, the first offender by stage."""
+
+    headroom: dict[str, float]
+    nonfinite: int
+    offenders: dict[str, tuple[str, str]]
 
 
 def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: float,
            seen: float) -> tuple[RankState | None, str | None, Changed]:
     run.last_seen = run.touched = seen
     if r.scope == "heartbeat":
-        return (*_keep_live(run, r, received=received, seen=seen, beat=True), [])
+        return (*_keep_live(run, r, received=received, seen=seen, heartbeat=True), [])
+    _mark(state, run, r)
+    counts = _Counts(run, state.series_cap)
+    rank_ok = r.scope in _OWN_SCOPES and run.admit(("rank", r.rank), RANK_SERIES, counts.cap)
+    sites = _count_sites(counts, r, rank_ok=rank_ok)
+    # dynamic loss scaling handled this step's non-finite gradients: normal operation, counted apart
+    if r.scope in RUN_LEVEL_SCOPES and not r.scaler_overflow and (sites.offenders or r.first_offender):
+        _note_latest_offender(run, r, sites.offenders)
+    _count_steps(counts, r)
+    if r.scope in RUN_LEVEL_SCOPES:
+        _count_run_level(counts, r)
+    _count_skipped(counts, r, rank_ok=rank_ok)
+    if r.scope in _OWN_SCOPES and not rank_ok:
+        return None, None, counts.changed
+    if r.stage != "train" or r.final:  # the rank is live, and its training view stays what its last step said
+        _keep_live(run, r, received=received, seen=seen, heartbeat=False)
+        return None, None, counts.changed
+    return (*_training_view(state, run, r, sites, received=received, seen=seen), counts.changed)
+
+
+def _mark(state: CollectorState, run: RunState, r: StepReport) -> None:
+    """The report's high-water mark and step, and what it says of its rank's lifecycle."""
     key = (r.run_id, r.rank, r.incarnation)
     if key not in state.hwm:
         run.incarnations += 1
     state.hwm[key] = r.seq
-    training = r.stage == "train"
-    if training:
+    if r.stage == "train":
         run.latest_step = max(run.latest_step, r.step)
     if r.scope != "job":  # a job report speaks for many ranks, and a crash is posted by the rank itself
         run.note_crash(r.rank, r.incarnation, r.raised, r.step)
-    changed: Changed = []
-    counters, cap = run.counters, state.series_cap
 
-    def bump(fam: str, labels: tuple, n: int) -> None:
-        old = counters.get((fam, labels))
-        if old is None and not _exposed(run, fam, labels):
-            run.newborn.add((fam, labels))  # born at zero: the next render shows 0, then the value
-        value = (old or 0) + n  # exact ints: a float total stops counting at 2^53
-        counters[(fam, labels)] = value
-        changed.append((fam, labels, value))
 
-    run_level = r.scope in RUN_LEVEL_SCOPES
-    rank_ok = r.scope in _OWN_SCOPES and run.admit(("rank", r.rank), RANK_SERIES, cap)
-    rank_label = str(r.rank)
-    headroom: dict[str, float] = {}
+def _count_sites(counts: _Counts, r: StepReport, *, rank_ok: bool) -> _Sites:
+    """Headroom per site kind (a NaN wins and stays: it must show) and the non-finite calls, counted by site,
+    by run (pass, kind, stage) and by rank; none while a loss scaler handled the step's overflow."""
+    run_level, overflow, rank_label = r.scope in RUN_LEVEL_SCOPES, bool(r.scaler_overflow), str(r.rank)
+    sites = _Sites({}, 0, {})
+    headroom, offenders = sites.headroom, sites.offenders
     nonfinite = 0
-    # dynamic loss scaling handled this step's non-finite gradients: normal operation, counted apart
-    overflow = bool(r.scaler_overflow)
-    offenders: dict[str, tuple[str, str]] = {}  # by stage: the report's first non-finite site
     for s in r.sites:
         kind = "grad" if s.phase == "backward" else s.kind
         h, cur = s.headroom, headroom.get(kind)
-        if cur is None or h > cur or h != h:  # a NaN wins and stays: it must show
+        if cur is None or h > cur or h != h:
             headroom[kind] = h
-        if (s.nan or s.inf) and not overflow:
-            nonfinite += s.nan + s.inf
-            stage = "eval" if r.stage == "eval" else s.stage
-            offenders.setdefault(stage, (s.site, s.phase))
-            if run_level and run.admit(("site", s.site, s.phase), 1, cap):
-                bump("site", (s.site, s.phase), s.nan + s.inf)
-            for kind_, n in (("nan", s.nan), ("inf", s.inf)):
-                if n and run_level and run.admit(("run_nonfinite", s.phase, kind_, stage), 1, cap):
-                    bump("run_nonfinite", (s.phase, kind_, stage), n)
-                if n and rank_ok:
-                    bump("nonfinite", (rank_label, s.phase, kind_), n)
-    if run_level and not overflow and (offenders or r.first_offender):
-        _note_latest_offender(run, r, offenders)
-    if overflow and r.scope != "heartbeat" and training and run.admit(("loss_scale_overflow",), 1, cap) \
-            and run.count_overflow(r.step):
-        bump("loss_scale_overflow", (), 1)
-    if r.scope != "heartbeat" and training:
-        for c in r.sdpa:  # the latest half-precision training call on the math backend, and who ran it
-            if c.backend == "math" and c.stage == "train" and is_half(c.dtype):
-                run.math_fallback = (c.site, dtype_name(c.dtype), str(r.rank))
-    if run_level:
-        for c in r.sdpa:
-            labels = (c.backend, dtype_name(c.dtype), c.stage)
-            if run.admit(("sdpa", *labels), 1, cap):
-                bump("sdpa", labels, c.calls)
-        for reason in r.coverage.unmeasured if r.coverage is not None and training else ():
-            if run.admit(("unmeasured", reason), 1, cap):
-                bump("unmeasured", (reason,), 1)
-        if r.incident is not None and run.admit(("incident", r.incident.cls), 1, cap):
-            bump("incident", (r.incident.cls,), 1)
-        if r.incident is not None:
-            _note_incident(run, r, cap, bump)
-    if r.step_skipped:
-        if r.scope == "rank" and rank_ok:
-            bump("skipped", (rank_label,), 1)
-        elif r.scope == "job" and run.admit(("job_skipped",), 1, cap):
-            bump("job_skipped", (), 1)  # every rank it covered skipped it: the exporter adds it to each
-    if r.scope == "detail" and not rank_ok or r.scope == "rank" and not rank_ok:
-        return None, None, changed
-    if not training or r.final:  # the rank is live, and its training view stays what its last step said
-        _keep_live(run, r, received=received, seen=seen, beat=False)
-        return None, None, changed
-    for kind in headroom:
+        if not (s.nan or s.inf) or overflow:
+            continue
+        nonfinite += s.nan + s.inf
+        stage = "eval" if r.stage == "eval" else s.stage
+        offenders.setdefault(stage, (s.site, s.phase))
+        if run_level and counts.admit(counters.SITE, (s.site, s.phase)):
+            counts.add(counters.SITE, (s.site, s.phase), s.nan + s.inf)
+        for kind_, n in (("nan", s.nan), ("inf", s.inf)):
+            if n and run_level and counts.admit(counters.RUN_NONFINITE, (s.phase, kind_, stage)):
+                counts.add(counters.RUN_NONFINITE, (s.phase, kind_, stage), n)
+            if n and rank_ok:
+                counts.add(counters.NONFINITE, (rank_label, s.phase, kind_), n)
+    return sites._replace(nonfinite=nonfinite)
+
+
+def _count_steps(counts: _Counts, r: StepReport) -> None:
+    """A training step's loss-scale overflow (once per step, whichever ranks report it) and who ran the
+    latest half-precision training attention call on the math backend."""
+    if r.stage != "train":
+        return
+    run = counts.run
+    if r.scaler_overflow and counts.admit(counters.LOSS_SCALE_OVERFLOW, ()) and run.count_overflow(r.step):
+        counts.add(counters.LOSS_SCALE_OVERFLOW, (), 1)
+    for c in r.sdpa:
+        if c.backend == "math" and c.stage == "train" and is_half(c.dtype):
+            run.math_fallback = (c.site, dtype_name(c.dtype), str(r.rank))
+
+
+def _count_run_level(counts: _Counts, r: StepReport) -> None:
+    """What only a run-level report counts: SDPA calls, unmeasured training steps, incidents."""
+    for c in r.sdpa:
+        labels = (c.backend, dtype_name(c.dtype), c.stage)
+        if counts.admit(counters.SDPA, labels):
+            counts.add(counters.SDPA, labels, c.calls)
+    for reason in r.coverage.unmeasured if r.coverage is not None and r.stage == "train" else ():
+        if counts.admit(counters.UNMEASURED, (reason,)):
+            counts.add(counters.UNMEASURED, (reason,), 1)
+    if r.incident is not None:
+        if counts.admit(counters.INCIDENT, (r.incident.cls,)):
+            counts.add(counters.INCIDENT, (r.incident.cls,), 1)
+        _note_incident(counts, r)
+
+
+def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:
+    """A step the weight guard skipped: by its rank, or (a job report) by every rank it covered, all of
+    which took the collective decision (the exporter adds the job's to each rank's)."""
+    if not r.step_skipped:
+        return
+    if r.scope == "rank" and rank_ok:
+        counts.add(counters.SKIPPED, (str(r.rank),), 1)
+    elif r.scope == "job" and counts.admit(counters.JOB_SKIPPED, ()):
+        counts.add(counters.JOB_SKIPPED, (), 1)
+
+
+def _training_view(state: CollectorState, run: RunState, r: StepReport, sites: _Sites, *, received: float,
+                   seen: float) -> tuple[RankState, str | None]:
+    """The rank's (or the job's) view of its latest training step; views are replaced, never mutated."""
+    cap = state.series_cap
+    for kind in sites.headroom:
         run.admit(("headroom", kind), 1, cap)
     logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
     view = dict(seq=r.seq, step=r.step, time=r.time, received=received, seen=seen, world_size=r.world_size,
                 agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
-                dropped_reports=r.dropped_reports, nonfinite=nonfinite, first_offender=r.first_offender,
-                first_offender_phase=r.first_offender_phase, headroom=headroom, logits=logits, rlhf=r.rlhf,
+                dropped_reports=r.dropped_reports, nonfinite=sites.nonfinite, first_offender=r.first_offender,
+                first_offender_phase=r.first_offender_phase, headroom=sites.headroom, logits=logits, rlhf=r.rlhf,
                 crashed=r.raised, loss_scale=r.loss_scale)
     if r.scope == "job":
         view["crashed"] = None
         run.job = RankState(rank=r.rank, incarnation=r.incarnation, scope="job", **view)
-        _, previous_mode = _keep_live(run, r, received=received, seen=seen, beat=False)
-        return run.job, previous_mode, changed
+        _, previous_mode = _keep_live(run, r, received=received, seen=seen, heartbeat=False)
+        return run.job, previous_mode
     prev = run.ranks.get(r.rank)
     same = prev is not None and prev.incarnation == r.incarnation
     # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
     previous_mode = prev.attention_mode if same else None
-    st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope, beat_seq=prev.beat_seq if same else -1,
-                   **view)
+    st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope,
+                   heartbeat_seq=prev.heartbeat_seq if same else -1, **view)
     run.hold(st, shown=True)
-    return st, previous_mode, changed
+    return st, previous_mode
 
 
-def _note_incident(run: RunState, r: StepReport, cap: int, bump) -> None:
-    """The incident's host and capsule: the run's latest of its class (for the dashboard) and, if the replay
-    could not reproduce it, one more not-reproducible incident on its host (the silent-data-corruption
-    signal, counted per run and summed over runs by host in the alert)."""
-    inc = r.incident
+def _note_incident(counts: _Counts, r: StepReport) -> None:
+    """The incident's host and capsule: the run's latest of its class (for the dashboard) and, if the
+    trainer's differential re-run could not reproduce it, one more not-reproducible incident on its host (the
+    silent-data-corruption signal, counted per run and summed over runs by host in the alert)."""
+    inc, run = r.incident, counts.run
     host = host_label(inc.host) if inc.host else "unknown"
-    if inc.cls == "not_reproducible" and run.admit(("not_reproducible", host), 1, cap):
-        bump("not_reproducible", (host,), 1)
-    if run.admit(("latest_incident", inc.cls), 1, cap):
+    if inc.cls == "not_reproducible" and counts.admit(counters.NOT_REPRODUCIBLE, (host,)):
+        counts.add(counters.NOT_REPRODUCIBLE, (host,), 1)
+    if run.admit(("latest_incident", inc.cls), 1, counts.cap):
         who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank
         run.latest_incidents[inc.cls] = (host, str(who), printable(inc.capsule or ""))
 
@@ -286,7 +376,7 @@ def _note_latest_offender(run: RunState, r: StepReport, offenders: dict[str, tup
 
 
 def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
-               beat: bool) -> tuple[RankState, str | None]:
+               heartbeat: bool) -> tuple[RankState, str | None]:
     """The rank's liveness from a heartbeat or the job report it posted: a rank with its own view keeps
     its measurements (views are replaced, never mutated: a scrape's snapshot may hold the old one). Built
     field by field: ``dataclasses.replace`` cost a third of a heartbeat's fold (measured)."""
@@ -302,12 +392,12 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    attention_mode=r.attention_mode, directive_version=r.directive_version,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
-                   rlhf=held.rlhf, beat_seq=r.seq if beat else held.beat_seq,
+                   rlhf=held.rlhf, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
                    crashed=r.raised if r.scope != "job" else held.crashed,
                    loss_scale=r.loss_scale if r.loss_scale is not None else held.loss_scale)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
     job = run.job
-    shown = (held.scope != "beat" or not beat or r.dropped_reports > 0
+    shown = (held.scope != "heartbeat" or not heartbeat or r.dropped_reports > 0
              or r.attention_mode != (job.attention_mode if job is not None else "none")
              or (job is not None and job.rank == r.rank))
     run.hold(st, shown=shown)
@@ -315,4 +405,4 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
 
 
 #: what a rank known only by its liveness holds (its measurements: none)
-_BLANK = RankState(rank=0, incarnation="", seq=-1, scope="beat", step=0, time=0.0, received=0.0, seen=0.0)
+_BLANK = RankState(rank=0, incarnation="", seq=-1, scope="heartbeat", step=0, time=0.0, received=0.0, seen=0.0)

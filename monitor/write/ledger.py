@@ -1,9 +1,14 @@
 """The one door for every write: reports, directives, events and retention change the store and memory
 together, through the ``Ledger`` alone, all or nothing.
 
+Ingest, report by report inside one transaction: the fold changes memory and returns what the store must
+hold (``nanwatch.monitor.write.fold``), the rule engine returns its intents (``nanwatch.monitor.write.rules``),
+and the ledger carries out both before the next report is folded, so that the rules of one report see the
+reports before it in the same batch; the batch's marks and counter totals are written at its end. Nothing
+below the ledger writes: values come up, and only the ledger applies them.
+
 A request's changes to memory, to SQLite and to long-pollers happen together after the COMMIT succeeds,
-or not at all. Changes are made in memory inside the store's transaction (so that the rules of one report
-see the reports before it in the same batch); if anything fails -- the database (a full disk, a read-only
+or not at all. Changes are made in memory inside the store's transaction; if anything fails -- the database (a full disk, a read-only
 file) or the batch itself (a value SQLite cannot hold) -- the transaction is rolled back, memory is
 reloaded from the store -- the touched runs' rows alone, so a repair costs what those runs hold (bounded by
 the caps), not what the whole file does -- and no poller was woken (``Store.after_commit``). The client gets a
@@ -23,17 +28,19 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.caps import Caps
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import AUDIT_KINDS, DirectiveChange, EventLog
 from nanwatch.monitor.model.memory import MemoryBudget
 from nanwatch.monitor.model.refusal import CapReached, StoreUnavailable, Unstorable
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.model.state import Applied, CollectorState
 from nanwatch.monitor.model.store import DELETE_BATCH, EventRow, Store
-from nanwatch.monitor.write.fold import Ingested, fold
-from nanwatch.monitor.write.rules import RuleEngine
+from nanwatch.monitor.write.fold import Changes, Ingested, fold
+from nanwatch.monitor.write.rules import Intents, Issue, RuleEngine
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
 
@@ -41,6 +48,28 @@ __all__ = ["Ledger"]
 
 log = logging.getLogger("nanwatch.monitor")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Reads:
+    """What the rule engine may read while it decides (``RuleReads``): memory and the store, with the open
+    transaction's pending events and directive versions (the batch's earlier reports' intents)."""
+
+    state: CollectorState
+    store: Store
+    events: EventLog
+    directive_log: DirectiveLog
+
+    def has_event(self, run_id: str, dedupe: str) -> bool:
+        """Memory knows the keys recorded since start-up; the store, those before (not all read back)."""
+        return self.events.has(run_id, dedupe) or self.store.has_event(run_id, dedupe)
+
+    def directive(self, run_id: str) -> Directive:
+        return self.directive_log.latest(run_id)
+
+    def witness(self, run_id: str) -> Applied | None:
+        run = self.state.runs.get(run_id)
+        return run.applied if run is not None else None
 
 
 class Ledger:
@@ -67,7 +96,10 @@ class Ledger:
         self.directive_log = directive_log
         self.events = EventLog(state)
         self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
+        self._reads = _Reads(state, store, self.events, directive_log)
         self._margin = margin_steps
+        #: what the run and incarnation caps remember between requests
+        self.caps = Caps()
         #: above its limit, nothing new is kept (``nanwatch.monitor.model.memory``); events are bounded in all
         self.budget = MemoryBudget(limit_bytes=memory_limit_bytes, max_events=max_events,
                                    count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
@@ -91,7 +123,7 @@ class Ledger:
         marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
 
         def apply() -> Ingested:
-            return fold(batch, state=self.state, store=self.store, rule_engine=self.rule_engine, into=self)
+            return self._fold(batch)
 
         # above the memory limit, existing series keep moving; new ones are dropped and counted
         done = self._atomically(runs, marks,
@@ -180,14 +212,35 @@ class Ledger:
             self._restore(self._unsynced, set())
         return self._unsynced is None
 
-    # ---- inside a transaction (the rule engine's ``RuleWrites``) -----------------------------------------
+    # ---- inside a transaction: folding, and carrying out what the fold and the rules return ------------
 
-    def has_event(self, run_id: str, dedupe: str) -> bool:
-        """Memory knows the keys recorded since start-up; the store, those before (not all read back)."""
-        return self.events.has(run_id, dedupe) or self.store.has_event(run_id, dedupe)
+    def _fold(self, batch: ReportBatch) -> Ingested:
+        """Fold the batch report by report, carrying out what each calls for before the next is folded, then
+        write what the batch changed (inside the caller's transaction)."""
+        now, mono = time.time(), time.monotonic()
+        changes = Changes()
+        for r in batch.reports:
+            folded = fold(self.state, r, received=now, seen=mono)
+            changes.add(r, folded)
+            if folded is None:
+                continue
+            for ev in folded.events:
+                self.record_event(ev)
+            self._carry_out(self.rule_engine.observe(r, folded.rank, folded.previous_mode, now, reads=self._reads))
+        self.store.put_hwm(changes.marks)
+        self.store.put_counters(changes.counter_rows())
+        self.store.touch(changes.touched, now)  # retention counts from the last write
+        return changes.ingested()
 
-    def directive(self, run_id: str) -> Directive:
-        return self.directive_log.latest(run_id)
+    def _carry_out(self, intents: Intents) -> None:
+        """The rule engine's intents, in order: events recorded, directives issued, the auto-revert's witness."""
+        for action in intents.actions:
+            if isinstance(action, Issue):
+                self.issue_directive(action.run_id, action.spec, actor=action.actor)
+            else:
+                self.record_event(action)
+        if intents.witness is not None and (run := self.state.runs.get(intents.run_id)) is not None:
+            run.applied = intents.witness
 
     def record_event(self, ev: EventRow) -> bool:
         """Append an event unless the run already has one with its dedupe key (inside a transaction)."""
@@ -227,9 +280,9 @@ class Ledger:
 
     def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
         """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take
-        past their incarnation cap (``CollectorState.stale_incarnations`` says why that is safe), in a
+        past their incarnation cap (``Caps.stale`` says why that is safe), in a
         transaction of their own, committed before the request's."""
-        stale = self.state.stale_incarnations(keys)
+        stale = self.caps.stale(self.state, keys)
         if not stale:
             return
 
@@ -242,22 +295,23 @@ class Ledger:
                  "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
 
     def _check_caps(self, keys: set[tuple[str, int, str]], run_ids: set[str],
-                    beats: set[tuple[str, int, str]] = frozenset()) -> None:
-        over = self.state.over_caps(keys, run_ids, beats, namespace_of=self.namespace_of)
+                    heartbeats: set[tuple[str, int, str]] = frozenset()) -> None:
+        over = self.caps.over(self.state, keys, run_ids, heartbeats, namespace_of=self.namespace_of)
         if over is not None:
             raise CapReached(over)
-        if self.budget.over() and self._grows(keys, run_ids, beats):
+        if self.budget.over() and self._grows(keys, run_ids, heartbeats):
             self.state.caps_hit["memory"] += 1
             raise CapReached(f"the collector is above its memory limit ({self.budget.limit_bytes >> 20} MiB, "
                              "NANWATCH_MEMORY_LIMIT_MIB): no new run, incarnation or rank is taken until it is "
                              "below; existing ones are still updated", reason="memory")
 
-    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str], beats: set[tuple[str, int, str]]) -> bool:
+    def _grows(self, keys: set[tuple[str, int, str]], run_ids: set[str],
+               heartbeats: set[tuple[str, int, str]]) -> bool:
         """Whether a request adds a run, a (run, rank, incarnation) high-water mark or a held rank."""
         state = self.state
         return (any(r not in state.runs for r in run_ids) or any(k not in state.hwm for k in keys)
                 or any(run_id not in state.runs or rank not in state.runs[run_id].ranks
-                       for run_id, rank, _inc in beats))
+                       for run_id, rank, _inc in heartbeats))
 
     def _without_new_series(self, runs: set[str], write: Callable[[], T]) -> T:
         """``write()`` with no new series (the series cap at 0 while it runs, inside the transaction, so that a

@@ -1,15 +1,17 @@
 """The rule engine: the declarative rules (``Settings.rules``) applied to each new report, turned into
-events and directives.
+intents: events to record and directives to issue.
 
 Always recorded, whatever the rules: the run's first non-finite value, each attention-mode change
-that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``); a run's first loss-scale overflow
-(``loss_scale_overflow``, once per run: the scaler at work, not an incident). Events are deduplicated per run by a key, so a
-condition that persists for hours is one event, not one per step and rank. The engine decides; it writes
-only through the ledger (:class:`RuleWrites`), inside the ledger's ingest transaction.
+that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``); a run's
+first loss-scale overflow (``loss_scale_overflow``, once per run: the scaler at work, not an incident). Events
+are deduplicated per run by a key, so a condition that persists for hours is one event, not one per step and
+rank. The engine decides and writes nothing: it reads what it must through ``RuleReads`` and returns
+``Intents``, which the ledger carries out inside its ingest transaction, before the next report is folded.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nanwatch.monitor.model.event_log import FirstNonfinite, ModeChange
@@ -17,7 +19,6 @@ from nanwatch.monitor.model.state import (
     RUN_LEVEL_SCOPES,
     STEP_SLACK,
     Applied,
-    CollectorState,
     RankState,
     crash_key,
 )
@@ -25,110 +26,152 @@ from nanwatch.monitor.model.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
 
-__all__ = ["RuleEngine", "RuleWrites"]
+__all__ = ["Intents", "Issue", "RuleEngine", "RuleReads"]
 
 
-class RuleWrites(Protocol):
-    """What the rule engine reads and writes through (``nanwatch.monitor.write.ledger.Ledger``)."""
-
-    state: CollectorState
-    """The runs' memory: the auto-revert's witness (``RunState.applied``) lives on the run."""
+class RuleReads(Protocol):
+    """What the rule engine reads while it decides (``nanwatch.monitor.write.ledger.Ledger``): what the store
+    and memory hold, the current batch's earlier reports' intents included. It writes nothing through it."""
 
     def has_event(self, run_id: str, dedupe: str) -> bool: ...
 
-    def record_event(self, ev: EventRow) -> bool: ...
-
     def directive(self, run_id: str) -> Directive: ...
 
-    def issue_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive: ...
+    def witness(self, run_id: str) -> Applied | None:
+        """Which incarnation of rank 0 applied the current revertible directive (``RunState.applied``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Issue:
+    """A directive the rules ask for: the ledger issues it as a new version, with its audit event."""
+
+    run_id: str
+    spec: DirectiveSpec
+    actor: str
+
+
+@dataclass(slots=True)
+class Intents:
+    """What one report calls for, in the order it must happen: events to record and directives to issue
+    (a directive's audit event falls between the events around it), and the auto-revert's new witness."""
+
+    run_id: str
+    actions: list[EventRow | Issue] = field(default_factory=list)
+    witness: Applied | None = None
+    """Rank 0's incarnation that applied the current revertible directive, as this report tells (None: as
+    it was)."""
 
 
 class RuleEngine:
+    """Decides what each new report calls for (``observe``); the ledger carries it out."""
+
     def __init__(self, rules: list[Rule], *, logit_tau: float) -> None:
         self._rules = rules
         self._tau = logit_tau
 
     def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float, *,
-                into: RuleWrites) -> None:
-        """Record what ``r`` shows (inside the ingest transaction)."""
-        run_id = r.run_id
-
+                reads: RuleReads) -> Intents:
+        """What ``r`` calls for (``rank``: the view the fold left, ``previous_mode``: the rank's mode before)."""
+        out = Intents(r.run_id)
         # a job report speaks for the rank that held its first offender (wire 1.4), not for its poster
         who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank
-
-        def event(kind: str, key: str, detail: FirstNonfinite | ModeChange | dict[str, Any], *,
-                  site: str | None = None) -> None:
-            into.record_event(EventRow(run_id, now, kind, key, who, r.step, site, "", detail))
-
+        events = _Events(r, now, who, out)
         # dynamic loss scaling handled this step's non-finite gradients (wire 1.6): normal operation, no
         # incident: no first offender, no rule, no directive; one event per run says the scaler is at work
         overflow = bool(r.scaler_overflow)
         if overflow and r.scope != "heartbeat":
-            event("loss_scale_overflow", "loss_scale_overflow", {"loss_scale": r.loss_scale, "stage": r.stage})
-        n = 0 if overflow else rank.nonfinite if rank is not None else r.nonfinite_total
-        # the first offender is the run's: a detail report's is one rank's, and the job report of its step
-        # (reduced in execution order across ranks) names the first
-        if (r.scope in RUN_LEVEL_SCOPES and not overflow and (n or r.first_offender)
-                and not into.has_event(run_id, "first_nonfinite")):
-            site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
-            if site is None:
-                hit = next(s for s in r.sites if s.nan or s.inf)
-                site, phase, stage = hit.site, hit.phase, hit.stage
-            event("first_nonfinite", "first_nonfinite",
-                  FirstNonfinite(phase=phase, stage=stage or "train", nonfinite=n), site=site)
-        if r.raised is not None and r.scope != "job":  # the rank itself said its step raised: it crashed
-            into.record_event(EventRow(run_id, now, "rank_crashed", crash_key(r.rank, r.incarnation, r.raised),
-                                       r.rank, r.step, r.first_offender, "",
-                                       {"raised": r.raised, "stage": r.stage, "incarnation": r.incarnation}))
-        if r.incident is not None:
-            inc = r.incident
-            # everything the replay found, the drill-down's birth, parameters and path included
-            event("incident", f"incident:{who}:{inc.step}", inc.model_dump(mode="json", exclude={"site", "step"}),
-                  site=inc.site)
-        if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
-            if rank.attention_mode == "none":
-                event("mode_reverted", f"reverted:{r.directive_version}",
-                      ModeChange(previous_mode=previous_mode, directive_version=r.directive_version))
-            else:
-                event("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
-                      ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
-                                 directive_version=r.directive_version))
-        if r.rank == 0 and rank is not None:
-            self._auto_revert(r, into)
+            events.add("loss_scale_overflow", "loss_scale_overflow", {"loss_scale": r.loss_scale, "stage": r.stage})
+        if not overflow:
+            _first_nonfinite(r, rank, reads, events)
+        _lifecycle(r, rank, previous_mode, events)
+        issued = _auto_revert(r, reads, out) if r.rank == 0 and rank is not None else None
         if r.scope == "heartbeat" or overflow:
-            return  # no measurements (or only the scaler's overflow): only its mode can change (above); the most frequent report, kept cheap
+            return out  # no measurements (or only the scaler's overflow): only its mode can change (above)
         for rule in self._rules:
             for key, site, detail in matches(rule, r, logit_tau=self._tau):
-                event(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)
-                mode = remedy(rule, r)
-                if mode is not None and into.directive(run_id).mode == "none":
-                    spec = DirectiveSpec(mode=mode, revert_after_clean_steps=rule.revert_after_clean_steps,
+                events.add(rule.when, f"{rule.when}:{key}", {"rule": rule.name, **detail}, site=site)
+                wanted = remedy(rule, r)
+                # one directive at a time: none is issued over a run's active one (this report's included)
+                if wanted is not None and (issued or reads.directive(r.run_id).mode) == "none":
+                    spec = DirectiveSpec(mode=wanted, revert_after_clean_steps=rule.revert_after_clean_steps,
                                          reason=f"{rule.when} at {site} (rank {r.rank}, step {r.step})")
-                    into.issue_directive(run_id, spec, actor=f"rule:{rule.name}")
+                    out.actions.append(Issue(r.run_id, spec, f"rule:{rule.name}"))
+                    issued = wanted
+        return out
 
-    @staticmethod
-    def _auto_revert(r: StepReport, into: RuleWrites) -> None:
-        """Record as a new version (mode ``none``) that the trainers reverted on their own after clean steps,
-        as the directive allowed: the directive metric then matches what ranks apply, and a rule can issue
-        a fresh directive. Only rank 0 decides a revert (every rank follows its agreement), and one report
-        cannot fake it (#19): it must come from the incarnation of rank 0 that reported the mode applied
-        under this version before (``RunState.applied``), at a step at least ``revert_after_clean_steps``
-        past ``apply_at_step``, and at most ``STEP_SLACK`` past that incarnation's previous report. An honest
-        revert reported after a gap, or first seen after a restart of the collector (the witness is kept in
-        memory), is believed at the rank's next report."""
-        cur = into.directive(r.run_id)
-        run = into.state.runs.get(r.run_id)
-        if run is None or cur.mode == "none" or not cur.revert_after_clean_steps or r.directive_version != cur.version:
-            return
-        seen = run.applied
-        known = seen is not None and seen.version == cur.version
-        mine = known and seen.incarnation == r.incarnation
-        # a report under this version is the rank's word that it applied it: the first one (none known, as
-        # after a restart of the collector) or one in the mode (a restarted job) names the witness
-        if r.attention_mode == cur.mode or not known or mine:
-            run.applied = Applied(cur.version, r.incarnation, r.step)
-        if (mine and r.attention_mode == "none"
-                and cur.apply_at_step + cur.revert_after_clean_steps <= r.step <= seen.step + STEP_SLACK):
-            into.issue_directive(r.run_id, DirectiveSpec(mode="none", apply_at_step=r.step,
-                                                         reason=f"rank {r.rank} reverted after clean steps"),
-                                 actor="trainer:auto-revert")
+
+@dataclass(slots=True)
+class _Events:
+    """The events one report calls for, each stamped with its run, time and step, and the rank it speaks for."""
+
+    r: StepReport
+    now: float
+    who: int
+    out: Intents
+
+    def add(self, kind: str, key: str, detail: FirstNonfinite | ModeChange | dict[str, Any], *,
+            site: str | None = None, rank: int | None = None) -> None:
+        self.out.actions.append(EventRow(self.r.run_id, self.now, kind, key, self.who if rank is None else rank,
+                                         self.r.step, site, "", detail))
+
+
+def _first_nonfinite(r: StepReport, rank: RankState | None, reads: RuleReads, events: _Events) -> None:
+    """The run's first non-finite value: a detail report's is one rank's, and the job report of its step
+    (reduced in execution order across ranks) names the first."""
+    n = rank.nonfinite if rank is not None else r.nonfinite_total
+    if r.scope in RUN_LEVEL_SCOPES and (n or r.first_offender) and not reads.has_event(r.run_id, "first_nonfinite"):
+        site, phase, stage = r.first_offender, r.first_offender_phase, r.first_offender_stage
+        if site is None:
+            hit = next(s for s in r.sites if s.nan or s.inf)
+            site, phase, stage = hit.site, hit.phase, hit.stage
+        events.add("first_nonfinite", "first_nonfinite",
+                   FirstNonfinite(phase=phase, stage=stage or "train", nonfinite=n), site=site)
+
+
+def _lifecycle(r: StepReport, rank: RankState | None, previous_mode: str | None, events: _Events) -> None:
+    """What a report says happened to its rank: its step raised (it crashed), an incident was classified,
+    its attention mode changed (a fallback applied or reverted)."""
+    if r.raised is not None and r.scope != "job":  # the rank itself said its step raised: it crashed
+        events.add("rank_crashed", crash_key(r.rank, r.incarnation, r.raised),
+                   {"raised": r.raised, "stage": r.stage, "incarnation": r.incarnation}, site=r.first_offender,
+                   rank=r.rank)
+    if r.incident is not None:
+        inc = r.incident
+        # everything the trainer's differential re-run found, the drill-down's birth, parameters and path
+        events.add("incident", f"incident:{events.who}:{inc.step}",
+                   inc.model_dump(mode="json", exclude={"site", "step"}), site=inc.site)
+    if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
+        if rank.attention_mode == "none":
+            events.add("mode_reverted", f"reverted:{r.directive_version}",
+                       ModeChange(previous_mode=previous_mode, directive_version=r.directive_version))
+        else:
+            events.add("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
+                       ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
+                                  directive_version=r.directive_version))
+
+
+def _auto_revert(r: StepReport, reads: RuleReads, out: Intents) -> str | None:
+    """Record as a new version (mode ``none``) that the trainers reverted on their own after clean steps,
+    as the directive allowed: the directive metric then matches what ranks apply, and a rule can issue
+    a fresh directive. Only rank 0 decides a revert (every rank follows its agreement), and one report
+    cannot fake it (#19): it must come from the incarnation of rank 0 that reported the mode applied
+    under this version before (``RunState.applied``), at a step at least ``revert_after_clean_steps``
+    past ``apply_at_step``, and at most ``STEP_SLACK`` past that incarnation's previous report. An honest
+    revert reported after a gap, or first seen after a restart of the collector (the witness is kept in
+    memory), is believed at the rank's next report. Returns ``"none"`` if it issued the revert, else None."""
+    cur = reads.directive(r.run_id)
+    if cur.mode == "none" or not cur.revert_after_clean_steps or r.directive_version != cur.version:
+        return None
+    seen = reads.witness(r.run_id)
+    known = seen is not None and seen.version == cur.version
+    mine = known and seen.incarnation == r.incarnation
+    # a report under this version is the rank's word that it applied it: the first one (none known, as
+    # after a restart of the collector) or one in the mode (a restarted job) names the witness
+    if r.attention_mode == cur.mode or not known or mine:
+        out.witness = Applied(cur.version, r.incarnation, r.step)
+    if (mine and r.attention_mode == "none"
+            and cur.apply_at_step + cur.revert_after_clean_steps <= r.step <= seen.step + STEP_SLACK):
+        spec = DirectiveSpec(mode="none", apply_at_step=r.step, reason=f"rank {r.rank} reverted after clean steps")
+        out.actions.append(Issue(r.run_id, spec, "trainer:auto-revert"))
+        return "none"
+    return None

@@ -90,14 +90,14 @@ def test_non_finite_values_round_trip_through_run_detail(collector):
     assert _get(s, "nanwatch_attention_logit_max", run_id="nan-detail", layer="model.layers.0.self_attn") == math.inf
 
 
-def test_replayed_batch_is_acknowledged_and_not_applied(collector):
-    body = ReportBatch(reports=[step_report(run_id="replay", rank=r, seq=0, nan_at="model.layers.0.self_attn",
+def test_resent_batch_is_acknowledged_and_not_applied(collector):
+    body = ReportBatch(reports=[step_report(run_id="resend", rank=r, seq=0, nan_at="model.layers.0.self_attn",
                                             nan=3) for r in range(2)]).model_dump_json()
     first = httpx.post(f"{collector.url}/v1/reports", content=body, headers=AUTH).json()
     again = httpx.post(f"{collector.url}/v1/reports", content=body, headers=AUTH).json()
     assert first == {"accepted": 2, "duplicates": 0} and again == {"accepted": 0, "duplicates": 2}
     s = scrape(collector.url)
-    assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="replay", site="model.layers.0.self_attn",
+    assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="resend", site="model.layers.0.self_attn",
                 **{"pass": "forward"}) == 6
 
 

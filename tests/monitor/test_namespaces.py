@@ -187,10 +187,10 @@ def test_sigkill_with_namespaced_tokens_loses_nothing_and_crosses_nothing(tmp_pa
             key = ("nanwatch_site_nonfinite_values_total",
                    frozenset({("run_id", f"team-{team}-kill"), ("site", SITE), ("pass", "forward")}))
             assert s[key] == n, team
-        replay = ReportBatch(reports=reports["a"][:32]).model_dump_json()
-        assert httpx.post(f"{second.url}/v1/reports", content=replay, headers=A_H).json() == {
+        resend = ReportBatch(reports=reports["a"][:32]).model_dump_json()
+        assert httpx.post(f"{second.url}/v1/reports", content=resend, headers=A_H).json() == {
             "accepted": 0, "duplicates": 32}
-        assert httpx.post(f"{second.url}/v1/reports", content=replay, headers=B_H).status_code == 403
+        assert httpx.post(f"{second.url}/v1/reports", content=resend, headers=B_H).status_code == 403
     finally:
         for sender in senders.values():
             sender.close(timeout_s=0)
@@ -211,7 +211,7 @@ def test_junk_incarnations_do_not_lock_out_a_restart(tmp_path):
                                                  dtype="float32"))
         assert restart.status_code == 200, restart.text
         assert restart.json() == {"accepted": 1, "duplicates": 0}
-        # the live ones keep their marks: their replays are still duplicates
+        # the live ones keep their marks: their resends are still duplicates
         for rank, inc in ((1, "victim"), (0, "junk3")):
             again = _post(c.url, A_H, step_report(run_id=run, rank=rank, incarnation=inc))
             assert again.json() == {"accepted": 0, "duplicates": 1}

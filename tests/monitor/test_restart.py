@@ -49,9 +49,9 @@ def test_sigkill_and_restart_loses_nothing_and_counts_nothing_twice(tmp_path):
             _wait(lambda: sender.delivered == 400, "the reports queued while the collector was down")
             assert sender.close(timeout_s=10) and sender.dropped == 0
             assert _site_total(second.url) == 400
-            # a replay of reports applied before the crash is acknowledged, and not counted again
-            replay = ReportBatch(reports=reports[:64]).model_dump_json()
-            assert httpx.post(f"{second.url}/v1/reports", content=replay, headers=JSON).json() == {"accepted": 0, "duplicates": 64}
+            # a resend of reports applied before the crash is acknowledged, and not counted again
+            resend = ReportBatch(reports=reports[:64]).model_dump_json()
+            assert httpx.post(f"{second.url}/v1/reports", content=resend, headers=JSON).json() == {"accepted": 0, "duplicates": 64}
             assert _site_total(second.url) == 400
             s = scrape(second.url)
             for rank in range(4):

@@ -114,7 +114,7 @@ def test_heartbeats_keep_ranks_live_and_add_nothing_else(collector):
     beats = [heartbeat(run_id=run, rank=k, world_size=4, seq=0, step=7, mode="fp32" if k == 2 else "none",
                        dropped=5 if k == 3 else 0) for k in range(4)]
     assert _post(collector.url, beats) == {"accepted": 4, "duplicates": 0}
-    assert _post(collector.url, beats[:1]) == {"accepted": 0, "duplicates": 1}  # a replayed heartbeat
+    assert _post(collector.url, beats[:1]) == {"accepted": 0, "duplicates": 1}  # a resent heartbeat
     s = scrape(collector.url)
     mine = {(name, frozenset(dict(labels).items())): v for (name, labels), v in s.items()
             if dict(labels).get("run_id") == run}

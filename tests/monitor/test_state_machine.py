@@ -8,10 +8,10 @@ same SQLite file, while faults are injected into the live ``Store``: a SQLite er
 and after every step the collector must agree with it:
 
 * no acknowledged write is lost (counters, events and directives, also after a restart),
-* none is applied twice (a retry of a refused report is accepted exactly once, a replay is a duplicate),
+* none is applied twice (a retry of a refused report is accepted exactly once, a resend is a duplicate),
 * no unacknowledged directive is ever served (by a poll, a long-poll, or the scrape),
 * nothing crosses namespaces: each run is owned by one team's scoped ingest token, and the other team's
-  token, posting into it (a new report, a replay, or a seq = 2^53-1 takeover), polling or reading it, is
+  token, posting into it (a new report, a resend, or a seq = 2^53-1 takeover), polling or reading it, is
   refused and changes nothing the model can see.
 """
 
@@ -256,11 +256,11 @@ class CollectorMachine(RuleBasedStateMachine):
     # -- rules -----------------------------------------------------------------------------------------
 
     @rule(run=st.sampled_from(RUNS), rank=st.sampled_from(RANKS),
-          how=st.sampled_from(["next", "next", "replay", "replay", "abandon"]), pick=st.integers(0, 7),
+          how=st.sampled_from(["next", "next", "resend", "resend", "abandon"]), pick=st.integers(0, 7),
           nan=st.sampled_from([0, 0, 1, 3]), site=st.sampled_from(SITES), fault=ingest_faults,
           retry_now=st.booleans())
     def ingest(self, run, rank, how, pick, nan, site, fault, retry_now):
-        """Send one report: the refused one again if there is one ("next"), a new one, or a replay of one
+        """Send one report: the refused one again if there is one ("next"), a new one, or a resend of one
         that was acknowledged. "abandon" gives a refused report up and sends the next seq instead. A
         refused report is retried at once (``retry_now``), or later (the ``retry`` rule)."""
         self.in_step = True
@@ -279,10 +279,10 @@ class CollectorMachine(RuleBasedStateMachine):
     def _send(self, key: tuple[str, int], how: str, pick: int, nan: int, site: str, fault: str) -> None:
         run, rank = key
         acked = self.acked[key]
-        if how == "replay" and acked:
-            report, replay = acked[pick % len(acked)], True
+        if how == "resend" and acked:
+            report, resend = acked[pick % len(acked)], True
         else:
-            replay = False
+            resend = False
             report = self.pending[key] if how == "next" else None
             if report is None:
                 seq = self.next_seq[key]
@@ -299,11 +299,11 @@ class CollectorMachine(RuleBasedStateMachine):
         assert resp.status_code == _expected_status(fault), (fault, resp.status_code, resp.text)
         if resp.status_code != 200:
             self._failed(run)
-            if not replay:
+            if not resend:
                 self.pending[key] = report  # the sender keeps it to retry; the collector holds nothing of it
             return
-        if replay:
-            assert resp.json() == {"accepted": 0, "duplicates": 1}, f"a replay of seq {report.seq} was applied again"
+        if resend:
+            assert resp.json() == {"accepted": 0, "duplicates": 1}, f"a resend of seq {report.seq} was applied again"
             self.duplicate_total += 1
             return
         assert resp.json() == {"accepted": 1, "duplicates": 0}, (
@@ -353,15 +353,15 @@ class CollectorMachine(RuleBasedStateMachine):
         self._check_directive(run, resp.json())
 
     @rule(run=st.sampled_from(RUNS), rank=st.sampled_from(RANKS),
-          how=st.sampled_from(["next", "replay", "takeover", "poll", "read", "list"]), pick=st.integers(0, 7))
+          how=st.sampled_from(["next", "resend", "takeover", "poll", "read", "list"]), pick=st.integers(0, 7))
     def trespass(self, run, rank, how, pick):
-        """The other team's token goes for ``run``: posts the owner's next report, a replay of an
+        """The other team's token goes for ``run``: posts the owner's next report, a resend of an
         acknowledged one, or seq = 2^53-1 for the owner's incarnation (which would make every later report
         a duplicate); polls its directive, reads it, or lists runs. Refused, and nothing changes: the
         invariants and the owner's later reports (accepted, never duplicates) say so."""
         self.in_step = True
         other = team(run, other=True)
-        if how in ("next", "replay", "takeover"):
+        if how in ("next", "resend", "takeover"):
             acked = self.acked[(run, rank)]
             seq = {"next": self.next_seq[(run, rank)], "takeover": MAX_INT}.get(how)
             if seq is None:

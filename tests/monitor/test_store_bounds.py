@@ -86,8 +86,8 @@ def test_a_schema_2_file_is_upgraded_in_place_and_keeps_its_totals(tmp_path):
     conn.commit()
     conn.close()
     with CollectorProcess(db_path=db) as c:
-        replay = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
-        assert replay.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
+        resend = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
+        assert resend.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
         assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA user_version").fetchone() == (3,)

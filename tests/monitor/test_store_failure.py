@@ -31,7 +31,7 @@ def test_a_failed_commit_is_a_503_and_the_retry_counts_once(tmp_path):
         assert first.headers["Retry-After"] == "1"
         second = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # the sender's retry
         assert second.status_code == 200 and second.json() == {"accepted": 1, "duplicates": 0}
-        third = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # a genuine replay
+        third = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # a genuine resend
         assert third.json() == {"accepted": 0, "duplicates": 1}
         s = scrape(srv.url)
     key = ("nanwatch_nonfinite_values_total",

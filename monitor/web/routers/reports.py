@@ -29,7 +29,7 @@ SCHEMA_MODELS = (ReportBatch,)
                **INVALID, **NOT_READY},
 )
 async def post_reports(request: Request, res: ResourcesDep, token: IngestToken) -> ApiJSON:
-    """Apply a batch of step reports. Replays of applied reports (same run_id, rank, incarnation, seq)
+    """Apply a batch of step reports. Resent reports, already applied (same run_id, rank, incarnation, seq),
     are acknowledged as ``duplicates`` and not applied twice, so senders may retry freely. A refusal
     (``nanwatch.monitor.model.refusal``) is answered by the app's handler. A scoped token's batch is checked whole
     before anything is applied: one report for a run outside its namespace refuses it all (403)."""

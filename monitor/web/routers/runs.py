@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
+from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.state import RunState
 from nanwatch.monitor.web.deps import (
     AdminToken,
@@ -31,6 +32,7 @@ from nanwatch.monitor.web.schemas import (
     RunSummary,
     SdpaView,
 )
+from nanwatch.run_status import run_status
 
 router = APIRouter(tags=["runs"])
 
@@ -45,16 +47,17 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     crashed = [CrashedRank(rank=rank, raised=c.raised, step=c.step if c.step >= 0 else None)
                for rank, c in sorted(run.crashed.items())]
     return dict(
-        run_id=run.run_id, status="crashed" if crashed else "live" if live else "ended" if run.ended else "idle", crashed_ranks=crashed,
+        run_id=run.run_id, status=run_status(crashed=bool(crashed), live=bool(live), ended=run.ended),
+        crashed_ranks=crashed,
         # steps count per incarnation: the live ranks' latest, else the highest ever stored
         live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
         # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
-        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == "run_nonfinite"),
-                            sum(v for (fam, _), v in run.counters.items() if fam == "nonfinite")),
+        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == counters.RUN_NONFINITE.key),
+                            sum(v for (fam, _), v in run.counters.items() if fam == counters.NONFINITE.key)),
         # a step the guard skipped is skipped on every rank (its flag is reduced): the most any rank counted
-        skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == "skipped"), default=0.0)
-        + run.counters.get(("job_skipped", ()), 0.0),
+        skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == counters.SKIPPED.key), default=0.0)
+        + run.counters.get((counters.JOB_SKIPPED.key, ()), 0.0),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
     )
@@ -104,7 +107,7 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     now = time.monotonic()
     late_before = now - res.state.late_after(run, settings.rank_late_s)
     shown = [st for st in res.state.held_ranks(run, now)
-             if st.scope != "beat" or st.seen < late_before or st.crashed is not None]
+             if st.scope != "heartbeat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
              for st in shown]
     held = {st.rank for st in shown}
@@ -113,6 +116,6 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     ranks.sort(key=lambda v: v.rank)
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
-            for (fam, labels), v in run.counters.items() if fam == "sdpa"]
+            for (fam, labels), v in run.counters.items() if fam == counters.SDPA.key]
     return ApiJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa,
                              event_counts=dict(run.event_counts), events=events))

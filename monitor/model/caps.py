@@ -1,0 +1,115 @@
+"""The run and incarnation caps: whether a request may add what it adds (``Caps.over``), and which
+high-water marks may be forgotten to make room under the incarnation cap (``Caps.stale``). Apart from the
+state they read, so that the state holds runs and the caps decide what may join them; the ledger asks before
+anything is applied.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.state import CollectorState, RunState
+
+__all__ = ["Caps"]
+
+
+class Caps:
+    """What the caps remember between requests: each namespace's run ids, and the runs found full."""
+
+    def __init__(self) -> None:
+        #: run ids by namespace, for the per-namespace run cap (``over``); built on first use
+        self._namespace_runs: dict[str, set[str]] | None = None
+        #: runs at their incarnation cap with no pair to forget, as they were then (``stale``)
+        self._no_room: dict[str, tuple[int, ...]] = {}
+
+    def over(self, state: CollectorState, keys: set[tuple[str, int, str]], run_ids: set[str],
+             heartbeats: set[tuple[str, int, str]] = frozenset(), *,
+             namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> str | None:
+        """Why a request adding these runs and (run, rank, incarnation) keys must be refused (the cap hit,
+        counted), or None. Checked before anything is applied. ``heartbeats``: the heartbeats' keys, which hold
+        no high-water mark but a rank's liveness in memory: a run holds at most as many ranks as pairs.
+
+        ``max_runs`` counts per namespace (``namespace_of``: the run-id namespace a run belongs to, whoever
+        asks, so an admin's directive for a new run counts in that run's): one team's junk runs fill its
+        own namespace, never another's."""
+        new_runs = {r for r in run_ids if r not in state.runs}
+        if new_runs:
+            full = self._full_namespace(state, new_runs, namespace_of)
+            if full is not None:
+                state.caps_hit["runs"] += 1
+                return (f"the namespace {full!r} holds at most {state.max_runs} runs (NANWATCH_MAX_RUNS) and this "
+                        f"request adds {len(new_runs)}: finished runs are forgotten after NANWATCH_RUN_RETENTION_S, "
+                        "or an admin deletes them (DELETE /v1/runs/{run_id})")
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in state.hwm)
+        held = Counter()  # ranks held in memory (heartbeats), bounded alike
+        for run_id, rank, _inc in heartbeats:
+            run = state.runs.get(run_id)
+            if run is None or rank not in run.ranks:
+                held[run_id] += 1
+        for run_id, n in (*fresh.items(), *held.items()):
+            run = state.runs.get(run_id)
+            now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
+            if now_held + n > state.max_incarnations:
+                state.caps_hit["incarnations"] += 1
+                return (f"run {run_id!r} has reached {state.max_incarnations} (rank, incarnation) pairs "
+                        "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
+        return None
+
+    def stale(self, state: CollectorState, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """The high-water marks to forget so that ``keys`` (a request's new (run, rank, incarnation) pairs)
+        fit under ``max_incarnations``: every pair of a run that would overflow whose rank is not held live
+        under that incarnation. Empty while every run fits (the usual case costs one pass over ``keys``).
+
+        Why forgetting them is safe: a high-water mark only stops a resend by the sender of that very
+        incarnation, and a sender retries only while its process lives and reports; a process that does is
+        held (its rank's view is of its incarnation, refreshed by each report and heartbeat). A pair not held
+        was superseded by its rank's restart (elastic restarts stop every old process before starting the
+        new ones) or has been silent a whole TTL (``NANWATCH_RANK_TTL_S``, 300 s, far beyond the sender's
+        10 s longest back-off). So a run filled with junk incarnations makes room for a victim's restart
+        instead of refusing it; junk held live (ranks that keep reporting) still counts until its TTL."""
+        fresh = Counter(run_id for run_id, rank, inc in keys if (run_id, rank, inc) not in state.hwm)
+        full = {run_id for run_id, n in fresh.items()
+                if (run := state.runs.get(run_id)) is not None and run.incarnations + n > state.max_incarnations
+                and self._no_room.get(run_id) != self._room_key(run)}
+        if not full:
+            return []
+        stale = [(run_id, rank, inc) for run_id, rank, inc in state.hwm
+                 if run_id in full and ((held := state.runs[run_id].ranks.get(rank)) is None or held.incarnation != inc)]
+        # a run found with nothing to forget is not searched again (one pass over every mark) until its
+        # ranks or incarnations change: a flood of refused new pairs costs no search each
+        if len(self._no_room) > 2 * len(state.runs) + 16:
+            self._no_room = {k: v for k, v in self._no_room.items() if k in state.runs}
+        for run_id in full - {k[0] for k in stale}:
+            self._no_room[run_id] = self._room_key(state.runs[run_id])
+        return stale
+
+    @staticmethod
+    def _room_key(run: RunState) -> tuple[int, ...]:
+        """What changes when one of a run's pairs may have stopped being live (a rank superseded, swept,
+        ended or crashed, or a pair added)."""
+        return run.incarnations, len(run.ranks), len(run.silent), len(run.ended_ranks), len(run.crashed)
+
+    def _full_namespace(self, state: CollectorState, new_runs: set[str], namespace_of: Callable[[str], str]) -> str | None:
+        """The namespace that ``new_runs`` would take past ``max_runs``, else None (and they are counted in).
+
+        Each namespace's run ids are kept in a set that may hold ids no longer in ``runs`` (forgotten, or
+        whose write was refused after this check): it is pruned to the live ones only when it seems full, so
+        a request costs O(its new runs), and a refusal at most one pass over its namespace's runs."""
+        if self._namespace_runs is None:
+            self._namespace_runs = {}
+            for run_id in state.runs:
+                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
+        adding: dict[str, set[str]] = {}
+        for run_id in new_runs:
+            adding.setdefault(namespace_of(run_id), set()).add(run_id)
+        for ns, fresh in adding.items():
+            members = self._namespace_runs.setdefault(ns, set())
+            if len(members) + len(fresh - members) > state.max_runs:
+                members -= {r for r in members if r not in state.runs}
+                if len(members) + len(fresh - members) > state.max_runs:
+                    return ns
+        for ns, fresh in adding.items():
+            self._namespace_runs[ns] |= fresh
+        return None

@@ -161,7 +161,8 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
-    "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable"),
+    "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
+                                         "nanwatch.run_status"),
                ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
 }
 

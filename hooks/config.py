@@ -67,7 +67,7 @@ class MonitorConfig:
     * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
       ``logit_tau``;
     * **reports** (step reports, job reports, heartbeats): ``max_pending_reports``, ``on_report``,
-      ``report_scope``, ``heartbeat_s``, ``report_reduce_timeout_s``;
+      ``report_scope``, ``heartbeat_s``, ``report_reduce_timeout_s``, ``close_timeout``;
     * **the local record** (log lines and a JSONL file): ``log_incidents``, ``log_every``, ``log_dir``,
       ``log_max_bytes``, ``log_backups``.
 
@@ -233,6 +233,14 @@ class MonitorConfig:
     peer before giving up on job reports for good (warned; per-rank reports from then on). Training never
     waits on it: only the reporter thread does, and the reports it cannot build meanwhile are dropped."""
 
+    close_timeout: float = 3.0
+    """The most seconds ``Monitor.close()`` waits for the last reports to reach the collector (its
+    ``timeout=`` overrides it for one close; capsules still being written get the same bound, separately). A
+    request the collector has not answered by then is cut off; what was not delivered is kept on disk, in
+    ``<log_dir>/undelivered`` (``log_dir`` or ``NANWATCH_LOG_DIR``), else ``$XDG_STATE_HOME/nanwatch/undelivered``
+    (``~/.local/state/nanwatch/undelivered``), one folder per run, for ``nanwatch push`` to send later; the
+    close logs how many were delivered, how many were kept (where) and how many were lost (which steps)."""
+
     # ---- the local record: log lines and a JSONL file (nanwatch.hooks.report.local_log) -------------
     log_incidents: bool = True
     """Log one line (``logging.getLogger("nanwatch")``, WARNING) when a non-finite episode starts, when an
@@ -336,6 +344,8 @@ def _check_directives_and_reports(c: MonitorConfig) -> None:
         raise ValueError(f"heartbeat_s must be > 0 and at most a day (86400), or None, got {c.heartbeat_s}")
     if not c.report_reduce_timeout_s > 0:
         raise ValueError(f"report_reduce_timeout_s must be > 0, got {c.report_reduce_timeout_s}")
+    if not 0 <= c.close_timeout <= 3600:
+        raise ValueError(f"close_timeout must be between 0 and 3600 seconds, got {c.close_timeout}")
 
 
 def _check_local_record(c: MonitorConfig) -> None:

@@ -50,7 +50,7 @@ def _close_at_exit() -> None:
         with contextlib.suppress(Exception):  # the interpreter is going down; say nothing more
             if raised is not None:
                 mon.mark_raised(raised)
-            mon.close(timeout=5.0)
+            mon.close()
 
 
 @dataclass(slots=True)
@@ -166,9 +166,9 @@ class Monitor:
             raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
         self._remedies.watch_scaler(scaler)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Remove every hook, restore the patched functions, flush the last reports (bounded wait). A normal
-        close (nothing raised) sends the final report (``final=True``): the run ended, not crashed or hung."""
+    def close(self, timeout: float | None = None) -> None:
+        """Remove every hook, restore the patched functions, flush the last reports (at most ``timeout``, default
+        ``config.close_timeout``). A normal close (nothing raised) sends the final report (``final=True``)."""
         if self._active:
             if self._evals.open:  # e.g. the final evaluation, run after the last step
                 contained(self.end_eval)
@@ -176,7 +176,7 @@ class Monitor:
                 contained(self.end_step)
             self._active = False
             _open.discard(self)
-        self._timeout.seconds = timeout
+        self._timeout.seconds = self.config.close_timeout if timeout is None else timeout
         self._stack.close()
 
     def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:

@@ -186,6 +186,10 @@ def _parser() -> argparse.ArgumentParser:
         d.add_argument("--admin-token", help="default: NANWATCH_ADMIN_TOKEN")
         d.set_defaults(func=_directive)
 
+    from nanwatch.cli.push import add_parser as add_push
+
+    add_push(sub)
+
     for name, (_, help_) in _DELEGATES.items():
         sub.add_parser(name, help=f"{help_} (arguments are passed on: nanwatch {name} --help)", add_help=False)
     return p

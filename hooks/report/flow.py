@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class ReportFlow:
         self._on_report = config.on_report
         self._directive_state = directive_state
         self._config, self._rank, self._world = config, rank, world_size
+        self.incarnation = incarnation
         self._job: JobReporting | None = None
         source = config.directive_source
         local = source == "local" or (source == "auto" and not config.collector)
@@ -106,10 +108,13 @@ class ReportFlow:
         return self._reporter.dropped + (self._sender.dropped if self._sender is not None else 0)
 
     def close(self, timeout: float) -> None:
+        """Let the reporter thread finish and the sender deliver, within ``timeout`` seconds in all; the
+        sender then keeps what it could not deliver on disk and logs its account."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         self._reporter.close()
         self._thread.join(timeout)
         if self._sender is not None:
-            self._sender.close(timeout_s=timeout)
+            self._sender.close(timeout_s=max(deadline - time.monotonic(), 0.0))
 
     # ---- reporter thread ---------------------------------------------------------------------------
     def _run(self) -> None:

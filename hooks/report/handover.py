@@ -69,13 +69,16 @@ class StepHandover:
 
 
 def connect(config: MonitorConfig, *, rank: int, flow: ReportFlow, directive_state: DirectiveState) -> None:
-    """With a collector: every report goes to it too (a ``ReportSender``, closed with the flow), and rank 0
+    """With a collector: every report goes to it too (a ``ReportSender``, closed with the flow, which keeps
+    what it could not deliver in the undelivered folder: ``nanwatch.hooks.report.spool``), and rank 0
     polls it for directives (a ``DirectivePoller``, closed with the directive state; the other ranks follow
     rank 0 by agreement). The transport is imported here: a Monitor without a collector never loads it."""
     if not config.collector:
         return
+    from nanwatch.hooks.report.spool import Spool, undelivered_root
     from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
 
-    flow.send_to(ReportSender(config.collector, token=config.token))
+    spool = Spool(undelivered_root(config.log_dir), run_id=config.run_id, rank=rank, incarnation=flow.incarnation)
+    flow.send_to(ReportSender(config.collector, token=config.token, spool=spool))
     if config.directive_source in ("auto", "collector") and rank == 0:
         directive_state.follow(DirectivePoller(config.collector, config.run_id, token=config.token))

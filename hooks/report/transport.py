@@ -12,7 +12,7 @@ Example usage::
     sender.submit(report)          # from the training loop; returns at once
     poller = DirectivePoller("http://collector:8000", "run-1", on_directive=print)
     ...
-    sender.close(timeout_s=5.0)    # flush what is queued, give up after the timeout
+    sender.close(timeout_s=5.0)    # deliver what is queued within 5 s; keep the rest (spool=); log the account
     poller.close()
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import logging
+import os
 import queue
 import random
 import socket
@@ -28,12 +29,16 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanwatch.addresses import check_collector_url
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import Directive, ReportBatch, StepReport
 
-__all__ = ["DirectivePoller", "ReportSender"]
+if TYPE_CHECKING:
+    from nanwatch.hooks.report.spool import Spool
+
+__all__ = ["Delivery", "DirectivePoller", "ReportSender"]
 
 log = logging.getLogger("nanwatch.transport")
 
@@ -70,6 +75,8 @@ class _Http:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
         self.aborted = False
+        #: time.monotonic() past which no request waits (close's deadline): each request's timeout shrinks to it
+        self.deadline = float("inf")
 
     def request(self, method: str, path: str, body: bytes | None = None, *,
                 timeout_s: float | None = None) -> tuple[int, bytes, str | None]:
@@ -78,11 +85,12 @@ class _Http:
         for attempt in (0, 1):
             if self.aborted:
                 raise ConnectionAbortedError("closed")
+            wait = min(timeout_s or self.timeout_s, max(self.deadline - time.monotonic(), 0.01))
             fresh = self._conn is None
             if fresh:
-                self._conn = self._cls(self._host, self._port, timeout=timeout_s or self.timeout_s)
+                self._conn = self._cls(self._host, self._port, timeout=wait)
             conn = self._conn
-            conn.timeout = timeout_s or self.timeout_s
+            conn.timeout = wait
             if conn.sock is not None:
                 conn.sock.settimeout(conn.timeout)
             try:
@@ -151,39 +159,105 @@ class _Backoff:
         self.attempt = 0
 
 
+class _Steps:
+    """Which steps a count covers, as compact ranges (``"3-7, 12"``); at most 20 ranges, then a count."""
+
+    def __init__(self) -> None:
+        self._ranges: list[list[int]] = []
+        self._more = 0
+
+    def add(self, reports: list[StepReport]) -> None:
+        for r in reports:
+            last = self._ranges[-1] if self._ranges else None
+            if last is not None and last[0] <= r.step <= last[1] + 1:
+                last[1] = max(last[1], r.step)
+            elif len(self._ranges) < 20:
+                self._ranges.append([r.step, r.step])
+            else:
+                self._more += 1
+
+    def __str__(self) -> str:
+        text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in self._ranges)
+        return text + (f" and {self._more} more" if self._more else "")
+
+
+class Delivery(NamedTuple):
+    """A sender's account at close: every report submitted was delivered, kept on disk or lost."""
+
+    collector: str
+    submitted: int
+    delivered: int
+    kept: int
+    """Not delivered, kept in ``kept_in`` for ``nanwatch push``."""
+    lost: int
+    """Not delivered and not kept: the queue was full, the disk refused, or there was no spool."""
+    kept_in: str | None = None
+    kept_steps: str = ""
+    lost_steps: str = ""
+    lost_why: str = ""
+
+    @property
+    def undelivered(self) -> int:
+        return self.kept + self.lost
+
+    def __str__(self) -> str:
+        text = (f"reports to {self.collector}: {self.delivered} of {self.submitted} delivered, "
+                f"{self.undelivered} not")
+        if self.kept:
+            folder = os.path.dirname(self.kept_in or "")
+            text += (f"; {self.kept} kept (steps {self.kept_steps}) in {self.kept_in}: send them with "
+                     f"`nanwatch push --collector {self.collector} {folder}`")
+        if self.lost:
+            text += f"; {self.lost} lost (steps {self.lost_steps}): {self.lost_why}"
+        return text
+
+
 class ReportSender:
     """Ships ``StepReport``s to ``POST {url}/v1/reports`` from a background thread.
 
     Reports wait in a bounded queue (``max_queue``); a full queue drops the new report and counts it.
-    Up to ``batch_max`` queued reports go in one request. Connection errors, 408/429/5xx are retried with
+    Up to ``batch_max`` queued reports go in one request, oldest first (the collector takes a report whose
+    seq is below one it already applied as a resend). Connection errors, 408/429/5xx are retried with
     exponential backoff and jitter, at least ``Retry-After`` apart, for as long as the sender is open (the
-    queue bound is what limits memory, not a retry count); other 4xx give the batch up and count it
-    (413 splits it first). The token comes from ``token``, else ``NANWATCH_TOKEN`` (or its ``_FILE``).
+    queue bound is what limits memory, not a retry count); other 4xx give the batch up (413 splits it
+    first). The token comes from ``token``, else ``NANWATCH_TOKEN`` (or its ``_FILE``).
+
+    With a ``spool`` (``nanwatch.hooks.report.spool.Spool``) what is not delivered is kept on disk for
+    ``nanwatch push``: a batch the collector refused, and at close whatever is still queued or in flight.
+    ``close(timeout_s)`` waits at most that long (a request in flight is cut off at the deadline), then
+    logs its :class:`Delivery` account (``account``): delivered, kept (where, which steps), lost (which steps).
 
     Drops reach the collector in ``dropped_reports``: the caller sets its own cumulative count (including
     ``sender.dropped``) and the sender adds the drops counted between ``submit`` and the send.
     """
 
     def __init__(self, url: str, *, token: str | None = None, max_queue: int = 1024, batch_max: int = 64,
-                 timeout_s: float = 5.0, backoff_base_s: float = 0.1, backoff_max_s: float = 10.0) -> None:
+                 timeout_s: float = 5.0, backoff_base_s: float = 0.1, backoff_max_s: float = 10.0,
+                 spool: Spool | None = None) -> None:
         if max_queue < 1 or not 1 <= batch_max <= 256:
             raise ValueError(f"need max_queue >= 1 and 1 <= batch_max <= 256, got {max_queue}, {batch_max}")
+        self._url = url.rstrip("/")
         self._http = _Http(url, token, timeout_s)
         self._queue: queue.Queue[tuple[StepReport, int]] = queue.Queue(max_queue)
         self._batch_max = batch_max
         self._backoff = _Backoff(backoff_base_s, backoff_max_s)
         self._warn = _Warn()
         self._lock = threading.Lock()
-        self._dropped = 0
-        self._delivered = 0
+        self._spool = spool
+        self._submitted = self._dropped = self._delivered = 0
+        self._lost_steps, self._kept_steps, self._lost_why = _Steps(), _Steps(), set()
+        self._inflight: list[tuple[StepReport, int]] | None = None  # taken from the queue, not yet settled
+        self._left: list[StepReport] = []  # set aside at close, to be kept
         self._closing = threading.Event()
         self._deadline = float("inf")
+        self.account: Delivery | None = None
+        """The account ``close`` gave (None before)."""
         self._thread = threading.Thread(target=self._run, name="nanwatch-sender", daemon=True)
         self._thread.start()
 
     @property
     def dropped(self) -> int:
-        """Reports that will never arrive: queue-full drops plus reports of batches given up."""
+        """Reports that will never arrive: queue-full drops, and reports not delivered that could not be kept."""
         return self._dropped
 
     @property
@@ -193,38 +267,95 @@ class ReportSender:
 
     def submit(self, report: StepReport) -> bool:
         """Queue ``report`` without waiting. False (and counted) if the queue is full or the sender closed."""
+        self._submitted += 1
         try:
             if self._closing.is_set():
                 raise queue.Full
             self._queue.put_nowait((report, self._dropped))
             return True
         except queue.Full:
-            self._count_drop(1)
+            self._lose([report], "the send queue was full (collector unreachable or slow)")
             self._warn("full", "report queue full (collector unreachable or slow); dropped %d so far",
                        self._dropped)
             return False
         except Exception as e:  # never into the training loop
-            self._count_drop(1)
+            self._lose([report], f"could not queue: {e!r}")
             self._warn("submit", "could not queue a report: %r", e)
             return False
 
     def close(self, timeout_s: float = 5.0) -> bool:
-        """Deliver what is queued within ``timeout_s``, then stop. True if nothing was left undelivered."""
-        dropped_before = self._dropped
-        self._deadline = time.monotonic() + max(timeout_s, 0.0)
+        """Deliver what is queued within ``timeout_s`` (a request the collector has not answered by then is cut
+        off), keep the rest on disk (with a spool), log the account (``account``) and stop. True if nothing
+        was left undelivered."""
+        timeout_s = max(timeout_s, 0.0)
+        self._deadline = self._http.deadline = time.monotonic() + timeout_s
+        before = (self._dropped, self._spool.kept if self._spool is not None else 0)
         self._closing.set()
-        self._thread.join(max(timeout_s, 0.0) + 1.0)
-        flushed = (not self._thread.is_alive() and self._queue.empty() and not self._holding
-                   and self._dropped == dropped_before)
-        self._http.close()
-        return flushed
-
-    _holding = False  # a batch is taken from the queue but not yet delivered or given up
-
-    def _count_drop(self, n: int) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._http.abort()  # a collector that accepted the connection and never answers
+            self._thread.join(1.0)
         with self._lock:
-            self._dropped += n
+            left, self._left = self._left, []
+            if self._thread.is_alive() and self._inflight:  # still stuck: keep a copy (a resend is harmless)
+                left += self._stamped(self._inflight)
+        left += self._stamped(self._drain())
+        self._set_aside(left, "not delivered before the close timeout")
+        self._http.close()
+        if self._spool is not None:
+            self._spool.close()
+        self.account = self._account()
+        self._say(self.account)
+        return not left and before == (self._dropped, self._spool.kept if self._spool is not None else 0)
 
+    def _account(self) -> Delivery:
+        spool = self._spool
+        kept = spool.kept if spool is not None else 0
+        return Delivery(self._url, self._submitted, self._delivered, kept, self._dropped,
+                        str(spool.path) if spool is not None and kept else None, str(self._kept_steps),
+                        str(self._lost_steps), "; ".join(sorted(self._lost_why)))
+
+    @staticmethod
+    def _say(account: Delivery) -> None:
+        if account.undelivered:
+            log.warning("nanwatch: %s", account)
+        else:
+            log.info("nanwatch: %s", account)
+
+    def _drain(self) -> list[tuple[StepReport, int]]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _stamped(self, batch: list[tuple[StepReport, int]]) -> list[StepReport]:
+        """The reports, each carrying the drops counted since it was queued (``dropped_reports``)."""
+        out = []
+        for r, dropped_at_submit in batch:
+            extra = self._dropped - dropped_at_submit
+            out.append(r.model_copy(update={"dropped_reports": r.dropped_reports + extra}) if extra else r)
+        return out
+
+    def _lose(self, reports: list[StepReport], why: str) -> None:
+        with self._lock:
+            self._dropped += len(reports)
+            self._lost_steps.add(reports)
+            self._lost_why.add(why)
+
+    def _set_aside(self, reports: list[StepReport], why: str) -> None:
+        """Keep ``reports`` on disk (with a spool), else count them lost."""
+        if not reports:
+            return
+        kept = self._spool.keep(reports) if self._spool is not None else 0
+        with self._lock:
+            self._kept_steps.add(reports[:kept])
+        if kept < len(reports):
+            reason = "no place to keep them" if self._spool is None else self._spool.error or "not kept"
+            self._lose(reports[kept:], f"{why}, and {reason}")
+
+    # ---- sender thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             try:
@@ -239,24 +370,30 @@ class ReportSender:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._holding = True
+            with self._lock:
+                self._inflight = batch
             try:
                 self._deliver(batch)
             except Exception as e:  # a bug here must not kill the thread silently, nor the trainer
-                self._count_drop(len(batch))
-                self._warn("bug", "sender error, batch of %d dropped: %r", len(batch), e)
-            self._holding = False
+                self._warn("bug", "sender error, batch of %d set aside: %r", len(batch), e)
+                self._later(self._stamped(batch))
+            with self._lock:
+                self._inflight = None
             if self._closing.is_set() and time.monotonic() >= self._deadline:
-                self._give_up_queue()
-                return
+                return  # close() keeps what is still queued
+
+    def _later(self, reports: list[StepReport]) -> None:
+        """Set aside for close() to keep (in order: nothing after them is sent)."""
+        with self._lock:
+            self._left.extend(reports)
 
     def _deliver(self, batch: list[tuple[StepReport, int]]) -> None:
-        reports = []
-        for r, dropped_at_submit in batch:
-            extra = self._dropped - dropped_at_submit
-            reports.append(r.model_copy(update={"dropped_reports": r.dropped_reports + extra}) if extra else r)
+        reports = self._stamped(batch)
         body = ReportBatch(reports=reports).model_dump_json().encode()
         while True:
+            if self._closing.is_set() and time.monotonic() >= self._deadline:
+                self._later(reports)
+                return
             try:
                 status, data, retry_after = self._http.request("POST", "/v1/reports", body)
             except (OSError, http.client.HTTPException) as e:
@@ -271,31 +408,18 @@ class ReportSender:
                 self._deliver(batch[half:])
                 return
             if status is not None and status not in _RETRY:
-                self._count_drop(len(batch))
-                self._warn(f"http{status}", "collector refused %d reports with HTTP %d: %s", len(batch), status,
-                           data[:300].decode("utf-8", "replace"))
+                self._warn(f"http{status}", "collector refused %d reports with HTTP %d: %s%s", len(batch), status,
+                           data[:300].decode("utf-8", "replace"),
+                           f" (kept in {self._spool.path})" if self._spool is not None else "")
+                self._set_aside(reports, f"refused with HTTP {status}")
                 return
             delay = self._backoff.next(_retry_after(retry_after))
             if self._closing.is_set() and time.monotonic() + delay >= self._deadline:
-                self._count_drop(len(batch))
-                self._warn("close", "gave up %d reports at close: %s", len(batch),
-                           data[:200].decode("utf-8", "replace"))
+                self._later(reports)
                 return
             self._warn("retry", "collector unavailable (%s); retrying, %d reports queued",
                        status or data[:200].decode("utf-8", "replace"), self._queue.qsize() + len(batch))
             self._closing.wait(delay) if not self._closing.is_set() else time.sleep(delay)
-
-    def _give_up_queue(self) -> None:
-        n = 0
-        while True:
-            try:
-                self._queue.get_nowait()
-                n += 1
-            except queue.Empty:
-                break
-        if n:
-            self._count_drop(n)
-            self._warn("close", "closing: %d queued reports not delivered", n)
 
 
 class DirectivePoller:

@@ -8,40 +8,34 @@ outside the folder and no two run ids share one) and one file per rank and incar
 
 Bounded: a file stops growing at :data:`MAX_FILE_BYTES`, and nothing more is written once the undelivered
 folder holds :data:`MAX_TOTAL_BYTES` or :data:`MAX_FILES` files; what could not be kept is counted as lost.
-A writer holds an advisory lock (``flock``) on its file while it is open: :func:`push` skips a file still
-being written.
-
-:func:`push` sends the files to a collector, oldest first, in batches, and removes what was acknowledged.
-The collector keeps a high-water mark per ``(run, rank, incarnation)``: a report already applied comes back
-as a duplicate and is not applied twice, so a second push (or a push of a copy) changes nothing.
+A writer holds an advisory lock (``flock``) on its file while it is open: ``nanwatch push``
+(``nanwatch.cli.push``) takes it too (:func:`lock_for_push`), and skips a file still being written.
 
 Example usage::
 
     spool = Spool(undelivered_root(config.log_dir), run_id="r1", rank=0, incarnation="ab12")
     spool.keep([report])          # -> 1 (kept), on the sender's thread or at close
     spool.close()
-    push(["~/.local/state/nanwatch/undelivered"], "http://collector:8000", token=None, out=print)
+    list(spool_files([undelivered_root(None)]))   # what nanwatch push would send
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from nanwatch.wire import ReportBatch, StepReport
+from nanwatch.wire import StepReport
 
 try:
     import fcntl
 except ImportError:  # Windows: no advisory lock; push may then read a file still being written
     fcntl = None
 
-__all__ = ["MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "PushResult", "Spool", "push", "run_folder_name",
-           "undelivered_root"]
+__all__ = ["MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "Spool", "lock_for_push", "run_folder_name",
+           "spool_files", "undelivered_root"]
 
 #: one rank incarnation's file stops growing here
 MAX_FILE_BYTES = 64 << 20
@@ -49,8 +43,6 @@ MAX_FILE_BYTES = 64 << 20
 MAX_TOTAL_BYTES = 1 << 30
 #: ... or this many files
 MAX_FILES = 1024
-#: reports per request of ``push``
-PUSH_BATCH = 64
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@+=-")
 
@@ -160,20 +152,8 @@ class Spool:
                 f.close()
 
 
-# ---- sending them later ---------------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class PushResult:
-    """What ``push`` did: reports the collector applied, already held (duplicates), left on disk."""
-
-    applied: int = 0
-    duplicates: int = 0
-    left: int = 0
-    files_done: int = 0
-    problems: list[str] = field(default_factory=list)
-
-
-def _files(paths: Iterable[str | os.PathLike]) -> Iterator[Path]:
+def spool_files(paths: Iterable[str | os.PathLike]) -> Iterator[Path]:
+    """The spool files (``*.jsonl``) named by ``paths``: files as given, folders searched, in name order."""
     for p in map(Path, paths):
         p = p.expanduser()
         if p.is_file():
@@ -182,80 +162,12 @@ def _files(paths: Iterable[str | os.PathLike]) -> Iterator[Path]:
             yield from sorted(q for q in p.rglob("*.jsonl") if q.is_file())
 
 
-def push(paths: Iterable[str | os.PathLike], collector: str, *, token: str | None,
-         out: Callable[[str], object] = print, timeout_s: float = 30.0) -> PushResult:
-    """Send every spool file under ``paths`` to ``collector`` (``POST /v1/reports``), oldest first, and remove
-    each file once the collector acknowledged all of it (a file sent in part keeps only what is left). Stops
-    a file at its first failure; a file locked by a running sender is skipped. ``token``: None reads
-    ``NANWATCH_TOKEN`` / ``NANWATCH_TOKEN_FILE``, as the sender does."""
-    from nanwatch.hooks.report.transport import _Http
-
-    http = _Http(collector, token, timeout_s)
-    result = PushResult()
+def lock_for_push(f) -> bool:
+    """Take ``f``'s advisory lock without waiting: False while a running sender still writes it."""
+    if fcntl is None:
+        return True
     try:
-        for path in _files(paths):
-            _push_file(http, path, result, out)
-    finally:
-        http.close()
-    return result
-
-
-def _push_file(http, path: Path, result: PushResult, out: Callable[[str], object]) -> None:
-    try:
-        f = open(path, "r+b")  # noqa: SIM115 - closed below
-    except OSError as e:
-        result.problems.append(f"{path}: {e}")
-        return
-    with f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                result.problems.append(f"{path}: still being written by a running trainer; skipped")
-                return
-        lines = [ln for ln in f.read().splitlines() if ln.strip()]
-        sent, applied, dup, problem = _send_lines(http, lines)
-        result.applied += applied
-        result.duplicates += dup
-        left = lines[sent:]
-        result.left += len(left)
-        if problem:
-            result.problems.append(f"{path}: {problem}")
-        out(f"{path}: {sent} of {len(lines)} sent ({applied} applied, {dup} already held)"
-            + (f"; {len(left)} left: {problem}" if left else ""))
-        if not left:
-            path.unlink()
-            result.files_done += 1
-            try:
-                path.parent.rmdir()  # the run's folder, once empty
-            except OSError:
-                pass
-        elif sent:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(b"".join(ln + b"\n" for ln in left))
-            os.replace(tmp, path)
-
-
-def _send_lines(http, lines: list[bytes]) -> tuple[int, int, int, str | None]:
-    """(lines acknowledged, applied, duplicates, the problem that stopped it or None)."""
-    sent = applied = dup = 0
-    while sent < len(lines):
-        chunk = lines[sent:sent + PUSH_BATCH]
-        try:
-            body = ReportBatch(reports=[StepReport.model_validate_json(ln) for ln in chunk]).model_dump_json()
-        except ValueError as e:
-            return sent, applied, dup, f"a line after the first {sent} is no StepReport: {str(e)[:200]}"
-        try:
-            status, data, _ = http.request("POST", "/v1/reports", body.encode())
-        except (OSError, Exception) as e:  # noqa: BLE001 - told, never raised
-            return sent, applied, dup, f"cannot reach the collector: {e!r}"
-        if not 200 <= status < 300:
-            return sent, applied, dup, f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}"
-        try:
-            answer = json.loads(data)
-            applied += int(answer.get("accepted", 0))
-            dup += int(answer.get("duplicates", 0))
-        except (ValueError, AttributeError, TypeError):
-            applied += len(chunk)
-        sent += len(chunk)
-    return sent, applied, dup, None
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True

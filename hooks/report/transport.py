@@ -38,7 +38,7 @@ from nanwatch.wire import Directive, ReportBatch, StepReport
 if TYPE_CHECKING:
     from nanwatch.hooks.report.spool import Spool
 
-__all__ = ["Delivery", "DirectivePoller", "ReportSender"]
+__all__ = ["KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender"]
 
 log = logging.getLogger("nanwatch.transport")
 
@@ -61,8 +61,9 @@ class _Warn:
         log.warning("nanwatch: " + msg + (f" ({hidden} similar suppressed)" if hidden else ""), *args)
 
 
-class _Http:
-    """One keep-alive connection to the collector, reopened after any error."""
+class KeepAliveHttp:
+    """One keep-alive connection to the collector, reopened after any error (the sender's, the poller's and
+    ``nanwatch push``'s). The token: ``token``, else ``NANWATCH_TOKEN`` (or its ``_FILE``)."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
         u = check_collector_url(url)
@@ -237,7 +238,7 @@ class ReportSender:
         if max_queue < 1 or not 1 <= batch_max <= 256:
             raise ValueError(f"need max_queue >= 1 and 1 <= batch_max <= 256, got {max_queue}, {batch_max}")
         self._url = url.rstrip("/")
-        self._http = _Http(url, token, timeout_s)
+        self._http = KeepAliveHttp(url, token, timeout_s)
         self._queue: queue.Queue[tuple[StepReport, int]] = queue.Queue(max_queue)
         self._batch_max = batch_max
         self._backoff = _Backoff(backoff_base_s, backoff_max_s)
@@ -433,7 +434,7 @@ class DirectivePoller:
     def __init__(self, url: str, run_id: str, *, token: str | None = None, wait_s: float = 30.0,
                  on_directive: Callable[[Directive], object] | None = None, backoff_base_s: float = 0.2,
                  backoff_max_s: float = 30.0) -> None:
-        self._http = _Http(url, token, wait_s + 10.0)
+        self._http = KeepAliveHttp(url, token, wait_s + 10.0)
         self._path = f"/v1/directives/{urllib.parse.quote(run_id, safe='')}"
         self._wait_s = wait_s
         self._on_directive = on_directive

@@ -415,9 +415,12 @@ class ReportSender:
                 self._set_aside(reports, f"refused with HTTP {status}")
                 return
             delay = self._backoff.next(_retry_after(retry_after))
-            if self._closing.is_set() and time.monotonic() + delay >= self._deadline:
-                self._later(reports)
-                return
+            if self._closing.is_set():  # closing: try again while the deadline leaves time for it
+                remaining = self._deadline - time.monotonic()
+                if remaining < 0.2:
+                    self._later(reports)
+                    return
+                delay = min(delay, remaining / 2)
             self._warn("retry", "collector unavailable (%s); retrying, %d reports queued",
                        status or data[:200].decode("utf-8", "replace"), self._queue.qsize() + len(batch))
             self._closing.wait(delay) if not self._closing.is_set() else time.sleep(delay)

@@ -110,6 +110,24 @@ def test_manual_optimization_a_nan_step_is_skipped_and_training_goes_on(tmp_path
     assert cb.monitor.last_report(timeout=0) is not None and not cb._training  # detached at fit end
 
 
+# ---- automatic optimization: Lightning's optimizer.step(closure) --------------------------------------------
+@pytest.mark.parametrize(("optimizer", "fused", "precision"), [("adamw", False, "32-true"), ("adamw", True, "32-true"),
+                                                               ("sgd", False, "32-true"), ("adamw", True, "bf16-mixed")])
+def test_automatic_optimization_a_nan_step_is_skipped_and_training_goes_on(tmp_path, optimizer, fused, precision):
+    """The forward and backward run inside ``optimizer.step(closure)``: the guard decides from what they saw.
+    The weights stay finite, the step is reported skipped, later steps train (Lightning checks each closure
+    ran), and the rerun runs on the untouched weights: it finds the NaN again, born where it was injected."""
+    module = TinyLM(poison_at={1}, optimizer=optimizer, fused=fused)
+    trainer, _, reports = _fit(tmp_path, module, precision=precision)
+    train = _train(reports)
+    assert [r.step for r in train] == [0, 1, 2, 3]
+    assert [r.step_skipped for r in train] == [False, True, False, False]
+    assert _finite(module) and math.isfinite(module.losses[-1]) and len(module.losses) == 4
+    assert trainer.global_step == 4
+    inc = train[1].incident
+    assert inc is not None and inc.same == "nonfinite" and inc.birth.startswith("model.layers.0.mlp")
+
+
 def test_gradient_accumulation_makes_one_step_per_optimizer_step(tmp_path):
     # manual: the module steps every 2 batches; automatic: accumulate_grad_batches=2
     for manual, kw in ((True, {}), (False, {"accumulate_grad_batches": 2})):

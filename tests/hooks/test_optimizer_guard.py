@@ -8,6 +8,8 @@ class ``optimizer`` at step 0, and the local rules never offer ``fp32``."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import warnings
 
@@ -34,8 +36,10 @@ def _nan_at(model, step_of, k: int = K) -> None:
 
 
 def _make(kind: str, model):
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind in ("sgd", "sgd_fused"):
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=kind == "sgd_fused" or None)
+    if kind == "lbfgs":
+        return torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
     return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=kind == "adamw_foreach" or None,
                              fused=kind == "adamw_fused" or None)
 
@@ -243,3 +247,76 @@ def test_sync_false_opts_one_optimizer_out_of_the_host_read():
         with pytest.warns(RuntimeWarning, match="skips a step of SGD only under the skip_step directive"):
             g = mon.guard(opt, sync=False)
         assert not g.effective
+
+
+# ---- optimizer.step(closure): the forward and backward run inside step() (#26, finding 1) ----------------
+
+CLOSURE_KINDS = ["adamw_fused", "adamw", "sgd_fused", "sgd", "lbfgs"]
+
+
+def _run_closure(kind: str, *, passed: bool | None, k: int = K, steps: int = K + 2, skip: frozenset = frozenset(),
+                 caplog=None):
+    """Train with ``opt.step(closure)``, the closure's forward NaN at step ``k``; ``passed=None``: no
+    nanwatch at all, the steps in ``skip`` not stepped (the reference run). Per step: a row of (report,
+    closure calls, the loss step() returned is the closure's first, weights finite, weights moved), and the
+    weights at the end."""
+    model = _model()
+    now = [0]
+    _nan_at(model, lambda: now[0], k)
+    opt = _make(kind, model)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off",
+                                                          optimizer=opt if passed else None)
+        for n in range(steps):
+            now[0] = n
+            before = [p.detach().clone() for p in model.parameters()]
+            ids = token_ids(2, 16, seed=n, vocab=64)
+            losses = []
+
+            def closure(ids=ids, losses=losses):
+                opt.zero_grad()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss)
+                return loss
+
+            with mon.step(n) if mon is not None else contextlib.nullcontext():
+                out = None if n in skip else opt.step(closure)
+            rows.append({"report": mon.last_report() if mon is not None else None, "calls": len(losses),
+                         "returned": out is not None and out is losses[0],
+                         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                         "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))})
+        if mon is not None:
+            mon.close()
+    return rows, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "found"])
+@pytest.mark.parametrize("kind", CLOSURE_KINDS)
+def test_a_closure_step_is_decided_on_what_its_forward_and_backward_saw(kind, passed, caplog):
+    caplog.set_level(logging.WARNING, logger="nanwatch")
+    rows, weights = _run_closure(kind, passed=passed)
+    ref, ref_weights = _run_closure(kind, passed=None, skip=frozenset({K}))  # no nanwatch, step K not taken
+    assert [r["finite"] for r in rows] == [True] * len(rows)
+    assert [r["report"].step_skipped for r in rows] == [False] * K + [True, False]
+    assert [r["moved"] for r in rows] == [True] * K + [False, True]  # the next clean step trains
+    assert all(r["returned"] for r in rows)  # step() returns the closure's loss, skipped or not
+    # the closure ran as often as the optimizer calls it (LBFGS: several times), once at the skipped step
+    assert [r["calls"] for r in rows] == [1 if n == K else ref[n]["calls"] for n in range(len(rows))]
+    assert kind != "lbfgs" or all(r["calls"] > 1 for n, r in enumerate(rows) if n != K)
+    # the same training as a loop that did not take step K at all
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+    assert rows[K]["report"].first_offender == "model.layers.0.mlp"
+    lines = [r.getMessage() for r in caplog.records if f"step {K} (train): non-finite at" in r.getMessage()]
+    assert len(lines) == 1 and "step skipped (weights not updated)" in lines[0], lines
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused", "lbfgs"])
+def test_a_found_optimizer_whose_first_closure_step_is_nan_is_skipped(kind):
+    # found inside its first step, before step() calls the closure: the discovery hook runs it and decides
+    rows, _ = _run_closure(kind, passed=False, k=0, steps=2)
+    assert [(r["report"].step_skipped, r["finite"], r["moved"], r["returned"]) for r in rows] == [
+        (True, True, False, True), (False, True, True, True)]
+    assert rows[0]["calls"] == 1

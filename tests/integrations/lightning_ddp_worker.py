@@ -20,7 +20,7 @@ class Module(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.model = tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
-        self.automatic_optimization = False
+        self.automatic_optimization = os.environ.get("NANWATCH_MANUAL") != "1"  # NANWATCH_MANUAL=1: manual optimization
         self.now = -1
         self.model.model.layers[0].mlp.register_forward_hook(
             lambda m, a, out: out * math.nan if self.global_rank == 1 and self.now == 1 else out)
@@ -30,10 +30,14 @@ class Module(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        if self.automatic_optimization:
+            return loss
         opt = self.optimizers()
-        self.manual_backward(self.model(input_ids=ids, labels=ids).loss)
+        self.manual_backward(loss)
         opt.step()
         opt.zero_grad()
+        return None
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

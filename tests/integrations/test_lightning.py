@@ -245,8 +245,8 @@ def test_tensorboard_logger_gets_the_scalars_every_log_every_n_steps(tmp_path):
 # ---- DDP ----------------------------------------------------------------------------------------------------
 def test_ddp_on_two_gloo_processes_skips_a_nan_step_on_every_rank(tmp_path):
     """``strategy="ddp"``, ``devices=2`` on the CPU (gloo): Lightning relaunches the worker script for rank 1.
-    A NaN on rank 1 alone at step 1: every rank skips that step (the job's flag), the replicas stay equal and
-    finite."""
+    Automatic optimization (``optimizer.step(closure)``, DDP's gradient all-reduce inside the closure). A NaN on
+    rank 1 alone at step 1: every rank skips that step (the job's flag), the replicas stay equal and finite."""
     env = {**os.environ, "NANWATCH_OUT": str(tmp_path), "PYTHONPATH": os.pathsep.join(
         [str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_RANK", None)

@@ -320,3 +320,80 @@ def test_a_found_optimizer_whose_first_closure_step_is_nan_is_skipped(kind):
     assert [(r["report"].step_skipped, r["finite"], r["moved"], r["returned"]) for r in rows] == [
         (True, True, False, True), (False, True, True, True)]
     assert rows[0]["calls"] == 1
+
+
+# ---- what the optimizer check says about a parameter (#26, finding 7) -----------------------------------
+
+BAD = "model.layers.0.mlp.down_proj.weight"
+
+
+def test_a_parameter_already_non_finite_before_a_skipped_step_is_told_as_such_once_per_episode(caplog):
+    """Fused SGD (its post-step check runs on a skipped step too: the kernel skipped, the call did not).
+    Episode 1: the update itself writes Inf into one parameter at step 1 (its gradient turned Inf by a hook
+    nanwatch does not measure: forward and backward finite), and steps 2-3 are skipped on it. Episode 2:
+    the weights and optimizer state restored at step 4 (finite again), then the parameter overwritten with NaN by hand before
+    step 5, and steps 5-6 skipped. Each episode is told once, in the training log only (no RuntimeWarning),
+    and says what happened: written by the update, or already non-finite before a step that was skipped."""
+    caplog.set_level(logging.WARNING, logger="nanwatch")
+    model = _model()
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    param = model.get_parameter(BAD)
+    now = [0]
+    param.register_hook(lambda g: g * math.inf if now[0] == 1 else g)
+    opt = _make("sgd_fused", model)
+    reports = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.attach(model, run_id="told", optimizer=opt, directive_source="off") as mon:
+            for n in range(7):
+                now[0] = n
+                if n == 4:  # a restore: the weights and the optimizer's state (its momentum holds the Inf)
+                    model.load_state_dict(good)
+                    opt.state.clear()
+                if n == 5:
+                    with torch.no_grad():
+                        param[0, 0] = math.nan
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    assert [r.step_skipped for r in reports] == [False, False, True, True, False, True, True]
+    told = [r.getMessage() for r in caplog.records if "SGD.step()" in r.getMessage()]
+    assert len(told) == 2, told
+    assert "step 1: 1 parameter non-finite after SGD.step()" in told[0] and "the update wrote it" in told[0]
+    assert "step 5: 1 parameter already non-finite before SGD.step()" in told[1], told[1]
+    assert "skipped" in told[1] and BAD in told[1] and "after" not in told[1]
+    assert not [w for w in caught if "SGD.step()" in str(w.message)]  # one channel: the log
+    # the reports carry the same words, at the step they were told
+    assert [[w for w in r.warnings if "SGD.step()" in w] for r in reports] == [
+        [], [told[0].removeprefix("nanwatch: ")], [], [], [], [told[1].removeprefix("nanwatch: ")], []]
+
+
+def test_the_step_a_parameter_first_went_non_finite_is_named_when_it_is_known():
+    """The reporter side alone (real tensors, the decoded shapes): a parameter the rotating check saw
+    non-finite at step 3, first found by an optimizer check at step 4 whose update was skipped, is told at
+    step 4 as non-finite since step 3; a finite check ends the episode; an update writing it at step 7 is
+    told as written by the update."""
+    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, ParamBatch, read_batch
+    from nanwatch.wire import SiteStat
+
+    names = ["a.weight", "b.weight"]
+
+    def seen(values, phase="optimizer"):
+        batch = ParamBatch(pos=0, phase=phase, owner="SGD", names=names, dtypes=["float32"] * 2, numels=[4, 4],
+                           values=torch.tensor(values))
+        return read_batch(batch, values)
+
+    site = SiteStat(site="a.weight", kind="param", phase="forward", stage="train", dtype="float32", calls=1, numel=4,
+                    nan=1, inf=0, amax=math.nan, headroom=math.nan)
+    params = NonfiniteParams()
+    assert params.observe([], [site], step=3, skipped=True) == []  # no optimizer check yet: nothing told
+    told = params.observe([seen([math.nan, 1.0])], [site], step=4, skipped=True)
+    assert told == ["step 4: 1 parameter already non-finite before SGD.step(), which was skipped (it wrote "
+                    "nothing): a.weight (first seen non-finite at step 3); restore the weights"]
+    assert params.observe([seen([math.nan, 1.0], "forward"), seen([math.nan, 1.0])], [], step=5, skipped=True) == []
+    assert params.observe([seen([1.0, 1.0])], [], step=6, skipped=False) == []  # finite again: the episode ends
+    assert params.observe([seen([math.inf, math.inf])], [], step=7, skipped=False) == [
+        "step 7: 2 parameters non-finite after SGD.step(): the update wrote them (a.weight, b.weight)"]

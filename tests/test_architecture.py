@@ -225,7 +225,8 @@ def test_frameworks_are_only_imported_lazily_by_the_trainer_side():
             top = ast.parse(path.read_text()).body
             names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
-            assert not {n for n in names if n.split(".")[0] in ("transformers", "trl", "accelerate")}, name
+            assert not {n for n in names if n.split(".")[0] in ("transformers", "trl", "accelerate", "lightning",
+                                                                  "pytorch_lightning")}, name
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -318,11 +319,12 @@ def test_the_wheel_ships_the_product_and_nothing_else(tmp_path):
 #: third-party packages a shipped module may need; the rest of the environment is never blocked
 THIRD_PARTY = {"torch", "numpy", "fastapi", "starlette", "uvicorn", "httptools", "uvloop", "prometheus_client",
                "pydantic_settings", "transformers", "trl", "accelerate", "datasets", "httpx", "yaml",
-               "safetensors", "tensorboard", "grafana_foundation_sdk"}
+               "safetensors", "tensorboard", "grafana_foundation_sdk", "lightning", "pytorch_lightning"}
 #: what a package brings along when it is imported (so allowing it allows these)
 _BRINGS = {"torch": {"numpy"}, "fastapi": {"starlette"}, "uvicorn": {"httptools", "uvloop"}}
 #: the trainers an integration module hooks into (imported through a function, so the scan cannot see them)
-FRAMEWORKS = {"transformers", "trl", "accelerate", "datasets", "safetensors", "torch", "httpx", "yaml"}
+FRAMEWORKS = {"transformers", "trl", "accelerate", "datasets", "safetensors", "torch", "httpx", "yaml",
+              "lightning", "pytorch_lightning"}
 #: the dependencies a side's modules may need at all (pydantic and the standard library always)
 SIDE_DEPS = {
     "hooks": {"torch", "numpy"},

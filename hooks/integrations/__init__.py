@@ -2,6 +2,7 @@
 framework lazily, inside the functions that need it; importing the package costs nothing.
 
 * :mod:`nanwatch.hooks.integrations.transformers`: ``NanwatchCallback`` for HF ``Trainer`` (and so TRL).
+* :mod:`nanwatch.hooks.integrations.lightning`: ``NanwatchCallback`` for a Lightning ``Trainer``.
 * :mod:`nanwatch.hooks.integrations.trl`: the GRPO adapter the callback applies to a TRL ``GRPOTrainer``.
 """
 

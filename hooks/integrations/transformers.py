@@ -118,6 +118,7 @@ class NanwatchCallback(_trainer_base()):
         options["on_report"] = self._scalars.observer(self._options.get("on_report"))
         config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
+        self._scalars.follow(self.monitor)
         self._training = True
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)  # fp16: Accelerate's GradScaler
         if scaler is not None:
@@ -143,6 +144,7 @@ class NanwatchCallback(_trainer_base()):
     def on_step_end(self, args, state, control, **kwargs):
         if self._training:
             self.monitor.end_step()
+            self._scalars.ended = state.global_step  # the row HF logs next covers it
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()  # a normal end: the Monitor's final report goes (a train() that raised never gets here)

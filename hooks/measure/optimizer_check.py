@@ -23,12 +23,21 @@ again (phase ``forward``, as the rotating parameter check records), so every lat
 parameter first, not the attention layer it poisons (no precision remedy is offered for that). A
 parameter changed in place since (a checkpoint reload bumps its ``_version``) makes the carried values
 stale: they are then dropped.
+
+What is said about it (:class:`NonfiniteParams`, reporter thread): a parameter is told once per *episode*
+(from the first optimizer check that finds it non-finite until a check finds it finite again, e.g. after a
+restore), in the training log only, and the words say what happened: written by this update ("non-finite
+after AdamW.step(): the update wrote it"), or already non-finite before a step that was skipped (the
+weight guard's or a GradScaler's: a fused kernel skipped the update but the check still ran), with the step
+it first went non-finite when nanwatch saw it ("since step 3, written by SGD.step()", "first seen
+non-finite at step 5").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +46,8 @@ import torch
 from nanwatch.hooks.failsafe import contained
 from nanwatch.wire import Incident, dtype_name
 
-__all__ = ["MAX_NAMED", "BatchSeen", "OptimizerCheck", "ParamBatch", "optimizer_incident", "read_batch"]
+__all__ = ["MAX_NAMED", "BatchSeen", "NonfiniteParams", "OptimizerCheck", "ParamBatch", "optimizer_incident",
+           "read_batch"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (as ``nanwatch.hooks.instrument.probes.local_shard``; not imported from there:
@@ -94,6 +104,71 @@ def optimizer_incident(seen: BatchSeen, *, step: int) -> Incident:
         note=(f"born in the optimizer update ({b.owner}) at step {step}: {n} parameter{'s' if n != 1 else ''} "
               f"non-finite after step(), forward and backward finite; no precision switch helps (check eps "
               "and the learning rate for the parameters' dtype, and restore the weights)"))
+
+
+def _parameters(n: int) -> str:
+    return f"{n} parameter{'s' if n != 1 else ''}"
+
+
+class NonfiniteParams:
+    """Which parameters are non-finite, since when, and what the log was told: the optimizer checks' words
+    (see the module docstring). Reporter thread only.
+
+    Example usage::
+
+        params = NonfiniteParams()
+        for line in params.observe(stats.batches, stats.sites, step=5, skipped=True):
+            log.warning("nanwatch: %s", line)    # once per episode
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, str] = {}  # parameter name -> since when it is non-finite, in words
+        self._told: set[str] = set()  # parameters told in their current episode
+
+    def observe(self, batches: Sequence[BatchSeen], sites: Sequence[Any], *, step: int, skipped: bool) -> list[str]:
+        """The lines to tell for one step's decoded batches and sites (``skipped``: the step's update was
+        skipped, by the weight guard or a GradScaler, so the parameters it checked were not written)."""
+        for s in sites:  # a parameter seen non-finite (the rotating check, the carried values)
+            if s.kind == "param" and s.phase != "optimizer" and (s.nan or s.inf):
+                self._since.setdefault(s.site, f"first seen non-finite at step {step}")
+        lines = []
+        for seen in batches:
+            b = seen.batch
+            bad = [b.names[i] for i, _ in seen.bad]
+            for name in set(b.names).difference(bad):  # finite again: the episode is over
+                self._since.pop(name, None)
+                self._told.discard(name)
+            if b.phase == "optimizer":
+                new = [n for n in bad if n not in self._told]
+                if new:
+                    lines.append(self._words(b, new, step=step, skipped=skipped, total=len(bad)))
+                    self._told.update(new)
+            for name in bad:
+                self._since.setdefault(name, f"first seen non-finite at step {step}" if skipped or b.phase != "optimizer"
+                                       else f"since step {step}, written by {b.owner}.step()")
+        return lines
+
+    def _words(self, b: ParamBatch, new: list[str], *, step: int, skipped: bool, total: int) -> str:
+        more = f" (the first {MAX_NAMED} are sites)" if total > MAX_NAMED else ""
+        before = [n for n in new if n in self._since]
+
+        def named(names: list[str]) -> str:
+            head = ", ".join(f"{n} ({self._since.get(n, f'first seen non-finite at step {step}')})" for n in names[:3])
+            return head + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        if skipped:
+            return (f"step {step}: {_parameters(len(new))} already non-finite before {b.owner}.step(), which was "
+                    f"skipped (it wrote nothing): {named(new)}{more}; restore the weights")
+        written = [n for n in new if n not in before]
+        parts = []
+        if written:
+            it = "it" if len(written) == 1 else "them"
+            parts.append(f"step {step}: {_parameters(len(written))} non-finite after {b.owner}.step(){more}: the "
+                         f"update wrote {it} ({', '.join(written[:3])}{' ...' if len(written) > 3 else ''})")
+        if before:
+            parts.append(f"{'' if written else f'step {step}: '}{_parameters(len(before))} non-finite before "
+                         f"{b.owner}.step() and after it: {named(before)}")
+        return "; ".join(parts)
 
 
 class _Records(Protocol):

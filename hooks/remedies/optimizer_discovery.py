@@ -6,7 +6,9 @@ A global ``torch.optim.optimizer.register_optimizer_step_pre_hook`` runs before 
 Accelerate's inner optimizers are such subclasses). Each optimizer is looked at once (a weak set; later
 steps cost one set lookup): one whose parameter groups hold a parameter of the model is handed to the
 Monitor, which guards it from then on and, for this first call, is already inside its step (the pre-hook
-decides it: ``nanwatch.hooks.remedies.weight_guard.drop_grads_if_flagged``). Other models' optimizers are left
+decides it: ``nanwatch.hooks.remedies.weight_guard.drop_grads_if_flagged``; a ``step(closure)``'s closure is
+run there first, and the step gets a closure that returns that run's result: ``on_found`` may return new
+``(args, kwargs)`` for the step, as a step pre-hook may). Other models' optimizers are left
 alone, and an optimizer already guarded (passed explicitly, or by another Monitor) is not guarded twice.
 The hook is removed when the Monitor closes.
 
@@ -43,17 +45,20 @@ def steps_model(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer)
 
 
 class OptimizerDiscovery:
-    """Calls ``on_found(optimizer)`` once for each optimizer whose first step updates a parameter of
-    ``model`` (from inside that step, before its body runs); ``remove()`` takes the global hook off.
+    """Calls ``on_found(optimizer, args, kwargs)`` once for each optimizer whose first step updates a
+    parameter of ``model`` (from inside that step, before its body runs, with the step's arguments; what it
+    returns, None or new ``(args, kwargs)``, is the pre-hook's answer); ``remove()`` takes the global hook
+    off.
 
     Example usage::
 
-        disc = OptimizerDiscovery(model, on_found=lambda opt: print("found", type(opt).__name__))
+        disc = OptimizerDiscovery(model, on_found=lambda opt, args, kwargs: print("found", type(opt).__name__))
         opt.step()        # -> found AdamW
         disc.remove()
     """
 
-    def __init__(self, model: torch.nn.Module, *, on_found: Callable[[torch.optim.Optimizer], None]) -> None:
+    def __init__(self, model: torch.nn.Module, *,
+                 on_found: Callable[[torch.optim.Optimizer, tuple, dict], tuple[tuple, dict] | None]) -> None:
         self._params = {id(p) for p in model.parameters()}
         self._model = weakref.ref(model)
         self._on_found = on_found
@@ -61,17 +66,20 @@ class OptimizerDiscovery:
         self.found = 0
         self._handle = register_optimizer_step_pre_hook(self._pre_step)
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
         if optimizer in self._seen:
             return None
+        self._seen.add(optimizer)
         try:
-            self._seen.add(optimizer)
-            if self._steps_model(optimizer):
-                self.found += 1
-                self._on_found(optimizer)
+            found = self._steps_model(optimizer)
         except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
             probe_failed(exc)
-        return None  # the step's arguments unchanged
+            return None
+        if not found:
+            return None  # the step's arguments unchanged
+        self.found += 1
+        # not contained: the user's closure may run in there, and its exception is the step's
+        return self._on_found(optimizer, tuple(args), dict(kwargs))
 
     def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
         ids = self._params

@@ -17,12 +17,18 @@ import torch
 
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import WarnOnce, contained
+from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
-from nanwatch.hooks.remedies.weight_guard import WeightGuard, drop_grads_if_flagged, guard_of, inner_optimizer
+from nanwatch.hooks.remedies.weight_guard import (
+    WeightGuard,
+    drop_grads_if_flagged,
+    guard_of,
+    inner_optimizer,
+    run_closure,
+)
 
 __all__ = ["OptimizerHooks"]
 
@@ -93,17 +99,27 @@ class OptimizerHooks:
         self._checks[id(opt)] = check
         self._handles.append(check)
 
-    def found(self, optimizer: torch.optim.Optimizer) -> None:
-        """Discovery (inside ``optimizer``'s first step, training thread): check it and, under
+    def found(self, optimizer: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None
+              ) -> tuple[tuple, dict] | None:
+        """Discovery (inside ``optimizer``'s first step, its pre-hook, training thread): check it and, under
         ``guard="auto"``, guard it from now on and decide this call by dropping its gradients when the
-        step's flag is set. Every rank finds the same optimizer at the same step, so the flag's reduction
-        is issued on every rank."""
-        self.check(optimizer)
+        step's flag is set; a ``step(closure)``'s closure runs here first (its forward and backward are the
+        step's), and the step's new arguments come back (a closure returning that run's result). Every rank
+        finds the same optimizer at the same step, so the flag's reduction is issued on every rank."""
+        contained(self.check, optimizer)
         if self._config.guard != "auto" or guard_of(optimizer) is not None:
-            return
-        g = self.guard(optimizer, sync=None)
+            return None
+        try:
+            g = self.guard(optimizer, sync=None)
+        except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+            probe_failed(exc)
+            return None
         log.info("nanwatch: guarding %s, found stepping the model's parameters", type(g.optimizer).__name__)
-        drop_grads_if_flagged(g.optimizer, self._rec)
+        # a pre-hook's args start with the optimizer (step's self); the user's closure: its exception is the step's
+        head, rest = (args[:1], args[1:]) if args and args[0] is optimizer else ((), args)
+        had, _, rest, kwargs = run_closure(rest, kwargs or {})
+        contained(drop_grads_if_flagged, g.optimizer, self._rec)
+        return ((*head, *rest), kwargs) if had else None
 
     @property
     def effective(self) -> bool:

@@ -46,7 +46,7 @@ from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
 from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, Recorder
 
-__all__ = ["WeightGuard", "drop_grads_if_flagged", "guard_of", "inner_optimizer"]
+__all__ = ["FirstResult", "WeightGuard", "drop_grads_if_flagged", "guard_of", "inner_optimizer", "run_closure"]
 
 log = logging.getLogger("nanwatch")
 
@@ -85,6 +85,37 @@ def job_flag(rec: Recorder) -> torch.Tensor:
     except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
         probe_failed(exc)
         return rec.nonfinite_flag()
+
+
+class FirstResult:
+    """The closure handed to the real ``step()`` once the guard ran the user's closure itself: its first
+    call returns what that run returned (the optimizer's first evaluation is the one the guard decided on,
+    not a second forward and backward), later calls (LBFGS' line search) call the user's closure."""
+
+    def __init__(self, result: Any, closure: Any) -> None:
+        self.result, self.closure, self.used = result, closure, False
+
+    def __call__(self) -> Any:
+        if self.used:
+            return self.closure()
+        self.used = True
+        return self.result
+
+
+def run_closure(args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dict]:
+    """``optimizer.step(closure)``'s closure run now, before the guard decides (its forward and backward
+    are what the step's flag must cover): (whether there was one, what it returned, and ``step``'s
+    arguments with :class:`FirstResult` in its place). Run under ``torch.enable_grad()``, as every
+    ``torch.optim`` optimizer calls it."""
+    closure = kwargs.get("closure") if "closure" in kwargs else args[0] if args else None
+    if closure is None or not callable(closure):
+        return False, None, args, kwargs
+    with torch.enable_grad():
+        result = closure()
+    first = FirstResult(result, closure)
+    if "closure" in kwargs:
+        return True, result, args, {**kwargs, "closure": first}
+    return True, result, (first, *args[1:]), kwargs
 
 
 def drop_grads_if_flagged(optimizer: torch.optim.Optimizer, rec: Recorder) -> bool:
@@ -129,26 +160,33 @@ class WeightGuard:
         def step(_opt, *args, **kwargs):
             if self.removed or not (self.fused or host_read or directive_state.mode == "skip_step"):
                 return original(*args, **kwargs)  # unguarded (warned), or removed under another wrapper
+            # step(closure): the forward and backward run now, so that the flag covers them
+            _, loss, args, kwargs = run_closure(args, kwargs)
             flag = job_flag(rec)
             rec.slot(GUARD_SKIPPED, flag, how="max")
             if self.fused:
-                scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
-                opt.found_inf = flag if scaler_flag is None else torch.maximum(
-                    scaler_flag, flag.to(scaler_flag.device))
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    if scaler_flag is None:
-                        del opt.found_inf
-                    else:
-                        opt.found_inf = scaler_flag
+                return self._fused_step(original, flag, args, kwargs)
             if bool(flag):  # sync-ok: non-fused optimizer (GradScaler pays the same), or the skip_step directive
                 log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
-                return None
+                return loss  # the closure's loss, as step() would have returned it (None without one)
             return original(*args, **kwargs)
 
         self._installed = opt.step = types.MethodType(step, opt)
         _guards[opt] = weakref.ref(self)
+
+    def _fused_step(self, original: Any, flag: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """A fused optimizer's step with the flag as its ``found_inf`` (combined with a GradScaler's):
+        its kernels skip the update on the device, no host read."""
+        opt = self.optimizer
+        scaler_flag = opt.__dict__.get("found_inf")  # set by a GradScaler for this call
+        opt.found_inf = flag if scaler_flag is None else torch.maximum(scaler_flag, flag.to(scaler_flag.device))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if scaler_flag is None:
+                del opt.found_inf
+            else:
+                opt.found_inf = scaler_flag
 
     def remove(self) -> None:
         self.removed = True

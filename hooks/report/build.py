@@ -5,17 +5,20 @@ measured) attached and told once."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
-from nanwatch.hooks.measure.optimizer_check import MAX_NAMED, optimizer_incident
+from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]
+
+log = logging.getLogger("nanwatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,7 @@ class ReportBuilder:
         self._expects_logits = expects_logits
         self._warn = warn
         self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
+        self._params = NonfiniteParams()  # reporter thread only: non-finite parameters, told once per episode
 
     def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
         """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
@@ -50,7 +54,10 @@ class ReportBuilder:
         state = ctx.state
         loss_scale, overflow = _loss_scaling(state, stats)
         warns = list(state.warnings)
-        incident = self._optimizer_warnings(stats, state.incident, step, warns, overflow=overflow)
+        told = self._params.observe(stats.batches, stats.sites, step=step, skipped=bool(
+            stats.step_skipped or (state.loss_scaling and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
+        warns.extend(told)
+        incident = self._optimizer_incident(stats, state.incident, step, overflow=overflow)
         for f in stats.fingerprints:
             if f.cross_doc_leak:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "
@@ -61,7 +68,10 @@ class ReportBuilder:
                          "did not reach is missing, not unmeasured")
         coverage = self._coverage(state, stats.sites, stats.logits, warns, raised=ctx.raised is not None)
         for w in warns:
-            self._warn(w)
+            if w in told:  # one channel: the training log, once per episode (NonfiniteParams)
+                log.warning("nanwatch: %s", w)
+            else:
+                self._warn(w)
         first = stats.first_offender
         return StepReport(
             **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
@@ -73,18 +83,16 @@ class ReportBuilder:
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
             loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64])
 
-    def _optimizer_warnings(self, stats: StepStats, incident: Incident | None, step: int, warns: list[str], *,
+    def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,
                             overflow: bool | None) -> Incident | None:
-        """Warn of each optimizer update that wrote non-finite parameters; the step's incident is the
-        optimizer's when its first offender is such a parameter (once per run; never over a rerun's verdict
-        or a loss-scale overflow the scaler handled)."""
+        """The step's incident is the optimizer's when its first offender is a parameter an optimizer update
+        wrote non-finite (once per run; never over a rerun's verdict or a loss-scale overflow the scaler
+        handled)."""
         first = stats.first_offender
         for seen in stats.batches:
             b = seen.batch
             if not seen.bad or b.phase != "optimizer":
                 continue
-            more = f" (the first {MAX_NAMED} are sites)" if len(seen.bad) > MAX_NAMED else ""
-            warns.append(f"step {step}: {len(seen.bad)} parameters non-finite after {b.owner}.step(){more}")
             if (incident is None and not overflow and not self._optimizer_incident_done and first is not None
                     and first[:2] == (b.names[seen.bad[0][0]], "optimizer")):
                 self._optimizer_incident_done = True

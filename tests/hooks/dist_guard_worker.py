@@ -8,7 +8,8 @@ Wrappers: ``ddp`` (DistributedDataParallel, 2 micro-batches per step, the NaN in
 (``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2),
 ``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``ddp_sync`` (a non-fused optimizer guarded
 with ``sync=True``), ``subgroups`` (no wrapper, each rank its own
-``process_group``).
+``process_group``), ``ddp_closure``/``ddp_closure_sgd`` (DDP stepped by ``opt.step(closure)``, the forward and
+backward inside the step: fused AdamW, plain SGD).
 """
 
 import contextlib
@@ -104,6 +105,35 @@ def ddp_sync() -> list[dict]:
     model = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **CONFIG))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), sync=True)
+
+
+def _closure_loop(fused: bool) -> list[dict]:
+    """DDP, ``opt.step(closure)``: the closure's forward and backward run inside the guarded step, and
+    ``step()`` returns the closure's loss, skipped or not."""
+    model = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **CONFIG))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    batch: list[torch.Tensor] = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model(input_ids=batch[-1], labels=batch[-1]).loss
+        loss.backward()
+        return loss
+
+    def step():
+        loss = opt.step(closure)
+        assert isinstance(loss, torch.Tensor), loss
+
+    return _loop(model, opt, batch.append, step=step, sync=not fused)
+
+
+def ddp_closure() -> list[dict]:
+    return _closure_loop(fused=True)
+
+
+def ddp_closure_sgd() -> list[dict]:
+    return _closure_loop(fused=False)
 
 
 def subgroups() -> list[dict]:

@@ -29,7 +29,7 @@ pytest.importorskip("accelerate")
 
 WORKER = Path(__file__).with_name("dist_guard_worker.py")
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer", "ddp_sync", "subgroups", *(("zero1", "zero2") if DEEPSPEED else ()))
+WRAPPERS = ("ddp", "fsdp2", "accelerate", "trainer", "ddp_sync", "subgroups", "ddp_closure", "ddp_closure_sgd", *(("zero1", "zero2") if DEEPSPEED else ()))
 K, LAYER, TIMEOUT_S = 2, "model.layers.0.mlp", 300
 
 
@@ -87,6 +87,14 @@ def test_ddp_with_gradient_accumulation_every_rank_skips_the_step_rank_1_saw_a_n
 @pytest.mark.slow
 def test_a_non_fused_optimizer_guarded_with_sync_reads_the_jobs_flag(runs):
     _assert_the_job_skipped_step_k(*runs["ddp_sync"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["ddp_closure", "ddp_closure_sgd"], ids=["adamw_fused", "sgd"])
+def test_ddp_stepped_by_a_closure_every_rank_skips_the_step_rank_1_saw_a_nan_in(runs, wrapper):
+    """``opt.step(closure)``: the forward and backward run inside the step, after the guard was entered; the
+    guard runs the closure first, so the job's flag (reduced over both ranks) covers them (#26)."""
+    _assert_the_job_skipped_step_k(*runs[wrapper])
 
 
 @pytest.mark.slow

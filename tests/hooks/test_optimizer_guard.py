@@ -8,6 +8,8 @@ class ``optimizer`` at step 0, and the local rules never offer ``fp32``."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import warnings
 
@@ -34,8 +36,10 @@ def _nan_at(model, step_of, k: int = K) -> None:
 
 
 def _make(kind: str, model):
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind in ("sgd", "sgd_fused"):
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=kind == "sgd_fused" or None)
+    if kind == "lbfgs":
+        return torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
     return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=kind == "adamw_foreach" or None,
                              fused=kind == "adamw_fused" or None)
 
@@ -243,3 +247,153 @@ def test_sync_false_opts_one_optimizer_out_of_the_host_read():
         with pytest.warns(RuntimeWarning, match="skips a step of SGD only under the skip_step directive"):
             g = mon.guard(opt, sync=False)
         assert not g.effective
+
+
+# ---- optimizer.step(closure): the forward and backward run inside step() (#26, finding 1) ----------------
+
+CLOSURE_KINDS = ["adamw_fused", "adamw", "sgd_fused", "sgd", "lbfgs"]
+
+
+def _run_closure(kind: str, *, passed: bool | None, k: int = K, steps: int = K + 2, skip: frozenset = frozenset(),
+                 caplog=None):
+    """Train with ``opt.step(closure)``, the closure's forward NaN at step ``k``; ``passed=None``: no
+    nanwatch at all, the steps in ``skip`` not stepped (the reference run). Per step: a row of (report,
+    closure calls, the loss step() returned is the closure's first, weights finite, weights moved), and the
+    weights at the end."""
+    model = _model()
+    now = [0]
+    _nan_at(model, lambda: now[0], k)
+    opt = _make(kind, model)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off",
+                                                          optimizer=opt if passed else None)
+        for n in range(steps):
+            now[0] = n
+            before = [p.detach().clone() for p in model.parameters()]
+            ids = token_ids(2, 16, seed=n, vocab=64)
+            losses = []
+
+            def closure(ids=ids, losses=losses):
+                opt.zero_grad()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss)
+                return loss
+
+            with mon.step(n) if mon is not None else contextlib.nullcontext():
+                out = None if n in skip else opt.step(closure)
+            rows.append({"report": mon.last_report() if mon is not None else None, "calls": len(losses),
+                         "returned": out is not None and out is losses[0],
+                         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                         "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))})
+        if mon is not None:
+            mon.close()
+    return rows, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "found"])
+@pytest.mark.parametrize("kind", CLOSURE_KINDS)
+def test_a_closure_step_is_decided_on_what_its_forward_and_backward_saw(kind, passed, caplog):
+    caplog.set_level(logging.WARNING, logger="nanwatch")
+    rows, weights = _run_closure(kind, passed=passed)
+    ref, ref_weights = _run_closure(kind, passed=None, skip=frozenset({K}))  # no nanwatch, step K not taken
+    assert [r["finite"] for r in rows] == [True] * len(rows)
+    assert [r["report"].step_skipped for r in rows] == [False] * K + [True, False]
+    assert [r["moved"] for r in rows] == [True] * K + [False, True]  # the next clean step trains
+    assert all(r["returned"] for r in rows)  # step() returns the closure's loss, skipped or not
+    # the closure ran as often as the optimizer calls it (LBFGS: several times), once at the skipped step
+    assert [r["calls"] for r in rows] == [1 if n == K else ref[n]["calls"] for n in range(len(rows))]
+    assert kind != "lbfgs" or all(r["calls"] > 1 for n, r in enumerate(rows) if n != K)
+    # the same training as a loop that did not take step K at all
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+    assert rows[K]["report"].first_offender == "model.layers.0.mlp"
+    lines = [r.getMessage() for r in caplog.records if f"step {K} (train): non-finite at" in r.getMessage()]
+    assert len(lines) == 1 and "step skipped (weights not updated)" in lines[0], lines
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused", "lbfgs"])
+def test_a_found_optimizer_whose_first_closure_step_is_nan_is_skipped(kind):
+    # found inside its first step, before step() calls the closure: the discovery hook runs it and decides
+    rows, _ = _run_closure(kind, passed=False, k=0, steps=2)
+    assert [(r["report"].step_skipped, r["finite"], r["moved"], r["returned"]) for r in rows] == [
+        (True, True, False, True), (False, True, True, True)]
+    assert rows[0]["calls"] == 1
+
+
+# ---- what the optimizer check says about a parameter (#26, finding 7) -----------------------------------
+
+BAD = "model.layers.0.mlp.down_proj.weight"
+
+
+def test_a_parameter_already_non_finite_before_a_skipped_step_is_told_as_such_once_per_episode(caplog):
+    """Fused SGD (its post-step check runs on a skipped step too: the kernel skipped, the call did not).
+    Episode 1: the update itself writes Inf into one parameter at step 1 (its gradient turned Inf by a hook
+    nanwatch does not measure: forward and backward finite), and steps 2-3 are skipped on it. Episode 2:
+    the weights and optimizer state restored at step 4 (finite again), then the parameter overwritten with NaN by hand before
+    step 5, and steps 5-6 skipped. Each episode is told once, in the training log only (no RuntimeWarning),
+    and says what happened: written by the update, or already non-finite before a step that was skipped."""
+    caplog.set_level(logging.WARNING, logger="nanwatch")
+    model = _model()
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    param = model.get_parameter(BAD)
+    now = [0]
+    param.register_hook(lambda g: g * math.inf if now[0] == 1 else g)
+    opt = _make("sgd_fused", model)
+    reports = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.attach(model, run_id="told", optimizer=opt, directive_source="off") as mon:
+            for n in range(7):
+                now[0] = n
+                if n == 4:  # a restore: the weights and the optimizer's state (its momentum holds the Inf)
+                    model.load_state_dict(good)
+                    opt.state.clear()
+                if n == 5:
+                    with torch.no_grad():
+                        param[0, 0] = math.nan
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    assert [r.step_skipped for r in reports] == [False, False, True, True, False, True, True]
+    told = [r.getMessage() for r in caplog.records if "SGD.step()" in r.getMessage()]
+    assert len(told) == 2, told
+    assert "step 1: 1 parameter non-finite after SGD.step()" in told[0] and "the update wrote it" in told[0]
+    assert "step 5: 1 parameter already non-finite before SGD.step()" in told[1], told[1]
+    assert "skipped" in told[1] and BAD in told[1] and "after" not in told[1]
+    assert not [w for w in caught if "SGD.step()" in str(w.message)]  # one channel: the log
+    # the reports carry the same words, at the step they were told
+    assert [[w for w in r.warnings if "SGD.step()" in w] for r in reports] == [
+        [], [told[0].removeprefix("nanwatch: ")], [], [], [], [told[1].removeprefix("nanwatch: ")], []]
+
+
+def test_the_step_a_parameter_first_went_non_finite_is_named_when_it_is_known():
+    """The reporter side alone (real tensors, the decoded shapes): a parameter the rotating check saw
+    non-finite at step 3, first found by an optimizer check at step 4 whose update was skipped, is told at
+    step 4 as non-finite since step 3; a finite check ends the episode; an update writing it at step 7 is
+    told as written by the update."""
+    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, ParamBatch, read_batch
+    from nanwatch.wire import SiteStat
+
+    names = ["a.weight", "b.weight"]
+
+    def seen(values, phase="optimizer"):
+        batch = ParamBatch(pos=0, phase=phase, owner="SGD", names=names, dtypes=["float32"] * 2, numels=[4, 4],
+                           values=torch.tensor(values))
+        return read_batch(batch, values)
+
+    site = SiteStat(site="a.weight", kind="param", phase="forward", stage="train", dtype="float32", calls=1, numel=4,
+                    nan=1, inf=0, amax=math.nan, headroom=math.nan)
+    params = NonfiniteParams()
+    assert params.observe([], [site], step=3, skipped=True) == []  # no optimizer check yet: nothing told
+    told = params.observe([seen([math.nan, 1.0])], [site], step=4, skipped=True)
+    assert told == ["step 4: 1 parameter already non-finite before SGD.step(), which was skipped (it wrote "
+                    "nothing): a.weight (first seen non-finite at step 3); restore the weights"]
+    assert params.observe([seen([math.nan, 1.0], "forward"), seen([math.nan, 1.0])], [], step=5, skipped=True) == []
+    assert params.observe([seen([1.0, 1.0])], [], step=6, skipped=False) == []  # finite again: the episode ends
+    assert params.observe([seen([math.inf, math.inf])], [], step=7, skipped=False) == [
+        "step 7: 2 parameters non-finite after SGD.step(): the update wrote them (a.weight, b.weight)"]

@@ -434,3 +434,42 @@ def test_a_normal_train_ends_with_a_final_report(tmp_path):
     assert [(r.final, r.step) for r in finals] == [(True, 3)] and reports[-1].step == 3
     (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
     assert not cb.monitor.last_report().final  # last_report() stays the last step's
+
+
+def test_each_tensorboard_row_describes_its_own_steps(tmp_path):
+    """Every training row's ``nanwatch/*`` covers exactly the steps up to the row's own: the NaN step's row
+    counts it (not the next one), and the first row has them. A slow ``on_report`` (0.3 s a report) keeps the
+    reporter behind the training thread, as a busy one is: the row must wait for its step's report."""
+    pytest.importorskip("tensorboard")
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, now, reports = _model(), _StepOf(), []
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan) if now.step == 1 else None)
+    args = _args(tmp_path, report_to="tensorboard", gradient_checkpointing=False, bf16=False,
+                 gradient_accumulation_steps=1, max_steps=4, optim="adamw_torch_fused")
+
+    def slow(report):
+        reports.append(report)
+        time.sleep(0.3)
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset(8),
+                                   callbacks=[now, NanwatchCallback(run_id="rows", on_report=slow)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    (events,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    train = [r for r in reports if r.stage == "train" and not r.final]
+    assert [r.step for r in train] == [1, 2, 3, 4]
+    rows = {e.step for e in acc.Scalars("train/loss")}
+    assert rows == {1, 2, 3, 4}
+    for tag, counted in (("nonfinite_steps", lambda r: r.first_offender is not None),
+                         ("skipped_steps", lambda r: r.step_skipped)):
+        got = {e.step: e.value for e in acc.Scalars(f"train/nanwatch/{tag}") if e.step in rows}
+        want = {s: float(sum(counted(r) for r in train if r.step <= s)) for s in rows}
+        assert want == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
+        assert got == want, tag

@@ -17,6 +17,19 @@ ran); on a GPU it waits for the step's queued kernels before the optimizer's are
 ``nanwatch bench optimizer`` (README, 'Speed'). ``guard(opt, sync=False)`` opts one optimizer out of the
 read (only the ``skip_step`` directive protects it then), ``MonitorConfig.guard="off"`` all of them.
 
+``optimizer.step(closure)`` (LBFGS always; any optimizer, and Lightning's automatic optimization): the
+forward and backward run inside ``step()``, after the guard was entered. So the guard runs the closure
+first itself (under ``torch.enable_grad()``, as the optimizers do), then decides on the flag, which now
+covers that forward and backward, then calls the real ``step`` with a closure (:class:`FirstResult`) whose
+first call returns what the guard's run returned and whose later calls (LBFGS' line search) call the
+user's closure: the closure runs exactly as often as without nanwatch. A skipped step does not call the
+real ``step`` (or, fused, passes the flag as ``found_inf``) and returns the closure's loss, as ``step``
+would. The cost rules are the same with a closure: fused, the flag stays on the device; other optimizers,
+one host read. The decision covers the first evaluation (the gradient at the current weights); an LBFGS
+evaluation at a trial point later in the same step is measured and reported, and a value it writes into
+the weights is named by the optimizer check, but that step is not undone. The discovery pre-hook
+(``nanwatch.hooks.remedies.optimizer_discovery``) does the same at an optimizer's first step.
+
 The guard wraps ``step`` on the instance as a bound method (an LR scheduler created later wraps it in
 turn, through ``step.__func__``) and ``remove()`` puts back what was there, or, when something wrapped it
 since, turns the wrapper into a pass-through. An optimizer is guarded once, whatever number of Monitors

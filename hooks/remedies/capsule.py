@@ -9,14 +9,18 @@ step changes the weights) and writes them on a background thread, in **one safet
 ``<dir>/<run_id>-r<rank>-s<step>-<cls>.capsule``:
 
 - tensors ``param.<name>``, ``buffer.<name>``, ``arg.<i>[.<j>...]``, ``kwarg.<name>[.<j>...]``, ``rng.cpu``,
-  ``rng.cuda.<i>``;
+  ``rng.cuda.<i>``; an HF ``DynamicCache`` (or an ``EncoderDecoderCache`` of two) among the arguments as it
+  stood at the call's start (``nanwatch.hooks.measure.kept_forward.freeze``): ``kwarg.past_key_values.<layer>.
+  keys``/``.values`` per filled layer, an empty layer recorded as absent, rebuilt by the replay; any other
+  cache class is not recorded and is named;
 - the safetensors metadata (str -> str), key ``nanwatch.capsule``, holding one JSON document: format version,
   the module's class path and FQN, for HF modules ``config`` (``config.to_dict()``, its class path and the
   attention implementation) and constructor hints (``layer_idx``), for ``torch.nn`` modules the constructor
   arguments recovered from its attributes, the structure of the call's arguments (non-tensor values that
   are JSON-able; others listed as dropped), autocast and default dtype, the SDPA backend flags (which an
   ``sdpa_kernel`` context sets), torch/transformers versions, device, host, the nanwatch Incident, the size
-  limit and what was dropped beyond it.
+  limit and what was dropped beyond it (each entry names the argument, its type and why), and ``digests``:
+  the BLAKE2b of each tensor's raw bytes, which the replay checks before using any of them.
 
 Nothing is pickled: a capsule is tensors plus JSON, so opening one cannot run code.
 
@@ -37,6 +41,7 @@ only, so there is no faulting call to capture; ``nanwatch replay`` refuses such 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
@@ -50,11 +55,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "META_KEY", "CapsuleWriter", "capsule_settings"]
+from nanwatch.hooks.measure.kept_forward import CacheAtCall, freeze
+
+__all__ = ["FORMAT", "FORMATS", "META_KEY", "CapsuleWriter", "capsule_settings", "digest"]
 
 log = logging.getLogger("nanwatch")
 
-FORMAT = "nanwatch.capsule/1"
+FORMAT = "nanwatch.capsule/2"
+#: the formats ``nanwatch replay`` reads: /1 has no per-tensor digests (its bytes cannot be checked)
+FORMATS = ("nanwatch.capsule/1", FORMAT)
 META_KEY = "nanwatch.capsule"
 _SAFE = re.compile(r"[^A-Za-z0-9._=+@-]")
 _JSON_SCALARS = (type(None), bool, int, float, str)
@@ -80,6 +89,12 @@ def capsule_settings(enabled: bool | None, max_count: int | None, directory: str
     if count < 0 or limit < 4096:
         raise ValueError(f"capsule_max must be >= 0 and capsule_max_bytes >= 4096, got {count} and {limit}")
     return bool(on) and count > 0, count, os.fspath(folder), limit
+
+
+def digest(t: torch.Tensor) -> str:
+    """The BLAKE2b (16 bytes, hex) of a CPU tensor's raw bytes, as safetensors stores them (contiguous)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()
 
 
 def _class_path(obj: Any) -> str:
@@ -172,8 +187,9 @@ class _Packer:
     used: int = 0
 
     def tensor(self, key: str, t: torch.Tensor) -> dict[str, Any]:
-        # the header entry of a tensor: its name, dtype, shape and offsets (about 80 bytes and the name)
-        need = t.numel() * t.element_size() + len(key) + 96
+        # the header entry of a tensor (its name, dtype, shape and offsets: about 80 bytes and the name) and
+        # its digest in the metadata (the name again and 32 hex digits, escaped once more)
+        need = t.numel() * t.element_size() + 3 * len(key) + 160
         if self.used + need > self.budget:
             self.dropped.append(f"{key} ({tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, "
                                 f"{t.numel() * t.element_size()} bytes)")
@@ -186,6 +202,10 @@ class _Packer:
     def pack(self, key: str, x: Any) -> dict[str, Any]:
         if isinstance(x, torch.Tensor):
             return self.tensor(key, x)
+        if not isinstance(x, CacheAtCall):
+            x = freeze((x,), {})[0][0]  # an HF cache handed over as it stands: its state now
+        if isinstance(x, CacheAtCall):
+            return self.cache(key, x)
         if isinstance(x, _JSON_SCALARS):
             return {"value": x}
         if isinstance(x, torch.dtype):
@@ -194,8 +214,33 @@ class _Packer:
             return {"seq": [self.pack(f"{key}.{i}", v) for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
         if isinstance(x, dict) and all(isinstance(k, str) for k in x):
             return {"dict": {k: self.pack(f"{key}.{k}", v) for k, v in x.items()}}
-        self.dropped.append(f"{key} ({type(x).__module__}.{type(x).__qualname__}: not a tensor nor JSON)")
-        return {"dropped": _class_path(x)}
+        return self.drop(key, _class_path(x), "not a tensor nor JSON")
+
+    def drop(self, key: str, cls: str, why: str) -> dict[str, Any]:
+        """An argument not recorded: named (which argument, which type, why) here and in the metadata."""
+        self.dropped.append(f"{key} ({cls}: {why})")
+        return {"dropped": cls, "name": key, "why": why}
+
+    def cache(self, key: str, c: CacheAtCall) -> dict[str, Any]:
+        """An HF cache as it stood at the call's start: its layers' keys and values (an empty layer as
+        absent), rebuilt by ``nanwatch replay`` from an allow-list of cache classes; any other cache is dropped
+        and named."""
+        if c.state is None:
+            return self.drop(key, c.cls, c.why)
+        return {"cache": self._cache_state(key, c.state)}
+
+    def _cache_state(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
+        if "layers" not in state:  # an EncoderDecoderCache: its two DynamicCaches
+            return {**state, "self": self._cache_state(f"{key}.self", state["self"]),
+                    "cross": self._cache_state(f"{key}.cross", state["cross"])}
+        layers = []
+        for i, row in enumerate(state["layers"]):
+            row = dict(row)
+            for part in ("keys", "values"):
+                if row[part] is not None:
+                    row[part] = self.tensor(f"{key}.{i}.{part}", row[part])
+            layers.append(row)
+        return {**state, "layers": layers}
 
 
 def _sdpa_flags() -> dict[str, bool]:
@@ -301,14 +346,17 @@ class CapsuleWriter:
             from safetensors.torch import save_file
 
             tmp = f"{path}.{os.getpid()}.tmp"
+            meta["digests"] = {k: digest(t) for k, t in tensors.items()}  # checked before a replay uses them
             save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, default=str)})
             size = os.path.getsize(tmp)
             if size > self.max_bytes:  # the reserve is generous; never leave a file beyond the limit
                 os.remove(tmp)
                 raise RuntimeError(f"{size} bytes would exceed capsule_max_bytes {self.max_bytes}")
             os.replace(tmp, path)  # readers never see half a capsule
-            log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: nanwatch replay %s",
-                        path, size, f", {len(meta['dropped'])} tensors dropped" if meta["dropped"] else "", path)
+            dropped = meta["dropped"]
+            log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: nanwatch replay %s", path,
+                        size, f"; {len(dropped)} not recorded: {'; '.join(dropped[:4])}{'; ...' if len(dropped) > 4 else ''}"
+                        if dropped else "", path)
         except Exception as exc:  # noqa: BLE001 - the writer thread must not die loudly
             self._warn(f"capsule {path} not written: {type(exc).__name__}: {exc}")
 

@@ -35,9 +35,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nanwatch.hooks.remedies.capsule import FORMAT, META_KEY
+from nanwatch.hooks.measure.kept_forward import build_cache
+from nanwatch.hooks.remedies.capsule import FORMATS, META_KEY, digest
 
-__all__ = ["CapsuleError", "main", "open_capsule", "replay_capsule"]
+__all__ = ["CapsuleError", "call_inputs", "main", "open_capsule", "rebuild", "replay_capsule"]
 
 SETTINGS = ("same", "fp32", "math", "flash", "efficient", "cudnn")
 _MAX_HEADER = 100 << 20
@@ -75,9 +76,9 @@ def open_capsule(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     except (UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise CapsuleError(f"{path}: not a nanwatch capsule (a safetensors header without nanwatch's metadata)") \
             from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
         raise CapsuleError(f"{path}: capsule format {meta.get('format') if isinstance(meta, dict) else None!r} "
-                           f"is not {FORMAT!r}")
+                           f"is not one of {FORMATS}")
     from safetensors import safe_open
 
     try:
@@ -85,7 +86,27 @@ def open_capsule(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     except Exception as e:  # noqa: BLE001 - a malformed file is refused, whatever safetensors says
         raise CapsuleError(f"{path}: unreadable safetensors body: {e}") from None
+    _check_digests(path, meta, tensors)
     return meta, tensors
+
+
+def _check_digests(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Each tensor's bytes against the digest recorded when it was written: a damaged capsule is refused
+    (naming the tensor) before any of it is used. A format-1 capsule has none (``meta["digests"]`` absent)."""
+    if meta.get("format") == FORMATS[0]:
+        return
+    digests = meta.get("digests")
+    if not isinstance(digests, dict):
+        raise CapsuleError(f"{path}: damaged: the capsule's tensor digests are missing")
+    for key in sorted(set(digests) | set(tensors)):
+        if key not in tensors:
+            raise CapsuleError(f"{path}: damaged: tensor {key} is missing")
+        if key not in digests:
+            raise CapsuleError(f"{path}: damaged: tensor {key} was not written with the capsule (no digest)")
+        if digest(tensors[key]) != digests[key]:
+            raise CapsuleError(f"{path}: damaged: tensor {key}'s bytes differ from those written "
+                               f"({tuple(tensors[key].shape)} {str(tensors[key].dtype).removeprefix('torch.')}); "
+                               "it is not replayed")
 
 
 def _import(path: str, what: str) -> type:
@@ -153,23 +174,44 @@ def rebuild(meta: dict[str, Any], tensors: dict[str, Any]):
     return module
 
 
-def _unpack(spec: dict[str, Any], tensors: dict[str, Any], device) -> Any:
+def _unpack(spec: dict[str, Any], tensors: dict[str, Any], device, fp32: bool = False) -> Any:
+    """A recorded argument, rebuilt on ``device`` (a fresh HF cache at each call: the module appends to it);
+    ``fp32``: its floating tensors, a cache's included, as float32."""
     import torch
+
+    def tensor(key: str):
+        t = tensors[key].to(device)
+        return t.float() if fp32 and t.is_floating_point() else t
 
     if "tensor" in spec:
         if spec.get("dropped"):
             raise CapsuleError(f"input {spec['tensor']} was dropped by the capsule's size limit: cannot replay")
-        return tensors[spec["tensor"]].to(device)
+        return tensor(spec["tensor"])
     if "value" in spec:
         return spec["value"]
     if "dtype" in spec:
         return getattr(torch, spec["dtype"])
     if "seq" in spec:
-        items = [_unpack(s, tensors, device) for s in spec["seq"]]
+        items = [_unpack(s, tensors, device, fp32) for s in spec["seq"]]
         return tuple(items) if spec.get("tuple") else items
     if "dict" in spec:
-        return {k: _unpack(s, tensors, device) for k, s in spec["dict"].items()}
-    raise CapsuleError(f"an input could not be recorded ({spec.get('dropped')}): cannot replay")
+        return {k: _unpack(s, tensors, device, fp32) for k, s in spec["dict"].items()}
+    if "cache" in spec:
+        try:  # from the allow-list of cache classes and layer kinds only; nothing the capsule names is imported
+            return build_cache(spec["cache"], lambda s: None if s is None else _unpack(s, tensors, device, fp32))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CapsuleError(f"a recorded cache cannot be rebuilt: {e}") from None
+    what = f"input {spec['name']} ({spec.get('dropped')}: {spec.get('why')})" if "name" in spec else \
+        f"an input ({spec.get('dropped')})"
+    raise CapsuleError(f"{what} could not be recorded: cannot replay")
+
+
+def call_inputs(meta: dict[str, Any], tensors: dict[str, Any], device: str = "cpu", *, fp32: bool = False
+                ) -> tuple[tuple, dict]:
+    """The recorded call's (args, kwargs) on ``device``, built afresh at each call (a module appends to an HF
+    cache); ``fp32``: floating tensors as float32. CapsuleError for an input that was not recorded."""
+    return (tuple(_unpack(s, tensors, device, fp32) for s in meta.get("args", [])),
+            {k: _unpack(s, tensors, device, fp32) for k, s in meta.get("kwargs", {}).items()})
 
 
 def _float32(x: Any) -> Any:
@@ -280,22 +322,16 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
         raise
     except Exception as e:  # noqa: BLE001 - a constructor that fails here: say so, exit 2
         raise CapsuleError(f"rebuilding {meta['build'].get('class')} failed: {type(e).__name__}: {e}") from None
-    args = tuple(_unpack(s, tensors, device) for s in meta.get("args", []))
-    kwargs = {k: _unpack(s, tensors, device) for k, s in meta.get("kwargs", {}).items()}
+    call_inputs(meta, tensors, device)  # an input that cannot be rebuilt: exit 2 before anything runs
     if "same" not in settings:
         settings = ["same", *settings]
-    rows = [_run_setting(s, module, args, kwargs, meta, tensors, device) for s in settings]
+    rows = [_run_setting(s, module, *call_inputs(meta, tensors, device, fp32=s == "fp32"), meta, tensors, device)
+            for s in settings]
     same = rows[[r["setting"] for r in rows].index("same")]
-    ran = [r for r in rows if r["status"] in ("finite", "nonfinite")]
     if same["status"] not in ("finite", "nonfinite"):
         raise CapsuleError(f"the module could not run under its recorded settings: {same.get('note')}")
-    if same["status"] == "finite":
-        cls, code = "not_reproducible", 1
-    elif all(r["status"] == "nonfinite" for r in ran):
-        cls, code = "data_mask", 0
-    else:
-        cls, code = "precision", 0
-    return {"capsule": path, "fqn": meta.get("fqn"), "class_path": meta["build"]["class"], "device": device,
+    cls, code, undecided = _verdict(rows)
+    return {"undecided": undecided, "capsule": path, "fqn": meta.get("fqn"), "class_path": meta["build"]["class"], "device": device,
             "capture": meta.get("capture", {"of": "birth"}),
             "recorded": {"host": meta.get("host"), "device": meta.get("device"),
                          "incident_cls": meta.get("incident", {}).get("cls"),
@@ -303,12 +339,30 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
             "dropped": meta.get("dropped", []), "rows": rows, "cls": cls, "exit": code}
 
 
+def _verdict(rows: list[dict[str, Any]]) -> tuple[str, int, str | None]:
+    """(class, exit code, what could not be decided) from the settings that ran, and only those: non-finite
+    under ``same`` and finite under another setting is precision; non-finite under ``fp32`` too (the setting
+    that decides it: the strongest precision switch) is data_mask; without ``fp32`` having run, whether a
+    precision switch helps is not decided (class ``undecided``)."""
+    by = {r["setting"]: r["status"] for r in rows}
+    if by["same"] == "finite":
+        return "not_reproducible", 1, None
+    if any(v == "finite" for v in by.values()):
+        return "precision", 0, None
+    if by.get("fp32") == "nonfinite":
+        return "data_mask", 0, None
+    why = "fp32 did not run" if "fp32" not in by else f"fp32 could not run here ({by['fp32']})"
+    return "undecided", 0, why
+
+
 _MEANING = {"precision": "non-finite on the recorded path, finite under another setting: a precision fallback helps",
             "data_mask": "non-finite under every setting that ran: the inputs or weights carry it (no precision "
                          "switch helps)",
             "not_reproducible": "finite under the recorded settings on this host: replay it on the host that "
                                 "raised it and on another; reproducible only there points at that host "
-                                "(silent data corruption), nowhere at a race or a fault outside this module"}
+                                "(silent data corruption), nowhere at a race or a fault outside this module",
+            "undecided": "non-finite under every setting that ran, but without fp32 whether a precision switch "
+                         "helps (precision) or the inputs or weights carry it (data_mask) is not decided here"}
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -321,7 +375,7 @@ def _table(result: dict[str, Any]) -> str:
         lines.append("call     the first offender's call in the trainer's finite re-run (no birth was found there): "
                      "the inputs training fed it")
     if result["dropped"]:
-        lines.append(f"dropped by the size limit: {', '.join(result['dropped'][:4])}")
+        lines.append(f"not recorded: {'; '.join(result['dropped'][:4])}")
     lines.append(f"{'setting':<10} {'reproduces':<11} {'non-finite':>10} {'max |x| finite':>15}  note")
     for r in result["rows"]:
         if r["status"] in ("finite", "nonfinite"):
@@ -334,6 +388,9 @@ def _table(result: dict[str, Any]) -> str:
         else:
             lines.append(f"{r['setting']:<10} {r['status']:<11} {'-':>10} {'-':>15}  {r.get('note', '')}")
     lines.append(f"class    {result['cls']}: {_MEANING[result['cls']]}")
+    if result["cls"] == "undecided":
+        lines.append(f"         {result['undecided']}: add --try fp32 to decide it; the trainer recorded class "
+                     f"{rec['incident_cls']}")
     return "\n".join(lines)
 
 

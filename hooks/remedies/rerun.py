@@ -65,7 +65,7 @@ from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
 from nanwatch.hooks.measure.decode import step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
-from nanwatch.hooks.measure.kept_forward import KeptForward
+from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
 from nanwatch.wire import Incident
@@ -101,8 +101,8 @@ def _first_call(module: torch.nn.Module, sink: list) -> Any:
     """A forward pre-hook handle that puts ``module``'s first call (its arguments by reference, the CPU RNG
     state at its start) into ``sink``: the call a not-reproducible incident's capsule holds."""
     def enter(mod, args, kwargs) -> None:
-        if not sink:
-            sink.append((args, dict(kwargs), torch.get_rng_state()))
+        if not sink:  # an HF cache as it stood at the call's start, not as the call leaves it
+            sink.append((*freeze(args, dict(kwargs))[:2], torch.get_rng_state()))
 
     return module.register_forward_pre_hook(enter, with_kwargs=True)
 
@@ -150,7 +150,7 @@ class _Finishes:
         self.records: list[_Record] = []
         self.calls: list[tuple[tuple, dict, torch.Tensor | None]] = []  # per record: the call, its CPU RNG
         self.masked: list[torch.Tensor] = []
-        self._started: dict[int, list[torch.Tensor | None]] = {}
+        self._started: dict[int, list[tuple]] = {}  # per module: (CPU RNG, the call frozen) at each start
 
     def hooks(self, model: torch.nn.Module) -> list:
         named = [(n, m) for n, m in model.named_modules() if n]
@@ -159,12 +159,12 @@ class _Finishes:
             handles += [m.register_forward_pre_hook(self._enter, with_kwargs=True) for _, m in named]
         return handles
 
-    def _enter(self, module, args, kwargs) -> None:  # the RNG state a capsule replays the call from
-        self._started.setdefault(id(module), []).append(torch.get_rng_state() if self.capture else None)
+    def _enter(self, module, args, kwargs) -> None:  # the RNG state and HF caches a capsule replays the call from
+        self._started.setdefault(id(module), []).append((torch.get_rng_state(), *freeze(args, kwargs)[:2]))
 
     def _finish(self, name: str, module, args, kwargs, output) -> None:
         started = self._started.get(id(module))
-        rng = started.pop() if started else None
+        rng, call_args, call_kwargs = started.pop() if started else (None, args, kwargs)
         mask = kwargs.get("attention_mask")
         if not self.masked and isinstance(mask, torch.Tensor) and mask.dim() == 4:
             self.masked.append(dead_rows(mask).all(dim=1))
@@ -175,7 +175,7 @@ class _Finishes:
                    else torch.zeros((), dtype=torch.bool, device=t.device))
             rows = bad.flatten(2).any(dim=-1) if bad.dim() >= 3 else None  # [B, S, ...] -> [B, S]
             self.records.append((name, module, bad.any(), bad.sum(), fed.to(t.device), rows))
-            self.calls.append((args, kwargs, rng))
+            self.calls.append((call_args, call_kwargs, rng))
 
 
 def _drill(model: torch.nn.Module, probes: Probes, kept: KeptForward, capture: bool = False

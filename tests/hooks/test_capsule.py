@@ -9,6 +9,11 @@ training code, says whether it reproduces and why.
 | a one-shot hook NaN-ing ``down_proj``'s output (training only) | the first offender's call in the re-run | finite: not reproducible, exit 1; the host counter +1 |
 | a pickle payload named ``.capsule``        | -                       | refused (exit 2), never unpickled      |
 | a birth module beyond a small size limit   | under the limit, dropped tensors listed; replay refuses (exit 2) |
+| the README loop as written (``use_cache`` default: a DynamicCache) | ``layers.0.self_attn`` | precision, in a fresh process |
+| an empty or filled DynamicCache at the call | the attention module    | the rebuilt cache gives the same output |
+| a cache class not on the allow-list         | named in the log and the replay | exit 2, naming it              |
+| one byte flipped inside a tensor            | -                       | exit 2, "damaged", naming the tensor   |
+| ``--try`` without fp32 (same, flash, cudnn, '') | precision capsule   | undecided, "add --try fp32", the recorded class beside it |
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ pytest.importorskip("safetensors")
 K, STEPS = 1, 3
 
 
-def _train(fault, tmp_path: Path, *, dtype=torch.float16, impl: str = "eager", **attach):
+def _train(fault, tmp_path: Path, *, dtype=torch.float16, impl: str = "eager", use_cache: bool | None = False,
+           **attach):
     """A tiny Qwen3 trained under nanwatch (replay on: CPU and a guard); ``fault(model)`` before step K.
+    ``use_cache=None`` leaves the config's default (True: each training forward carries a DynamicCache).
     Returns the reports."""
     torch.manual_seed(0)
-    model = tiny_qwen3(impl, dtype=dtype, vocab_size=64, use_cache=False)
+    model = tiny_qwen3(impl, dtype=dtype, vocab_size=64, **({} if use_cache is None else {"use_cache": use_cache}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     reports = []
     with warnings.catch_warnings():
@@ -317,3 +324,174 @@ def test_a_backward_birth_gets_no_capsule_and_replay_refuses_one_saying_why(tmp_
     assert path and Path(path).is_file()
     code, _, err = _replay(path)
     assert code == 2 and "backward birth is not replayed" in err and "forward only" in err, (code, err)
+
+
+# --- issue #26: every capsule replays and says what it holds; --try never invents a class ---------------------
+
+
+@pytest.fixture(scope="module")
+def readme_capsule(tmp_path_factory) -> tuple[str, object]:
+    """The README's plain loop as written: a tiny fp16 Qwen3 from its config with ``use_cache`` at its default
+    (True, so every training forward carries a ``DynamicCache``), a fused AdamW, an fp16 attention overflow at
+    step K. (capsule path, incident)."""
+    tmp = tmp_path_factory.mktemp("readme")
+    inc = _train(overflow_attention, tmp, use_cache=None)[K].incident
+    assert inc is not None and inc.cls == "precision" and inc.capsule and Path(inc.capsule).is_file(), inc
+    return inc.capsule, inc
+
+
+def test_the_readme_loops_capsule_replays_in_a_fresh_process_and_names_its_class(readme_capsule):
+    path, inc = readme_capsule
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads(f.metadata()["nanwatch.capsule"])
+    assert meta["dropped"] == [], meta["dropped"]  # the cache was recorded, not dropped
+    caches = [v["cache"] for v in meta["kwargs"].values() if "cache" in v]
+    assert len(caches) == 1 and caches[0]["cache"] == "transformers.cache_utils:DynamicCache", meta["kwargs"]
+    # at layer 0's attention call of a training forward the cache held nothing yet: every layer recorded empty
+    assert all(row["keys"] is None for row in caches[0]["layers"]), caches[0]
+    p = subprocess.run([sys.executable, "-m", "nanwatch.cli", "replay", path], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ""}, cwd=os.path.dirname(path), timeout=300)
+    assert p.returncode == 0 and "class    precision" in p.stdout, p.stdout + p.stderr
+    code, result, err = _replay(path, "--try", "same,fp32")
+    assert code == 0, err
+    # the same call: as many non-finite elements as the trainer's drill-down saw at the birth
+    assert _rows(result)["same"]["nonfinite"] == inc.birth_elements, result
+
+
+def _capture_attention(model, layer: int, **call) -> tuple[tuple, dict, torch.Tensor]:
+    """The call ``model(**call)`` makes to layer ``layer``'s attention: its arguments frozen at the call's
+    start (as the drill-down's pre-hooks freeze them) and its output."""
+    from nanwatch.hooks.measure.kept_forward import freeze
+
+    got: dict = {}
+    attn = model.model.layers[layer].self_attn
+    pre = attn.register_forward_pre_hook(lambda m, a, k: got.update(call=freeze(a, k)[:2]), with_kwargs=True)
+    post = attn.register_forward_hook(lambda m, a, out: got.update(out=out[0].clone()))
+    try:
+        with torch.no_grad():
+            model(**call)
+    finally:
+        pre.remove()
+        post.remove()
+    return (*got["call"], got["out"])
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["empty_training_cache", "filled_cache"])
+def test_a_cache_is_recorded_as_it_stood_at_the_call_and_replays_to_the_same_output(tmp_path, filled):
+    from transformers import DynamicCache
+
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.remedies.replay import call_inputs, open_capsule, rebuild
+    from nanwatch.wire import Incident
+
+    model = tiny_qwen3("eager", dtype=torch.float32, vocab_size=64)  # use_cache at its default
+    prefix, ids = token_ids(2, 8, seed=1, vocab=64), token_ids(2, 5, seed=2, vocab=64)
+    if filled:  # a prefix's keys and values in the cache, then 5 new tokens
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prefix, cache=cache, use_cache=True)
+        call = {"input_ids": ids, "cache": cache, "use_cache": True}
+    else:  # a training forward: the model makes its own empty DynamicCache
+        model.train()
+        call = {"input_ids": ids}
+    args, kwargs, out = _capture_attention(model, 1, **call)
+    w = CapsuleWriter(run_id="kv", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 22)
+    path = w.capture(incident=Incident(cls="precision", step=0), name="model.layers.1.self_attn",
+                     module=model.model.layers[1].self_attn, args=args, kwargs=kwargs, rng=torch.get_rng_state())
+    w.join()
+    meta, tensors = open_capsule(path)
+    assert meta["dropped"] == [], meta["dropped"]
+    (spec,) = [v["cache"] for v in meta["kwargs"].values() if "cache" in v]
+    lengths = [None if r["keys"] is None else tensors[r["keys"]["tensor"]].shape[-2] for r in spec["layers"]]
+    # the state at layer 1's call's start: layer 0 already holds this call's 5 tokens (after the prefix's 8),
+    # layer 1 not yet (its own call appends them later)
+    assert lengths == ([13, 8] if filled else [5, None]), lengths
+    module = rebuild(meta, tensors)
+    for _ in range(2):  # a fresh cache each time: a replay appends to it
+        a, k = call_inputs(meta, tensors)
+        with torch.no_grad():
+            again = module(*a, **k)[0]
+        # the same call (a contiguous copy of a tensor may take another matmul path: 1 ulp, not a cache's worth)
+        torch.testing.assert_close(again, out, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kept_forward_reruns_with_its_cache_as_it_stood_at_the_call(tmp_path):
+    from transformers import DynamicCache
+
+    from nanwatch.hooks.measure.kept_forward import keep
+
+    model = tiny_qwen3("sdpa", dtype=torch.float32, vocab_size=64)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=token_ids(2, 8, seed=1, vocab=64), cache=cache, use_cache=True)
+        call = {"input_ids": token_ids(2, 5, seed=2, vocab=64), "cache": cache, "use_cache": True}
+        kept = keep((), call)
+        first = model(**call).logits  # the training forward: it appends to the cache
+        again = model(*kept.args, **kept.kwargs).logits  # the rerun
+        twice = model(*kept.args, **kept.kwargs).logits
+    assert cache.get_seq_length() == 13
+    torch.testing.assert_close(again, first, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(twice, first, rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_not_recorded_is_named_in_the_log_and_by_the_replay(tmp_path, caplog):
+    from transformers import StaticCache
+
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.wire import Incident
+
+    config = tiny_qwen3("sdpa", vocab_size=64).config
+    w = CapsuleWriter(run_id="static", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)
+    with caplog.at_level("WARNING", logger="nanwatch"):
+        path = w.capture(incident=Incident(cls="data_mask", step=0), name="lin", module=torch.nn.Linear(4, 4),
+                         args=(torch.ones(2, 4),), kwargs={"past_key_values": StaticCache(config=config,
+                                                                                         max_cache_len=8)}, rng=None)
+        w.join()
+    written = [r.getMessage() for r in caplog.records if "capsule written" in r.getMessage()]
+    assert len(written) == 1 and "kwarg.past_key_values" in written[0] and "StaticCache" in written[0], written
+    code, _, err = _replay(path)
+    assert code == 2 and "kwarg.past_key_values" in err and "StaticCache" in err, err
+
+
+def _tensor_span(path: Path, key: str) -> tuple[int, int]:
+    """The byte range of tensor ``key``'s data in a safetensors file."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    start, end = json.loads(raw[8:8 + n])[key]["data_offsets"]
+    return 8 + n + start, 8 + n + end
+
+
+def test_a_flipped_byte_inside_a_tensor_is_found_damaged(tmp_path):
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.wire import Incident
+
+    w = CapsuleWriter(run_id="flip", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)
+    lin = torch.nn.Linear(8, 8)
+    path = Path(w.capture(incident=Incident(cls="data_mask", step=0), name="lin", module=lin,
+                          args=(torch.ones(2, 8),), kwargs={}, rng=None))
+    w.join()
+    assert _replay(str(path))[0] == 1  # intact: finite, not reproducible here
+    start, end = _tensor_span(path, "param.weight")
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0x01  # one bit of one weight's mantissa: still a finite, plausible value
+    path.write_bytes(bytes(raw))
+    code, _, err = _replay(str(path))
+    assert code == 2 and "damaged" in err and "param.weight" in err, (code, err)
+
+
+@pytest.mark.parametrize("tried", ["same", "flash", "cudnn", ""])
+def test_try_without_fp32_never_invents_a_class(readme_capsule, tried, capsys):
+    from nanwatch.hooks.remedies.replay import main
+
+    path, _ = readme_capsule
+    assert main([path, "--try", tried]) == 0  # the non-finite value reproduced
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("class "))
+    assert "class    data_mask" not in out and "no precision switch helps" not in out, out
+    assert lines[verdict].startswith("class    undecided"), out
+    assert "add --try fp32" in lines[verdict + 1] and "recorded class precision" in lines[verdict + 1], out
+    assert main([path, "--try", f"{tried},fp32".lstrip(","), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cls"] == "precision"

@@ -52,7 +52,8 @@ SDPA = CounterFamily(
     "Attention calls by the SDPA backend that ran (stage: train, eval or generate).")
 SKIPPED = CounterFamily(
     "skipped", "nanwatch_skipped_steps_total", ("rank",),
-    "Optimizer steps the weight guard skipped because the step saw a non-finite value.")
+    "Optimizer steps the weight guard skipped because the step saw a non-finite value. Steps whose "
+    "non-finite gradients a loss scaler handled are not counted (nanwatch_loss_scale_overflows_total).")
 JOB_SKIPPED = CounterFamily(
     "job_skipped", SKIPPED.metric, (),
     "")  # a job report's skipped step: every rank it covered skipped it, so it adds to each rank's series

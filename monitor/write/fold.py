@@ -313,8 +313,10 @@ def _count_run_level(counts: _Counts, r: StepReport) -> None:
 
 def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:
     """A step the weight guard skipped: by its rank, or (a job report) by every rank it covered, all of
-    which took the collective decision (the exporter adds the job's to each rank's)."""
-    if not r.step_skipped:
+    which took the collective decision (the exporter adds the job's to each rank's). A step whose non-finite
+    gradients a loss scaler handled is not one (#26): it is a loss-scale overflow, counted apart, whether or
+    not the guard also held the update back (it does with a fused optimizer, which steps with found_inf)."""
+    if not r.step_skipped or r.scaler_overflow:
         return
     if r.scope == "rank" and rank_ok:
         counts.add(counters.SKIPPED, (str(r.rank),), 1)

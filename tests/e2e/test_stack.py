@@ -10,7 +10,8 @@ shortened), and three tiny training runs:
 * ``e2e-math``: bf16 attention forced onto the math kernel with ``sdpa_kernel(SDPBackend.MATH)``: the
   math-fallback ticket's inputs (the calls, and the site and rank that ran them) reach Prometheus (it fires
   after 10 sustained minutes, which promtool's tests cover);
-* ``e2e-healthy``: fp32, fused attention: it pages nobody.
+* ``e2e-healthy``: fp32, fused attention: it pages nobody;
+* ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens.
 
 Only the receivers' URLs and the group timings differ from the shipped Alertmanager config; Prometheus
 loads the shipped rule file as it is.
@@ -200,7 +201,35 @@ def _train(collector: str) -> dict:
                     ids = token_ids(seed=n)
                     model(input_ids=ids, labels=ids).loss.backward()
                 assert mon.last_report().first_offender is None
+        _train_amp(collector, marks)
     return marks
+
+
+def _train_amp(collector: str, marks: dict) -> None:
+    """e2e-amp (#26): fp16 autocast with a real GradScaler("cpu", init_scale=2**24) and a fused AdamW, as AMP
+    runs are written: the first steps overflow and are skipped by design (the scaler halves its scale until it
+    fits; the fused optimizer steps with its found_inf, and the weight guard holds those updates back too),
+    and from then on the scaled gradients sit near the fp16 limit on purpose. Each step's report is kept
+    (what the trainer said) and the steps are spaced so that Prometheus scrapes most of them. One batch for
+    every step: a batch's attention logits differ from the next's, and a trend of seconds that
+    NanwatchAttentionLogitGrowing extrapolates by an hour would be this short run's artefact, not AMP's."""
+    model = tiny_qwen3("sdpa", use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    marks["amp_started"], marks["amp_reports"] = time.time(), []
+    with nanwatch.attach(model, run_id="e2e-amp", collector=collector, optimizer=opt, scaler=scaler) as mon:
+        for n in range(12):
+            with mon.step(n):
+                ids = token_ids(seed=0)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            marks["amp_reports"].append(mon.last_report())
+            time.sleep(0.5)
+    marks["amp_reported"] = time.monotonic()
 
 
 def _wait_for(condition, within_s: float, what: str):
@@ -259,6 +288,34 @@ def test_a_healthy_run_pages_nobody(stack):
     # by now the other runs' pages have arrived (the tests above waited for them)
     _wait_for(lambda: stack["webhook"].alerts(), 5, "any notification")
     assert [a for a in stack["webhook"].alerts() if a["labels"].get("run_id") == "e2e-healthy"] == []
+
+
+def test_loss_scaling_search_opens_no_ticket(stack):
+    """#26: the GradScaler's search (steps it skips while its scale falls, the fused optimizer's found_inf
+    holding them back) and its scaled gradients' headroom open no ticket, pending or firing; the collector
+    counts those steps as loss-scale overflows, never as steps the weight guard skipped."""
+    reports, prometheus = stack["runs"]["amp_reports"], stack["prometheus"]
+    # what the trainer said, so that this test cannot pass for want of the case: steps the scaler handled
+    # that the guard also held back, and scaled gradients within 10x of the fp16 limit (+Inf while overflowing)
+    assert any(r.scaler_overflow and r.step_skipped for r in reports), [(r.scaler_overflow, r.step_skipped) for r in reports]
+    assert all(r.incident is None for r in reports)
+    grad_headroom = max(s.headroom for r in reports for s in r.sites if s.phase == "backward" and s.headroom == s.headroom)
+    assert grad_headroom > 0.1, grad_headroom
+    since = stack["runs"]["amp_started"]
+
+    def arrived():  # the run's overflows and its gradients' headroom reached Prometheus, and were evaluated
+        overflows = _query_range(prometheus, 'nanwatch_loss_scale_overflows_total{run_id="e2e-amp"} > 0', since)
+        headroom = _query_range(prometheus, 'nanwatch_tensor_headroom_ratio{run_id="e2e-amp", site_kind="grad"} > 0.1',
+                                since)
+        return overflows and headroom and time.monotonic() > stack["runs"]["amp_reported"] + 5
+
+    _wait_for(arrived, 60, "the loss-scaled run's overflows and headroom in Prometheus")
+    skipped = _query_range(prometheus, 'nanwatch_skipped_steps_total{run_id="e2e-amp"}', since)
+    assert skipped and {v for series in skipped for _, v in series["values"]} == {"0"}, skipped
+    # ALERTS holds pending alerts too: an expression that held at any evaluation is a ticket on its way
+    alerts = _query_range(prometheus, 'ALERTS{run_id="e2e-amp"}', since)
+    assert alerts == [], sorted({(a["metric"]["alertname"], a["metric"]["alertstate"]) for a in alerts})
+    assert [a for a in stack["webhook"].alerts() if a["labels"].get("run_id") == "e2e-amp"] == []
 
 
 def _dashboards():

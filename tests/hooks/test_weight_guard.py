@@ -109,10 +109,10 @@ def test_two_gloo_ranks_switch_at_the_same_step(tmp_path, collector):
     assert K < applied <= (heard_by // every + 1) * every and applied % every == 0, applied
     assert all(r["weights_finite"] for r in r0 + r1)
     # the skip is the job's: rank 1's NaN is reduced across ranks before either optimizer reads the flag,
-    # from step K until the fp32 path applies (rank 1's attention overflows at every step in between)
+    # from step K until the fp32 path applies (rank 1's half-precision attention fails at every step in
+    # between, and never under fp32: the fault is injected, so this holds on any CPU's kernels, #26)
     skipped = [r["skipped"] for r in r1]
-    assert [r["skipped"] for r in r0] == skipped and skipped[: K + 1] == [False] * K + [True], skipped
-    assert not any(skipped[applied:]), skipped
+    assert [r["skipped"] for r in r0] == skipped and skipped == [K <= n < applied for n in range(len(r1))], skipped
 
 
 def test_grad_scaler_scales_and_skips_as_before_with_the_guard_on():

@@ -9,7 +9,7 @@ builder reads fields, it never calls back into the recorder, and a test can deco
 
 Example usage::
 
-    state = rec.swap()                      # after values = rec.flat().tolist() (the reporter's copy)
+    state = rec.swap()                      # values: the host copy of rec.flat(), made by the reporter
     stats = decode_step(state, values)
     stats.first_offender                    # Offender(site=..., phase=..., stage=...) or None
 """

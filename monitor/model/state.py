@@ -18,7 +18,7 @@ from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
+__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
            "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
@@ -27,6 +27,12 @@ STEP_SLACK = 8
 #: the longest agreement cadence (``agree_every``) the collector believes; a larger one is a lie that would
 #: push ``apply_at_step`` out of reach (the trainer's default is 4)
 MAX_AGREE_EVERY = 10_000
+#: the longest heartbeat interval the collector believes (an hour): a rank announcing more is held live for
+#: three of these at most, never days (one heartbeat with 86,400 s kept a dead rank "live" for three days)
+MAX_HEARTBEAT_S = 3600.0
+#: the largest world size the collector believes (2^20 ranks, sixteen times the incarnation cap's default);
+#: a report announcing more counts as this many
+MAX_WORLD_SIZE = 1 << 20
 #: series one rank adds: nonfinite {forward,backward}x{nan,inf}, mode, last report, dropped, skipped
 RANK_SERIES = 8
 #: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
@@ -68,7 +74,11 @@ class RankState:
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
     loss_scale: float | None = None
-    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling."""
+    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling; a
+    heartbeat never changes it (liveness only)."""
+    heartbeat_s: float = 0.0
+    """The heartbeat interval this rank announced (wire 1.4 ``heartbeat_s``, at most ``MAX_HEARTBEAT_S``); 0:
+    none."""
 
     @property
     def logit_max(self) -> float | None:
@@ -123,14 +133,19 @@ class RunState:
     """Ranks with per-rank series of their own: their own reports (rank, detail), the job's poster, or a
     heartbeat that differs from the job (another mode, dropped reports)."""
     worlds: Counter[int] = field(default_factory=Counter)
-    """World sizes the held ranks' latest reports give, counted: the run's world size is the largest."""
+    """World sizes the held ranks' latest reports give, counted (``CollectorState.world_size`` picks)."""
     #: the latest job report's view (wire 1.4 ``scope="job"``): the run-level gauges of job mode
     job: RankState | None = None
+    job_poster: int | None = None
+    """The rank that posts the run's job reports: the first job report's, or rank 0 once it posts one. No
+    other rank may post ``scope="job"`` (in memory: after a restart of the collector, the next job report's)."""
     latest_step: int = 0
+    beats: Counter[float] = field(default_factory=Counter)
+    """The heartbeat intervals the held ranks announce, counted (each rank's own, at most ``MAX_HEARTBEAT_S``)."""
     heartbeat_s: float = 0.0
-    """The longest heartbeat interval the run's ranks announce (wire 1.4 ``heartbeat_s``): a rank known by
-    its heartbeats is late only after two of them and gone after three, however long the trainer chose them
-    (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000 requests a second)."""
+    """The run's heartbeat interval: the lower median of what its held ranks announce (``beats``), so one rank
+    cannot raise it (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000
+    requests a second): a rank known by its heartbeats is late only after two of them and gone after three."""
     counters: dict[tuple[str, tuple], int] = field(default_factory=dict)
     """Counter totals, exact Python ints (they never saturate; the scrape shows them as float64)."""
     admitted: set[tuple] = field(default_factory=set)
@@ -217,21 +232,43 @@ class RunState:
         """``st`` is the rank's latest view: moved to the end of ``ranks`` (the most recent)."""
         prev = self.ranks.pop(st.rank, None)
         if prev is not None:
-            self._unworld(prev.world_size)
+            self._unworld(prev)
         self.ranks[st.rank] = st
         self.silent.pop(st.rank, None)
         self.worlds[st.world_size] += 1
+        if st.heartbeat_s:
+            self.beats[st.heartbeat_s] += 1
+        if st.heartbeat_s != (prev.heartbeat_s if prev is not None else 0.0):
+            self._rebeat()
         (self.shown.add if shown else self.shown.discard)(st.rank)
 
     def drop(self, rank: int) -> None:
         st = self.ranks.pop(rank)
-        self._unworld(st.world_size)
+        self._unworld(st)
+        if st.heartbeat_s:
+            self._rebeat()
         self.shown.discard(rank)
 
-    def _unworld(self, world_size: int) -> None:
-        self.worlds[world_size] -= 1
-        if not self.worlds[world_size]:
-            del self.worlds[world_size]
+    def _unworld(self, st: RankState) -> None:
+        for counted, value in ((self.worlds, st.world_size), (self.beats, st.heartbeat_s)):
+            if counted is self.beats and not value:
+                continue
+            counted[value] -= 1
+            if not counted[value]:
+                del counted[value]
+
+    def _rebeat(self) -> None:
+        """The run's heartbeat interval: the lower median of the held ranks' announced ones (0: none)."""
+        n = sum(self.beats.values())
+        if not n:
+            self.heartbeat_s = 0.0
+            return
+        at = (n - 1) // 2
+        for value in sorted(self.beats):
+            at -= self.beats[value]
+            if at < 0:
+                self.heartbeat_s = value
+                return
 
     def admit(self, key: tuple, cost: int, cap: int) -> bool:
         """Whether the series behind ``key`` may exist; new keys beyond the cap are dropped and counted."""
@@ -336,6 +373,18 @@ class CollectorState:
             return zero
         live.sort(key=lambda st: st.step)
         return live[(len(live) - 1) // 2]
+
+    def world_size(self, run: RunState, now: float) -> int:
+        """The run's world size: the live job report's (its poster speaks for the job), else rank 0's latest
+        view, else the most common one among the held ranks (ties: the smaller). One made-up rank cannot raise
+        it beyond what real ranks then correct (a max over ranks could: one heartbeat said 2^53-1)."""
+        job = self.live_job(run, now)
+        if job is not None:
+            return job.world_size
+        zero = run.ranks.get(0)
+        if zero is not None:
+            return zero.world_size
+        return min(run.worlds.items(), key=lambda kv: (-kv[1], kv[0]), default=(1, 0))[0]
 
     def ttl(self, run: RunState) -> float:
         """How long a rank of ``run`` stays live after its last report: the TTL, or three heartbeats."""

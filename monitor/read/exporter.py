@@ -133,7 +133,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
               if st.loss_scale is not None]
     snap = RunSnapshot(
         run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
-        max(run.worlds, default=1), job, dict(run.counters) if live else {},
+        state.world_size(run, now), job, dict(run.counters) if live else {},
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(state.hung(run, now)), run.ended,
@@ -245,7 +245,7 @@ def _where(f: _Families, run: RunSnapshot) -> None:
 def _run_gauges(f: _Families, run: RunSnapshot) -> None:
     """The live run's own gauges: loss scale, live ranks and world size (none once it ended: it holds no
     ranks, so nothing is missing), its directive."""
-    run_id, job = run.run_id, run.job
+    run_id = run.run_id
     if run.loss_scale is not None:
         f.add(m.LOSS_SCALE, [run_id], run.loss_scale)
     if not run.ended:
@@ -253,7 +253,7 @@ def _run_gauges(f: _Families, run: RunSnapshot) -> None:
     d = run.directive
     f.add(m.DIRECTIVE_INFO, [run_id, d.mode, str(d.version)], 1)
     if not run.ended:
-        f.add(m.RUN_WORLD_SIZE, [run_id], max(run.world_size, job.world_size if job else 1))
+        f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``CollectorState.world_size``
 
 
 def _per_rank(f: _Families, run: RunSnapshot) -> None:

@@ -36,7 +36,15 @@ from typing import NamedTuple
 
 from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.counters import ENDED_FAMILY, CounterFamily
-from nanwatch.monitor.model.state import RANK_SERIES, RUN_LEVEL_SCOPES, CollectorState, RankState, RunState
+from nanwatch.monitor.model.state import (
+    MAX_HEARTBEAT_S,
+    MAX_WORLD_SIZE,
+    RANK_SERIES,
+    RUN_LEVEL_SCOPES,
+    CollectorState,
+    RankState,
+    RunState,
+)
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.readable import printable
 from nanwatch.wire import StepReport, dtype_name, is_half
@@ -161,6 +169,9 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
     a report from an incarnation that already ended is counted but holds nothing; once every rank the run
     held has ended (none held, hung or crashed) the run has ended, until a new incarnation reports."""
     run = state.ensure_run(r.run_id)
+    if r.final and _foreign(run, r):
+        _note_mark(state, run, r)  # its resend is recognised; it ends and holds nothing
+        return None, None, []
     ended_inc = run.ended_ranks.get(r.rank)
     straggler = ended_inc is not None and ended_inc == r.incarnation
     rank, previous_mode, changed = _apply(state, run, r, received=received, seen=seen)
@@ -176,6 +187,14 @@ def apply_report(state: CollectorState, r: StepReport, *, received: float,
         run.ended = True
         changed.append((ENDED_FAMILY, (), 1))
     return rank, previous_mode, changed
+
+
+def _foreign(run: RunState, r: StepReport) -> bool:
+    """Whether the rank is held live under another incarnation than the report's: a final report then ends
+    nothing (it ends only the rank and incarnation that sent it; a restarted rank's new incarnation reports
+    before it ends)."""
+    held = run.ranks.get(r.rank)
+    return held is not None and held.incarnation != r.incarnation and held.crashed is None
 
 
 class _Counts:
@@ -226,6 +245,8 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
     if r.scope == "heartbeat":
         return (*_keep_live(run, r, received=received, seen=seen, heartbeat=True), [])
     _mark(state, run, r)
+    if r.scope == "job" and (run.job_poster is None or r.rank == 0):  # the ledger refused any other poster
+        run.job_poster = r.rank
     counts = _Counts(run, state.series_cap)
     rank_ok = r.scope in _OWN_SCOPES and run.admit(("rank", r.rank), RANK_SERIES, counts.cap)
     sites = _count_sites(counts, r, rank_ok=rank_ok)
@@ -246,14 +267,18 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
 
 def _mark(state: CollectorState, run: RunState, r: StepReport) -> None:
     """The report's high-water mark and step, and what it says of its rank's lifecycle."""
-    key = (r.run_id, r.rank, r.incarnation)
-    if key not in state.hwm:
-        run.incarnations += 1
-    state.hwm[key] = r.seq
+    _note_mark(state, run, r)
     if r.stage == "train":
         run.latest_step = max(run.latest_step, r.step)
     if r.scope != "job":  # a job report speaks for many ranks, and a crash is posted by the rank itself
         run.note_crash(r.rank, r.incarnation, r.raised, r.step)
+
+
+def _note_mark(state: CollectorState, run: RunState, r: StepReport) -> None:
+    key = (r.run_id, r.rank, r.incarnation)
+    if key not in state.hwm:
+        run.incarnations += 1
+    state.hwm[key] = r.seq
 
 
 def _count_sites(counts: _Counts, r: StepReport, *, rank_ok: bool) -> _Sites:
@@ -331,8 +356,8 @@ def _training_view(state: CollectorState, run: RunState, r: StepReport, sites: _
     for kind in sites.headroom:
         run.admit(("headroom", kind), 1, cap)
     logits = {lg.layer: lg.bound for lg in r.logits if run.admit(("layer", lg.layer), 1, cap)}
-    view = dict(seq=r.seq, step=r.step, time=r.time, received=received, seen=seen, world_size=r.world_size,
-                agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
+    view = dict(seq=r.seq, step=r.step, time=r.time, received=received, seen=seen,
+                world_size=min(r.world_size, MAX_WORLD_SIZE), agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
                 dropped_reports=r.dropped_reports, nonfinite=sites.nonfinite, first_offender=r.first_offender,
                 first_offender_phase=r.first_offender_phase, headroom=sites.headroom, logits=logits, rlhf=r.rlhf,
                 crashed=r.raised, loss_scale=r.loss_scale)
@@ -345,8 +370,8 @@ def _training_view(state: CollectorState, run: RunState, r: StepReport, sites: _
     same = prev is not None and prev.incarnation == r.incarnation
     # a mode change is one incarnation's: a restarted rank starting on the model's own path reverted nothing
     previous_mode = prev.attention_mode if same else None
-    st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope,
-                   heartbeat_seq=prev.heartbeat_seq if same else -1, **view)
+    st = RankState(rank=r.rank, incarnation=r.incarnation, scope=r.scope, heartbeat_seq=prev.heartbeat_seq if same
+                   else -1, heartbeat_s=prev.heartbeat_s if same else 0.0, **view)
     run.hold(st, shown=True)
     return st, previous_mode
 
@@ -385,18 +410,20 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
     prev = run.ranks.get(r.rank)
     same = prev is not None and prev.incarnation == r.incarnation
     held = prev if same else _BLANK
-    if r.heartbeat_s is not None and r.heartbeat_s > run.heartbeat_s:
-        run.heartbeat_s = r.heartbeat_s
+    # the rank's own interval, bounded: the run's is the median of its ranks' (``RunState.heartbeat_s``)
+    beat_s = min(r.heartbeat_s, MAX_HEARTBEAT_S) if r.heartbeat_s is not None else held.heartbeat_s
     step = held.step if same and r.stage != "train" else r.step  # an evaluation moves no step
     st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=step, time=r.time,
-                   received=received, seen=seen, world_size=r.world_size,
+                   received=received, seen=seen, world_size=min(r.world_size, MAX_WORLD_SIZE),
                    agree_every=r.agree_every if r.agree_every is not None else held.agree_every,
                    attention_mode=r.attention_mode, directive_version=r.directive_version,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
                    rlhf=held.rlhf, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
                    crashed=r.raised if r.scope != "job" else held.crashed,
-                   loss_scale=r.loss_scale if r.loss_scale is not None else held.loss_scale)
+                   heartbeat_s=beat_s,
+                   # a heartbeat carries liveness only: the loss scale is its step reports' (finding 9 of #27)
+                   loss_scale=r.loss_scale if r.loss_scale is not None and not heartbeat else held.loss_scale)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
     job = run.job
     shown = (held.scope != "heartbeat" or not heartbeat or r.dropped_reports > 0

@@ -36,7 +36,7 @@ from nanwatch.monitor.model.caps import Caps
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import AUDIT_KINDS, DirectiveChange, EventLog
 from nanwatch.monitor.model.memory import MemoryBudget
-from nanwatch.monitor.model.refusal import CapReached, StoreUnavailable, Unstorable
+from nanwatch.monitor.model.refusal import CapReached, Refused, StoreUnavailable, Unstorable
 from nanwatch.monitor.model.state import Applied, CollectorState
 from nanwatch.monitor.model.store import DELETE_BATCH, EventRow, Store
 from nanwatch.monitor.write.fold import Changes, Ingested, fold
@@ -118,6 +118,7 @@ class Ledger:
         ``Unstorable`` (a value that can never be stored)."""
         runs = {r.run_id for r in batch.reports}
         keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
+        self._check_job_posters(batch)
         self._make_room(keys)
         self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
         marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
@@ -277,6 +278,23 @@ class Ledger:
         return d
 
     # ---- all or nothing --------------------------------------------------------------------------------
+
+    def _check_job_posters(self, batch: ReportBatch) -> None:
+        """Only the rank that posts a run's job reports may post ``scope="job"``: the one the run's first job
+        report named, or rank 0 (which takes over). Any other rank's job report refuses the whole batch (403,
+        nothing applied): it would rewrite the run's counters and first and latest offenders."""
+        posters: dict[str, int] = {}
+        for r in batch.reports:
+            if r.scope != "job":
+                continue
+            run = self.state.runs.get(r.run_id)
+            poster = posters.get(r.run_id, run.job_poster if run is not None else None)
+            if poster is not None and r.rank not in (poster, 0):
+                raise Refused(f"run {r.run_id!r} has its job reports posted by rank {poster}: rank {r.rank} may "
+                              "not post scope=job (send it as a detail report); nothing was applied",
+                              status=403, reason="job_scope")
+            if poster is None or r.rank == 0:
+                posters[r.run_id] = r.rank
 
     def _make_room(self, keys: set[tuple[str, int, str]]) -> None:
         """Forget the high-water marks of incarnations that are no longer live in runs ``keys`` would take

@@ -20,7 +20,9 @@ def test_a_heartbeat_moves_no_loss_scale(tmp_path):
         real = step_report(run_id="ls", rank=0, world_size=WORLD, seq=0, step=1).model_copy(
             update={"loss_scale": 65536.0})
         post_reports(srv.url, real)
-        fake = heartbeat(run_id="ls", rank=3, world_size=WORLD, seq=0, step=1, incarnation="fake").model_copy(
+        # dropped reports make the made-up rank's series shown (as a rank that differs from the job)
+        fake = heartbeat(run_id="ls", rank=3, world_size=WORLD, seq=0, step=1, incarnation="fake",
+                         dropped=1).model_copy(
             update={"loss_scale": 0.5})
         post_reports(srv.url, fake)
         assert sample(scrape(srv.url), "nanwatch_loss_scale", run_id="ls") == 65536.0

@@ -10,6 +10,7 @@ a capsule's file name is injective in the run id; every command printed for past
 | a real header just over the limit                        | exit 2, one line                                 |
 | runs ``grpo:0412`` and ``grpo_0412`` (and ``a/b``, ``..``) | different capsule files, inside the folder      |
 | a capsule folder named ``$(touch pwned)``                | the log line's command, pasted into bash, touches nothing |
+| a log folder named ``$(touch pwned)`` (reports kept)      | the sender's ``nanwatch push`` command, pasted, touches nothing |
 """
 
 from __future__ import annotations
@@ -193,3 +194,18 @@ def test_the_trainers_log_line_command_pasted_into_bash_runs_nothing(tmp_path, c
     assert out.stdout.splitlines()[:2] == ["replay", path], out.stdout
     assert not marker.exists()
 
+
+
+def test_the_push_command_a_sender_prints_is_shell_quoted(tmp_path):
+    """The other command the trainer prints for pasting: ``nanwatch push`` for the reports it kept."""
+    from nanwatch.hooks.report.transport import Delivery
+
+    marker = tmp_path / "pwned"
+    folder = tmp_path / f"logs $(touch {marker})" / "undelivered" / "run-r"
+    d = Delivery(collector="http://127.0.0.1:9", submitted=2, delivered=0, kept=2, lost=0,
+                 kept_in=str(folder / "rank0-ab.jsonl"), kept_steps="0-1")
+    command = str(d).split("send them with `", 1)[1].rstrip("`")
+    out = subprocess.run(["bash", "-c", f"nanwatch() {{ printf '%s\\n' \"$@\"; }}\n{command}"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines() == ["push", "--collector", "http://127.0.0.1:9", str(folder)], out
+    assert not marker.exists()

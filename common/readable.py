@@ -18,13 +18,14 @@ Two figures are easy to misread, so they are spelled out:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shlex
 import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["figure", "headroom", "incident", "printable", "replay_command", "rlhf", "visits"]
+__all__ = ["figure", "file_name", "headroom", "incident", "printable", "replay_command", "rlhf", "visits"]
 
 
 def figure(x: float | str | None) -> str:
@@ -67,6 +68,21 @@ def printable(s: str) -> str:
         return s
     return "".join(c if unicodedata.category(c)[0] != "C" and unicodedata.category(c) not in ("Zl", "Zp")
                    else f"\\u{ord(c):04x}" for c in s)
+
+
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@+=-")
+
+
+def file_name(text: str, *, room: int = 196) -> str:
+    """``text`` as (part of) a file name, injective: every character outside ``[A-Za-z0-9._@+=-]`` (``%``
+    itself included) percent-encoded, so that no separator, control character or ``:`` survives and two
+    texts never share a name (the spool's run folders, the capsules' run ids). An encoding longer than
+    ``room`` characters is cut and ends in ``~`` and a SHA-256 prefix of ``text`` (``~`` is never in an
+    encoding, so a cut name never equals a whole one)."""
+    name = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
+    if len(name) > room:
+        name = name[:room - 40] + "~" + hashlib.sha256(text.encode()).hexdigest()[:32]
+    return name
 
 
 #: the replay to run first, by incident class (``nanwatch replay CAPSULE ...`` options; the runbook's first step)

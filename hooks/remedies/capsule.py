@@ -56,8 +56,9 @@ from typing import Any
 import torch
 
 from nanwatch.hooks.measure.kept_forward import CacheAtCall, freeze
+from nanwatch.readable import file_name, printable, replay_command
 
-__all__ = ["FORMAT", "FORMATS", "META_KEY", "CapsuleWriter", "capsule_settings", "digest"]
+__all__ = ["FORMAT", "FORMATS", "MAX_HEADER_BYTES", "META_KEY", "CapsuleWriter", "capsule_settings", "digest"]
 
 log = logging.getLogger("nanwatch")
 
@@ -65,7 +66,10 @@ FORMAT = "nanwatch.capsule/2"
 #: the formats ``nanwatch replay`` reads: /1 has no per-tensor digests (its bytes cannot be checked)
 FORMATS = ("nanwatch.capsule/1", FORMAT)
 META_KEY = "nanwatch.capsule"
-_SAFE = re.compile(r"[^A-Za-z0-9._=+@-]")
+#: the largest safetensors header (its JSON: tensor entries and the metadata) a capsule may have; ``nanwatch
+#: replay`` refuses a longer one from its 8-byte length alone, before parsing any of it. Below safetensors'
+#: own 100 MB: a header of 8 MiB parses in about 0.5 s and 220 MiB, whatever JSON it holds
+MAX_HEADER_BYTES = 8 << 20
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
 
@@ -303,7 +307,8 @@ class CapsuleWriter:
 
     def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng, of):
         step, cls = incident.step, incident.cls
-        fname = _SAFE.sub("_", f"{self.run_id}-r{self.rank}-s{step}-{cls}.capsule")
+        # injective in the run id (percent-encoded: runs ``grpo:0412`` and ``grpo_0412`` get files of their own)
+        fname = f"{file_name(self.run_id, room=160)}-r{int(self.rank)}-s{int(step)}-{file_name(cls, room=40)}.capsule"
         path = os.path.join(self.directory, fname)
         if len(path) > 1024 or re.search(r"[\x00-\x1f\x7f]", path):  # Incident.capsule's wire bounds
             raise ValueError(f"the capsule path is over 1024 characters or has control characters: {path[:80]!r}...")
@@ -349,14 +354,18 @@ class CapsuleWriter:
             meta["digests"] = {k: digest(t) for k, t in tensors.items()}  # checked before a replay uses them
             save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, default=str)})
             size = os.path.getsize(tmp)
-            if size > self.max_bytes:  # the reserve is generous; never leave a file beyond the limit
+            with open(tmp, "rb") as f:
+                header = int.from_bytes(f.read(8), "little")
+            if size > self.max_bytes or header > MAX_HEADER_BYTES:  # never leave a file beyond a limit
                 os.remove(tmp)
-                raise RuntimeError(f"{size} bytes would exceed capsule_max_bytes {self.max_bytes}")
+                raise RuntimeError(f"{size} bytes would exceed capsule_max_bytes {self.max_bytes}"
+                                   if size > self.max_bytes else f"its header ({header} bytes) would exceed "
+                                   f"the {MAX_HEADER_BYTES}-byte limit nanwatch replay reads")
             os.replace(tmp, path)  # readers never see half a capsule
             dropped = meta["dropped"]
-            log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: nanwatch replay %s", path,
+            log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: %s", printable(path),
                         size, f"; {len(dropped)} not recorded: {'; '.join(dropped[:4])}{'; ...' if len(dropped) > 4 else ''}"
-                        if dropped else "", path)
+                        if dropped else "", replay_command({"capsule": path, "cls": meta["incident"].get("cls")}))
         except Exception as exc:  # noqa: BLE001 - the writer thread must not die loudly
             self._warn(f"capsule {path} not written: {type(exc).__name__}: {exc}")
 

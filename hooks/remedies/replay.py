@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanwatch.hooks.measure.kept_forward import build_cache
-from nanwatch.hooks.remedies.capsule import FORMATS, META_KEY, digest
+from nanwatch.hooks.remedies.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
+from nanwatch.readable import printable
 
 __all__ = ["CapsuleError", "call_inputs", "main", "open_capsule", "rebuild", "replay_capsule"]
 
 SETTINGS = ("same", "fp32", "math", "flash", "efficient", "cudnn")
-_MAX_HEADER = 100 << 20
+_MAX_HEADER = MAX_HEADER_BYTES  # below safetensors' own 100 MB: refused from the 8-byte length, unparsed
 _ALLOWED = ("transformers.", "torch.nn.")
 
 
@@ -64,6 +65,9 @@ def open_capsule(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             if len(head) < 8:
                 raise CapsuleError(f"{path}: not a nanwatch capsule (too short for a safetensors header)")
             (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER and n <= size - 8:
+                raise CapsuleError(f"{path}: header of {n} bytes, over the {_MAX_HEADER}-byte limit "
+                                   f"({_MAX_HEADER >> 20} MiB) a capsule's header has; it is not read")
             if not 2 <= n <= min(_MAX_HEADER, size - 8):
                 raise CapsuleError(f"{path}: not a nanwatch capsule (not a safetensors file: header length {n}); "
                                    "it is not loaded (a capsule is never unpickled)")
@@ -365,7 +369,20 @@ _MEANING = {"precision": "non-finite on the recorded path, finite under another 
                          "helps (precision) or the inputs or weights carry it (data_mask) is not decided here"}
 
 
+def _shown(x: Any) -> Any:
+    """``x`` with every string in it (keys too) through ``printable``: what a capsule says reaches the terminal
+    escaped (no escape sequence, bidi override nor line break of its own), as ``nanwatch status`` shows it."""
+    if isinstance(x, str):
+        return printable(x)
+    if isinstance(x, dict):
+        return {_shown(k): _shown(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_shown(v) for v in x]
+    return x
+
+
 def _table(result: dict[str, Any]) -> str:
+    result = _shown(result)  # the capsule's strings (fqn, host, class, dropped, notes) are the file's words
     rec = result["recorded"]
     lines = [f"capsule  {result['capsule']}",
              f"module   {result['fqn']} ({result['class_path']})",
@@ -411,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = replay_capsule(a.capsule, device=a.device, settings=settings)
     except CapsuleError as e:
-        print(f"nanwatch replay: {e}", file=sys.stderr)
+        print(f"nanwatch replay: {printable(str(e))}", file=sys.stderr)
         return 2
     print(json.dumps(result) if a.json else _table(result))
     return result["exit"]

@@ -21,12 +21,12 @@ Example usage::
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from nanwatch.readable import file_name
 from nanwatch.wire import StepReport
 
 try:
@@ -44,9 +44,6 @@ MAX_TOTAL_BYTES = 1 << 30
 #: ... or this many files
 MAX_FILES = 1024
 
-_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@+=-")
-
-
 def undelivered_root(log_dir: str | os.PathLike | None) -> Path:
     """The folder undelivered reports go to: ``<log_dir>/undelivered``, else the user's state folder's."""
     if log_dir:
@@ -56,19 +53,10 @@ def undelivered_root(log_dir: str | os.PathLike | None) -> Path:
     return base / "nanwatch" / "undelivered"
 
 
-def _encode(text: str) -> str:
-    """Percent-encode every character outside ``[A-Za-z0-9._@+=-]`` (``%`` itself included): injective."""
-    return "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
-
-
 def run_folder_name(run_id: str) -> str:
     """One folder name per run id, never ``.``, ``..``, hidden or containing a separator: ``run-`` and the
-    percent-encoded id. An encoding longer than 200 characters is cut and ends in ``~`` and a SHA-256 prefix
-    of the id (``~`` is never in an encoding, so a cut name never equals a whole one)."""
-    name = "run-" + _encode(run_id)
-    if len(name) > 200:
-        name = name[:160] + "~" + hashlib.sha256(run_id.encode()).hexdigest()[:32]
-    return name
+    percent-encoded id (:func:`nanwatch.readable.file_name`, cut past 200 characters)."""
+    return "run-" + file_name(run_id, room=196)
 
 
 def _usage(root: Path) -> tuple[int, int]:
@@ -89,7 +77,7 @@ class Spool:
 
     def __init__(self, root: str | os.PathLike, *, run_id: str, rank: int, incarnation: str) -> None:
         self.folder = Path(root) / run_folder_name(run_id)
-        self.path = self.folder / f"rank{int(rank)}-{_encode(incarnation)}.jsonl"
+        self.path = self.folder / f"rank{int(rank)}-{file_name(incarnation)}.jsonl"
         self._lock = threading.Lock()
         self._file = None
         self._room = 0  # bytes this file may still take

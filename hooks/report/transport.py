@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import random
+import shlex
 import socket
 import threading
 import time
@@ -207,7 +208,7 @@ class Delivery(NamedTuple):
         if self.kept:
             folder = os.path.dirname(self.kept_in or "")
             text += (f"; {self.kept} kept (steps {self.kept_steps}) in {self.kept_in}: send them with "
-                     f"`nanwatch push --collector {self.collector} {folder}`")
+                     f"`nanwatch push --collector {shlex.quote(self.collector)} {shlex.quote(folder)}`")
         if self.lost:
             text += f"; {self.lost} lost (steps {self.lost_steps}): {self.lost_why}"
         return text

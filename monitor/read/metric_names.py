@@ -139,7 +139,9 @@ CAPS_HIT = MetricSpec(
     "nanwatch_collector_caps_hit_total", "counter", ("cap",),
     "Times a collector cap refused or dropped something: runs and incarnations (the request got "
     "429), events and total_events (not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
-    "run, incarnation or rank got 429, or new series and events were not kept).")
+    "run, incarnation or rank got 429, or new series and events were not kept), hosts_per_run and "
+    "hosts_per_namespace (a not-reproducible incident on a host beyond NANWATCH_MAX_HOSTS_* was not "
+    "counted).")
 
 #: in the order they are exposed (the original public set first)
 _SPECS = (

@@ -25,7 +25,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from nanwatch.monitor.model.auth import TokenTable
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.long_poll import LongPoll
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.model.state import CollectorState, HostCaps
 from nanwatch.monitor.model.store import Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
@@ -44,14 +44,17 @@ log = logging.getLogger("nanwatch.monitor")
 def _resources(settings: Settings) -> Resources:
     store = Store(settings.db_path)
     loaded = store.load()
-    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
-                           max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
-                           max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s)
-    polls = LongPoll()
-    directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
+    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
+                           max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
+                           max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s,
+                           hosts=HostCaps(per_run=settings.max_hosts_per_run,
+                                          per_namespace=settings.max_hosts_per_namespace,
+                                          namespace_of=tokens.namespace_of))
+    polls = LongPoll()
+    directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),

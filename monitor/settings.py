@@ -101,6 +101,13 @@ class Settings(BaseSettings):
     """Runs the collector keeps per run-id namespace (each scoped token's glob, and one for the runs no scoped
     token owns); reports or directives for a new run beyond this get 429 (counted): one team's junk runs
     fill its own namespace only. An admin frees a place with ``DELETE /v1/runs/{run_id}``."""
+    max_hosts_per_run: Annotated[int, Field(ge=1)] = 1_024
+    """Hosts a run's not-reproducible incidents may name (each is a ``host`` series of
+    ``nanwatch_not_reproducible_incidents_total``); an incident on a new host beyond this is not counted
+    (``nanwatch_collector_caps_hit_total{cap="hosts_per_run"}``)."""
+    max_hosts_per_namespace: Annotated[int, Field(ge=1)] = 8_192
+    """Hosts the runs of one run-id namespace may name together, the same way
+    (``cap="hosts_per_namespace"``): one team's made-up hosts fill its own namespace only."""
     max_incarnations_per_run: Annotated[int, Field(ge=1)] = 65_536
     """(rank, incarnation) pairs a run may have (each is an idempotency high-water mark); new ones beyond
     this get 429 (counted)."""

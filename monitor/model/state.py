@@ -10,16 +10,26 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanwatch.monitor.model.counters import ENDED_FAMILY, FAMILIES, RUN_NONFINITE, SDPA, RequestCounters
+from nanwatch.monitor.model.auth import ANY_NAMESPACE
+from nanwatch.monitor.model.counters import (
+    ENDED_FAMILY,
+    FAMILIES,
+    NOT_REPRODUCIBLE,
+    RUN_NONFINITE,
+    SDPA,
+    RequestCounters,
+)
 from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied",
-           "CollectorState", "Crash", "RankState", "RunState", "Silent", "crash_key"]
+__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
+           "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "RankState", "RunState", "Silent",
+           "crash_key"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
 #: be believed: ranks of one job report their own steps asynchronously, a few steps apart (#19)
@@ -282,11 +292,56 @@ class RunState:
         return True
 
 
+class HostCaps:
+    """The host labels a run and a run-id namespace may name (#27 finding 16: 60,000 made-up hosts in one
+    run were 49,987 series). A host is a label of ``nanwatch_not_reproducible_incidents_total`` alone; a new
+    one beyond ``per_run`` hosts in its run, or ``per_namespace`` in its namespace, is not counted (caps hit
+    ``hosts_per_run`` / ``hosts_per_namespace``). ``namespace_of``: the run-id namespace of a run
+    (``TokenTable.namespace_of``); the exporter labels each host series with it, so that one team's reports
+    never count on another team's host."""
+
+    def __init__(self, *, per_run: int = 1_024, per_namespace: int = 8_192,
+                 namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE) -> None:
+        self.per_run, self.per_namespace, self.namespace_of = per_run, per_namespace, namespace_of
+        #: hosts by namespace (may hold hosts of forgotten runs: rebuilt before one is refused)
+        self._by_namespace: dict[str, set[str]] | None = None
+
+    @staticmethod
+    def _hosts(run: RunState) -> set[str]:
+        return {labels[0] for fam, labels in run.counters if fam == NOT_REPRODUCIBLE.key}
+
+    def _rebuild(self, runs: dict[str, RunState]) -> dict[str, set[str]]:
+        by_ns: dict[str, set[str]] = {}
+        for run_id, run in runs.items():
+            by_ns.setdefault(self.namespace_of(run_id), set()).update(self._hosts(run))
+        self._by_namespace = by_ns
+        return by_ns
+
+    def admit(self, runs: dict[str, RunState], run: RunState, host: str, caps_hit: Counter[str]) -> bool:
+        """Whether ``run`` may count a not-reproducible incident on ``host`` (a host it already counts: yes)."""
+        if (NOT_REPRODUCIBLE.key, (host,)) in run.counters:
+            return True
+        if len(self._hosts(run)) >= self.per_run:
+            caps_hit["hosts_per_run"] += 1
+            return False
+        ns = self.namespace_of(run.run_id)
+        by_ns = self._by_namespace if self._by_namespace is not None else self._rebuild(runs)
+        hosts = by_ns.setdefault(ns, set())
+        if host not in hosts and len(hosts) >= self.per_namespace:
+            hosts = self._rebuild(runs).setdefault(ns, set())  # forgotten runs' hosts free their places
+            if len(hosts) >= self.per_namespace:
+                caps_hit["hosts_per_namespace"] += 1
+                return False
+        hosts.add(host)
+        return True
+
+
 class CollectorState:
     """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
 
     def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None, max_runs: int = 10_000,
-                 max_incarnations: int = 65_536, max_events: int = 10_000, silent_keep_s: float = 86_400.0) -> None:
+                 max_incarnations: int = 65_536, max_events: int = 10_000, silent_keep_s: float = 86_400.0,
+                 hosts: HostCaps | None = None) -> None:
         self.ttl_s = ttl_s
         self.silent_keep_s = silent_keep_s
         self.series_cap = series_cap
@@ -303,6 +358,8 @@ class CollectorState:
         #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
         #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
         self.exposed: set[tuple[str, str]] = set()
+        #: the host-label caps and each run's namespace (``HostCaps``)
+        self.hosts = hosts if hosts is not None else HostCaps()
         self._writes = 0
         if loaded is not None:
             _restore(self, loaded)

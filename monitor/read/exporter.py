@@ -85,6 +85,8 @@ class RunSnapshot:
     math_fallback: tuple[str, str, str] | None = None
     latest_incidents: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     loss_scale: float | None = None
+    namespace: str = "*"
+    """The run-id namespace the run belongs to (``HostCaps.namespace_of``): the host series' label."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(state.hung(run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
-        min(scales, default=None))
+        min(scales, default=None), state.hosts.namespace_of(run_id))
     return snap, until, bool(born) or bool(fresh)
 
 
@@ -199,8 +201,7 @@ class _Families(dict):
 
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
 _AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
-    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
-    counters.NOT_REPRODUCIBLE)}
+    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW)}
 
 
 def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
@@ -313,7 +314,10 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
         f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
     for fam, labels in run.counters:
         spec = _AS_STORED.get(fam)
-        if spec is not None:
+        if fam == counters.NOT_REPRODUCIBLE.key:  # a host is its run's namespace's (#27): never another team's
+            f.add(m.NOT_REPRODUCIBLE_INCIDENTS, [run_id, run.namespace, *labels],
+                  _value(run, counters.NOT_REPRODUCIBLE, labels))
+        elif spec is not None:
             f.add(spec, [run_id, *labels], _value(run, counters.FAMILIES[fam], labels))
         elif fam == counters.RUN_NONFINITE.key and labels[2] != "train":
             f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))

@@ -111,7 +111,13 @@ RUN_ENDED = MetricSpec(
     "1 once every rank of the run sent its final report (the run ended normally); kept until the "
     "run's retention, gone when a new incarnation reports.")
 # added for the incident capsule (wire 1.7 ``Incident.capsule``; issue #20)
-NOT_REPRODUCIBLE_INCIDENTS = _counted(counters.NOT_REPRODUCIBLE)
+NOT_REPRODUCIBLE_INCIDENTS = MetricSpec(
+    counters.NOT_REPRODUCIBLE.metric, "counter", ("run_id", "namespace", "host"),
+    "Incidents the trainer's differential re-run could not reproduce (class not_reproducible), by the "
+    "run-id namespace of the run (the glob of the scoped token that owns it, * for none) and the host that "
+    "saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own re-run does not "
+    "is the silent-data-corruption signal: sum by (namespace, host) over runs (one namespace's reports "
+    "never count on another's host). Hosts are capped per run and per namespace (NANWATCH_MAX_HOSTS_*).")
 LATEST_INCIDENT_INFO = MetricSpec(
     "nanwatch_latest_incident_info", "gauge", ("run_id", "class", "host", "rank", "capsule"),
     "The run's latest incident of each class (always 1; one series per run and class): the host and "
@@ -133,7 +139,9 @@ CAPS_HIT = MetricSpec(
     "nanwatch_collector_caps_hit_total", "counter", ("cap",),
     "Times a collector cap refused or dropped something: runs and incarnations (the request got "
     "429), events and total_events (not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
-    "run, incarnation or rank got 429, or new series and events were not kept).")
+    "run, incarnation or rank got 429, or new series and events were not kept), hosts_per_run and "
+    "hosts_per_namespace (a not-reproducible incident on a host beyond NANWATCH_MAX_HOSTS_* was not "
+    "counted).")
 
 #: in the order they are exposed (the original public set first)
 _SPECS = (

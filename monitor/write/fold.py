@@ -201,11 +201,16 @@ class _Counts:
     """The counter totals one report adds to, each series admitted under the run's cap, and the rows that
     changed."""
 
-    __slots__ = ("cap", "changed", "run")
+    __slots__ = ("cap", "changed", "run", "state")
 
-    def __init__(self, run: RunState, cap: int) -> None:
-        self.run, self.cap = run, cap
+    def __init__(self, run: RunState, cap: int, state: CollectorState) -> None:
+        self.run, self.cap, self.state = run, cap, state
         self.changed: Changed = []
+
+    def admit_host(self, host: str) -> bool:
+        """Whether the run may name ``host`` (the host-label caps, per run and per namespace: ``HostCaps``)."""
+        state = self.state
+        return state.hosts.admit(state.runs, self.run, host, state.caps_hit)
 
     def admit(self, fam: CounterFamily, labels: tuple) -> bool:
         """Whether the series may exist (a new one beyond the run's series cap is dropped and counted)."""
@@ -247,7 +252,7 @@ def _apply(state: CollectorState, run: RunState, r: StepReport, *, received: flo
     _mark(state, run, r)
     if r.scope == "job" and (run.job_poster is None or r.rank == 0):  # the ledger refused any other poster
         run.job_poster = r.rank
-    counts = _Counts(run, state.series_cap)
+    counts = _Counts(run, state.series_cap, state)
     rank_ok = r.scope in _OWN_SCOPES and run.admit(("rank", r.rank), RANK_SERIES, counts.cap)
     sites = _count_sites(counts, r, rank_ok=rank_ok)
     # dynamic loss scaling handled this step's non-finite gradients: normal operation, counted apart
@@ -382,7 +387,8 @@ def _note_incident(counts: _Counts, r: StepReport) -> None:
     silent-data-corruption signal, counted per run and summed over runs by host in the alert)."""
     inc, run = r.incident, counts.run
     host = host_label(inc.host) if inc.host else "unknown"
-    if inc.cls == "not_reproducible" and counts.admit(counters.NOT_REPRODUCIBLE, (host,)):
+    if (inc.cls == "not_reproducible" and counts.admit_host(host)
+            and counts.admit(counters.NOT_REPRODUCIBLE, (host,))):
         counts.add(counters.NOT_REPRODUCIBLE, (host,), 1)
     if run.admit(("latest_incident", inc.cls), 1, counts.cap):
         who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank

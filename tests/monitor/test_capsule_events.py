@@ -45,7 +45,7 @@ def test_the_capsule_is_in_the_event_the_run_view_the_status_and_the_dashboard_s
         s = scrape(srv.url)
         assert sample(s, INFO, run_id="cap", **{"class": "precision"}, host="gpu-node-12", rank="3",
                       capsule=capsule) == 1
-        assert sample(s, NOT_REPRO, run_id="cap", host="gpu-node-12") is None  # a precision incident is no SDC sign
+        assert sample(s, NOT_REPRO, run_id="cap", namespace="*", host="gpu-node-12") is None  # a precision incident is no SDC sign
         assert main(["status", "cap", "--url", srv.url]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("  incident at step 7"))
@@ -71,13 +71,13 @@ def test_not_reproducible_incidents_are_counted_per_host_across_runs_born_at_zer
                      _incident("a", 3, "data_mask", "gpu-7 rank 3", rank=3),
                      _incident("a", 4, "not_classified", "gpu-8 rank 0", rank=0))
         first = scrape(srv.url, settled=False)  # born at zero: increase() sees the first one
-        assert sample(first, NOT_REPRO, run_id="a", host="gpu-7") == 0
+        assert sample(first, NOT_REPRO, run_id="a", namespace="*", host="gpu-7") == 0
         assert _by_host(scrape(srv.url, settled=False)) == {"gpu-7": 1}  # no other class counts
         post_reports(srv.url, _incident("b", 5, "not_reproducible", "gpu-7 rank 1", "/c/b5", rank=1),
                      _incident("b", 6, "not_reproducible", "gpu-8 rank 0", "/c/b6", rank=0))
         s = scrape(srv.url)
         assert _by_host(s) == {"gpu-7": 2, "gpu-8": 1}
-        assert sample(s, NOT_REPRO, run_id="b", host="gpu-7") == 1
+        assert sample(s, NOT_REPRO, run_id="b", namespace="*", host="gpu-7") == 1
         # the latest not-reproducible incident of run b is gpu-8's: one series per run and class
         infos = [dict(lab) for name, lab in s if name == INFO and dict(lab)["run_id"] == "b"]
         assert infos == [{"run_id": "b", "class": "not_reproducible", "host": "gpu-8", "rank": "0", "capsule": "/c/b6"}]

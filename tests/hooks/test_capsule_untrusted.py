@@ -172,7 +172,7 @@ def _malformed(tmp_path: Path, case: str) -> str:
         return _write(p, "[" * 100_000 + "]" * 100_000)
     if case == "deep_spec":
         spec: dict = {"value": 1}
-        for _ in range(500):
+        for _ in range(200):
             spec = {"seq": [spec]}
         return _linear(p, args=[spec])
     if case == "no_build":

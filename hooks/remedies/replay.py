@@ -30,10 +30,13 @@ import importlib
 import json
 import math
 import os
+import re
+import signal
 import struct
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 from nanwatch.hooks.measure.kept_forward import build_cache
 from nanwatch.hooks.remedies.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
@@ -44,6 +47,17 @@ __all__ = ["CapsuleError", "call_inputs", "main", "open_capsule", "rebuild", "re
 SETTINGS = ("same", "fp32", "math", "flash", "efficient", "cudnn")
 _MAX_HEADER = MAX_HEADER_BYTES  # below safetensors' own 100 MB: refused from the 8-byte length, unparsed
 _ALLOWED = ("transformers.", "torch.nn.")
+_DEPTH = 32  # nesting of the metadata's specs and configs: a real capsule needs a handful
+_LAYERS = re.compile(r"(^|_)(layers?|n_layer|depth)$")  # config sizes that repeat a block
+
+
+class Bounds(NamedTuple):
+    """What a capsule may ask rebuilding for, checked before anything is allocated (``--max-params``,
+    ``--max-bytes``, ``--max-build-s``); ``fp32``: the fp32 setting's float32 copy is counted too."""
+    max_params: int = 1 << 28
+    max_bytes: int = 2 << 30
+    max_build_s: float = 120.0
+    fp32: bool = True
 
 
 _BACKWARD = ("a backward birth is not replayed: this capsule's incident was first seen in backward, and nanwatch "
@@ -77,7 +91,7 @@ def open_capsule(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         header = json.loads(raw.decode("utf-8"))
         meta = json.loads(header["__metadata__"][META_KEY])
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         raise CapsuleError(f"{path}: not a nanwatch capsule (a safetensors header without nanwatch's metadata)") \
             from None
     if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
@@ -113,6 +127,116 @@ def _check_digests(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> 
                                "it is not replayed")
 
 
+def offline() -> None:
+    """No Hub, no network for the whole replay: offline mode set before transformers is imported (and forced
+    in huggingface_hub's constants when something imported it already)."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise CapsuleError(f"malformed capsule: {what}")
+
+
+def _is_dtype(name: Any) -> bool:
+    import torch
+
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _check_json(x: Any, where: str, depth: int = 0) -> None:
+    _need(depth <= _DEPTH, f"{where} is nested deeper than {_DEPTH}")
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _check_json(v, f"{where}.{k}", depth + 1)
+    elif isinstance(x, list):
+        for v in x:
+            _check_json(v, where, depth + 1)
+
+
+def _check_spec(spec: Any, tensors: dict[str, Any], where: str, depth: int = 0) -> None:
+    """A recorded argument: one of the shapes the trainer writes, its tensors present, nested at most _DEPTH."""
+    _need(depth <= _DEPTH, f"{where} is nested deeper than {_DEPTH}")
+    _need(isinstance(spec, dict), f"{where} is not an object")
+    if "tensor" in spec:
+        _need(bool(spec.get("dropped")) or spec["tensor"] in tensors, f"{where}: tensor {spec['tensor']!r} is missing")
+    elif "value" in spec:
+        _check_json(spec["value"], where, depth)
+    elif "dtype" in spec:
+        _need(_is_dtype(spec["dtype"]), f"{where}: dtype {spec['dtype']!r} is not a torch dtype")
+    elif "seq" in spec:
+        _need(isinstance(spec["seq"], list), f"{where}.seq is not a list")
+        for i, s in enumerate(spec["seq"]):
+            _check_spec(s, tensors, f"{where}[{i}]", depth + 1)
+    elif "dict" in spec:
+        _need(isinstance(spec["dict"], dict), f"{where}.dict is not an object")
+        for k, s in spec["dict"].items():
+            _check_spec(s, tensors, f"{where}.{k}", depth + 1)
+    elif "cache" in spec:
+        _check_json(spec["cache"], where, depth)
+
+
+def _check_build(build: Any) -> None:
+    _need(isinstance(build, dict), "'build' is missing or not an object")
+    _need(isinstance(build.get("class"), str), "build.class is not a class path")
+    if build.get("kind") == "hf":
+        _need(isinstance(build.get("config_class"), str), "build.config_class is not a class path")
+        _need(isinstance(build.get("config"), dict), "build.config is not an object")
+        _need(isinstance(build.get("hints", {}), dict), "build.hints is not an object")
+        _need(isinstance(build.get("attn_implementation") or "", str), "build.attn_implementation is not a string")
+        _check_json(build["config"], "build.config")
+        _check_config(build["config"])
+    elif build.get("kind") == "nn":
+        _need(isinstance(build.get("args", {}), dict), "build.args is not an object")
+        _need(isinstance(build.get("missing", []), list), "build.missing is not a list")
+        _check_json(build.get("args", {}), "build.args")
+
+
+def _check_config(cfg: dict[str, Any], where: str = "config") -> None:
+    """No remote code and nothing fetched by name: an ``auto_map`` or ``trust_remote_code`` anywhere is refused,
+    a backbone named for loading (an HF checkpoint, or timm with pretrained weights) too; a capsule carries the
+    module's own weights, so ``use_pretrained_backbone`` is forced off."""
+    for k, v in cfg.items():
+        _need(k != "auto_map", f"{where}.auto_map names remote code ({str(v)[:80]}): a capsule is data, never code")
+        _need(not (k == "trust_remote_code" and v), f"{where}.trust_remote_code is set: never honoured here")
+        if isinstance(v, dict):
+            _check_config(v, f"{where}.{k}")
+    if "use_pretrained_backbone" in cfg:
+        cfg["use_pretrained_backbone"] = False
+    if cfg.get("backbone") and not cfg.get("use_timm_backbone"):
+        raise CapsuleError(f"{where}.backbone {str(cfg['backbone'])[:80]!r} names a checkpoint to load from the "
+                           "Hub: a capsule is rebuilt offline from its own weights only")
+
+
+def check_meta(meta: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """The metadata's shape, before any of it is used: CapsuleError (exit 2) naming the first thing wrong."""
+    _check_build(meta.get("build"))
+    for field in ("params", "buffers", "dropped", "args"):
+        _need(isinstance(meta.get(field, []), list), f"'{field}' is not a list")
+    for key in (*meta.get("params", []), *meta.get("buffers", [])):
+        _need(isinstance(key, str) and key.startswith(("param.", "buffer.")), f"{str(key)[:80]!r} is not a "
+              "module tensor's name")
+        _need(key in tensors, f"tensor {key} is missing")
+    _need(isinstance(meta.get("kwargs", {}), dict), "'kwargs' is not an object")
+    for i, spec in enumerate(meta.get("args", [])):
+        _check_spec(spec, tensors, f"args[{i}]")
+    for k, spec in meta.get("kwargs", {}).items():
+        _check_spec(spec, tensors, f"kwargs.{k}")
+    for field in ("incident", "autocast", "sdpa", "capture"):
+        _need(isinstance(meta.get(field, {}), dict), f"'{field}' is not an object")
+    dtype = meta.get("autocast", {}).get("dtype")
+    _need(dtype is None or _is_dtype(dtype), f"autocast.dtype {str(dtype)[:40]!r} is not a torch dtype")
+    for k, t in tensors.items():
+        if k.startswith("rng."):
+            _need(re.fullmatch(r"rng\.(cpu|cuda\.\d{1,3})", k) is not None, f"{k} is not an RNG state's name")
+            _need(t.dtype.is_floating_point is False and t.dim() == 1 and t.element_size() == 1,
+                  f"{k} is not an RNG state (a 1-D uint8 tensor): {str(t.dtype).removeprefix('torch.')}")
+
+
 def _import(path: str, what: str) -> type:
     mod, _, qual = path.partition(":")
     if not mod.startswith(_ALLOWED):
@@ -145,31 +269,143 @@ def _set(module, name: str, tensor, *, param: bool) -> None:
         sub._buffers[leaf] = tensor
 
 
-def rebuild(meta: dict[str, Any], tensors: dict[str, Any]):
-    """The birth module, built from the capsule's class path and config or constructor arguments, with the
-    recorded parameters and buffers (their dtypes as recorded)."""
+class _BuildTimeout(BaseException):
+    """Raised by the build timer; a BaseException so that no ``except Exception`` in a constructor swallows it."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Abort the build after ``seconds`` of wall time (a SIGALRM timer: the main thread only, else unbounded)."""
+    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise _BuildTimeout
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _BuildTimeout:
+        raise CapsuleError(f"building the module took over {seconds:g} s (--max-build-s): refused") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _size(module, fp32: bool) -> tuple[int, int]:
+    """(parameters, bytes) of a module built on the meta device; the fp32 setting's float32 copy counted."""
+    ts = [*module.parameters(), *module.buffers()]
+    extra = sum(t.numel() * 4 for t in ts if t.is_floating_point()) if fp32 else 0
+    return sum(t.numel() for t in module.parameters()), sum(t.numel() * t.element_size() for t in ts) + extra
+
+
+def _layer_keys(cfg: dict[str, Any], path: tuple = ()) -> list[tuple]:
+    keys = []
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            keys += _layer_keys(v, (*path, k))
+        elif isinstance(v, int) and not isinstance(v, bool) and v > 2 and _LAYERS.search(k):
+            keys.append((*path, k))
+    return keys
+
+
+def _with(cfg: dict[str, Any], values: dict[tuple, int]) -> dict[str, Any]:
+    out = copy.deepcopy(cfg)
+    for path, v in values.items():
+        d = out
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = v
+    return out
+
+
+def _estimate(make, cfg: dict[str, Any], fp32: bool) -> tuple[int, int]:
+    """(parameters, bytes) of ``make(cfg)`` from builds with each repeated block at one and two layers (on the
+    meta device), extrapolated linearly: a config asking for 10^6 layers is counted without building them."""
+    keys = _layer_keys(cfg)
+    base = _size(make(_with(cfg, dict.fromkeys(keys, 1))), fp32)
+    n, b = base
+    for key in keys:
+        two = _size(make(_with(cfg, {**dict.fromkeys(keys, 1), key: 2})), fp32)
+        d = cfg
+        for k in key:
+            d = d[k]
+        n, b = n + (d - 1) * max(0, two[0] - base[0]), b + (d - 1) * max(0, two[1] - base[1])
+    return n, b
+
+
+def _within(n: int, nbytes: int, bounds: Bounds, cls: str) -> None:
+    if n > bounds.max_params:
+        raise CapsuleError(f"{cls} would have {n:,} parameters, over --max-params {bounds.max_params:,}: refused "
+                           "before it is allocated")
+    if nbytes > bounds.max_bytes:
+        raise CapsuleError(f"{cls} would take {nbytes:,} bytes (the fp32 setting's copy included), over --max-bytes "
+                           f"{bounds.max_bytes:,}: refused before it is allocated")
+
+
+def _maker(build: dict[str, Any], cls: type):
+    """A function building the module from a config dict (HF) or the recorded constructor arguments (nn)."""
+    if build.get("kind") == "hf":
+        cfg_cls = _import(build["config_class"], "config class")
+
+        def make(cfg: dict[str, Any]):
+            config = cfg_cls.from_dict(cfg)
+            if build.get("attn_implementation"):
+                config._attn_implementation = build["attn_implementation"]
+            return cls(config, **build.get("hints", {}))
+
+        return make, build["config"]
+    if build.get("kind") == "nn":
+        if build.get("missing"):
+            raise CapsuleError(f"{build['class']}: constructor arguments {build['missing']} were not recoverable")
+        return (lambda args: cls(**args)), build.get("args", {})
+    raise CapsuleError(f"cannot rebuild {build['class']}: not recorded as an HF or torch.nn module")
+
+
+def _checked_build(build: dict[str, Any], cls: type, meta: dict[str, Any], bounds: Bounds):
+    """Count on the meta device (estimated from one and two layers, then exactly), check the names the capsule
+    sets exist in the module, and only then build it for real; all under the build timer."""
     import torch
 
+    make, cfg = _maker(build, cls)
+    with _deadline(bounds.max_build_s):
+        try:
+            with torch.device("meta"):
+                _within(*_estimate(make, cfg, bounds.fp32), bounds, build["class"])
+                shadow = make(cfg)
+        except CapsuleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - arguments this class refuses: exit 2, one line
+            raise CapsuleError(f"{build['class']} cannot be built from the capsule's arguments: "
+                               f"{type(e).__name__}: {e}") from None
+        _within(*_size(shadow, bounds.fp32), bounds, build["class"])
+        names = {f"param.{n}" for n, _ in shadow.named_parameters()} | {f"buffer.{n}" for n, _ in
+                                                                          shadow.named_buffers()}
+        stray = [k for k in (*meta.get("params", []), *meta.get("buffers", [])) if k not in names]
+        if stray:
+            raise CapsuleError(f"tensor {stray[0]} is not one of {build['class']}'s parameters or buffers")
+        return make(cfg)
+
+
+def rebuild(meta: dict[str, Any], tensors: dict[str, Any], bounds: Bounds | None = None):
+    """The birth module, built from the capsule's class path and config or constructor arguments, with the
+    recorded parameters and buffers (their dtypes as recorded); within ``bounds``, checked before anything
+    is allocated."""
+    import torch
+
+    check_meta(meta, tensors)
+    bounds = bounds or Bounds()
     build = meta["build"]
     cls = _import(build["class"], "module class")
     if not issubclass(cls, torch.nn.Module):
         raise CapsuleError(f"{build['class']} is not a torch.nn.Module")
-    if build.get("kind") == "hf":
-        cfg_cls = _import(build["config_class"], "config class")
-        config = cfg_cls.from_dict(build["config"])
-        if build.get("attn_implementation"):
-            config._attn_implementation = build["attn_implementation"]
-        module = cls(config, **build.get("hints", {}))
-    elif build.get("kind") == "nn":
-        if build.get("missing"):
-            raise CapsuleError(f"{build['class']}: constructor arguments {build['missing']} were not recoverable")
-        module = cls(**build.get("args", {}))
-    else:
-        raise CapsuleError(f"cannot rebuild {build['class']}: not recorded as an HF or torch.nn module")
-    dropped = [d for d in meta.get("dropped", []) if d.startswith(("param.", "buffer."))]
+    dropped = [d for d in meta.get("dropped", []) if str(d).startswith(("param.", "buffer."))]
     if dropped:
         raise CapsuleError(f"the capsule's size limit ({meta.get('max_bytes')} bytes) dropped {len(dropped)} of the "
                            f"module's tensors ({dropped[0]}, ...): it cannot be replayed faithfully")
+    module = _checked_build(build, cls, meta, bounds)
     for key in meta.get("params", []):
         _set(module, key.removeprefix("param."), tensors[key], param=True)
     for key in meta.get("buffers", []):
@@ -309,19 +545,22 @@ def _run_setting(setting: str, module, args, kwargs, meta, tensors, device) -> d
             "max_abs": float(finite.max()) if t.numel() else 0.0, "dtype": str(t.dtype).removeprefix("torch.")}
 
 
-def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = SETTINGS) -> dict[str, Any]:
+def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = SETTINGS,
+                   bounds: Bounds | None = None) -> dict[str, Any]:
     """The verdict of replaying a capsule: rows per setting, the class, the exit code. CapsuleError when it
-    cannot be replayed."""
+    cannot be replayed (offline: nothing it names is fetched)."""
+    offline()
     import torch
 
     meta, tensors = open_capsule(path)
+    check_meta(meta, tensors)
     incident = meta.get("incident") if isinstance(meta.get("incident"), dict) else {}
     if incident.get("phase") == "backward":
         raise CapsuleError(_BACKWARD)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise CapsuleError("--device cuda: no CUDA device on this host")
     try:
-        module = rebuild(meta, tensors).to(device)
+        module = rebuild(meta, tensors, bounds or Bounds(fp32="fp32" in settings)).to(device)
     except CapsuleError:
         raise
     except Exception as e:  # noqa: BLE001 - a constructor that fails here: say so, exit 2
@@ -420,15 +659,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--try", dest="settings", default=",".join(SETTINGS),
                    help=f"comma-separated settings (default {','.join(SETTINGS)})")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    d = Bounds()
+    p.add_argument("--max-params", type=int, default=d.max_params,
+                   help=f"refuse a module with more parameters, counted before it is built (default {d.max_params:,})")
+    p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="refuse a module whose parameters and buffers "
+                   f"(and the fp32 setting's copy) take more bytes, counted before it is built (default {d.max_bytes:,})")
+    p.add_argument("--max-build-s", type=float, default=d.max_build_s,
+                   help=f"refuse a module that takes longer to build (default {d.max_build_s:g} s)")
     a = p.parse_args(argv)
+    offline()  # before anything imports transformers
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         p.error(f"unknown settings {unknown}: choose from {','.join(SETTINGS)}")
     try:
-        result = replay_capsule(a.capsule, device=a.device, settings=settings)
+        bounds = Bounds(a.max_params, a.max_bytes, a.max_build_s, fp32="fp32" in settings)
+        result = replay_capsule(a.capsule, device=a.device, settings=settings, bounds=bounds)
     except CapsuleError as e:
-        print(f"nanwatch replay: {printable(str(e))}", file=sys.stderr)
+        print(f"nanwatch replay: {printable(' '.join(str(e).split()))}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - anything else a hostile capsule provokes: one line, exit 2 (1 is "not reproducible")
+        print(f"nanwatch replay: cannot replay {printable(a.capsule)}: {type(e).__name__}: "
+              f"{printable(' '.join(str(e).split())[:300])}", file=sys.stderr)
         return 2
     print(json.dumps(result) if a.json else _table(result))
     return result["exit"]

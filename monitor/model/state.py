@@ -29,7 +29,7 @@ from nanwatch.wire import MAX_INT, RlhfStat
 
 __all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
            "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "RankState", "RunState", "Silent",
-           "crash_key"]
+           "crash_key", "world_size"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
 #: be believed: ranks of one job report their own steps asynchronously, a few steps apart (#19)
@@ -150,10 +150,10 @@ class RunState:
     """The rank that posts the run's job reports: the first job report's, or rank 0 once it posts one. No
     other rank may post ``scope="job"`` (in memory: after a restart of the collector, the next job report's)."""
     latest_step: int = 0
-    beats: Counter[float] = field(default_factory=Counter)
+    intervals: Counter[float] = field(default_factory=Counter)
     """The heartbeat intervals the held ranks announce, counted (each rank's own, at most ``MAX_HEARTBEAT_S``)."""
     heartbeat_s: float = 0.0
-    """The run's heartbeat interval: the lower median of what its held ranks announce (``beats``), so one rank
+    """The run's heartbeat interval: the lower median of what its held ranks announce (``intervals``), so one rank
     cannot raise it (a 65,536-rank job beats every 655 s by default, so as not to cost a collector 2,000
     requests a second): a rank known by its heartbeats is late only after two of them and gone after three."""
     counters: dict[tuple[str, tuple], int] = field(default_factory=dict)
@@ -247,35 +247,35 @@ class RunState:
         self.silent.pop(st.rank, None)
         self.worlds[st.world_size] += 1
         if st.heartbeat_s:
-            self.beats[st.heartbeat_s] += 1
+            self.intervals[st.heartbeat_s] += 1
         if st.heartbeat_s != (prev.heartbeat_s if prev is not None else 0.0):
-            self._rebeat()
+            self._recount_interval()
         (self.shown.add if shown else self.shown.discard)(st.rank)
 
     def drop(self, rank: int) -> None:
         st = self.ranks.pop(rank)
         self._unworld(st)
         if st.heartbeat_s:
-            self._rebeat()
+            self._recount_interval()
         self.shown.discard(rank)
 
     def _unworld(self, st: RankState) -> None:
-        for counted, value in ((self.worlds, st.world_size), (self.beats, st.heartbeat_s)):
-            if counted is self.beats and not value:
+        for counted, value in ((self.worlds, st.world_size), (self.intervals, st.heartbeat_s)):
+            if counted is self.intervals and not value:
                 continue
             counted[value] -= 1
             if not counted[value]:
                 del counted[value]
 
-    def _rebeat(self) -> None:
+    def _recount_interval(self) -> None:
         """The run's heartbeat interval: the lower median of the held ranks' announced ones (0: none)."""
-        n = sum(self.beats.values())
+        n = sum(self.intervals.values())
         if not n:
             self.heartbeat_s = 0.0
             return
         at = (n - 1) // 2
-        for value in sorted(self.beats):
-            at -= self.beats[value]
+        for value in sorted(self.intervals):
+            at -= self.intervals[value]
             if at < 0:
                 self.heartbeat_s = value
                 return
@@ -431,18 +431,6 @@ class CollectorState:
         live.sort(key=lambda st: st.step)
         return live[(len(live) - 1) // 2]
 
-    def world_size(self, run: RunState, now: float) -> int:
-        """The run's world size: the live job report's (its poster speaks for the job), else rank 0's latest
-        view, else the most common one among the held ranks (ties: the smaller). One made-up rank cannot raise
-        it beyond what real ranks then correct (a max over ranks could: one heartbeat said 2^53-1)."""
-        job = self.live_job(run, now)
-        if job is not None:
-            return job.world_size
-        zero = run.ranks.get(0)
-        if zero is not None:
-            return zero.world_size
-        return min(run.worlds.items(), key=lambda kv: (-kv[1], kv[0]), default=(1, 0))[0]
-
     def ttl(self, run: RunState) -> float:
         """How long a rank of ``run`` stays live after its last report: the TTL, or three heartbeats."""
         return max(self.ttl_s, 3 * run.heartbeat_s)
@@ -597,3 +585,16 @@ def _restore(state: CollectorState, loaded: Loaded) -> None:
         state.ensure_run(run_id)
     for run_id in loaded.run_ids():  # series read back were exposed before: never born again
         state.ensure_run(run_id).exposed = True
+
+
+def world_size(state: CollectorState, run: RunState, now: float) -> int:
+    """The run's world size: the live job report's (its poster speaks for the job), else rank 0's latest
+    view, else the most common one among the held ranks (ties: the smaller). One made-up rank cannot raise
+    it beyond what real ranks then correct (a max over ranks could: one heartbeat said 2^53-1)."""
+    job = state.live_job(run, now)
+    if job is not None:
+        return job.world_size
+    zero = run.ranks.get(0)
+    if zero is not None:
+        return zero.world_size
+    return min(run.worlds.items(), key=lambda kv: (-kv[1], kv[0]), default=(1, 0))[0]

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import first_nonfinite
-from nanwatch.monitor.model.state import CollectorState, RankState, RunState
+from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
@@ -135,7 +135,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
               if st.loss_scale is not None]
     snap = RunSnapshot(
         run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
-        state.world_size(run, now), job, dict(run.counters) if live else {},
+        world_size(state, run, now), job, dict(run.counters) if live else {},
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(state.hung(run, now)), run.ended,

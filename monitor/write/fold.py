@@ -417,7 +417,7 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
     same = prev is not None and prev.incarnation == r.incarnation
     held = prev if same else _BLANK
     # the rank's own interval, bounded: the run's is the median of its ranks' (``RunState.heartbeat_s``)
-    beat_s = min(r.heartbeat_s, MAX_HEARTBEAT_S) if r.heartbeat_s is not None else held.heartbeat_s
+    interval_s = min(r.heartbeat_s, MAX_HEARTBEAT_S) if r.heartbeat_s is not None else held.heartbeat_s
     step = held.step if same and r.stage != "train" else r.step  # an evaluation moves no step
     st = RankState(rank=r.rank, incarnation=r.incarnation, seq=r.seq, scope=held.scope, step=step, time=r.time,
                    received=received, seen=seen, world_size=min(r.world_size, MAX_WORLD_SIZE),
@@ -427,7 +427,7 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
                    rlhf=held.rlhf, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
                    crashed=r.raised if r.scope != "job" else held.crashed,
-                   heartbeat_s=beat_s,
+                   heartbeat_s=interval_s,
                    # a heartbeat carries liveness only: the loss scale is its step reports' (finding 9 of #27)
                    loss_scale=r.loss_scale if r.loss_scale is not None and not heartbeat else held.loss_scale)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode

@@ -92,12 +92,20 @@ def collector():
     srv.server_close()
 
 
+def _limit_memory() -> None:
+    """Cap the CLI's address space (2 GiB): an unbounded read dies there instead of taking the machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "NANWATCH_TOKEN": "", "NANWATCH_ADMIN_TOKEN": ""}
     env.pop("NANWATCH_TOKEN_FILE", None)
     env.pop("NANWATCH_ADMIN_TOKEN_FILE", None)
     return subprocess.run([sys.executable, "-m", "nanwatch.cli", *args], capture_output=True, text=True,
-                          errors="surrogateescape", timeout=240, env=env)
+                          errors="surrogateescape", timeout=240, env=env,
+                          preexec_fn=_limit_memory)
 
 
 def _clean(out: str) -> None:

@@ -172,7 +172,8 @@ def _status_file(args: argparse.Namespace) -> int:
     from nanwatch.cli import status_view
 
     if not os.path.exists(args.file):
-        fail(f"nanwatch status: no such file or folder: {args.file}")
+        print(printable(f"nanwatch status: no such file or folder: {args.file}"), file=sys.stderr)
+        return 2
     skipped: list[str] = []
     try:
         runs = status_view.fold(status_view.read_records(args.file, skipped=skipped), late_s=args.late_after)

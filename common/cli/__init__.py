@@ -6,14 +6,18 @@ so ``nanwatch status`` starts fast anywhere.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
+from nanwatch.readable import printable
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import MODES
 
@@ -38,30 +42,96 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the most of one collector answer the CLI reads, in MiB; a longer answer is refused in one line (exit 2)
+MAX_ANSWER_MIB = 64
+#: the most ``GET /v1/runs`` pages ``nanwatch status`` follows (1000 runs each)
+MAX_PAGES = 1000
+#: one call's time limit in seconds, connect to the answer's last byte
+CALL_TIMEOUT_S = 30.0
+#: what a collector's answer may do to the renderers: each is a bad answer, said in one line, never a traceback
+BAD_ANSWER = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError, RecursionError)
+
+
+def fail(message: str) -> NoReturn:
+    """Say ``message`` in one printable line on stderr and exit 2 (a bad answer, a bad file, bad use)."""
+    print(printable(message), file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def read_bounded(resp, *, limit: int, deadline: float, what: str, cut: bool = False) -> bytes:
+    """At most ``limit`` bytes of ``resp`` before ``deadline`` (``time.monotonic()``); beyond either, refused
+    (``cut``: the first ``limit`` bytes are kept instead, for an error's detail)."""
+    parts, held = [], 0
+    while True:
+        chunk = resp.read(min(65536, limit + 1 - held))
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        held += len(chunk)
+        if held > limit:
+            if cut:
+                return b"".join(parts)[:limit]
+            fail(f"nanwatch: {what}: the answer is over {limit // 2**20} MiB (MAX_ANSWER_MIB); refused")
+        if time.monotonic() > deadline:
+            if cut:
+                return b"".join(parts)
+            fail(f"nanwatch: {what}: no full answer within {CALL_TIMEOUT_S:g} s; refused")
+
+
+def parse_answer(data: bytes, what: str) -> dict:
+    """A JSON object, or one line and exit 2 (invalid JSON, nesting too deep, not an object)."""
+    try:
+        answer = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        fail(f"nanwatch: {what}: the answer is not JSON ({type(e).__name__}: {str(e)[:120]})")
+    if not isinstance(answer, dict):
+        fail(f"nanwatch: {what}: the answer is a JSON {type(answer).__name__}, not an object")
+    return answer
+
+
 def _call(method: str, url: str, token: str | None, body: dict | None = None) -> dict:
     req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode())
     req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    what, deadline = f"{method} {url}", time.monotonic() + CALL_TIMEOUT_S
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        with urllib.request.urlopen(req, timeout=CALL_TIMEOUT_S) as resp:
+            data = read_bounded(resp, limit=MAX_ANSWER_MIB * 2**20, deadline=deadline, what=what)
     except urllib.error.HTTPError as e:
-        detail = e.read().decode("utf-8", "replace")
-        raise SystemExit(f"nanwatch: {method} {url} -> HTTP {e.code}: {detail}") from None
-    except OSError as e:
-        raise SystemExit(f"nanwatch: cannot reach the collector at {url}: {e}") from None
+        try:
+            detail = read_bounded(e, limit=300, deadline=deadline, what=what, cut=True).decode("utf-8", "replace")
+        except OSError:
+            detail = ""
+        fail(f"nanwatch: {what} -> HTTP {e.code}: {detail}")
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        fail(f"nanwatch: cannot reach the collector at {url}: {e}")
+    return parse_answer(data, what)
 
 
 def _runs(base: str, token: str | None) -> Iterator[dict]:
-    """Every run the token may read, following ``GET /v1/runs`` pages (``next_after``) to the last."""
+    """Every run the token may read, following ``GET /v1/runs`` pages (``next_after``) to the last: at most
+    ``MAX_PAGES``, each cursor past the one before (the collector pages by run id, ascending)."""
     after = ""
-    while True:
+    for _ in range(MAX_PAGES):
         page = _call("GET", f"{base}/v1/runs?{urllib.parse.urlencode({'limit': 1000, 'after': after})}", token)
-        yield from page["runs"]
-        after = page.get("next_after")
-        if not after:
+        runs, nxt = page.get("runs"), page.get("next_after")
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            fail(f"nanwatch: GET {base}/v1/runs: the answer has no list of runs")
+        yield from runs
+        if not nxt:
             return
+        if not isinstance(nxt, str) or nxt <= after:
+            fail(f"nanwatch: GET {base}/v1/runs: next_after {str(nxt)[:80]!r} does not move past {after[:80]!r}; "
+                 "refused")
+        after = nxt
+    fail(f"nanwatch: GET {base}/v1/runs: more than {MAX_PAGES} pages (MAX_PAGES); refused")
+
+
+def _say(line: str) -> None:
+    """Print one line of a view: every field in it passes the printable filter (a newline, an escape, a bidi
+    override sent by a trainer or a collector is shown as ``\\uXXXX``, never obeyed)."""
+    print(printable(line), flush=True)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -78,13 +148,22 @@ def _status(args: argparse.Namespace) -> int:
     if args.run is None:
         shown = 0
         for r in _runs(base, token):
-            print(status_view.render_summary(r), flush=True)
+            try:
+                line = status_view.render_summary(r)
+            except BAD_ANSWER as e:
+                fail(f"nanwatch status: a run in the collector's list lacks or mistypes a field: {e!r:.200}")
+            _say(line)
             shown += 1
         if not shown:
             print("no runs yet")
         return 0
-    r = _call("GET", f"{base}/v1/runs/{args.run}", token)
-    print("\n".join(status_view.render_detail(r, events=args.events)))
+    r = _call("GET", f"{base}/v1/runs/{urllib.parse.quote(args.run, safe='')}", token)
+    try:
+        lines = status_view.render_detail(r, events=args.events)
+    except BAD_ANSWER as e:
+        fail(f"nanwatch status: the collector's view of run {args.run} lacks or mistypes a field: {e!r:.200}")
+    for line in lines:
+        _say(line)
     return 0
 
 
@@ -93,20 +172,27 @@ def _status_file(args: argparse.Namespace) -> int:
     from nanwatch.cli import status_view
 
     if not os.path.exists(args.file):
-        print(f"nanwatch status: no such file or folder: {args.file}", file=sys.stderr)
+        print(printable(f"nanwatch status: no such file or folder: {args.file}"), file=sys.stderr)
         return 2
+    skipped: list[str] = []
     try:
-        runs = status_view.fold(status_view.read_records(args.file), late_s=args.late_after)
+        runs = status_view.fold(status_view.read_records(args.file, skipped=skipped), late_s=args.late_after)
+        if args.run is not None:
+            runs = [r for r in runs if r["run_id"] == args.run]
+        views = [status_view.render_detail(r, events=args.events) for r in runs]
     except OSError as e:
-        print(f"nanwatch status: cannot read {args.file}: {e}", file=sys.stderr)
-        return 2
-    if args.run is not None:
-        runs = [r for r in runs if r["run_id"] == args.run]
+        fail(f"nanwatch status: cannot read {args.file}: {e}")
+    except BAD_ANSWER as e:
+        fail(f"nanwatch status: a record in {args.file} lacks or mistypes a field: {e!r:.200}")
+    if skipped:
+        print(printable(f"nanwatch status: skipped {len(skipped)} unreadable line(s), first: {skipped[0]}"),
+              file=sys.stderr)
     if not runs:
-        print(f"no reports{f' of run {args.run}' if args.run else ''} in {args.file}")
+        _say(f"no reports{f' of run {args.run}' if args.run else ''} in {args.file}")
         return 1 if args.run else 0
-    for r in runs:
-        print("\n".join(status_view.render_detail(r, events=args.events)))
+    for lines in views:
+        for line in lines:
+            _say(line)
     return 0
 
 
@@ -122,7 +208,11 @@ def _directive(args: argparse.Namespace) -> int:
         d = _call("PUT", url, token, spec)
     else:
         d = _call("DELETE", url, token)
-    print(f"run {d['run_id']}: directive v{d['version']} {d['mode']} from step {d['apply_at_step']}")
+    try:
+        line = f"run {d['run_id']}: directive v{d['version']} {d['mode']} from step {d['apply_at_step']}"
+    except BAD_ANSWER as e:
+        fail(f"nanwatch directive: the collector's answer lacks or mistypes a field: {e!r:.200}")
+    _say(line)
     return 0
 
 

@@ -54,9 +54,12 @@ def push_command(args: argparse.Namespace) -> int:
     if missing and args.dirs:
         print(f"nanwatch push: no such file or folder: {missing[0]}", file=sys.stderr)
         return 2
-    result = push([d for d in dirs if d not in missing], args.collector, token=token, out=print)
-    for problem in result.problems:
-        print(f"nanwatch push: {problem}", file=sys.stderr)
+    from nanwatch.readable import printable
+
+    result = push([d for d in dirs if d not in missing], args.collector, token=token,
+                  out=lambda line: print(printable(line)))
+    for problem in result.problems:  # a collector's words: shown, never obeyed
+        print(printable(f"nanwatch push: {problem}"), file=sys.stderr)
     print(f"pushed to {args.collector}: {result.applied} applied, {result.duplicates} already held "
           f"(duplicates), {result.left} left on disk; {result.files_done} files done")
     return 1 if result.left or result.problems else 0

@@ -50,16 +50,40 @@ def _files(path: str) -> list[list[str]]:
     return [[p for _, p in sorted(members, reverse=True)] for _, members in sorted(sets.items())]
 
 
-def read_records(path: str) -> Iterator[dict[str, Any]]:
+#: the longest line of a local record read, in bytes (a trainer's report is far shorter); a longer one is
+#: skipped without being held in memory
+MAX_LINE_BYTES = 16 * 2**20
+
+
+def _lines(f, skipped: list[str], name: str) -> Iterator[bytes]:
+    """The lines of a binary file, each at most ``MAX_LINE_BYTES``: a longer one is read past, not kept."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                pass
+            skipped.append(f"{name}: a line over {MAX_LINE_BYTES // 2**20} MiB")
+            continue
+        yield line
+
+
+def read_records(path: str, *, skipped: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """Every record under ``path``, file set by file set, each in the order it was written. A line that is
-    not JSON (a torn last line) is skipped."""
+    not JSON (a torn last line) or not UTF-8 is skipped; one nested too deep or over ``MAX_LINE_BYTES`` is
+    skipped and described in ``skipped``."""
+    skipped = [] if skipped is None else skipped
     for members in _files(path):
         for p in members:
-            with open(p, encoding="utf-8") as f:
-                for line in f:
+            with open(p, "rb") as f:
+                for line in _lines(f, skipped, p):
                     try:
-                        rec = json.loads(line)  # NaN and Infinity are JSON constants here, as on the wire
+                        rec = json.loads(line.decode("utf-8"))  # NaN and Infinity are JSON constants, as on the wire
                     except ValueError:
+                        continue
+                    except RecursionError:
+                        skipped.append(f"{p}: a line nested too deep")
                         continue
                     if isinstance(rec, dict):
                         yield rec

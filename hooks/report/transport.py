@@ -43,6 +43,10 @@ __all__ = ["KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender"]
 
 log = logging.getLogger("nanwatch.transport")
 
+#: The most of one answer read (an ack or a directive is a few KiB): a hostile or broken endpoint cannot
+#: grow the trainer's or ``nanwatch push``'s memory past it; a longer one is a failed request.
+MAX_ANSWER_BYTES = 8 << 20
+
 #: Statuses worth retrying: the collector is starting, overloaded or briefly broken.
 _RETRY = frozenset({408, 425, 429, 500, 502, 503, 504})
 
@@ -98,7 +102,9 @@ class KeepAliveHttp:
             try:
                 conn.request(method, self.prefix + path, body=body, headers=self._headers)
                 resp = conn.getresponse()
-                data = resp.read()
+                data = resp.read(MAX_ANSWER_BYTES + 1)
+                if len(data) > MAX_ANSWER_BYTES:  # an answer is an ack or a directive: a few KiB
+                    raise OSError(f"the collector's answer is over {MAX_ANSWER_BYTES} bytes: not read further")
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 self.close()
                 if fresh or attempt:

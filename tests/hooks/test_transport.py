@@ -169,3 +169,36 @@ def test_one_collector_url_check():
             check_collector_url(bad)
     with pytest.raises(ValueError, match="collector"):
         ReportSender("http://host:notaport")
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """Answers every POST with a body that never ends (a hostile or broken endpoint)."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        chunk = b" " * 65536
+        try:
+            while True:
+                self.wfile.write(chunk)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_endless_answer_is_read_no_further_than_the_bound():
+    """The sender's and ``nanwatch push``'s one connection reads at most MAX_ANSWER_BYTES of an answer."""
+    from nanwatch.hooks.report.transport import MAX_ANSWER_BYTES, KeepAliveHttp
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        http_ = KeepAliveHttp(f"http://127.0.0.1:{server.server_address[1]}", token="t", timeout_s=30)
+        with pytest.raises(OSError, match=f"over {MAX_ANSWER_BYTES} bytes"):
+            http_.request("POST", "/v1/reports", b"{}")
+    finally:
+        server.shutdown()

@@ -29,8 +29,9 @@ def test_status_and_directive_commands(collector, capsys):
     assert main(["status", "--url", collector.url, "--token", collector.token]) == 0
     assert "cli: live, 1 live ranks, step 0, 2 non-finite site visits, 0 skipped steps, directive v2 none" in (
         capsys.readouterr().out)
-    with pytest.raises(SystemExit, match="HTTP 401"):
+    with pytest.raises(SystemExit) as refused:  # one line on stderr, exit 2 (#27: the CLI's errors)
         main(["directive", "clear", "cli", "--url", collector.url, "--admin-token", "wrong"])
+    assert refused.value.code == 2 and "HTTP 401" in capsys.readouterr().err
 
 
 def test_exposed_host_without_tokens_is_refused():

@@ -51,6 +51,8 @@ RUNS = ("a", "b")
 #: each run is its own team's namespace: a scoped ingest token per run (admin and reader stay open: loopback)
 TEAM_TOKENS = {"a": "team-a-sm-secret", "b": "team-b-sm-secret"}
 TEAM_SETTINGS = {f"team-{run}": {"token": tok, "runs": run} for run, tok in TEAM_TOKENS.items()}
+#: Prometheus's reader token: a scoped team token may not scrape every namespace's series (#27)
+READER = "reader-" + "r" * 32
 
 
 def team(run: str, *, other: bool = False) -> dict[str, str]:
@@ -195,7 +197,8 @@ class CollectorMachine(RuleBasedStateMachine):
         # No minimum interval between renders of /metrics (every step scrapes and would wait for it); a
         # render is still reused, while nothing changed.
         self.srv = BackgroundServer(Settings(host="127.0.0.1", port=0, db_path=self.db_path, log_level="warning",
-                                             metrics_min_interval_s=0, tokens=TEAM_SETTINGS))
+                                             metrics_min_interval_s=0, tokens=TEAM_SETTINGS,
+                                             metrics_token=READER))
         self.srv.__enter__()
         self.http = httpx.Client(base_url=self.srv.url, timeout=10)
         self.live.clear()
@@ -454,7 +457,7 @@ class CollectorMachine(RuleBasedStateMachine):
             resp = self.http.get(f"/v1/directives/{run}", params={"index": 0, "wait": 0}, headers=team(run))
             assert resp.status_code == 200, resp.text
             self._check_directive(run, resp.json())
-        s = scrape(self.srv.url, TEAM_TOKENS["a"])
+        s = scrape(self.srv.url, READER)
         assert s[("nanwatch_collector_reports_accepted_total", frozenset())] == self.accepted_total
         assert s[("nanwatch_collector_reports_duplicate_total", frozenset())] == self.duplicate_total
         assert {dict(k[1]).get("run_id") for k in s} <= {None, *RUNS}

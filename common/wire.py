@@ -35,7 +35,12 @@ __all__ = [
     "Phase",
     "ReportBatch",
     "ReportScope",
+    "MismatchCause",
+    "ModuleShare",
     "RlhfStat",
+    "RolloutAttribution",
+    "RolloutEvent",
+    "RolloutStat",
     "SdpaCall",
     "SiteKind",
     "SiteName",
@@ -48,11 +53,12 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.7"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.8"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
 #                                        1.7 Incident.capsule (where the incident capsule was written)
+#                                        1.8 rollout mismatch (RlhfStat.rollout, rollout_events, attribution)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -208,6 +214,77 @@ class RlhfStat(_Wire):
     kl_optimised: Literal["k1", "k3", "k3_ratio"] | None = Field(
         None, description="which of the KL figures the trainer's loss uses, when the integration knows")
     advantage_std: float | None = None
+    rollout: RolloutStat | None = Field(None, description="rollout vs trainer logprobs (``rollout_logprobs=``)")
+
+
+class RolloutStat(_Wire):
+    """The rollout (sampler) and the trainer scoring the same tokens: Δlogp = trainer − rollout, over the
+    unmasked tokens where both are finite. Sums and maxima reduced exactly across ranks; ``abs_p99`` is read
+    from a fixed log-spaced histogram (``nanwatch.hooks.measure.rollout``), within one bin (×1.33)."""
+
+    tokens: Count = Field(0, description="unmasked tokens where both logprobs are finite")
+    sequences: Count = Field(0, description="sequences with at least one such token")
+    cap: Annotated[float, Field(gt=1)] = Field(2.0, description="the truncation cap c: a token's ratio "
+                                               "exp(Δlogp) outside [1/c, c] counts as truncated")
+    abs_mean: float | None = Field(None, description="mean |Δlogp|")
+    abs_max: float | None = Field(None, description="max |Δlogp|")
+    abs_p99: float | None = Field(None, description="99th percentile of |Δlogp| (histogram estimate)")
+    mean: float | None = Field(None, description="mean Δlogp (signed): far from 0 next to abs_mean, one side "
+                               "scores every token higher")
+    rms: float | None = Field(None, description="root mean square of Δlogp")
+    k3_mean: float | None = Field(None, description="k3 estimate of KL(rollout || trainer): mean of "
+                                  "r − 1 − log r, r = exp(Δlogp), over tokens the rollout sampled")
+    seq_ratio_max: float | None = Field(None, description="largest sequence ratio exp(Σ Δlogp)")
+    seq_ratio_min: float | None = Field(None, description="smallest sequence ratio exp(Σ Δlogp)")
+    truncated_fraction: float | None = Field(None, description="fraction of tokens whose ratio leaves [1/c, c]")
+    prob_correlation: float | None = Field(None, description="Pearson correlation of the two token-probability "
+                                           "vectors")
+    logprob_slope: float | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
+                                        "1 when they agree, 1/T when the sampler alone divides by temperature T")
+    seq_abs_mean_max: float | None = Field(None, description="the worst sequence's mean |Δlogp|")
+    outlier_sequences: Count = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the batch's "
+                                     "(and 0.05)")
+
+
+MismatchCause = Literal["jump", "drift", "offset", "outliers"]
+
+
+class RolloutEvent(_Wire):
+    """A rollout mismatch classified by its pattern. Never a precision directive: the cause is outside the
+    trainer's attention (the weight sync, the rollout's precision or kernels, the sampler, a few sequences)."""
+
+    cause: MismatchCause
+    step: Count
+    figures: dict[Annotated[str, StringConstraints(max_length=32)], float] = Field(default_factory=dict,
+                                                                                 max_length=16)
+    evidence: ShortText = ""
+    remedy: ShortText = ""
+
+
+class ModuleShare(_Wire):
+    """One module lowered alone to the rollout's precision: the mismatch it reproduces."""
+
+    module: SiteName
+    abs_mean: float = Field(description="mean |Δlogp| against the fp32 forward with this module lowered alone")
+    share: float = Field(description="abs_mean / the mismatch with every module lowered")
+
+
+class RolloutAttribution(_Wire):
+    """The worst sequences re-run outside the step: the trainer's forward in fp32, then each module (or block)
+    lowered alone to ``rollout_dtype``; ``module`` names the one whose lowering alone reproduces most of the
+    mismatch."""
+
+    step: Count = Field(description="the step whose event asked for it")
+    cause: MismatchCause
+    rollout_dtype: Annotated[str, StringConstraints(max_length=32)]
+    sequences: Count = 0
+    observed_abs_mean: float | None = Field(None, description="mean |Δlogp| trainer vs rollout on these sequences")
+    lowered_abs_mean: float | None = Field(None, description="mean |Δlogp| fp32 vs every module lowered")
+    module: SiteName | None = Field(None, description="the module named (None: no single module explains it)")
+    modules: Annotated[list[ModuleShare], Field(max_length=16)] = Field(default_factory=list)
+    capsule: Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    seconds: float = 0.0
+    note: ShortText = ""
 
 
 class Fingerprint(_Wire):
@@ -298,6 +375,9 @@ class StepReport(_Wire):
     sdpa: Annotated[list[SdpaCall], Field(max_length=4096, fail_fast=True)] = Field(default_factory=list)
     logits: Annotated[list[LogitStat], Field(max_length=4096, fail_fast=True)] = Field(default_factory=list)
     rlhf: RlhfStat | None = None
+    rollout_events: Annotated[list[RolloutEvent], Field(max_length=8, fail_fast=True)] = Field(
+        default_factory=list, description="rollout mismatches classified at this step (job or rank report)")
+    rollout_attribution: RolloutAttribution | None = None
     fingerprints: Annotated[list[Fingerprint], Field(max_length=256, fail_fast=True)] = Field(default_factory=list)
     coverage: Coverage | None = Field(None, description="what was measured (None from 1.0 senders)")
     step_skipped: bool | None = Field(
@@ -352,7 +432,7 @@ class StepReport(_Wire):
         if self.ranks_reporting is not None and self.ranks_reporting > self.world_size:
             raise ValueError(f"ranks_reporting {self.ranks_reporting} exceeds world_size {self.world_size}")
         if self.scope == "heartbeat" and (self.sites or self.sdpa or self.logits or self.rlhf or self.fingerprints
-                                          or self.incident):
+                                          or self.incident or self.rollout_events or self.rollout_attribution):
             raise ValueError("a heartbeat carries no measurements (sites, sdpa, logits, rlhf, fingerprints, "
                              "incident): send them as a rank, job or detail report")
         return self

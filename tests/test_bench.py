@@ -236,3 +236,25 @@ def test_guard_mode_refuses_what_it_cannot_measure(capsys, argv):
 
     assert main(["guard", *argv]) == 2
     assert "nanwatch bench guard:" in capsys.readouterr().out
+
+
+def test_rollout_mode_times_rlhf_with_and_without_the_rollout_side_by_side(capsys, tmp_path):
+    from nanwatch.bench import main
+
+    out = tmp_path / "rollout.json"
+    assert main(["rollout", "--rounds", "2", "--warmup", "0", "--block", "1", "--seq", "16", "--completion", "8",
+                 "--layers", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("no rlhf()", "rlhf(rollout_logprobs=)", "rlhf() call alone", "rlhf(rollout_logprobs=) call alone"):
+        assert line in printed
+    r = json.loads(out.read_text())
+    assert all(r[f"step_{arm}_s"] > 0 and r[f"ratio_{arm}"] > 0 for arm in ("bare", "rlhf", "rollout"))
+    assert r["call_rlhf_s"] > 0 and r["call_rollout_s"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--completion", "16", "--seq", "16"]])
+def test_rollout_mode_refuses_what_it_cannot_measure(capsys, argv):
+    from nanwatch.bench import main
+
+    assert main(["rollout", *argv]) == 2
+    assert "nanwatch bench rollout:" in capsys.readouterr().out

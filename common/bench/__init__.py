@@ -10,7 +10,9 @@
 * ``nanwatch bench guard [options]``: what the weight guard's cross-rank reduction costs a data-parallel
   step, with it on and off side by side (:mod:`nanwatch.bench.guard`);
 * ``nanwatch bench optimizer [options]``: what guarding a non-fused optimizer (one host read per step) and
-  checking its update (one ``_foreach_norm``) cost a step, side by side (:mod:`nanwatch.bench.optimizer`).
+  checking its update (one ``_foreach_norm``) cost a step, side by side (:mod:`nanwatch.bench.optimizer`);
+* ``nanwatch bench rollout [options]``: what ``Monitor.rlhf()`` costs a GRPO-shaped step, with and without
+  the rollout comparison, side by side (:mod:`nanwatch.bench.rollout`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -37,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import guard
 
         return guard.main(argv[1:])
+    if argv[:1] == ["rollout"]:
+        from nanwatch.bench import rollout
+
+        return rollout.main(argv[1:])
     if argv[:1] == ["optimizer"]:
         from nanwatch.bench import optimizer
 

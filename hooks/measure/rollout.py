@@ -32,7 +32,8 @@ from nanwatch.wire import RolloutStat
 __all__ = ["EDGES", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_SLOTS", "decode_rollout", "record_rollout"]
 
 #: |Δlogp| histogram edges: bin 0 is [0, 1e-6), bin i is [EDGES[i-1], EDGES[i]), the last bin [100, inf).
-EDGES = tuple(10.0 ** (-6 + 8 * i / 64) for i in range(65))
+_PER_DECADE = 8
+EDGES = tuple(10.0 ** (-6 + i / _PER_DECADE) for i in range(8 * _PER_DECADE + 1))
 #: A sequence is an outlier when its mean |Δ| exceeds this many times the median sequence's, and the floor.
 OUTLIER_FACTOR, OUTLIER_FLOOR = 8.0, 0.05
 _QUANTILE = 0.99
@@ -46,16 +47,6 @@ ROLLOUT_SLOTS: tuple[tuple[str, str], ...] = (*(("sum", "ro_" + k) for k in (*_S
                                               *(("max", "ro_" + k) for k in _MAXES))
 _SUM_KEYS = tuple(("rlhf", "ro_" + k) for k in (*_SUMS, *_HIST))
 _MAX_KEYS = tuple(("rlhf", "ro_" + k) for k in _MAXES)
-_edges: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _edges_on(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The histogram's edges on ``device``, copied there once (a host-to-device copy per call would be one
-    more transfer on the training stream)."""
-    edges = _edges.get((device, dtype))
-    if edges is None:
-        edges = _edges[(device, dtype)] = torch.tensor(EDGES, dtype=dtype, device=device)
-    return edges
 
 
 def record_rollout(rec: Recorder, lp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cap: float) -> None:
@@ -81,7 +72,8 @@ def record_rollout(rec: Recorder, lp: torch.Tensor, rollout: torch.Tensor, mask:
     seq_abs = a.to(acc).sum(1) / seq_n.clamp(min=1.0)
     typical = torch.where(has, seq_abs, math.nan).nanmedian()  # NaN when no sequence has a token: no outlier
     outlier = has & (seq_abs > torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR))
-    index = torch.searchsorted(_edges_on(a.device, a.dtype), a, right=True)
+    # the bin by arithmetic, not searchsorted (10 ms for 400 values on a CPU): 8 bins a decade from 1e-6
+    index = ((torch.log10(a) + 6.0) * _PER_DECADE + 1.0).floor_().clamp_(0, len(EDGES)).long()
     hist = torch.zeros(len(_HIST), dtype=acc, device=a.device).scatter_add_(0, index.reshape(-1), okf.reshape(-1))
 
     def s(v: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@
 * ``nanwatch bench optimizer [options]``: what guarding a non-fused optimizer (one host read per step) and
   checking its update (one ``_foreach_norm``) cost a step, side by side (:mod:`nanwatch.bench.optimizer`);
 * ``nanwatch bench rollout [options]``: what ``Monitor.rlhf()`` costs a GRPO-shaped step, with and without
-  the rollout comparison, side by side (:mod:`nanwatch.bench.rollout`).
+  the rollout comparison, side by side (:mod:`nanwatch.bench.rlhf_cost`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -40,9 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return guard.main(argv[1:])
     if argv[:1] == ["rollout"]:
-        from nanwatch.bench import rollout
+        from nanwatch.bench import rlhf_cost
 
-        return rollout.main(argv[1:])
+        return rlhf_cost.main(argv[1:])
     if argv[:1] == ["optimizer"]:
         from nanwatch.bench import optimizer
 

@@ -100,3 +100,16 @@ def test_a_pad_that_is_no_eos_ends_the_mask_and_without_scores_it_says_what_to_p
     assert completion_mask(ids).tolist() == [[1] * 5] * 3
     with pytest.raises(ValueError, match="output_scores=True"):
         nanwatch.hooks.rollout_logprobs(object())
+
+
+def test_the_docs_snippet_runs_and_reads_the_samplers_temperature(capsys):
+    """The runnable example of docs/integrations.md: a HF rollout at temperature 0.7 fed to Monitor.rlhf; the
+    trainer scores without the temperature, so the slope of rollout on trainer logprobs is about 1/0.7."""
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    code = page.split("<!-- snippet: rollout-logprobs", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/integrations.md", "exec"), {})
+    lines = capsys.readouterr().out.split("\n")
+    slopes = [float(line.split()[1]) for line in lines if line.strip()]
+    assert len(slopes) == 3 and all(1.2 < s < 1.8 for s in slopes), slopes

@@ -242,8 +242,8 @@ class RolloutStat(_Wire):
     logprob_slope: float | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
                                         "1 when they agree, 1/T when the sampler alone divides by temperature T")
     seq_abs_mean_max: float | None = Field(None, description="the worst sequence's mean |Δlogp|")
-    outlier_sequences: Count = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the batch's "
-                                     "(and 0.05)")
+    outlier_sequences: Count = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the median "
+                                     "sequence's in their batch (and 0.05)")
 
 
 MismatchCause = Literal["jump", "drift", "offset", "outliers"]

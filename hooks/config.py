@@ -10,6 +10,7 @@ given one as it was.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import warnings
@@ -64,6 +65,8 @@ class MonitorConfig:
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
       ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``rerun`` (``replay``, deprecated), ``capsule``,
       ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
+    * **the rollout** (RLHF: the sampler against the trainer): ``rollout_cap``, ``rollout_dtype``,
+      ``rollout_attribution``;
     * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
       ``logit_tau``;
     * **reports** (step reports, job reports, heartbeats): ``max_pending_reports``, ``on_report``,
@@ -183,6 +186,21 @@ class MonitorConfig:
     """A capsule's size limit: parameters first, then inputs; what does not fit is listed in it as dropped.
     Default ``NANWATCH_CAPSULE_MAX_BYTES`` or 256 MiB."""
 
+    # ---- the rollout ---------------------------------------------------------------------------------
+    rollout_cap: float = 2.0
+    """The truncation cap c of ``Monitor.rlhf(rollout_logprobs=)``: a token whose ratio exp(Δlogp) leaves
+    [1/c, c] counts in ``truncated_fraction``. 2.0 is verl's ``rollout_is_threshold``; the TRL integration
+    passes TRL's own (``vllm_importance_sampling_clip_max``, 3.0 by default)."""
+
+    rollout_dtype: str = "bfloat16"
+    """The rollout engine's precision: what the attribution lowers one module at a time to (a torch dtype's
+    name: ``bfloat16``, ``float16``)."""
+
+    rollout_attribution: bool = True
+    """On a drift or outlier-sequence event, re-run the worst sequences (kept from ``Monitor.rlhf(input_ids=)``)
+    outside the step to name the module whose precision explains the mismatch. Once per run and cause; never a
+    collective (a sharded model is refused, with a note)."""
+
     # ---- directives --------------------------------------------------------------------------------
     directive_source: DirectiveSource = "auto"
     """Who issues directives: ``collector`` (its rules), ``local`` (the same default rules, run in the trainer
@@ -270,6 +288,7 @@ class MonitorConfig:
         _check_run(self)
         _check_measuring(self)
         _check_remedies(self)
+        _check_rollout(self)
         _check_directives_and_reports(self)
         _check_local_record(self)
 
@@ -308,6 +327,14 @@ def _check_measuring(c: MonitorConfig) -> None:
         raise ValueError(f"exact_logit_chunk_elems must be >= 1, got {c.exact_logit_chunk_elems}")
     if c.param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0 (0 disables), got {c.param_check_every}")
+
+
+def _check_rollout(c: MonitorConfig) -> None:
+    if not (isinstance(c.rollout_cap, (int, float)) and c.rollout_cap > 1 and math.isfinite(c.rollout_cap)):
+        raise ValueError(f"rollout_cap must be a finite number > 1, got {c.rollout_cap!r}")
+    if not isinstance(getattr(torch, c.rollout_dtype, None), torch.dtype) or c.rollout_dtype.startswith("int"):
+        raise ValueError(f"rollout_dtype must name a floating torch dtype (bfloat16, float16), got "
+                         f"{c.rollout_dtype!r}")
 
 
 def _check_remedies(c: MonitorConfig) -> None:

@@ -274,16 +274,17 @@ class Monitor:
             contained(watch_site, self._probes, name, kind, tensor, self._warn_once)
         return tensor
 
-    def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
-             old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None) -> None:
-        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device. ``advantages`` may
-        be per token (the mask's shape) or per sequence (``[B]``, as GRPO's are); ``kl_optimised`` says
-        which KL the loss uses (``k1``, ``k3`` or ``k3_ratio``), so that the report labels it."""
+    def rlhf(self, *, logprobs: torch.Tensor, mask: torch.Tensor | None = None, clip_eps: float = 0.2,
+             kl_optimised: str | None = None, rollout_cap: float | None = None, **tensors: Any) -> None:
+        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device; ``tensors``:
+        ``ref_logprobs``, ``old_logprobs``, ``advantages`` (per token, or per sequence as GRPO's),
+        ``rollout_logprobs`` (the sampler's, of the same tokens: compared with ``logprobs``, truncation cap
+        ``rollout_cap`` or ``config.rollout_cap``), ``input_ids`` and ``attention_mask`` (prompt and completion:
+        for the attribution). ``kl_optimised``: the KL the loss uses (``k1``, ``k3`` or ``k3_ratio``)."""
         if self._active and not torch.compiler.is_compiling():
-            rlhf_probe(self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs,
-                       ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                       clip_eps=clip_eps, kl_optimised=kl_optimised)
+            rlhf_probe(self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,
+                       clip_eps=clip_eps, kl_optimised=kl_optimised,
+                       rollout_cap=rollout_cap or self.config.rollout_cap, **tensors)
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,

@@ -179,10 +179,13 @@ class Recorder:
         forwards.append(meta)
         return meta
 
-    def slot(self, key, value: torch.Tensor, *, how: str = "sum") -> None:
+    def slot(self, key, value: torch.Tensor, *, how: str = "sum", many: bool = False) -> None:
         """Add (``how="sum"``) or max (``"max"``) a 0-d device value into the slot ``key``: RLHF sums and
-        counts, a forward's counts (``ForwardMeta.key``), the scaler's and the weight guard's flags."""
-        if how == "sum":
+        counts, a forward's counts (``ForwardMeta.key``), the scaler's and the weight guard's flags. With
+        ``many``, ``key`` is a tuple of keys and ``value`` 1-D, one per key: consecutive slots, one device op."""
+        if many:
+            self.buf.block(how, key, _to(self.buf, value))
+        elif how == "sum":
             self.buf.add(key, _to(self.buf, value))
         else:
             self.buf.maximize(key, _to(self.buf, value))

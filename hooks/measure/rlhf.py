@@ -16,12 +16,13 @@ import torch
 
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.rollout import ROLLOUT_SLOTS, decode_rollout, record_rollout
 from nanwatch.wire import RlhfStat
 
 __all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
            "rlhf_slots"]
 
-RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages")
+RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages", "rollout_logprobs")
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
          "adv_sq")
 _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
@@ -29,7 +30,7 @@ _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
 #: maxima maxed) before decoding once, so its means are token-weighted and its std pooled exactly.
 RLHF_SLOTS: tuple[tuple[str, str], ...] = (
     *(("sum", k) for k in (*_SUMS, *(t + pad for t in RLHF_TENSORS for pad in ("", "_pad")))),
-    *(("max", k) for k in _MAXES))
+    *(("max", k) for k in _MAXES), *ROLLOUT_SLOTS)
 
 
 def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
@@ -38,6 +39,10 @@ def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
 
 def _where(ok: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(ok, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+#: ``record_rlhf``'s keyword arguments that ``Monitor.rlhf`` passes through.
+_ARGUMENTS = ("ref_logprobs", "old_logprobs", "advantages", "mask", "clip_eps", "rollout_logprobs", "rollout_cap")
 
 
 def checked_kl(kl_optimised: str | None, warn: Callable[[str], None]) -> str | None:
@@ -49,22 +54,37 @@ def checked_kl(kl_optimised: str | None, warn: Callable[[str], None]) -> str | N
 
 
 def rlhf_probe(rec: Recorder, *, site: Callable[[str, str, torch.Tensor], None], warn: Callable[[str], None],
-               logprobs: torch.Tensor, kl_optimised: str | None = None, **tensors: Any) -> None:
+               logprobs: torch.Tensor, kl_optimised: str | None = None, **tensors: Any) -> dict[str, Any]:
     """``Monitor.rlhf``'s body: ``logprobs`` measured as the site ``rlhf.logprobs`` (``site``, the probes'),
     then :func:`record_rlhf` (``tensors``: its other arguments), ``kl_optimised`` checked first (a name
-    nanwatch does not report is warned about and dropped). Each part that fails only warns."""
+    nanwatch does not report is warned about and dropped), a ``rollout_logprobs`` of another shape and an
+    unknown argument too. Each part that fails only warns. Returns what the attribution keeps: the
+    sequences (``input_ids``, ``attention_mask``) with both logprob sets and the mask."""
     kl_optimised = checked_kl(kl_optimised, warn)
+    kept = {k: tensors.pop(k, None) for k in ("input_ids", "attention_mask")}
+    for name in set(tensors) - set(_ARGUMENTS):
+        warn(f"rlhf({name}=) ignored: not an argument of Monitor.rlhf")
+        del tensors[name]
+    rollout = tensors.get("rollout_logprobs")
+    if rollout is not None and getattr(rollout, "shape", None) != logprobs.shape:
+        warn(f"rlhf(rollout_logprobs=) ignored: its shape {tuple(getattr(rollout, 'shape', ()))} is not "
+             f"logprobs' {tuple(logprobs.shape)} (the sampler's logprobs of the same tokens, aligned)")
+        tensors["rollout_logprobs"] = rollout = None
     contained(site, "rlhf.logprobs", "logprob", logprobs)
     contained(record_rlhf, rec, logprobs=logprobs, kl_optimised=kl_optimised, **tensors)
+    return {**kept, "logprobs": logprobs, "rollout_logprobs": rollout, "mask": tensors.get("mask")}
 
 
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                 old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None) -> None:
+                mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None,
+                rollout_logprobs: torch.Tensor | None = None, rollout_cap: float = 2.0) -> None:
     """Launch the device ops for one batch; several calls in a step accumulate. ``kl_optimised`` names
     the KL estimator the trainer's loss uses (``k3_ratio``: k3 weighted by the importance ratio, TRL's
     GRPO default); it is reported as such, and ``k3_ratio`` is computed too. ``advantages`` may be per
-    token (the mask's shape) or per sequence (``[B]``, as GRPO's are)."""
+    token (the mask's shape) or per sequence (``[B]``, as GRPO's are). ``rollout_logprobs``: the sampler's
+    logprobs of the same tokens (``logprobs``' shape), compared by ``nanwatch.hooks.measure.rollout`` with
+    the truncation cap ``rollout_cap``."""
     if (advantages is not None and mask is not None and advantages.dim() == 1 and mask.dim() == 2
             and advantages.shape[0] == mask.shape[0]):
         advantages = advantages.unsqueeze(1).expand_as(mask)
@@ -72,7 +92,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     lp = logprobs.detach().float()
     m = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.detach().to(torch.bool)
     tensors = {"logprobs": lp, "ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs,
-               "advantages": advantages}
+               "advantages": advantages, "rollout_logprobs": rollout_logprobs}
     for name, t in tensors.items():
         if t is None:
             continue
@@ -85,6 +105,8 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
             _count(rec, name, bad)
     ok = m & torch.isfinite(lp)
     _count(rec, "tokens", m)
+    if rollout_logprobs is not None and rollout_logprobs.shape == lp.shape:
+        record_rollout(rec, lp, rollout_logprobs, m, rollout_cap)
     rec.slot(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax(), how="max")
     if old_logprobs is not None:
         ratio = torch.exp(lp - old_logprobs.detach().float())
@@ -151,5 +173,5 @@ def decode_rlhf(get, kl_optimised: str | None = None) -> RlhfStat:
         kl_k1_mean=mean("k1_sum", "kl_n"), kl_k1_max=some(x["k1_max"]),
         kl_k3_mean=mean("k3_sum", "kl_n"), kl_k3_max=some(x["k3_max"]),
         kl_k3_ratio_mean=mean("k3r_sum", "k3r_n"), kl_optimised=kl_optimised,
-        advantage_std=adv_std,
+        advantage_std=adv_std, rollout=decode_rollout(get),
     )

@@ -113,6 +113,24 @@ class SlotBuffer:
         torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
         return first
 
+    def block(self, kind: str, keys: tuple[Hashable, ...], values: torch.Tensor) -> None:
+        """Add (``kind="sum"``) or max (``"max"``) ``values`` (1-D, one per key) into the slots ``keys``, which
+        are allocated together, consecutively, on first use: one device op for many slots. A key written by
+        ``block`` is only ever written with the same ``keys``."""
+        first = self._slots.get((kind, keys[0]))
+        if first is None:
+            with self._lock:
+                first = self._slots.get((kind, keys[0]))
+                if first is None:
+                    first = len(self._kinds)
+                    for k in keys:
+                        self._new_slot((kind, k), kind)
+        cells = self.data[first : first + len(keys)]
+        if kind == "sum":
+            cells.add_(values.reshape(len(keys)).to(self.dtype))
+        else:
+            torch.maximum(cells, values.reshape(len(keys)).to(self.dtype), out=cells)
+
     def index(self, kind: str, key: Hashable) -> int | None:
         """Slot index of an existing key, or None (host-only lookup, used when decoding)."""
         return self._slots.get((kind, key))

@@ -35,8 +35,9 @@ from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
+from nanwatch.hooks.report.mismatch import MismatchClassifier
 from nanwatch.hooks.report.reporter import Landed, Reporter
-from nanwatch.wire import StepReport
+from nanwatch.wire import RolloutEvent, StepReport
 
 __all__ = ["Built", "ReportFlow"]
 
@@ -59,8 +60,10 @@ class ReportFlow:
     """The reporter thread's side of one Monitor: the thread, the builder, the rules, the sender, the callback."""
 
     def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
-                 directive_state: DirectiveState, expects_logits: Callable[[], bool]) -> None:
+                 directive_state: DirectiveState, expects_logits: Callable[[], bool],
+                 on_mismatch: Callable[[RolloutEvent], None] | None = None) -> None:
         self._on_report = config.on_report
+        self._mismatch, self._on_mismatch = MismatchClassifier(), on_mismatch
         self._directive_state = directive_state
         self._config, self._rank, self._world = config, rank, world_size
         self.incarnation = incarnation
@@ -148,6 +151,8 @@ class ReportFlow:
             return Built(self._builder.final(ctx, seq=p.seq, step=p.step, dropped=self.dropped), None, None)
         stats = decode_step(ctx.state, landed.values)
         report = self._builder.build(stats, ctx, seq=p.seq, step=p.step, dropped=self.dropped)
+        if self._job is None:  # job scope: the job's report is classified, in _deliver
+            report = self._classified(report)
         if report.stage != "train":  # an evaluation is no training step: it neither makes nor breaks a streak
             return Built(report, None, None)
         # a loss-scale overflow the scaler handled is normal operation: it keeps a clean streak going
@@ -174,7 +179,7 @@ class ReportFlow:
             # reporter's closing header then releases any peer waiting on this step's reduction)
             outs = self._job.own(report)
         else:
-            outs = self._job.route(report, built.rlhf)
+            outs = [self._classified(o) for o in self._job.route(report, built.rlhf)]
         for out in outs:
             if self._sender is not None:
                 self._sender.submit(out)
@@ -184,6 +189,22 @@ class ReportFlow:
                     self._on_report(out)
                 except Exception:
                     log.exception("nanwatch: on_report callback failed for step %s", out.step)
+
+    def _classified(self, report: StepReport) -> StepReport:
+        """``report`` with the rollout mismatch's events of its step (a training report that speaks for this
+        rank or the job and has rollout figures); each event also goes to ``on_mismatch`` (the attribution)."""
+        r = report.rlhf.rollout if report.rlhf is not None else None
+        if r is None or report.stage != "train" or report.scope not in ("rank", "job"):
+            return report
+        events = self._mismatch.observe(report.step, r)
+        for event in events:
+            log.warning("nanwatch: step %d: rollout mismatch (%s): %s", report.step, event.cause, event.evidence)
+            if self._on_mismatch is not None:
+                try:
+                    self._on_mismatch(event)
+                except Exception:
+                    log.exception("nanwatch: the rollout mismatch's handler failed")
+        return report.model_copy(update={"rollout_events": events}) if events else report
 
     def _closing(self) -> None:
         """Reporter thread, after its last report: the job's group and the local log close here, so that

@@ -35,7 +35,10 @@ def rlhf_batch(step: int, rank: int, b: int = 3, t: int = 10):
     ref = lp + torch.randn(b, t, generator=g) * 0.5
     adv = torch.randn(b, generator=g) * (1 + rank)
     mask = torch.rand(b, t, generator=g) > 0.25
-    return dict(logprobs=lp, old_logprobs=old, ref_logprobs=ref, advantages=adv, mask=mask)
+    rollout = lp - torch.randn(b, t, generator=g) * 0.05 * (1 + step)  # the sampler's view of the same tokens
+    if (step, rank) in NAN_AT:  # a sampler NaN (in or out of the mask) where this rank differs anyway
+        rollout[rank, step % t] = math.nan
+    return dict(logprobs=lp, old_logprobs=old, ref_logprobs=ref, advantages=adv, mask=mask, rollout_logprobs=rollout)
 
 
 def run_step(mon, model, n: int, rank: int) -> None:

@@ -1,0 +1,142 @@
+"""The rollout mismatch, classified by its pattern over steps: reporter thread, host side, on the report that
+is posted (the job's under job reports, so every classification speaks for the job).
+
+Four causes, each an event with its figures and the remedy that fits; none of them ever asks for a precision
+directive, since the trainer's attention is not where any of them comes from:
+
+* **jump**: mean |Δlogp| at least :data:`JUMP_FACTOR` times its median over the previous steps (and at least
+  :data:`JUMP_FLOOR`): the rollout scored with other weights (a sync that did not happen, or from the wrong
+  version: TRL #5312 went from 0.015 to 0.201). Reported once; again only after the mismatch came back down.
+* **offset**: the sampler's semantics differ from the trainer's: rollout logprobs are a near-linear function of
+  the trainer's with slope ≠ 1 (a temperature applied on one side only: the slope is 1/T), or Δlogp has one
+  sign for most tokens (top-p/top-k renormalising on one side).
+* **outliers**: a few sequences (at most a quarter) far off the rest (``RolloutStat.outlier_sequences``).
+* **drift**: a symmetric mismatch above :data:`DRIFT_FLOOR` for :data:`SUSTAIN` steps in a row: precision or
+  kernels (the attribution names the module). Reported when it sets in and each time it doubles.
+
+Healthy same-weights, same-dtype rollouts differ by ~1e-7 (KV-cache against a full forward, fp32); a bf16
+rollout engine against an fp32 or bf16 trainer by 1e-3 to 1e-2, which is a drift worth one event, not a page
+(the page, ``NanwatchRolloutDrift``, is Prometheus's, on a sustained figure).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from nanwatch.wire import RolloutEvent, RolloutStat
+
+__all__ = ["DRIFT_FLOOR", "JUMP_FACTOR", "JUMP_FLOOR", "MismatchClassifier", "SUSTAIN"]
+
+JUMP_FACTOR, JUMP_FLOOR = 5.0, 0.01
+DRIFT_FLOOR = 1e-3
+OFFSET_SLOPE, OFFSET_SIGN = 0.1, 0.5  # |slope − 1| above this; |mean| above this fraction of the rms
+SUSTAIN = 3  # steps in a row before an offset or a drift is reported
+_BASELINE = 20  # steps of history the jump compares with
+_QUIET = 50  # an outlier event repeats at most this often, unless the worst sequence doubled
+_FIGURES = ("abs_mean", "abs_p99", "mean", "rms", "k3_mean", "truncated_fraction", "prob_correlation",
+            "logprob_slope", "seq_ratio_max", "seq_abs_mean_max")
+
+
+def _figures(r: RolloutStat, **extra: float) -> dict[str, float]:
+    out = {k: v for k in _FIGURES if (v := getattr(r, k)) is not None}
+    out.update({k: float(v) for k, v in extra.items()})
+    return out
+
+
+class MismatchClassifier:
+    """Turns each step's :class:`RolloutStat` into events. Reporter thread only.
+
+    Example usage::
+
+        events = MismatchClassifier().observe(report.step, report.rlhf.rollout)   # [] on most steps
+    """
+
+    def __init__(self) -> None:
+        self._history: deque[float] = deque(maxlen=_BASELINE)
+        self._jumped_from: float | None = None  # the baseline a jump left; None: not in a jump
+        self._offset_run = self._drift_run = 0
+        self._offset_told = False
+        self._drift_told: float | None = None  # the mismatch last reported as a drift
+        self._outliers_told: tuple[int, float] | None = None  # (step, worst sequence) of the last event
+
+    def observe(self, step: int, r: RolloutStat) -> list[RolloutEvent]:
+        """The events step ``step``'s figures raise (at most one per cause)."""
+        if r.abs_mean is None or not r.tokens:
+            return []
+        events = [e for e in (self._jump(step, r), self._offset(step, r), self._outliers(step, r)) if e]
+        drift = None if any(e.cause == "jump" for e in events) else self._drift(step, r)
+        if self._jumped_from is None:
+            self._history.append(r.abs_mean)
+        return [*events, *([drift] if drift else [])]
+
+    def _jump(self, step: int, r: RolloutStat) -> RolloutEvent | None:
+        if self._jumped_from is not None:
+            if r.abs_mean < 2 * max(self._jumped_from, DRIFT_FLOOR):
+                self._jumped_from = None  # back down: the next jump is news again
+            return None
+        if len(self._history) < SUSTAIN:
+            return None
+        base = statistics.median(self._history)
+        if r.abs_mean < max(JUMP_FACTOR * base, JUMP_FLOOR):
+            return None
+        self._jumped_from = base
+        factor = r.abs_mean / base if base > 0 else float("inf")
+        return RolloutEvent(
+            cause="jump", step=step, figures=_figures(r, baseline=base, factor=min(factor, 1e300)),
+            evidence=f"mean |Δlogp| {r.abs_mean:.4g} at step {step}, {factor:.3g}× its median {base:.3g} over "
+                     f"the previous {len(self._history)} steps",
+            remedy="the rollout scored with other weights: check the last weight sync (compare "
+                   "nanwatch.fingerprint of the version the rollout engine loaded with the trainer's: "
+                   "Monitor.publish_weights, nanwatch.weight_sync)")
+
+    def _offset(self, step: int, r: RolloutStat) -> RolloutEvent | None:
+        slope_off = r.logprob_slope is not None and abs(r.logprob_slope - 1.0) > OFFSET_SLOPE
+        one_sided = r.mean is not None and r.rms and abs(r.mean) > OFFSET_SIGN * r.rms
+        if not ((slope_off or one_sided) and r.abs_mean >= DRIFT_FLOOR):
+            self._offset_run, self._offset_told = 0, False
+            return None
+        self._offset_run += 1
+        if self._offset_told or self._offset_run < SUSTAIN:
+            return None
+        self._offset_told = True
+        why = (f"rollout logprobs follow the trainer's with slope {r.logprob_slope:.3g} (a temperature "
+               f"≈ {1 / r.logprob_slope:.3g} applied by one side only)" if slope_off and r.logprob_slope
+               else f"Δlogp has one sign: mean {r.mean:.3g} against rms {r.rms:.3g}")
+        return RolloutEvent(
+            cause="offset", step=step, figures=_figures(r),
+            evidence=f"{why}, for {self._offset_run} steps",
+            remedy="sampler semantics differ: score with the sampler's temperature/top-p/top-k (or pass the raw "
+                   "logprobs as rollout_logprobs); importance sampling would hide this, not fix it")
+
+    def _outliers(self, step: int, r: RolloutStat) -> RolloutEvent | None:
+        worst = r.seq_abs_mean_max or 0.0
+        if not r.outlier_sequences or r.outlier_sequences > max(1, r.sequences // 4):
+            return None
+        told = self._outliers_told
+        if told is not None and step - told[0] < _QUIET and worst < 2 * told[1]:
+            return None
+        self._outliers_told = (step, worst)
+        return RolloutEvent(
+            cause="outliers", step=step, figures=_figures(r, outlier_sequences=r.outlier_sequences,
+                                                          sequences=r.sequences),
+            evidence=f"{r.outlier_sequences} of {r.sequences} sequences far off the rest: the worst at mean "
+                     f"|Δlogp| {worst:.3g} against {r.abs_mean:.3g} for the batch",
+            remedy="look at those sequences (length, position, prompt); the attribution re-runs the worst")
+
+    def _drift(self, step: int, r: RolloutStat) -> RolloutEvent | None:
+        if r.abs_mean < DRIFT_FLOOR or self._offset_run:
+            self._drift_run = 0
+            return None
+        self._drift_run += 1
+        told = self._drift_told
+        if self._drift_run < SUSTAIN or (told is not None and r.abs_mean < 2 * told):
+            return None
+        self._drift_told = r.abs_mean
+        grown = "" if told is None else f", {r.abs_mean / told:.3g}× the {told:.3g} reported before"
+        return RolloutEvent(
+            cause="drift", step=step, figures=_figures(r),
+            evidence=f"symmetric mismatch: mean |Δlogp| {r.abs_mean:.4g} (signed mean {r.mean:.3g}, "
+                     f"p99 {r.abs_p99 or 0:.3g}) for {self._drift_run} steps{grown}",
+            remedy="precision or kernels differ between rollout and trainer: see the attribution's module "
+                   "(rollout_dtype) and match its precision on both sides")

@@ -1,6 +1,8 @@
 """nanwatch.hooks: trainer-side instrumentation. Never imports the web stack.
 
 ``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
+``rollout_logprobs(generate_output)``: the rollout logprobs of a plain HF ``generate()``, for
+``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.measure.generated``).
 
 The names below are imported lazily (module ``__getattr__``, as in the root package), so that importing a
 leaf such as ``nanwatch.hooks.report.transport`` runs this file without pulling in torch: each leaf costs only its
@@ -12,15 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Monitor", "MonitorConfig", "attach"]
+__all__ = ["Monitor", "MonitorConfig", "attach", "rollout_logprobs"]
 
 #: public name -> the module that defines it
 _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
-          "MonitorConfig": "nanwatch.hooks.config"}
+          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
+    from nanwatch.hooks.measure.generated import rollout_logprobs
 
 
 def __getattr__(name: str) -> Any:

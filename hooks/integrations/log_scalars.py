@@ -35,12 +35,16 @@ from typing import Any
 from nanwatch.hooks.report.job import report_scope
 from nanwatch.wire import StepReport
 
-__all__ = ["LOG_WAIT_S", "LogScalars"]
+__all__ = ["LOG_WAIT_S", "ROLLOUT_SCALARS", "LogScalars"]
 
 log = logging.getLogger("nanwatch")
 
 #: How long a log row waits, at most, for the report of the last step it covers (seconds).
 LOG_WAIT_S = 2.0
+#: ``nanwatch/rollout_<name>`` -> the ``RolloutStat`` field it shows (the latest step's; absent when None)
+ROLLOUT_SCALARS = {"abs_mean": "abs_mean", "abs_max": "abs_max", "abs_p99": "abs_p99", "k3": "k3_mean",
+                   "truncated_fraction": "truncated_fraction", "prob_correlation": "prob_correlation",
+                   "logprob_slope": "logprob_slope"}
 
 
 class _Unwrap:
@@ -57,6 +61,11 @@ class LogScalars:
     also its latest ``nanwatch/loss_scale`` and the cumulative ``nanwatch/scaler_overflows``: an overflow the
     scaler handled is counted there, not as a non-finite step.
 
+    With ``Monitor.rlhf(rollout_logprobs=...)`` (TRL's vLLM mode feeds it), the latest step's rollout
+    mismatch (:data:`ROLLOUT_SCALARS`: ``nanwatch/rollout_abs_mean``, ``_abs_max``, ``_abs_p99``, ``_k3``,
+    ``_truncated_fraction``, ``_prob_correlation``, ``_logprob_slope``) and the cumulative count of non-finite
+    rollout logprobs in the mask, ``nanwatch/rollout_nonfinite`` (counted, never hidden).
+
     The integration says which Monitor runs (:meth:`follow`) and which training step ended last
     (``ended``); :meth:`figures` is what a row carries."""
 
@@ -67,6 +76,7 @@ class LogScalars:
         self.ended: int | None = None  # the last training step ended (training thread)
         self._figures: dict[str, float] = {}
         self._nonfinite = self._skipped = self._overflows = 0
+        self._rollout_nonfinite: int | None = None  # in-mask non-finite rollout logprobs, once any were fed
         self._through = -1  # the last training step folded
         self._cond = threading.Condition()
         self._warned = False
@@ -110,7 +120,21 @@ class LogScalars:
             figures["nanwatch/loss_scale"] = report.loss_scale
         if report.scaler_overflow is not None:
             figures["nanwatch/scaler_overflows"] = float(self._overflows)
+        figures.update(self._rollout(report))
         return figures
+
+    def _rollout(self, report: StepReport) -> dict[str, float]:
+        """The rollout mismatch's scalars: the step's figures, and the cumulative in-mask non-finite count."""
+        rlhf, out = report.rlhf, {}
+        if rlhf is not None and ("rollout_logprobs" in rlhf.nonfinite or rlhf.rollout is not None):
+            self._rollout_nonfinite = (self._rollout_nonfinite or 0) + rlhf.nonfinite.get("rollout_logprobs", 0)
+            for name, field in ROLLOUT_SCALARS.items() if rlhf.rollout is not None else ():
+                value = getattr(rlhf.rollout, field)
+                if value is not None and math.isfinite(value):
+                    out[f"nanwatch/rollout_{name}"] = float(value)
+        if self._rollout_nonfinite is not None:
+            out["nanwatch/rollout_nonfinite"] = float(self._rollout_nonfinite)
+        return out
 
     def follow(self, monitor: Any) -> None:
         """Training thread: ``monitor``'s reports are the ones folded, from its attach on. Every training step

@@ -11,6 +11,12 @@ nothing: monitoring never breaks training, and a silent wrong figure would be wo
   ``advantages``, and, when TRL computed them, ``old_per_token_logps`` (``num_iterations > 1``) and
   ``ref_per_token_logps`` (``beta > 0``). They go to ``Monitor.rlhf``.
 
+In vLLM mode (``use_vllm=True``) ``inputs`` also holds ``sampling_per_token_logps``, vLLM's own logprobs of
+the tokens it sampled: they go to ``Monitor.rlhf`` as ``rollout_logprobs`` (the rollout mismatch), with
+``rollout_cap`` = TRL's ``vllm_importance_sampling_clip_max`` and the sequences (``input_ids``: prompt then
+completion, ``attention_mask``) for attribution. Tested by feeding the ``inputs`` TRL builds through TRL's
+own loss path; vLLM itself was not run (it does not run on the CPU).
+
 The KL is labelled as TRL optimises it: k3 = exp(ref - logp) - (ref - logp) - 1, multiplied by the
 importance ratio when ``use_bias_correction_kl`` is on (TRL's default), reported as ``kl_k3_ratio_mean``
 next to nanwatch's unweighted k1/k3.
@@ -32,6 +38,8 @@ import logging
 import threading
 import warnings
 from typing import Any
+
+import torch
 
 from nanwatch.hooks.facade import Monitor
 
@@ -68,6 +76,26 @@ def _kl_in_loss(trainer: Any) -> bool:
     return isinstance(trainer, trl.GRPOTrainer)
 
 
+def _rollout_cap(trainer: Any) -> float | None:
+    """TRL's own importance-sampling cap (``vllm_importance_sampling_clip_max``, 3.0 by default), so that
+    nanwatch's truncated fraction counts what TRL truncates or masks; None (the MonitorConfig's) otherwise."""
+    cap = getattr(trainer.args, "vllm_importance_sampling_clip_max", None)
+    return float(cap) if isinstance(cap, (int, float)) and cap > 1 else None
+
+
+def _rollout(inputs: dict[str, Any], cap: float | None) -> dict[str, Any]:
+    """The rollout's logprobs when TRL has them (vLLM mode's ``sampling_per_token_logps``, NaN where vLLM
+    could not score a token: counted by the Monitor, not replaced), with the sequences as the loss's forward
+    saw them (prompt then completion, TRL's concatenation) so that attribution can re-run them; nothing
+    otherwise."""
+    sampling = inputs.get("sampling_per_token_logps")
+    if sampling is None:
+        return {}
+    return dict(rollout_logprobs=sampling, rollout_cap=cap,
+                input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+
+
 class _Instrumented:
     def __init__(self, trainer: Any, monitor: Monitor) -> None:
         self._trainer = trainer
@@ -76,6 +104,7 @@ class _Instrumented:
         beta = float(getattr(trainer, "beta", 0.0) or 0.0)
         bias_corrected = bool(getattr(trainer.args, "use_bias_correction_kl", False))
         kl = None if beta == 0.0 or not _kl_in_loss(trainer) else ("k3_ratio" if bias_corrected else "k3")
+        cap = _rollout_cap(trainer)
 
         def logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             out = get_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
@@ -93,7 +122,7 @@ class _Instrumented:
                     mask = mask * inputs["tool_mask"]
                 monitor.rlhf(logprobs=lp, old_logprobs=inputs.get("old_per_token_logps"),
                              ref_logprobs=inputs.get("ref_per_token_logps"), advantages=inputs.get("advantages"),
-                             mask=mask, kl_optimised=kl)
+                             mask=mask, kl_optimised=kl, **_rollout(inputs, cap))
             return value
 
         trainer._get_per_token_logps_and_entropies = logps

@@ -242,6 +242,60 @@ def test_tensorboard_logger_gets_the_scalars_every_log_every_n_steps(tmp_path):
     assert {"nanwatch/skipped_steps", "nanwatch/headroom_max"} <= set(acc.Tags()["scalars"])
 
 
+class RolloutLM(TinyLM):
+    """A policy whose sampler scores each token 0.1 lower than the trainer does (a constant offset), from
+    global step 1 on; at step 2 one of the sampler's logprobs is NaN. ``Monitor.rlhf`` is called from the
+    training step, as a user's RL loss does."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.model(input_ids=ids).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        step, monitor = self.trainer.global_step, self.callback.monitor
+        if step == 0:
+            monitor.rlhf(logprobs=lp)
+        else:
+            rollout = lp.detach() - 0.1
+            if step == 2:
+                rollout[0, 0] = math.nan
+            monitor.rlhf(logprobs=lp, rollout_logprobs=rollout, rollout_cap=1.05)
+        return -lp.mean()
+
+
+def test_the_rollout_mismatch_reaches_lightnings_logs(tmp_path):
+    """The rollout figures of ``report.rlhf.rollout`` reach every Lightning logger as ``nanwatch/rollout_*``
+    (the CSV file here), each row its own step's; the NaN the sampler returned is counted (cumulative), and
+    the step without rollout logprobs has no rollout scalar at all."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    reports: list = []
+    module = RolloutLM()
+    logger = CSVLogger(str(tmp_path), name="csv")
+    cb = NanwatchCallback(run_id="pl", on_report=step_reports(reports))
+    module.callback = cb
+    trainer = L.Trainer(callbacks=[cb], accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, logger=logger,
+                        default_root_dir=str(tmp_path), log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _data())
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    train = {r.step: r for r in _train(reports)}
+    assert sorted(rows) == sorted(train) == [0, 1, 2, 3]
+    assert train[0].rlhf.rollout is None and not any(rows[0].get(k) for k in rows[0] if "rollout" in k)
+    for step in (1, 2, 3):
+        s, row = train[step].rlhf.rollout, rows[step]
+        assert s is not None and s.abs_mean == pytest.approx(0.1, rel=1e-4) and s.cap == pytest.approx(1.05)
+        assert s.truncated_fraction == 1.0  # exp(0.1) > 1.05: every token is outside the cap
+        for name, field in (("abs_mean", "abs_mean"), ("abs_max", "abs_max"), ("abs_p99", "abs_p99"),
+                            ("k3", "k3_mean"), ("truncated_fraction", "truncated_fraction"),
+                            ("logprob_slope", "logprob_slope"), ("prob_correlation", "prob_correlation")):
+            assert float(row[f"nanwatch/rollout_{name}"]) == pytest.approx(getattr(s, field), rel=1e-6), name
+        assert float(row["nanwatch/rollout_nonfinite"]) == (1.0 if step >= 2 else 0.0)
+        assert train[step].rlhf.nonfinite["rollout_logprobs"] == (step == 2)
+
+
 # ---- DDP ----------------------------------------------------------------------------------------------------
 def test_ddp_on_two_gloo_processes_skips_a_nan_step_on_every_rank(tmp_path):
     """``strategy="ddp"``, ``devices=2`` on the CPU (gloo): Lightning relaunches the worker script for rank 1.

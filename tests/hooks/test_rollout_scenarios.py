@@ -63,8 +63,7 @@ class RolloutEngine:
         out = self.model.generate(prompts, do_sample=True, max_new_tokens=NEW, temperature=self.temperature,
                                   top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
                                   pad_token_id=0, eos_token_id=None)
-        scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # what the sampler drew from
-        logprobs = scores.gather(-1, out.sequences[:, -NEW:, None]).squeeze(-1)
+        logprobs = nanwatch.hooks.rollout_logprobs(out).processed  # of the distribution the sampler drew from
         if step == self.nan_at:
             logprobs[1, 2] = math.nan  # a sampler NaN: TRL PR #6693 would neutralise it
         return out.sequences, logprobs

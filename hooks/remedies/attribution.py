@@ -17,13 +17,23 @@ worst sequences outside the step and lowers one module at a time:
    Then the children that hold parameters of the unit that explains most (a block: its attention, MLP and
    norms), so the name is as specific as the evidence supports (``model.layers.1.mlp``, ``lm_head``);
 4. each unit's ``abs_mean`` is mean |Δlogp| fp32 vs that unit lowered alone, its ``share`` that over
-   ``lowered_abs_mean``. ``module`` names the unit with the largest share when it is at least
-   :data:`NAME_SHARE` (0.5: lowering it alone reproduces at least half of what lowering everything does, so
-   no other unit can be as large a cause; rounding errors of independent units add roughly in quadrature,
-   so with *k* equal causes each one's share is about 1/√k, under 0.5 from k = 5: no single module is then
-   named, and the note lists the top few). Cause and effect are checked against the rollout through the
-   magnitude: ``lowered_abs_mean`` near ``observed_abs_mean`` says the precision explains what was
-   observed; far below it, something else (a kernel, the sampler, a weight sync) does.
+   ``lowered_abs_mean``. ``module`` names, most specific first:
+
+   - the unit whose lowering alone reproduces the rollout's own Δlogp **token by token**: ``explained`` =
+     1 − mean|(rollout − trainer) − (lowered − fp32)| / mean|rollout − trainer| at least :data:`NAME_SHARE`.
+     This is what the rollout actually computes in low precision, when it computes the same ops (an HF
+     copy with only ``lm_head`` in bf16: 1.00 for ``lm_head``, below 0 for every other unit);
+   - else the unit with the largest ``share``, when it is at least :data:`NAME_SHARE` (0.5: lowering it
+     alone reproduces at least half of what lowering everything does, so no other unit can be as large a
+     cause; independent units' rounding errors add roughly in quadrature, so with *k* equal causes each
+     share is about 1/√k, under 0.5 from k = 5: nothing is then named and the note lists the top three).
+     A rollout engine with kernels of its own (vLLM's) does not round token by token as the trainer's
+     modules do (an HF copy entirely in bf16 decoding with a KV cache: ``explained`` 0.15 with every unit
+     lowered), so this is the usual case: it names the module whose precision costs the most.
+
+   ``lowered_abs_mean`` near ``observed_abs_mean`` says the precision explains what was observed; far below
+   it, something else does (a kernel, the sampler, a weight sync). Not found: one child lowered inside a
+   block whose other children's lowering costs more (the block leads neither by match nor by share).
 
 **Outside the step, leaving nothing behind.** Under ``torch.no_grad`` (no autograd graph), autocast off,
 in eval mode (each module's own training flag restored after), the CPU and CUDA RNG states saved and

@@ -1,6 +1,7 @@
 """Remedies: what keeps a bad step out of the weights (the weight guard and the optimizers' other hooks, loss
-scaling), and what explains it afterwards (the differential rerun, the incident capsule and its replay).
+scaling), and what explains it afterwards (the differential rerun, the incident capsule and its replay, the rollout
+attribution).
 Imports ``measure``, ``directives`` and ``instrument``; nothing above it.
 """
 
-__all__ = ["capsule", "loss_scaling", "optimizer_discovery", "optimizer_hooks", "replay", "rerun", "weight_guard"]
+__all__ = ["attribution", "capsule", "loss_scaling", "optimizer_discovery", "optimizer_hooks", "replay", "rerun", "weight_guard"]

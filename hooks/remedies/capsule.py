@@ -58,7 +58,8 @@ import torch
 from nanwatch.hooks.measure.kept_forward import CacheAtCall, freeze
 from nanwatch.readable import file_name, printable, replay_command
 
-__all__ = ["FORMAT", "FORMATS", "MAX_HEADER_BYTES", "META_KEY", "CapsuleWriter", "capsule_settings", "digest"]
+__all__ = ["FORMAT", "FORMATS", "MAX_HEADER_BYTES", "META_KEY", "CapsuleWriter", "capsule_settings", "digest",
+           "tied_names"]
 
 log = logging.getLogger("nanwatch")
 
@@ -93,6 +94,19 @@ def capsule_settings(enabled: bool | None, max_count: int | None, directory: str
     if count < 0 or limit < 4096:
         raise ValueError(f"capsule_max must be >= 0 and capsule_max_bytes >= 4096, got {count} and {limit}")
     return bool(on) and count > 0, count, os.fspath(folder), limit
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name that is another's (tied weights: an HF ``lm_head.weight`` that is the embedding's),
+    mapped to the name ``named_parameters()`` gives it, so a replay ties them again."""
+    first: dict[int, str] = {}
+    tied = {}
+    for n, t in module.named_parameters(remove_duplicate=False):
+        if id(t) in first:
+            tied[n] = first[id(t)]
+        else:
+            first[id(t)] = n
+    return tied
 
 
 def digest(t: torch.Tensor) -> str:
@@ -298,15 +312,52 @@ class CapsuleWriter:
         except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
             self._warn(f"capsule not captured: {type(exc).__name__}: {exc}")
             return None
+        return self._submit(incident.cls, path, tensors, meta)
+
+    def capture_model(self, *, kind: str, step: int, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                      extra: dict[str, Any]) -> str | None:
+        """A capsule of a whole model (its config and state, tied parameters named once) with named input
+        tensors, for a replay that redoes a computation on it (``kind``: ``attribution``, the rollout
+        attribution, ``nanwatch.hooks.remedies.attribution``). The inputs first; the state only when all of
+        it fits the size limit (a partial state redoes nothing: it is then named as not recorded and the
+        replay refuses, exit 2). ``extra``: JSON merged into the metadata. Never raises."""
+        if not self.wants(kind):
+            return None
+        try:
+            path = self._path(step, kind)
+            device = next((str(t.device) for t in model.parameters()), "cpu")
+            meta: dict[str, Any] = {
+                "format": FORMAT, "kind": kind, "fqn": "", "build": _build_info(model), "training": False,
+                "device": device, "host": socket.gethostname(), "rank": self.rank, "run_id": self.run_id,
+                "versions": _versions(), "max_bytes": self.max_bytes, "step": int(step), **extra}
+            p = _Packer(budget=max(0, self.max_bytes - 2 * len(json.dumps(meta, default=str)) - (16 << 10)))
+            meta["inputs"] = {k: p.tensor(f"input.{k}", t)["tensor"] for k, t in inputs.items()}
+            state = [(f"param.{n}", t) for n, t in model.named_parameters()]
+            state += [(f"buffer.{n}", t) for n, t in model.named_buffers()]
+            need = sum(t.numel() * t.element_size() + 3 * len(k) + 160 for k, t in state)
+            if p.used + need <= p.budget:
+                for k, t in state:
+                    p.tensor(k, t)
+            else:
+                p.dropped.append(f"the model's state ({need} bytes: over capsule_max_bytes {self.max_bytes})")
+            meta["params"] = [k for k, _ in state if k.startswith("param.") and k in p.tensors]
+            meta["buffers"] = [k for k, _ in state if k.startswith("buffer.") and k in p.tensors]
+            meta["tied"] = tied_names(model)
+            meta["dropped"] = p.dropped
+        except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+            self._warn(f"capsule not captured: {type(exc).__name__}: {exc}")
+            return None
+        return self._submit(kind, path, p.tensors, meta)
+
+    def _submit(self, cls: str, path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
         self.written += 1
-        self._classes.add(incident.cls)
+        self._classes.add(cls)
         t = threading.Thread(target=self._write, args=(path, tensors, meta), name="nanwatch-capsule", daemon=True)
         self._threads.append(t)
         t.start()
         return path
 
-    def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng, of):
-        step, cls = incident.step, incident.cls
+    def _path(self, step: int, cls: str) -> str:
         # injective in the run id (percent-encoded: runs ``grpo:0412`` and ``grpo_0412`` get files of their own)
         fname = f"{file_name(self.run_id, room=160)}-r{int(self.rank)}-s{int(step)}-{file_name(cls, room=40)}.capsule"
         path = os.path.join(self.directory, fname)
@@ -316,6 +367,10 @@ class CapsuleWriter:
         os.makedirs(self.directory, exist_ok=True)
         if not os.access(self.directory, os.W_OK):
             raise PermissionError(f"{self.directory} is not writable")
+        return path
+
+    def _prepare(self, incident, name, module, args, kwargs, rng, cuda_rng, of):
+        path = self._path(incident.step, incident.cls)
         device = next((str(t.device) for t in (*module.parameters(), *module.buffers())), None)
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         device = device or (str(first.device) if first is not None else "cpu")
@@ -365,7 +420,7 @@ class CapsuleWriter:
             dropped = meta["dropped"]
             log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: %s", printable(path),
                         size, f"; {len(dropped)} not recorded: {'; '.join(dropped[:4])}{'; ...' if len(dropped) > 4 else ''}"
-                        if dropped else "", replay_command({"capsule": path, "cls": meta["incident"].get("cls")}))
+                        if dropped else "", replay_command({"capsule": path, "cls": meta.get("incident", {}).get("cls")}))
         except Exception as exc:  # noqa: BLE001 - the writer thread must not die loudly
             self._warn(f"capsule {path} not written: {type(exc).__name__}: {exc}")
 

@@ -383,7 +383,11 @@ def _checked_build(build: dict[str, Any], cls: type, meta: dict[str, Any], bound
         _within(*_size(shadow, bounds.fp32), bounds, build["class"])
         names = {f"param.{n}" for n, _ in shadow.named_parameters()} | {f"buffer.{n}" for n, _ in
                                                                           shadow.named_buffers()}
-        stray = [k for k in (*meta.get("params", []), *meta.get("buffers", [])) if k not in names]
+        names |= {f"param.{n}" for n, _ in shadow.named_parameters(remove_duplicate=False)}
+        tied = meta.get("tied", {})
+        _need(isinstance(tied, dict), "'tied' is not an object")
+        stray = [k for k in (*meta.get("params", []), *meta.get("buffers", []),
+                             *(f"param.{n}" for pair in tied.items() for n in pair)) if k not in names]
         if stray:
             raise CapsuleError(f"tensor {stray[0]} is not one of {build['class']}'s parameters or buffers")
         return make(cfg)
@@ -410,6 +414,9 @@ def rebuild(meta: dict[str, Any], tensors: dict[str, Any], bounds: Bounds | None
         _set(module, key.removeprefix("param."), tensors[key], param=True)
     for key in meta.get("buffers", []):
         _set(module, key.removeprefix("buffer."), tensors[key], param=False)
+    for alias, name in meta.get("tied", {}).items():  # tied weights: one parameter again, as recorded
+        *parents, leaf = alias.split(".")
+        module.get_submodule(".".join(parents))._parameters[leaf] = module.get_parameter(name)
     module.train(bool(meta.get("training", False)))
     return module
 
@@ -554,6 +561,8 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
 
     meta, tensors = open_capsule(path)
     check_meta(meta, tensors)
+    if meta.get("kind") == "attribution":
+        return _redo_attribution(path, meta, tensors, device, bounds or Bounds())
     incident = meta.get("incident") if isinstance(meta.get("incident"), dict) else {}
     if incident.get("phase") == "backward":
         raise CapsuleError(_BACKWARD)
@@ -580,6 +589,62 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
                          "incident_cls": meta.get("incident", {}).get("cls"),
                          "birth_elements": meta.get("incident", {}).get("birth_elements")},
             "dropped": meta.get("dropped", []), "rows": rows, "cls": cls, "exit": code}
+
+
+def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], device: str, bounds: Bounds
+                      ) -> dict[str, Any]:
+    """An attribution capsule (``nanwatch.hooks.remedies.attribution``): the model rebuilt from its config and
+    state, the attribution redone on the recorded sequences; exit 0 when it names the recorded module, 1 when
+    it names another here."""
+    import torch
+
+    from nanwatch.hooks.remedies.attribution import attribute_mismatch
+
+    inputs, recorded = meta.get("inputs"), meta.get("attribution")
+    _need(isinstance(inputs, dict) and all(isinstance(k, str) and v in tensors for k, v in inputs.items())
+          and {"input_ids", "rollout_logprobs"} <= set(inputs), "'inputs' does not name the recorded sequences")
+    _need(isinstance(recorded, dict), "'attribution' is not an object")
+    _need(_is_dtype(meta.get("rollout_dtype")), f"rollout_dtype {str(meta.get('rollout_dtype'))[:40]!r} is not a "
+          "torch dtype")
+    temperature = meta.get("temperature", 1.0)
+    _need(isinstance(temperature, (int, float)) and 0 < temperature < float("inf"), "temperature is not positive")
+    if not meta.get("params"):
+        raise CapsuleError(f"the model's state was not recorded ({'; '.join(map(str, meta.get('dropped', [])))[:200]}):"
+                           " the attribution cannot be redone")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise CapsuleError("--device cuda: no CUDA device on this host")
+    try:
+        model = rebuild(meta, tensors, bounds).to(device)
+    except CapsuleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a constructor that fails here: say so, exit 2
+        raise CapsuleError(f"rebuilding {meta['build'].get('class')} failed: {type(e).__name__}: {e}") from None
+    ins = {k: tensors[v].to(device) for k, v in inputs.items()}
+    redone = attribute_mismatch(
+        model, ins["input_ids"], ins["rollout_logprobs"], attention_mask=ins.get("attention_mask"),
+        completion_mask=ins.get("completion_mask"), trainer_logprobs=ins.get("trainer_logprobs"),
+        rollout_dtype=getattr(torch, meta["rollout_dtype"]), temperature=float(temperature),
+        cause=str(recorded.get("cause", "drift")), step=int(meta.get("step", 0)),
+        max_sequences=int(ins["input_ids"].shape[0]))
+    same = redone.module == recorded.get("module")
+    return {"kind": "attribution", "capsule": path, "device": device, "module": redone.module,
+            "recorded_module": recorded.get("module"), "same": same, "attribution": redone.model_dump(mode="json"),
+            "recorded": {"host": meta.get("host"), "device": meta.get("device"), "step": meta.get("step")},
+            "exit": 0 if same else 1}
+
+
+def _attribution_table(result: dict[str, Any]) -> str:
+    result = _shown(result)
+    a, rec = result["attribution"], result["recorded"]
+    lines = [f"capsule  {result['capsule']}",
+             f"rollout attribution of step {rec['step']}, recorded on {rec['host']} ({rec['device']}); redone on "
+             f"{result['device']}: {a['sequences']} sequences, {a['rollout_dtype']}",
+             f"observed mean |dlogp| {a['observed_abs_mean']}, every unit lowered {a['lowered_abs_mean']}",
+             f"{'unit':<48} {'abs_mean':>10} {'share':>6}"]
+    lines += [f"{m['module']:<48} {m['abs_mean']:>10.3g} {m['share']:>6.2f}" for m in a["modules"]]
+    lines.append(f"module   {result['module']} (recorded: {result['recorded_module']}; "
+                 f"{'the same' if result['same'] else 'another one here'}){': ' + a['note'] if a['note'] else ''}")
+    return "\n".join(lines)
 
 
 def _verdict(rows: list[dict[str, Any]]) -> tuple[str, int, str | None]:
@@ -682,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nanwatch replay: cannot replay {printable(a.capsule)}: {type(e).__name__}: "
               f"{printable(' '.join(str(e).split())[:300])}", file=sys.stderr)
         return 2
-    print(json.dumps(result) if a.json else _table(result))
+    print(json.dumps(result) if a.json else
+          _attribution_table(result) if result.get("kind") == "attribution" else _table(result))
     return result["exit"]
 
 

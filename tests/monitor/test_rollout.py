@@ -15,7 +15,7 @@ import subprocess
 import urllib.request
 
 import pytest
-from support import TOKEN, post_reports, require_tool, run_view, sample, scrape, step_report
+from support import TOKEN, CollectorProcess, post_reports, require_tool, run_view, sample, scrape, step_report
 
 from nanwatch.bench.jobs import job_step
 from nanwatch.cli import main
@@ -185,3 +185,26 @@ def test_promtool_check_metrics_passes_with_the_rollout_families(collector):
     out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
+
+
+def test_a_collector_restart_keeps_the_counts_and_the_events_and_counts_a_resend_never(tmp_path):
+    """The counters come back at their totals at once when the run reports again (no born-at-zero again: the
+    pages' increase() sees no change across the restart), the events stay in the run's log, and a resend after the restart is
+    acknowledged and counted nowhere."""
+    db = tmp_path / "nanwatch.db"
+    report = _with(step_report(run_id="rollout-restart", seq=0), RANK1, nonfinite=5,
+                   rollout_events=[RolloutEvent(cause="jump", step=0), _drift(0)])
+    with CollectorProcess(db_path=db) as first:
+        post_reports(first.url, report)
+        scrape(first.url)
+    with CollectorProcess(db_path=db) as second:
+        # the trainer's next report makes the run live again: its totals show at once, not at 0 first
+        post_reports(second.url, _with(step_report(run_id="rollout-restart", seq=1), RANK1))
+        once = scrape(second.url, settled=False)
+        assert sample(once, NONFINITE, run_id="rollout-restart") == 5
+        assert sample(once, EVENTS, run_id="rollout-restart", cause="jump") == 1
+        assert post_reports(second.url, report) == {"accepted": 0, "duplicates": 1}
+        again = scrape(second.url)
+        assert sample(again, NONFINITE, run_id="rollout-restart") == 5
+        assert sample(again, EVENTS, run_id="rollout-restart", cause="drift") == 1
+        assert run_view(second.url, "rollout-restart")["event_counts"]["rollout_mismatch"] == 2

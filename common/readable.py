@@ -25,7 +25,8 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["figure", "file_name", "headroom", "incident", "printable", "replay_command", "rlhf", "visits"]
+__all__ = ["attribution", "figure", "file_name", "headroom", "incident", "printable", "replay_command", "rlhf",
+           "rollout", "rollout_event", "visits"]
 
 
 def figure(x: float | str | None) -> str:
@@ -146,3 +147,59 @@ def rlhf(stat: Mapping[str, Any] | None) -> str:
     if stat.get("tokens") is not None:
         parts.append(f"over {stat['tokens']:g} tokens")
     return ", ".join(parts)
+
+
+def _percent(x: float | str | None) -> str:
+    if x is None:
+        return "-"
+    x = float(x)
+    return f"{x * 100:.3g}%" if math.isfinite(x) else figure(x)
+
+
+def rollout(stat: Mapping[str, Any] | None, nonfinite: float | None = None) -> str:
+    """The rollout against the trainer (``RolloutStat`` as JSON; Δlogp = trainer − rollout) in one line, with
+    the rollout logprobs' own non-finite count when known (counted, never hidden); ``-`` when none."""
+    if not stat:
+        return "-" if nonfinite is None else f"non-finite rollout logprobs {nonfinite:g}"
+    parts = [f"|Δlogp| mean {figure(stat.get('abs_mean'))}", f"p99 {figure(stat.get('abs_p99'))}",
+             f"max {figure(stat.get('abs_max'))}", f"k3 {figure(stat.get('k3_mean'))}",
+             f"truncated {_percent(stat.get('truncated_fraction'))} (cap {figure(stat.get('cap'))})",
+             f"correlation {figure(stat.get('prob_correlation'))}", f"slope {figure(stat.get('logprob_slope'))}"]
+    if nonfinite is not None:
+        parts.append(f"non-finite rollout logprobs {nonfinite:g}")
+    if stat.get("outlier_sequences"):
+        parts.append(f"{stat['outlier_sequences']:g} outlier sequences")
+    parts.append(f"over {stat.get('tokens', 0):g} tokens")
+    return ", ".join(parts)
+
+
+def rollout_event(ev: Mapping[str, Any]) -> str:
+    """A classified rollout mismatch (``RolloutEvent`` as JSON, or its event's detail) in one phrase: its cause,
+    figures, evidence and the remedy."""
+    figures = ev.get("figures") or {}
+    parts = [f"{ev.get('cause', '?')}"]
+    if figures:
+        parts.append(" ".join(f"{k} {figure(v)}" for k, v in sorted(figures.items())))
+    for key in ("evidence", "remedy"):
+        if ev.get(key):
+            parts.append(f"{key}: {ev[key]}" if key == "remedy" else str(ev[key]))
+    return "; ".join(parts)
+
+
+def attribution(at: Mapping[str, Any]) -> str:
+    """A rollout mismatch attributed to a module (``RolloutAttribution`` as JSON) in one phrase: the module
+    named, the mismatch each lowered module reproduces, the capsule."""
+    module = at.get("module")
+    parts = [f"{at.get('cause', '?')} at step {at.get('step', '?')}: "
+             + (f"module {module}" if module else "no single module explains it")
+             + f" (lowered to {at.get('rollout_dtype', '?')})"]
+    parts.append(f"observed |Δlogp| mean {figure(at.get('observed_abs_mean'))}, every module lowered "
+                 f"{figure(at.get('lowered_abs_mean'))}, over {at.get('sequences', 0):g} sequences")
+    shares = sorted(at.get("modules") or [], key=lambda m: -float(m.get("share") or 0))[:3]
+    if shares:
+        parts.append("alone: " + ", ".join(f"{m.get('module')} {_percent(m.get('share'))}" for m in shares))
+    if at.get("capsule"):
+        parts.append(f"capsule {printable(at['capsule'])}")
+    if at.get("note"):
+        parts.append(str(at["note"]))
+    return "; ".join(parts)

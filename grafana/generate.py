@@ -335,6 +335,54 @@ def rlhf_panels() -> list[Any]:
     ]
 
 
+def rollout_stat(stat_re: str) -> prometheus.Dataquery:
+    """The rollout-vs-trainer figures (one line per stat however many jobs scrape the collector)."""
+    return query(f'max by (stat) (nanwatch_rollout_mismatch{{{RUN}, stat=~"{stat_re}"}})', "{{stat}}")
+
+
+def weight_syncs(metric: str, legend: str, ref: str) -> prometheus.Dataquery:
+    """Weight syncs per interval (0, not "No data", before the first one)."""
+    return query(f"sum(max by (run_id) (increase({metric}{{{RUN}}}[$__rate_interval])))\nor on () vector(0)",
+                 legend, ref=ref)
+
+
+def rollout_panels() -> list[Any]:
+    """The rollout (sampler) against the trainer on the same tokens (#28): the figures over time, the
+    classified events by cause, the sampler's own non-finite logprobs, and the weight syncs verified."""
+    events = or_none("max by (cause) (increase(nanwatch_rollout_mismatch_events_total"
+                     f"{{{RUN}}}[$__rate_interval]))", "cause")
+    nonfinite = or_none(f"max by (run_id) (increase(nanwatch_rollout_nonfinite_values_total{{{RUN}}}"
+                        "[$__rate_interval]))", "run_id")
+    drift = (ts_panel("Rollout mismatch |dlogp|", "Mean, 99th percentile and k3 KL of dlogp = trainer - rollout "
+                      "on the same tokens, the latest step's (the job's, or combined over ranks). A synced run in "
+                      "matching precision sits near 0.015; NanwatchRolloutDrift tickets above 0.05 for 30 "
+                      "minutes; a step change is a jump (a weight sync).",
+                      rollout_stat("abs_mean|abs_p99|k3_mean"), w=8)
+             .thresholds(thresholds((None, GREEN), (0.05, ORANGE)))
+             .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
+    return [
+        drift,
+        ts_panel("Rollout truncated fraction", "Share of tokens whose ratio exp(dlogp) leaves [1/c, c] (c: the "
+                 "truncation cap, TRL's or verl's): what importance-sampling truncation throws away.",
+                 rollout_stat("truncated_fraction"), unit="percentunit", w=8),
+        ts_panel("Rollout correlation and slope", "Pearson correlation of the two token-probability vectors (near "
+                 "1 unless the weights differ) and the slope of rollout on trainer logprobs (1/T when only the "
+                 "sampler divides by a temperature T: an offset, not a drift).",
+                 rollout_stat("prob_correlation|logprob_slope"), w=8),
+        ts_panel("Rollout mismatch events by cause", "Mismatches the trainer classified, per interval: jump "
+                 "(a weight sync: pages), drift (precision or kernels), offset (sampler semantics), outliers "
+                 "(a few sequences). \"(none)\": none so far.", query(events, "{{cause}}"), w=8),
+        ts_panel("Sampler non-finite logprobs", "NaN/Inf in the rollout's own logprobs inside the mask, per "
+                 "interval: counted, never replaced (NanwatchSamplerNonfinite pages).", query(nonfinite, "non-finite"),
+                 w=8),
+        ts_panel("Weight syncs verified and mismatched", "Weight versions whose fingerprints the rollout side "
+                 "confirmed, and those it did not (NanwatchWeightSyncMismatch pages), per interval.",
+                 weight_syncs("nanwatch_weight_syncs_verified_total", "verified", "A"),
+                 weight_syncs("nanwatch_weight_sync_mismatches_total", "mismatched", "B"), w=8)
+        .override_by_name("mismatched", [fixed_color(RED)]),
+    ]
+
+
 def mode_panels() -> list[Any]:
     modes = (timeline_panel("Attention mode per rank", "The attention path each selected rank applies (none, "
                             "fp32, fused, eager_to_sdpa, skip_step).",
@@ -401,10 +449,12 @@ def reporting_panels() -> list[Any]:
 def run_health() -> db.Dashboard:
     d = base_dashboard(RUN_HEALTH_UID, "nanwatch run health",
                        "Numerical health of one training run: non-finite values, SDPA backends, attention "
-                       "logits, headroom, RLHF statistics, attention modes and reporting.")
+                       "logits, headroom, RLHF statistics, the rollout against the trainer, attention modes and "
+                       "reporting.")
     d = run_health_annotations(run_health_variables(d))
     sections = [("Overview", overview_panels()), ("Non-finite values", nonfinite_panels()),
                 ("Attention and headroom", attention_panels()), ("RLHF", rlhf_panels()),
+                ("Rollout vs trainer", rollout_panels()),
                 ("Attention mode and directive", mode_panels()), ("Weight guard", guard_panels()),
                 ("Reporting and coverage", reporting_panels())]
     for title, panels in sections:

@@ -111,6 +111,7 @@ class _Run:
         self.events: list[dict] = []
         self.ranks: dict[int, dict] = {}  # rank -> view of its latest incarnation
         self.ended: dict[tuple[int, str], float] = {}
+        self.rollout_nonfinite = 0.0
 
     def report(self, r: dict) -> None:
         scope, rank, step = r.get("scope", "rank"), int(r.get("rank", 0)), int(r.get("step", 0))
@@ -129,6 +130,7 @@ class _Run:
                 who = r.get("first_offender_rank")
                 self.first = dict(site=fo, phase=r.get("first_offender_phase"), stage=r.get("first_offender_stage"),
                                   rank=rank if who is None else who, step=step, time=r["time"])
+        self._rollout(r, scope, rank, run_level)
         inc = r.get("incident")
         if inc is not None and scope != "detail":
             detail = {k: v for k, v in inc.items() if k not in ("site", "step")}
@@ -160,6 +162,19 @@ class _Run:
             logit_max=max(logits) if logits else None, rlhf=r.get("rlhf"), raised=r.get("raised"),
             skipped_steps=skipped + bool(r.get("step_skipped") and scope in ("rank", "detail")))
 
+    def _rollout(self, r: dict, scope: str, rank: int, run_level: bool) -> None:
+        """The rollout's own non-finite logprobs and its classified events, as the collector folds them (wire
+        1.8): counted and logged from run-level reports; an attribution from any measured one."""
+        if run_level:
+            self.rollout_nonfinite += ((r.get("rlhf") or {}).get("nonfinite") or {}).get("rollout_logprobs", 0)
+            for ev in r.get("rollout_events") or []:
+                self.events.append(dict(time=r["time"], kind="rollout_mismatch", step=ev.get("step"), rank=rank,
+                                        site=None, actor="", detail=ev))
+        at = r.get("rollout_attribution")
+        if at is not None and scope != "heartbeat":
+            self.events.append(dict(time=r["time"], kind="rollout_attribution", step=r.get("step"), rank=rank,
+                                    site=at.get("module"), actor="", detail=at))
+
     def closed(self, rec: dict) -> None:
         self.ended[(int(rec.get("rank", 0)), str(rec.get("incarnation", "")))] = float(rec.get("time", 0.0))
 
@@ -187,7 +202,8 @@ class _Run:
             directive=None if top is None else dict(version=top["directive_version"], mode=top["attention_mode"]),
             first_offender=None if self.first is None else {k: v for k, v in self.first.items() if k != "time"},
             ranks=ranks, sdpa=[dict(backend=b, dtype=d, stage=s, calls=n) for (b, d, s), n in sorted(self.sdpa.items())],
-            event_counts={}, events=events)
+            rollout=next((((v.get("rlhf") or {}).get("rollout")) for v in ranks if v["scope"] == "job"), None),
+            rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events)
 
 
 def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
@@ -254,6 +270,23 @@ def render_summary(r: dict[str, Any]) -> str:
             f"directive v{d.get('version', 0)} {d.get('mode', 'none')}")
 
 
+def _rollout_lines(r: dict[str, Any]) -> list[str]:
+    """The run's rollout mismatch (its latest step, over ranks), and its latest classified mismatch and module
+    attribution (wire 1.8), when it has any."""
+    out = []
+    if r.get("rollout"):
+        out.append(f"  rollout vs trainer: {readable.rollout(r['rollout'], r.get('rollout_nonfinite_total', 0))}")
+    elif r.get("rollout_nonfinite_total"):
+        out.append(f"  rollout vs trainer: {readable.rollout(None, r['rollout_nonfinite_total'])}")
+    evs = r.get("events") or []
+    for kind, say in (("rollout_mismatch", readable.rollout_event), ("rollout_attribution", readable.attribution)):
+        e = next((e for e in reversed(evs) if e["kind"] == kind), None)
+        if e is not None:
+            label = "rollout mismatch" if kind == "rollout_mismatch" else "rollout attribution"
+            out.append(f"  {label} at step {e['step']} on rank {e['rank']}: {say(e['detail'])}")
+    return out
+
+
 def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
     """The lines of one run's view (from the collector's JSON or from :func:`fold`)."""
     d, fo = r.get("directive") or {}, r.get("first_offender")
@@ -273,6 +306,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
     for e in r.get("events") or []:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
+    out += _rollout_lines(r)
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
     stages = {"train": 0, "eval": 1, "generate": 2}
     for s in sorted(r.get("sdpa") or [], key=lambda s: (s["backend"], s["dtype"], stages.get(s.get("stage"), 3))):
@@ -289,6 +323,9 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
             out.append(f"    headroom (amax / dtype max): {head}")
         if st.get("rlhf"):
             out.append(f"    rlhf: {readable.rlhf(st['rlhf'])}")
+            if st["rlhf"].get("rollout") and not r.get("rollout"):
+                nonfinite = (st["rlhf"].get("nonfinite") or {}).get("rollout_logprobs", 0)
+                out.append(f"    rollout vs trainer: {readable.rollout(st['rlhf']['rollout'], nonfinite)}")
     if events:
         for e in (r.get("events") or [])[-events:]:
             out.append(f"  event {e['kind']:<24} step {e['step']} rank {e['rank']} {e['site'] or ''} "

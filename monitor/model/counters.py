@@ -16,7 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["ENDED_FAMILY", "FAMILIES", "INCIDENT", "JOB_SKIPPED", "LOSS_SCALE_OVERFLOW", "NONFINITE",
-           "NOT_REPRODUCIBLE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED", "UNMEASURED", "CounterFamily",
+           "NOT_REPRODUCIBLE", "ROLLOUT_EVENT", "ROLLOUT_NONFINITE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED",
+           "UNMEASURED", "CounterFamily",
            "RequestCounters"]
 
 
@@ -85,10 +86,23 @@ NOT_REPRODUCIBLE = CounterFamily(
     "host that saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own "
     "re-run does not is the silent-data-corruption signal: sum by (host) over runs.")
 
+ROLLOUT_NONFINITE = CounterFamily(
+    "rollout_nonfinite", "nanwatch_rollout_nonfinite_values_total", (),
+    "Non-finite values (NaN or Inf) in the rollout's own log-probabilities (Monitor.rlhf "
+    "rollout_logprobs=), inside the mask, summed over steps and ranks: counted from job reports in job "
+    "mode, from rank reports otherwise, never from detail reports. The sampler produced them; nothing "
+    "replaced them. Padding outside the mask is not counted here (RlhfStat.nonfinite rollout_logprobs_pad).")
+ROLLOUT_EVENT = CounterFamily(
+    "rollout_event", "nanwatch_rollout_mismatch_events_total", ("cause",),
+    "Rollout mismatches the trainer classified (RolloutEvent), by cause: jump (weights not synced, or "
+    "from the wrong version), drift (precision or kernels), offset (sampler semantics: temperature, "
+    "top-p/top-k on one side only), outliers (a few sequences far off). Counted from job and rank "
+    "reports (each rank's own classification in per-rank mode), never from detail reports.")
+
 #: every counter family, by its stored key
 FAMILIES: dict[str, CounterFamily] = {f.key: f for f in (
     NONFINITE, SITE, SDPA, SKIPPED, JOB_SKIPPED, INCIDENT, UNMEASURED, RUN_NONFINITE, LOSS_SCALE_OVERFLOW,
-    NOT_REPRODUCIBLE)}
+    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT)}
 
 #: a row of the counters table that is no counter: whether the run ended normally (1) or not (0). Rendered
 #: as the gauge ``nanwatch_run_ended`` from ``RunState.ended``, not from the row

@@ -32,11 +32,14 @@ from prometheus_client.registry import Collector
 from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import first_nonfinite
+from nanwatch.monitor.model.rollout import STATS as ROLLOUT_STATS
+from nanwatch.monitor.model.rollout import combine as combine_rollout
+from nanwatch.monitor.model.rollout import measured_views
 from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
-from nanwatch.wire import Directive
+from nanwatch.wire import Directive, RolloutStat
 
 __all__ = ["FORMATS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render", "snapshot", "snapshot_runs"]
 
@@ -201,7 +204,8 @@ class _Families(dict):
 
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
 _AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
-    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW)}
+    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
+    counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT)}
 
 
 def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
@@ -303,6 +307,16 @@ def _measured(f: _Families, run: RunSnapshot) -> None:
         values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
         if values:
             f.add(m.RLHF_STAT, [run_id, stat], combine(values))
+    rollout = _rollout(run)
+    for stat in ROLLOUT_STATS if rollout is not None else ():
+        value = getattr(rollout, stat)
+        if value is not None:
+            f.add(m.ROLLOUT_MISMATCH, [run_id, stat], value)
+
+
+def _rollout(run: RunSnapshot) -> RolloutStat | None:
+    """The run's latest rollout mismatch: the job's, or its ranks' combined (``nanwatch.monitor.model.rollout``)."""
+    return combine_rollout(measured_views(run.live, run.job))
 
 
 def _run_counters(f: _Families, run: RunSnapshot) -> None:

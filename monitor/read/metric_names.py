@@ -17,7 +17,8 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
            "METRICS", "MetricSpec", "NONFINITE_VALUES", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
            "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
-           "RUN_ENDED", "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
+           "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
+           "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
            "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS", "family"]
 
 
@@ -123,6 +124,16 @@ LATEST_INCIDENT_INFO = MetricSpec(
     "The run's latest incident of each class (always 1; one series per run and class): the host and "
     "rank that saw it and where its capsule was written (empty when none was): replay it with "
     "`nanwatch replay CAPSULE`.")
+# added for the rollout mismatch (wire 1.8 ``RlhfStat.rollout``, ``rollout_events``; issue #28)
+ROLLOUT_MISMATCH = MetricSpec(
+    "nanwatch_rollout_mismatch", "gauge", ("run_id", "stat"),
+    "The rollout (sampler) against the trainer on the same tokens in the latest step, dlogp = trainer - "
+    "rollout over unmasked finite tokens; stat is a RolloutStat field (nanwatch.monitor.model.rollout.STATS): "
+    "the job report's, or combined over live ranks: abs_mean, mean, rms, k3_mean, truncated_fraction "
+    "token-weighted (exact); abs_max, seq_ratio_max, seq_abs_mean_max max; seq_ratio_min, prob_correlation "
+    "min; abs_p99 max (an upper bound); logprob_slope the rank's farthest from 1.")
+ROLLOUT_NONFINITE_VALUES = _counted(counters.ROLLOUT_NONFINITE)
+ROLLOUT_MISMATCH_EVENTS = _counted(counters.ROLLOUT_EVENT)
 REPORTS_ACCEPTED = MetricSpec(
     "nanwatch_collector_reports_accepted_total", "counter", (),
     "Step reports applied to the state.")
@@ -150,6 +161,7 @@ _SPECS = (
     FIRST_OFFENDER_INFO, RLHF_STAT, COLLECTOR_LOGIT_TAU, UNMEASURED_STEPS, EVENTS, LIVE_RANKS,
     RUN_NONFINITE_VALUES, RUN_WORLD_SIZE, RANK_CRASHED, LATEST_OFFENDER_INFO, MATH_FALLBACK_INFO,
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
+    ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT,
 )
 

@@ -19,7 +19,7 @@ from nanwatch.monitor.model.store import EventRow
 from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
-           "RankView", "RlhfView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
+           "RankView", "RlhfView", "RolloutView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -86,6 +86,27 @@ class FirstOffender(_Out):
                    time=ev.time)
 
 
+class RolloutView(_View):
+    """The rollout against the trainer on the same tokens (the wire's ``RolloutStat``, floats as ``ApiFloat``)."""
+
+    tokens: int
+    sequences: int
+    cap: ApiFloat
+    abs_mean: ApiFloat | None
+    abs_max: ApiFloat | None
+    abs_p99: ApiFloat | None
+    mean: ApiFloat | None
+    rms: ApiFloat | None
+    k3_mean: ApiFloat | None
+    seq_ratio_max: ApiFloat | None
+    seq_ratio_min: ApiFloat | None
+    truncated_fraction: ApiFloat | None
+    prob_correlation: ApiFloat | None
+    logprob_slope: ApiFloat | None
+    seq_abs_mean_max: ApiFloat | None
+    outlier_sequences: int
+
+
 class RlhfView(_View):
     """A rank's latest RLHF health (the wire's ``RlhfStat``, its floats as ``ApiFloat``)."""
 
@@ -101,6 +122,7 @@ class RlhfView(_View):
     kl_k3_ratio_mean: ApiFloat | None
     kl_optimised: str | None
     advantage_std: ApiFloat | None
+    rollout: RolloutView | None = None
 
 
 class RankView(_View):
@@ -185,6 +207,12 @@ class RunList(_Out):
 
 class RunDetail(RunSummary):
     ranks: list[RankView]
+    rollout: RolloutView | None = Field(
+        None, description="the rollout mismatch of the run's latest step: the live job report's, or its live "
+        "ranks' combined (token-weighted means, extremes, and bounds where ranks cannot be merged exactly: "
+        "nanwatch.monitor.model.rollout); None: no live view measured one")
+    rollout_nonfinite_total: int = Field(0, description="non-finite values in the rollout's own log-probabilities "
+                                         "(inside the mask), summed over steps: nanwatch_rollout_nonfinite_values_total")
     sdpa: list[SdpaView]
     event_counts: dict[str, int]
     events: list[EventView]

@@ -13,7 +13,8 @@ the same run-level figures whichever way it arrived:
 
 * ``rank`` (every pre-1.4 sender): everything, as before 1.4.
 * ``job``: the run-level figures -- site, SDPA, unmeasured and incident counters, the run's non-finite
-  count, the logit/headroom/RLHF gauges (``RunState.job``), the first offender (with
+  count, the rollout's non-finite log-probabilities and mismatch events, the logit/headroom/RLHF gauges
+  (the rollout mismatch rides in the RLHF view) (``RunState.job``), the first offender (with
   ``first_offender_rank``) -- and the job's skipped steps, which count for every rank it covered (all of
   them took the collective decision); the posting rank is kept live, as by a heartbeat.
 * ``detail``: the rank's own view and per-rank counters (non-finite values by rank), and its events; never
@@ -327,7 +328,8 @@ def _count_steps(counts: _Counts, r: StepReport) -> None:
 
 
 def _count_run_level(counts: _Counts, r: StepReport) -> None:
-    """What only a run-level report counts: SDPA calls, unmeasured training steps, incidents."""
+    """What only a run-level report counts: SDPA calls, unmeasured training steps, incidents, the rollout's
+    own non-finite log-probabilities and its classified mismatches (wire 1.8)."""
     for c in r.sdpa:
         labels = (c.backend, dtype_name(c.dtype), c.stage)
         if counts.admit(counters.SDPA, labels):
@@ -339,6 +341,20 @@ def _count_run_level(counts: _Counts, r: StepReport) -> None:
         if counts.admit(counters.INCIDENT, (r.incident.cls,)):
             counts.add(counters.INCIDENT, (r.incident.cls,), 1)
         _note_incident(counts, r)
+    _count_rollout(counts, r)
+
+
+def _count_rollout(counts: _Counts, r: StepReport) -> None:
+    """The sampler's non-finite log-probabilities inside the mask (``RlhfStat.nonfinite["rollout_logprobs"]``,
+    counted, never replaced: TRL PR #6693's neutralisation would hide them) and the mismatch events by cause.
+    Run-level reports only (a job report once for the job, a rank report for its rank), as
+    nanwatch_run_nonfinite_values_total: a detail report's are in its job report."""
+    n = r.rlhf.nonfinite.get("rollout_logprobs", 0) if r.rlhf is not None else 0
+    if n and counts.admit(counters.ROLLOUT_NONFINITE, ()):
+        counts.add(counters.ROLLOUT_NONFINITE, (), n)
+    for ev in r.rollout_events:
+        if counts.admit(counters.ROLLOUT_EVENT, (ev.cause,)):
+            counts.add(counters.ROLLOUT_EVENT, (ev.cause,), 1)
 
 
 def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:

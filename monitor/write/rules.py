@@ -2,7 +2,8 @@
 intents: events to record and directives to issue.
 
 Always recorded, whatever the rules: the run's first non-finite value, each attention-mode change
-that ranks report (fallback applied or reverted), and each rank whose step raised (``rank_crashed``); a run's
+that ranks report (fallback applied or reverted), each rank whose step raised (``rank_crashed``), each
+classified rollout mismatch and module attribution (``rollout_mismatch``, ``rollout_attribution``); a run's
 first loss-scale overflow (``loss_scale_overflow``, once per run: the scaler at work, not an incident). Events
 are deduplicated per run by a key, so a condition that persists for hours is one event, not one per step and
 rank. The engine decides and writes nothing: it reads what it must through ``RuleReads`` and returns
@@ -84,6 +85,7 @@ class RuleEngine:
         if not overflow:
             _first_nonfinite(r, rank, reads, events)
         _lifecycle(r, rank, previous_mode, events)
+        _rollout(r, events)
         issued = _auto_revert(r, reads, out) if r.rank == 0 and rank is not None else None
         if r.scope == "heartbeat" or overflow:
             return out  # no measurements (or only the scaler's overflow): only its mode can change (above)
@@ -148,6 +150,22 @@ def _lifecycle(r: StepReport, rank: RankState | None, previous_mode: str | None,
             events.add("mode_applied", f"applied:{rank.attention_mode}:{r.directive_version}",
                        ModeChange(mode=rank.attention_mode, previous_mode=previous_mode,
                                   directive_version=r.directive_version))
+
+
+def _rollout(r: StepReport, events: _Events) -> None:
+    """The trainer's classified rollout mismatches (wire 1.8), each with its figures, evidence and remedy, and
+    the module attribution: into the run's event log. Never a directive: the cause is outside the trainer's
+    attention. A mismatch from a run-level report (job or rank, as its counter; one per cause, step and rank,
+    ``job`` for the job's); an attribution from any measured report, once per step and cause."""
+    if r.scope in RUN_LEVEL_SCOPES:
+        who = "job" if r.scope == "job" else str(r.rank)
+        for ev in r.rollout_events:
+            events.add("rollout_mismatch", f"rollout_mismatch:{ev.cause}:{ev.step}:{who}",
+                       ev.model_dump(mode="json"), rank=r.rank)
+    at = r.rollout_attribution
+    if at is not None and r.scope != "heartbeat":
+        events.add("rollout_attribution", f"rollout_attribution:{at.cause}:{at.step}",
+                   at.model_dump(mode="json"), site=at.module, rank=r.rank)
 
 
 def _auto_revert(r: StepReport, reads: RuleReads, out: Intents) -> str | None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
+from nanwatch.monitor.model.rollout import STATS as ROLLOUT_STATS
 from nanwatch.monitor.read.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,8 +136,13 @@ def test_panel_queries_cover_every_target_nested_rows_and_annotations():
     assert annotations == 4 and len(gen.panel_queries(RUN_HEALTH)) >= 20
 
 
+#: the weight-sync counters the dashboard's rollout row queries (issue #28), exported by the weight-sync
+#: branch: known here until it merges (then METRICS has them, and this set changes nothing)
+WEIGHT_SYNC = {"nanwatch_weight_syncs_verified_total", "nanwatch_weight_sync_mismatches_total"}
+
+
 def test_every_metric_is_exported_by_the_collector_or_recorded_by_a_rule():
-    known = set(METRICS) | recording_rules() | {"ALERTS"}
+    known = set(METRICS) | recording_rules() | {"ALERTS"} | WEIGHT_SYNC
     assert "run_id_stage:nanwatch_nonfinite_values:increase5m" in known  # the rules were found
     for name, title, expr in all_queries() + variable_selectors():
         used = metric_names(expr)
@@ -200,6 +206,12 @@ _SCENARIO = [
     *[(f'nanwatch_rlhf_stat{{run_id="r1", stat="{s}"}}', "0.1x20")
       for s in ("ratio_max", "clip_fraction", "kl_k1_mean", "kl_k3_mean", "kl_k3_ratio_mean", "kl_k1_max",
                 "kl_k3_max", "logprob_min", "advantage_std")],
+    # the rollout against the trainer (#28): its figures, a jump born at zero, sampler NaNs, weight syncs
+    *[(f'nanwatch_rollout_mismatch{{run_id="r1", stat="{s}"}}', "0.02x20") for s in ROLLOUT_STATS],
+    ('nanwatch_rollout_mismatch_events_total{run_id="r1", cause="jump"}', "_x4 0 1x14"),
+    ('nanwatch_rollout_nonfinite_values_total{run_id="r1"}', "0x4 3x15"),
+    ('nanwatch_weight_syncs_verified_total{run_id="r1"}', "0+1x20"),
+    ('nanwatch_weight_sync_mismatches_total{run_id="r1"}', "0x20"),
     ("nanwatch_collector_logit_tau", "30x20"),
     ('nanwatch_events_total{run_id="r1", kind="first_nonfinite"}', "_x4 1x15"),
     ('nanwatch_events_total{run_id="r1", kind="directive_set"}', "_x9 1x10"),
@@ -238,7 +250,7 @@ def test_every_query_returns_a_series_in_a_synthetic_run(tmp_path, eval_time):
 #: the panels (and fleet columns) that must show a NaN run's NaN, not a flat zero
 NAN_PANELS = {"Non-finite values", "Non-finite values by stage", "Non-finite values by site and pass",
               "Non-finite values by rank and kind", "Latest offender by stage", "First offender",
-              "annotation: Alerts"}
+              "Sampler non-finite logprobs", "annotation: Alerts"}
 
 
 def test_every_nonfinite_panel_shows_the_nan_of_a_run_that_had_one(tmp_path):
@@ -354,7 +366,9 @@ def test_run_health_content():
     for needle in ("nanwatch_site_nonfinite_values_total", "nanwatch_first_offender_info", 'stat=~"ratio_max"',
                    "kl_k3_ratio_mean", 'stat=~"clip_fraction"', 'stat=~"logprob_min"', "nanwatch_attention_mode",
                    "nanwatch_reports_dropped_total", "nanwatch_last_report_timestamp_seconds",
-                   "nanwatch_unmeasured_steps_total"):
+                   "nanwatch_unmeasured_steps_total", 'stat=~"abs_mean|abs_p99|k3_mean"', 'stat=~"truncated_fraction"',
+                   'stat=~"prob_correlation|logprob_slope"', "nanwatch_rollout_mismatch_events_total",
+                   "nanwatch_rollout_nonfinite_values_total", *WEIGHT_SYNC):
         assert needle in exprs, needle
 
 

@@ -79,11 +79,8 @@ class Monitor:
                     opt.step()
                 report = mon.last_report()   # optional: waits for that step's async copy
                 print(report.step, report.first_offender)
-                if n % 100 == 0:
-                    with mon.evaluating():   # one stage="eval" report, keyed by step n
-                        evaluate(model)
 
-    Evaluations are reported on their own (``stage="eval"``), in an ``evaluating()`` window or when an eval
+    Evaluations (``with mon.evaluating():``) are reported on their own (``stage="eval"``), or when an eval
     mode forward starts outside any training step (until the next training forward, step, or ``close``). A
     step that raised says so (``raised``), and the collector marks its rank crashed.
     """
@@ -107,7 +104,8 @@ class Monitor:
                                       probes=probes, directive_state=state, warn=warn)
         self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, warn=warn,
                                 incarnation=self.incarnation, directive_state=state,
-                                expects_logits=partial(operator.is_not, probes.head, None))  # known by now
+                                expects_logits=partial(operator.is_not, probes.head, None),  # known by now
+                                on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.max_pending_reports)
         self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window)
@@ -282,9 +280,10 @@ class Monitor:
         ``rollout_cap`` or ``config.rollout_cap``), ``input_ids`` and ``attention_mask`` (prompt and completion:
         for the attribution). ``kl_optimised``: the KL the loss uses (``k1``, ``k3`` or ``k3_ratio``)."""
         if self._active and not torch.compiler.is_compiling():
-            rlhf_probe(self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,
-                       clip_eps=clip_eps, kl_optimised=kl_optimised,
-                       rollout_cap=rollout_cap or self.config.rollout_cap, **tensors)
+            contained(self._remedies.keep_rollout, rlhf_probe(
+                self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,
+                clip_eps=clip_eps, kl_optimised=kl_optimised, rollout_cap=rollout_cap or self.config.rollout_cap,
+                **tensors))
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,

@@ -19,7 +19,7 @@ from nanwatch.hooks.measure.collective import FlagReduction, reduction_active
 from nanwatch.hooks.measure.observations import BufKey, ObservationLog
 from nanwatch.hooks.measure.optimizer_check import ParamBatch
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
-from nanwatch.wire import Incident, dtype_name
+from nanwatch.wire import Incident, RolloutAttribution, dtype_name
 
 __all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "Recorder", "SiteKey", "SiteMeta", "StepState"]
 
@@ -99,6 +99,8 @@ class StepState:
     attention_layers: set[str] = field(default_factory=set)
     #: the differential rerun's verdict on this step (``nanwatch.hooks.remedies.rerun``), when it ran
     incident: Incident | None = None
+    #: the rollout attribution that ran at this step's end (``nanwatch.hooks.remedies.attribution``), if any
+    rollout_attribution: RolloutAttribution | None = None
     #: ``train``: a training step; ``eval``: an evaluation window's own record (``Recorder.enter_eval``)
     stage: str = "train"
     #: the slot buffer the step wrote into (its slot index decodes the copy); set when handed over

@@ -56,7 +56,9 @@ named, ``U + K + 2`` forwards of ``max_sequences`` sequences without grad (one m
 trainer's logprobs were not kept), once per request; memory of one such forward, in fp32.
 
 :class:`RolloutAttributor` is what the Monitor holds: the batch kept by reference at each ``rlhf()`` call,
-a request from the reporter thread on a drift or outlier event, and the run at the next step end.
+a request from the reporter thread on a drift or outlier event, and the run at the next ``rlhf()`` call that
+keeps a batch: the weights are then those that scored it (at the step's end an optimizer step has moved
+them, enough on the tiny test model to hide which module's rounding the rollout shows).
 """
 
 from __future__ import annotations
@@ -348,14 +350,14 @@ def _finite(x: float) -> float | None:
 
 class RolloutAttributor:
     """The Monitor's rollout attribution: the last batch kept by reference, a request from the reporter
-    thread, the run at the next step end on the training thread; once per run unless asked again.
+    thread, the run at the next ``rlhf()`` call on the training thread; once per run unless asked again.
 
     Example usage::
 
         attributor = RolloutAttributor(rollout_dtype="bfloat16", capsules=writer)
         attributor.keep(input_ids=ids, rollout_logprobs=rlp, logprobs=lp, completion_mask=mask)  # rlhf()
         attributor.request("drift", step=n)            # reporter thread: a drift event was classified
-        attribution = attributor.at_step_end(model)    # training thread: None unless one ran
+        attribution = attributor.run_requested(model)  # training thread: None unless one ran
     """
 
     def __init__(self, *, rollout_dtype: str | torch.dtype = "bfloat16", temperature: float = 1.0,
@@ -377,7 +379,7 @@ class RolloutAttributor:
                       "attention_mask": attention_mask, "completion_mask": completion_mask}
 
     def request(self, cause: str, step: int, *, again: bool = False) -> bool:
-        """Ask for an attribution at the next step end (any thread); False when one already ran this run
+        """Ask for an attribution at the next ``rlhf()`` call that keeps a batch (any thread); False when one already ran this run
         (``again=True`` asks anyway)."""
         with self._lock:
             if self._done and not again:
@@ -386,7 +388,7 @@ class RolloutAttributor:
             self._asked = (cause, step)
             return True
 
-    def at_step_end(self, model: torch.nn.Module) -> RolloutAttribution | None:
+    def run_requested(self, model: torch.nn.Module) -> RolloutAttribution | None:
         """Run the requested attribution on the kept batch (training thread, outside the step). Never raises:
         a failure warns and returns None."""
         with self._lock:

@@ -33,10 +33,12 @@ from nanwatch.hooks.failsafe import WarnOnce, contained
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.remedies.attribution import RolloutAttributor
 from nanwatch.hooks.remedies.loss_scaling import LossScaling
 from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
 from nanwatch.hooks.remedies.rerun import DifferentialRerun
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.wire import RolloutEvent
 
 __all__ = ["StepRemedies"]
 
@@ -54,6 +56,9 @@ class StepRemedies:
                                          warn=warn, rerun_tap=probes.rerun if self.rerun.on else None)
         self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
         self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
+        #: the rollout attribution (None: ``rollout_attribution=False``), its capsules the rerun's writer's
+        self.attribution = RolloutAttributor(rollout_dtype=config.rollout_dtype, capsules=self.rerun.capsules
+                                             ) if config.rollout_attribution else None
 
     def attach(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, scaler: Any) -> None:
         """Watch ``scaler`` and any GradScaler found stepping the model's optimizer; find the optimizers
@@ -102,6 +107,29 @@ class StepRemedies:
         if raised is None:
             contained(self.rerun.at_step_end, step, scaling=self._scaling,
                       weight_guard_on=self.optimizers.effective)
+
+    def keep_rollout(self, kept: dict) -> None:
+        """``Monitor.rlhf``'s batch, kept by reference for an attribution (when it has the sequences and the
+        rollout's logprobs), and the attribution run on it if one was asked for. Training thread."""
+        if self.attribution is not None and kept["input_ids"] is not None and kept["rollout_logprobs"] is not None:
+            self.attribution.keep(input_ids=kept["input_ids"], rollout_logprobs=kept["rollout_logprobs"],
+                                  logprobs=kept["logprobs"], attention_mask=kept["attention_mask"],
+                                  completion_mask=kept["mask"])
+            self._attribute()  # if one was asked for: now, while the weights are those that scored the batch
+
+    def on_mismatch(self, event: RolloutEvent) -> None:
+        """Reporter thread: a drift or outlier-sequence event asks for an attribution at the next step end."""
+        if self.attribution is not None and event.cause in ("drift", "outliers"):
+            self.attribution.request(event.cause, event.step)
+
+    def _attribute(self) -> None:
+        model = self._model()
+        if self.attribution is None or model is None:
+            return
+        with self._probes.rerun.rerunning_forward():  # its forwards are not the step's
+            result = self.attribution.run_requested(model)
+        if result is not None:
+            self._rec.state.rollout_attribution = result
 
     def new_step(self) -> None:
         """After the step's hand-over: the scalers' per-step flags start afresh."""

@@ -81,6 +81,7 @@ class ReportBuilder:
             first_offender_stage=first.stage if first else None,
             first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
+            rollout_attribution=state.rollout_attribution,
             loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64])
 
     def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,

@@ -32,9 +32,9 @@ from prometheus_client.registry import Collector
 from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import first_nonfinite
-from nanwatch.monitor.model.rollout import STATS as ROLLOUT_STATS
-from nanwatch.monitor.model.rollout import combine as combine_rollout
-from nanwatch.monitor.model.rollout import measured_views
+from nanwatch.monitor.model.rollout_figures import STATS as ROLLOUT_STATS
+from nanwatch.monitor.model.rollout_figures import combine as combine_rollout
+from nanwatch.monitor.model.rollout_figures import measured_views
 from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.monitor.read import metric_names as m
@@ -315,7 +315,7 @@ def _measured(f: _Families, run: RunSnapshot) -> None:
 
 
 def _rollout(run: RunSnapshot) -> RolloutStat | None:
-    """The run's latest rollout mismatch: the job's, or its ranks' combined (``nanwatch.monitor.model.rollout``)."""
+    """The run's latest rollout mismatch: the job's, or its ranks' combined (``nanwatch.monitor.model.rollout_figures``)."""
     return combine_rollout(measured_views(run.live, run.job))
 
 

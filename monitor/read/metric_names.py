@@ -128,7 +128,7 @@ LATEST_INCIDENT_INFO = MetricSpec(
 ROLLOUT_MISMATCH = MetricSpec(
     "nanwatch_rollout_mismatch", "gauge", ("run_id", "stat"),
     "The rollout (sampler) against the trainer on the same tokens in the latest step, dlogp = trainer - "
-    "rollout over unmasked finite tokens; stat is a RolloutStat field (nanwatch.monitor.model.rollout.STATS): "
+    "rollout over unmasked finite tokens; stat is a RolloutStat field (nanwatch.monitor.model.rollout_figures.STATS): "
     "the job report's, or combined over live ranks: abs_mean, mean, rms, k3_mean, truncated_fraction "
     "token-weighted (exact); abs_max, seq_ratio_max, seq_abs_mean_max max; seq_ratio_min, prob_correlation "
     "min; abs_p99 max (an upper bound); logprob_slope the rank's farthest from 1.")

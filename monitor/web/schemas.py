@@ -210,7 +210,7 @@ class RunDetail(RunSummary):
     rollout: RolloutView | None = Field(
         None, description="the rollout mismatch of the run's latest step: the live job report's, or its live "
         "ranks' combined (token-weighted means, extremes, and bounds where ranks cannot be merged exactly: "
-        "nanwatch.monitor.model.rollout); None: no live view measured one")
+        "nanwatch.monitor.model.rollout_figures); None: no live view measured one")
     rollout_nonfinite_total: int = Field(0, description="non-finite values in the rollout's own log-probabilities "
                                          "(inside the mask), summed over steps: nanwatch_rollout_nonfinite_values_total")
     sdpa: list[SdpaView]

@@ -162,17 +162,17 @@ def test_the_attributor_runs_once_on_request_and_never_raises(caplog):
     trainer = _trainer()
     ids, rollout = _rollout(trainer, "lm_head")
     att = RolloutAttributor()
-    assert att.at_step_end(trainer) is None  # nothing kept, nothing asked
+    assert att.run_requested(trainer) is None  # nothing kept, nothing asked
     att.keep(input_ids=ids, rollout_logprobs=rollout)
-    assert att.at_step_end(trainer) is None  # nothing asked
+    assert att.run_requested(trainer) is None  # nothing asked
     assert att.request("drift", 3)
-    first = att.at_step_end(trainer)
+    first = att.run_requested(trainer)
     assert first is not None and first.module == "lm_head" and first.step == 3
     assert not att.request("drift", 4)  # once per run
-    assert att.at_step_end(trainer) is None
+    assert att.run_requested(trainer) is None
     assert att.request("outliers", 5, again=True)
     att.keep(input_ids=ids, rollout_logprobs=rollout[:, :3].T)  # malformed: warned, None
-    assert att.at_step_end(trainer) is None
+    assert att.run_requested(trainer) is None
     assert "rollout attribution failed" in caplog.text
 
 
@@ -186,7 +186,7 @@ def test_d_the_capsule_replays_to_the_same_module_in_a_fresh_process(tmp_path: P
         trainer_lp = torch.log_softmax(trainer(ids).logits[:, -C - 1:-1], -1).gather(-1, ids[:, -C:, None])[..., 0]
     att.keep(input_ids=ids, rollout_logprobs=rollout, logprobs=trainer_lp, completion_mask=torch.ones_like(rollout))
     att.request("drift", 9)
-    a = att.at_step_end(trainer)
+    a = att.run_requested(trainer)
     writer.join()
     assert a is not None and a.module in ("model.layers.0", "model.layers.0.self_attn") and a.capsule
     assert os.path.exists(a.capsule)

@@ -21,6 +21,11 @@ pytest.importorskip("transformers")
 PROMPT, NEW, BATCH = 4, 4, 4
 
 
+@pytest.fixture(autouse=True)
+def _capsules_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an attribution writes its capsule under ./nanwatch-capsules
+
+
 def _policy(seed: int = 0) -> torch.nn.Module:
     from nanwatch.bench.tiny_models import tiny_qwen3
 
@@ -114,13 +119,29 @@ def test_a_healthy_rollout_raises_no_event_in_200_steps():
     assert max(r.rlhf.rollout.abs_max for r in reports) < 1e-4  # KV cache against a full forward, fp32
 
 
-def test_a_bf16_rollout_engine_is_a_drift():
+def _attribution(reports):
+    found = [r.rollout_attribution for r in reports if r.rollout_attribution is not None]
+    assert len(found) == 1, found  # once per run
+    return found[0]
+
+
+def test_a_bf16_rollout_engine_is_a_drift_attributed_to_a_lowered_module():
     policy = _policy()
     reports = _run(RolloutEngine(policy, dtype=torch.bfloat16), policy, 6)
-    assert ("drift" in {c for _, c in _events(reports)}) and all(
-        c == "drift" for _, c in _events(reports))
-    first = next(e for r in reports for e in r.rollout_events)
-    assert first.step == 2 and first.figures["abs_mean"] > 1e-3 and abs(first.figures["logprob_slope"] - 1) < 0.1
+    assert _events(reports) == [(2, "drift")]
+    drift = reports[2].rollout_events[0]
+    assert drift.figures["abs_mean"] > 1e-3 and abs(drift.figures["logprob_slope"] - 1) < 0.1
+    found = _attribution(reports)
+    assert (found.cause, found.step, found.rollout_dtype) == ("drift", 2, "bfloat16")
+    assert found.module is not None and found.modules  # every module of this engine is low-precision
+    assert found.observed_abs_mean / 3 < found.lowered_abs_mean < found.observed_abs_mean * 3
+
+
+def test_only_lm_head_in_bf16_names_lm_head():
+    policy = _policy()
+    reports = _run(RolloutEngine(policy, lowered=("lm_head",)), policy, 6)
+    assert _events(reports) == [(2, "drift")]
+    assert _attribution(reports).module == "lm_head"
 
 
 def test_weights_no_longer_synced_from_step_k_is_a_jump_at_k_plus_1():

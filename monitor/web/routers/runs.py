@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from nanwatch.monitor.model import counters, rollout
+from nanwatch.monitor.model import counters, rollout_figures
 from nanwatch.monitor.model.state import RunState
 from nanwatch.monitor.web.deps import (
     AdminToken,
@@ -118,6 +118,6 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
             for (fam, labels), v in run.counters.items() if fam == counters.SDPA.key]
     return ApiJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa,
-                             rollout=rollout.latest(res.state, run, now),
+                             rollout=rollout_figures.latest(res.state, run, now),
                              rollout_nonfinite_total=run.counters.get((counters.ROLLOUT_NONFINITE.key, ()), 0),
                              event_counts=dict(run.event_counts), events=events))

@@ -4,30 +4,33 @@ they hold and the collector can compare them (``nanwatch.weight_sync``; docs/wei
 
     fps = nanwatch.fingerprint(model)            # or a state_dict; {"lm_head.weight": "9f3c...", ...}
 
-How a tensor's value is made, exactly (integer arithmetic on the raw bits, modulo 2**64):
+How a tensor's value is made, exactly (integer arithmetic on the raw bits):
 
-* the tensor, flattened in row-major order, is viewed as the signed integer dtype of its element size
-  (``int8``/``int16``/``int32``/``int64``: the bits, not the values) and widened to ``int64``;
-* element ``i`` is weighted by an odd multiplier: block ``c = i // BLOCK`` and position ``j = i % BLOCK``
-  give ``w[c] * m[j]``, where ``w`` and ``m`` are splitmix64 hashes of ``c`` and ``j`` with the lowest bit
-  set, computed on the device from ``arange``; each of the two lanes has its own seeds;
-* each lane is the sum of the weighted elements modulo 2**64 (int64 arithmetic wraps; integer addition in
-  any order gives the same sum, so no kernel, device or chunking changes it), plus a hash of the dtype and
-  the shape (so a reshape or a bit-identical cast is another value).
+* the tensor's bytes, flattened in row-major order, are read as little-endian 32-bit words (the last one
+  zero-padded): the bits, whatever the dtype;
+* word ``i`` is in block ``c = i // BLOCK`` at position ``j = i % BLOCK``; each block's sum of word times
+  ``m[j]`` is taken modulo 2**32, and the lane is the sum over blocks of that times ``w[c]``, modulo 2**64.
+  ``m`` (the low 32 bits) and ``w`` are splitmix64 hashes of ``j`` and ``c`` with the lowest bit set (odd),
+  computed on the device from ``arange``; each of the two lanes has its own seeds. Integer arithmetic wraps
+  (int32, int64), and integer sums in any order are equal, so no kernel, device or chunking changes it;
+* a hash of the dtype and the shape is added to each lane (so a reshape or a bit-identical cast is
+  another value).
 
-The value is two 64-bit lanes as 32 hex digits. What it promises:
+The value is the two 64-bit lanes as 32 hex digits. What it promises:
 
 * **Exact and portable**: no floating point anywhere; the same bits give the same value on CPU and CUDA,
-  in any process (tested across processes, and against a pure-Python rendering of the formula).
-* **A change to any single element is always detected**, and a change to any elements of one block
-  whose weighted differences do not cancel modulo 2**64: the multipliers are odd, so a non-zero change
-  times one of them is non-zero modulo 2**64. For the same dtype and shape the hash is added, a bijection,
-  so two different sums never give one value.
+  in any process (tested across processes, and against a pure-Python rendering of the formula). The
+  words are little-endian, as on every CPU and GPU torch runs on in practice.
+* **A change confined to one 32-bit word is always detected** (any single element of a 1-, 2- or 4-byte
+  dtype, so of every fp32, bf16, fp16 or fp8 weight): the word's change times an odd multiplier is not 0
+  modulo 2**32, and that block sum's change times an odd weight is not 0 modulo 2**64. For the same dtype
+  and shape the hash is added, a bijection, so two different lane sums never give one value.
 * **Not cryptographic**: it is a linear function of the bits; someone who wants a collision can build
-  one. Unrelated weights collide by chance with probability about 2**-64 per lane (2**-128 for both).
+  one. Any other change (many elements, an 8-byte element's two words) goes unseen by chance only: about
+  2**-32 per lane for a tensor of one block, far less over many blocks, both lanes needing to agree.
 
-Cost: the tensor is read once, in chunks of ``chunk_elements`` (default 4M elements, a few tens of MB of
-temporaries whatever the tensor's size), with a few int64 operations per element and lane; measured
+Cost: the tensor is read in chunks of ``chunk_elements`` words (default 4M, 16 MB of int32 temporaries
+whatever the tensor's size), with one int32 multiply and one sum per word and lane; measured
 against one AdamW step in docs/benchmarks.md (``nanwatch bench``). The values are read to the host once
 per call (one sync): publishing weights to a rollout engine syncs anyway.
 
@@ -45,19 +48,18 @@ import torch
 
 __all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "fingerprint", "fingerprint_sums", "multipliers"]
 
-#: the elements one position multiplier covers: part of the definition (every process uses it)
+#: the 32-bit words of one block (one position multiplier each): part of the definition
 BLOCK = 1 << 16
-#: elements read per step of the walk over a tensor (a multiple of BLOCK; any multiple gives the same value)
+#: words read per step of the walk over a tensor (a multiple of BLOCK; any multiple gives the same value)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 _M64 = (1 << 64) - 1
 #: the seeds of the two lanes' position (m) and block (w) multipliers
 _SEEDS = ((0x243F6A8885A308D3, 0x13198A2E03707344), (0xA4093822299F31D0, 0x082EFA98EC4E6C89))
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _signed(c: int) -> int:
-    c &= _M64
-    return c - (1 << 64) if c >> 63 else c
+def _signed(c: int, bits: int = 64) -> int:
+    c &= (1 << bits) - 1
+    return c - (1 << bits) if c >> (bits - 1) else c
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -74,13 +76,14 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def multipliers(start: int, n: int, seed: int, device: torch.device | str) -> torch.Tensor:
-    """The odd multipliers of indices ``start .. start+n-1`` for ``seed``, as int64 on ``device``."""
+    """The odd 64-bit multipliers of indices ``start .. start+n-1`` for ``seed``, as int64 on ``device``."""
     idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
     return _splitmix(idx + _signed(seed)) | 1
 
 
 class _Multipliers:
-    """The position multipliers (one BLOCK per lane), made once per device."""
+    """The position multipliers (one BLOCK per lane: the low 32 bits of ``multipliers``, as int32), made
+    once per device."""
 
     def __init__(self) -> None:
         self.by_device: dict[torch.device, torch.Tensor] = {}
@@ -88,43 +91,45 @@ class _Multipliers:
     def get(self, device: torch.device) -> torch.Tensor:
         m = self.by_device.get(device)
         if m is None:
-            m = torch.stack([multipliers(0, BLOCK, seed, device) for seed, _ in _SEEDS])  # [2, BLOCK]
-            self.by_device[device] = m
+            low = torch.stack([multipliers(0, BLOCK, seed, device) for seed, _ in _SEEDS]) & 0xFFFFFFFF
+            m = self.by_device[device] = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
         return m
 
 
 _POSITION = _Multipliers()
 
 
-def _raw_int64(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits, flattened row-major, one signed integer per element, widened to int64."""
-    flat = t.detach().reshape(-1)
-    size = flat.element_size()
-    if size not in _INT_OF_SIZE:
-        raise ValueError(f"nanwatch.fingerprint: no integer view for dtype {flat.dtype}")
-    return flat if flat.dtype == torch.int64 else flat.view(_INT_OF_SIZE[size])
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, flattened row-major, as little-endian int32 words (the last one zero-padded)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 4 * 4
+    if whole < raw.numel():
+        raw = torch.cat([raw, raw.new_zeros(4 - (raw.numel() - whole))])
+    try:
+        return raw.view(torch.int32)
+    except RuntimeError:  # a view starting at an offset that is not a multiple of 4 bytes
+        return raw.clone().view(torch.int32)
 
 
 def fingerprint_sums(t: torch.Tensor, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
-    """The two lane sums of ``t`` (int64 ``[2]``, on ``t``'s device; no host read)."""
+    """The two lane sums of ``t`` (int64 ``[2]``, on ``t``'s device; no host read). ``chunk_elements``
+    counts 32-bit words."""
     if chunk_elements < BLOCK or chunk_elements % BLOCK:
         raise ValueError(f"chunk_elements must be a positive multiple of {BLOCK}, got {chunk_elements}")
-    flat, device = _raw_int64(t), t.device
+    words, device = _words(t), t.device
     m = _POSITION.get(device)
     total = torch.zeros(2, dtype=torch.int64, device=device)
-    n = flat.numel()
-    for start in range(0, n, chunk_elements):
-        part = flat[start:start + chunk_elements].to(torch.int64)
+    for start in range(0, words.numel(), chunk_elements):
+        part = words[start:start + chunk_elements]
         full, rest = divmod(part.numel(), BLOCK)
-        first = start // BLOCK
         for lane, (_, block_seed) in enumerate(_SEEDS):
-            per_block = []
+            per_block = []  # each block's sum of word * multiplier, modulo 2**32 (int32 wraps)
             if full:
-                per_block.append((part[:full * BLOCK].view(full, BLOCK) * m[lane]).sum(dim=1))
+                per_block.append((part[:full * BLOCK].view(full, BLOCK) * m[lane]).sum(dim=1, dtype=torch.int32))
             if rest:
-                per_block.append((part[full * BLOCK:] * m[lane, :rest]).sum().reshape(1))
-            sums = torch.cat(per_block) if len(per_block) > 1 else per_block[0]
-            w = multipliers(first, sums.numel(), block_seed, device)
+                per_block.append((part[full * BLOCK:] * m[lane, :rest]).sum(dtype=torch.int32).reshape(1))
+            sums = (torch.cat(per_block) if len(per_block) > 1 else per_block[0]).to(torch.int64) & 0xFFFFFFFF
+            w = multipliers(start // BLOCK, sums.numel(), block_seed, device)
             total[lane] += (sums * w).sum()
     return total
 

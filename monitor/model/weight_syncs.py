@@ -113,16 +113,27 @@ class WeightSyncs:
                 versions.popitem(last=False)
         return v
 
+    def check(self, run_id: str, version: int, side: str, worker: str, fingerprints: dict[str, str]) -> None:
+        """Refuse, before anything changes, a second trainer set of a version that differs from its first
+        (409) and a rollout set beyond ``max_waiting`` waiting for the trainer's (429)."""
+        v = self.runs.get(run_id, {}).get(version)
+        if v is None:
+            return
+        if side == "trainer" and v.trainer is not None and digest(fingerprints) != v.trainer_digest:
+            raise Refused(f"weight version {version} of run {run_id!r} already has the trainer's weight "
+                          "fingerprints, and these differ: a version is published once (use a new version)",
+                          status=409, reason="conflict")
+        if (side == "rollout" and v.trainer is None and worker not in v.waiting
+                and len(v.waiting) >= self.max_waiting):
+            raise CapReached(f"weight version {version} of run {run_id!r} already has {self.max_waiting} "
+                             "rollout workers' sets waiting for the trainer's", reason="weight_sync")
+
     def trainer(self, run_id: str, version: int, fingerprints: dict[str, str]) -> list[Verdict]:
         """The trainer's set of ``version``: the verdicts of the workers that were waiting for it (new
         ones only; a resend gives none)."""
         v, d = self._version(run_id, version), digest(fingerprints)
         if v.trainer is not None:
-            if d != v.trainer_digest:
-                raise Refused(f"weight version {version} of run {run_id!r} already has the trainer's weight "
-                              "fingerprints, and these differ: a version is published once (use a new version)",
-                              status=409, reason="conflict")
-            return []
+            return []  # a resend (``check`` refused another set)
         v.trainer, v.trainer_digest = fingerprints, d
         found = []
         for worker, rollout in v.waiting.items():
@@ -138,10 +149,7 @@ class WeightSyncs:
         the verdict is new, i.e. to be counted: a resend of the same set is not)."""
         v, d = self._version(run_id, version), digest(fingerprints)
         if v.trainer is None:
-            if worker not in v.waiting and len(v.waiting) >= self.max_waiting:
-                raise CapReached(f"weight version {version} of run {run_id!r} already has {self.max_waiting} "
-                                 "rollout workers' sets waiting for the trainer's", reason="weight_sync")
-            v.waiting[worker] = fingerprints
+            v.waiting[worker] = fingerprints  # ``check`` bounded them
             return None, False
         old = v.verdicts.get(worker)
         if old is not None and old[0] == d:

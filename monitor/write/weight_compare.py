@@ -45,6 +45,7 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
         raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
                          "fingerprints are kept until it is below", reason="memory")
     syncs = ledger.weight_syncs
+    syncs.check(run_id, version, body.side, body.worker, body.fingerprints)
 
     def write() -> list[Any]:
         now = time.time()

@@ -162,7 +162,8 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
     "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
-                                         "nanwatch.run_status", "nanwatch.weight_sync"),
+                                         "nanwatch.run_status"),
+               ("nanwatch.weight_sync",),
                ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
 }
 

@@ -104,7 +104,7 @@ class WeightSyncs:
         self.max_versions, self.max_waiting = max_versions, max_waiting
         self.runs: dict[str, OrderedDict[int, _Version]] = {}
 
-    def _version(self, run_id: str, version: int) -> _Version:
+    def _slot(self, run_id: str, version: int) -> _Version:
         versions = self.runs.setdefault(run_id, OrderedDict())
         v = versions.get(version)
         if v is None:
@@ -131,7 +131,7 @@ class WeightSyncs:
     def trainer(self, run_id: str, version: int, fingerprints: dict[str, str]) -> list[Verdict]:
         """The trainer's set of ``version``: the verdicts of the workers that were waiting for it (new
         ones only; a resend gives none)."""
-        v, d = self._version(run_id, version), digest(fingerprints)
+        v, d = self._slot(run_id, version), digest(fingerprints)
         if v.trainer is not None:
             return []  # a resend (``check`` refused another set)
         v.trainer, v.trainer_digest = fingerprints, d
@@ -147,7 +147,7 @@ class WeightSyncs:
                 fingerprints: dict[str, str]) -> tuple[Verdict | None, bool]:
         """A worker's set of ``version``: (its verdict or None while the trainer's is not there, whether
         the verdict is new, i.e. to be counted: a resend of the same set is not)."""
-        v, d = self._version(run_id, version), digest(fingerprints)
+        v, d = self._slot(run_id, version), digest(fingerprints)
         if v.trainer is None:
             v.waiting[worker] = fingerprints  # ``check`` bounded them
             return None, False

@@ -149,3 +149,13 @@ def test_publish_weights_warns_and_carries_on_when_the_collector_is_unreachable(
             fps = mon.publish_weights(3)
     assert fps == nanwatch.fingerprint(net)
     assert any("weight version 3 not posted" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_cuda_and_cpu_give_the_same_value(dtype):
+    """Not run here (no GPU lent to this work): the same bits on CUDA and CPU, a value each."""
+    t = (torch.randn(3 * BLOCK + 11, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
+    sd = {"t": t, "small": t[:7].clone(), "matrix": t[: 64 * 33].reshape(64, 33).clone()}
+    assert fingerprint({k: v.cuda() for k, v in sd.items()}) == fingerprint(sd)

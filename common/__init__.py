@@ -1,6 +1,7 @@
 """nanwatch: numerical-health monitoring for PyTorch training.
 
-``nanwatch.attach`` is the trainer-side entry point; it is imported lazily so that the collector, which
+``nanwatch.attach`` is the trainer-side entry point, and ``nanwatch.fingerprint`` the weight fingerprint
+(``nanwatch.hooks.measure.weight_fingerprint``); both are imported lazily so that the collector, which
 imports ``nanwatch.wire``, never pulls in torch. Importing the package installs only the finder that keeps
 old module paths working (``nanwatch._aliases``, standard library alone).
 """
@@ -11,18 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from nanwatch._aliases import install as _install_aliases
 
-__all__ = ["attach", "__version__"]
+__all__ = ["attach", "fingerprint", "__version__"]
 __version__ = "0.1.0"
 
 _install_aliases()
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nanwatch.hooks import attach
+    from nanwatch.hooks import attach, fingerprint
 
 
 def __getattr__(name: str) -> Any:
-    if name == "attach":
-        from nanwatch.hooks import attach
+    if name in ("attach", "fingerprint"):
+        import nanwatch.hooks
 
-        return attach
+        return getattr(nanwatch.hooks, name)
     raise AttributeError(f"module 'nanwatch' has no attribute {name!r}")

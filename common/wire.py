@@ -47,6 +47,8 @@ __all__ = [
     "SiteStat",
     "Stage",
     "StepReport",
+    "MAX_WEIGHT_TENSORS",
+    "WeightFingerprints",
     "dtype_name",
     "is_half",
     "schema_major",
@@ -472,3 +474,25 @@ class Directive(_Wire):
     reason: ShortText = ""
     set_by: ShortText = ""
     created_at: float = 0.0
+
+
+#: A weight fingerprint (``nanwatch.fingerprint``): two 64-bit lanes, 32 lowercase hex digits.
+WEIGHT_FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
+#: The most tensors one side's weight fingerprints may name (a 671B MoE has ~92k; split a larger set by
+#: prefix into several workers' posts, or raise it here and on the collector together).
+MAX_WEIGHT_TENSORS = 131_072
+#: A tensor's name in a state dict: printable, bounded.
+TensorName = Annotated[str, StringConstraints(min_length=1, max_length=512,
+                                              pattern=rf"^[^\x00-\x1f\x7f{_INVISIBLE}]+$")]
+
+
+class WeightFingerprints(_Wire):
+    """One side's weight fingerprints of one weight version (``PUT /v1/runs/{run_id}/weights/{version}``):
+    the trainer's (what it published) or a rollout worker's (what it loaded). The collector compares each
+    rollout worker's set with the trainer's of the same version."""
+
+    side: Literal["trainer", "rollout"]
+    worker: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)] = Field(
+        "0", description="which rollout worker (its rank, host or name); the trainer's is ignored")
+    fingerprints: dict[TensorName, Annotated[str, StringConstraints(pattern=WEIGHT_FINGERPRINT_PATTERN)]] = Field(
+        max_length=MAX_WEIGHT_TENSORS, description="tensor name -> its weight fingerprint")

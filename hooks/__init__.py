@@ -14,16 +14,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Monitor", "MonitorConfig", "attach", "rollout_logprobs"]
+__all__ = ["Monitor", "MonitorConfig", "attach", "fingerprint", "rollout_logprobs"]
 
 #: public name -> the module that defines it
 _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
-          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated"}
+          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated",
+          "fingerprint": "nanwatch.hooks.measure.weight_fingerprint"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
     from nanwatch.hooks.measure.generated import rollout_logprobs
+    from nanwatch.hooks.measure.weight_fingerprint import fingerprint
 
 
 def __getattr__(name: str) -> Any:

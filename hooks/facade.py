@@ -11,10 +11,8 @@ import contextlib
 import operator
 import sys
 import uuid
-import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -22,7 +20,7 @@ import torch
 
 from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directives.agreement import rank_and_world
-from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.directives.directive_state import DirectiveState, OldDirectivesName
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.eval_windows import EvalWindows, check_step, window
 from nanwatch.hooks.instrument.install import device_of, install, probes_for, user_model
@@ -33,7 +31,8 @@ from nanwatch.hooks.measure.rlhf import rlhf_probe
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.flow import ReportFlow
-from nanwatch.hooks.report.handover import StepHandover, connect
+from nanwatch.hooks.report.handover import CloseTimeout, StepHandover, connect
+from nanwatch.hooks.report.weight_publish import publish_weights
 from nanwatch.wire import StepReport
 
 __all__ = ["Monitor", "attach"]
@@ -53,17 +52,7 @@ def _close_at_exit() -> None:
             mon.close()
 
 
-@dataclass(slots=True)
-class _Timeout:
-    """The timeout ``close()`` was given, for the parts the ExitStack closes with it."""
-
-    seconds: float = 10.0
-
-    def call(self, close: Callable[[float], None]) -> None:
-        close(self.seconds)
-
-
-class Monitor:
+class Monitor(OldDirectivesName):
     """Numerical-health probes on one model. Registers hooks on ``__enter__`` (or ``attach``), removes
     every one of them on ``__exit__``/``close``, leaving the model exactly as it was.
 
@@ -111,16 +100,9 @@ class Monitor:
         self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window)
         # closed in reverse order: (pushed at attach) the remedies' hooks, every probe and patch, the final
         # report; then the reporter and its sender, then the capsules still being written
-        self._stack, self._timeout = contextlib.ExitStack(), _Timeout()
+        self._stack, self._timeout = contextlib.ExitStack(), CloseTimeout()
         self._stack.callback(self._timeout.call, self._remedies.join)
         self._stack.callback(self._timeout.call, self._flow.close)
-
-    @property
-    def directives(self) -> DirectiveState:
-        """Deprecated name of :attr:`directive_state`."""
-        warnings.warn("Monitor.directives is deprecated: use Monitor.directive_state", DeprecationWarning,
-                      stacklevel=2)
-        return self.directive_state
 
     # ---- attach / detach -------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -271,6 +253,15 @@ class Monitor:
         if self._active and not torch.compiler.is_compiling():
             contained(watch_site, self._probes, name, kind, tensor, self._warn_once)
         return tensor
+
+    def publish_weights(self, version: int, weights: torch.nn.Module | Mapping[str, Any] | None = None, *,
+                        gather: bool = False) -> dict[str, str] | None:
+        """Post the weight fingerprints (``nanwatch.fingerprint``) of weight ``version`` as the trainer's, for
+        the collector to compare with each rollout worker's; ``weights``: a module or state dict (default:
+        the monitored model). One host read; a failure only warns. Under FSDP2 pass ``gather=True`` on
+        every rank (a collective); else rank 0 posts. Returns the fingerprints (None if none were made)."""
+        return publish_weights(self.config, self._model() if weights is None else weights, version, rank=self.rank,
+                               warn=self._warn_once, gather=gather)
 
     def rlhf(self, *, logprobs: torch.Tensor, mask: torch.Tensor | None = None, clip_eps: float = 0.2,
              kl_optimised: str | None = None, rollout_cap: float | None = None, **tensors: Any) -> None:

@@ -33,7 +33,7 @@ from nanwatch.monitor.web.deps import ReaderToken, Resources
 from nanwatch.monitor.web.exception_handlers import install_exception_handlers
 from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
-from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs
+from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
 from nanwatch.monitor.write.ledger import Ledger
 
 __all__ = ["create_app"]
@@ -128,7 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   redoc_url=None, description="Numerical-health reports in, Prometheus metrics and directives out.")
     app.state.settings = settings
     app.state.resources = None
-    for module in (reports, directives, runs, metrics, health):
+    for module in (reports, directives, runs, weights, metrics, health):
         app.include_router(module.router)
     if settings.docs:
         app.include_router(_docs_router(app.title))
@@ -140,5 +140,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # appear in Host, so a web page cannot reach it through DNS rebinding (its Host is its own name).
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "::1", "[::1]"])
     install_exception_handlers(app)
-    document_models(app, reports.SCHEMA_MODELS + directives.SCHEMA_MODELS)
+    document_models(app, reports.SCHEMA_MODELS + directives.SCHEMA_MODELS + weights.SCHEMA_MODELS)
     return app

@@ -163,6 +163,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
     "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
                                          "nanwatch.run_status"),
+               ("nanwatch.weight_sync",),
                ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
 }
 

@@ -258,3 +258,14 @@ def test_rollout_mode_refuses_what_it_cannot_measure(capsys, argv):
 
     assert main(["rollout", *argv]) == 2
     assert "nanwatch bench rollout:" in capsys.readouterr().out
+def test_fingerprint_mode_times_the_weight_fingerprint_against_adamw(capsys, tmp_path):
+    from nanwatch.bench import main
+
+    out = tmp_path / "fingerprint.json"
+    assert main(["fingerprint", "--params", "2e5", "--hidden", "64", "--rounds", "2", "--warmup", "0",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["params"] > 1e5 and result["tensors"] >= 10
+    assert {"fingerprint_s", "adamw_s", "adamw_fused_s", "ratio_to_adamw", "ratio_to_adamw_fused"} <= set(result)
+    assert "fingerprint / adamw" in capsys.readouterr().out
+    assert main(["fingerprint", "--rounds", "0"]) == 2

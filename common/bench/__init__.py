@@ -12,7 +12,9 @@
 * ``nanwatch bench optimizer [options]``: what guarding a non-fused optimizer (one host read per step) and
   checking its update (one ``_foreach_norm``) cost a step, side by side (:mod:`nanwatch.bench.optimizer`);
 * ``nanwatch bench rollout [options]``: what ``Monitor.rlhf()`` costs a GRPO-shaped step, with and without
-  the rollout comparison, side by side (:mod:`nanwatch.bench.rlhf_cost`).
+  the rollout comparison, side by side (:mod:`nanwatch.bench.rlhf_cost`);
+* ``nanwatch bench fingerprint [options]``: the weight fingerprint of a model-sized set of tensors, as a
+  ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -47,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import optimizer
 
         return optimizer.main(argv[1:])
+    if argv[:1] == ["fingerprint"]:
+        from nanwatch.bench import fingerprint_cost
+
+        return fingerprint_cost.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

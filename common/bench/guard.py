@@ -83,6 +83,7 @@ def _worker(rank: int, world: int, port: int, device: str, rounds: int, warmup: 
         sync()
         if i >= 50:
             alone.append(time.perf_counter() - t0)
+    dist.barrier()  # no rank tears the group down while a peer's last reduction is still in flight (SIGABRT)
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({**times, "alone": alone}))
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
@@ -25,9 +27,19 @@ from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.hooks.report.build import StepContext
 from nanwatch.hooks.report.flow import ReportFlow
 
-__all__ = ["StepHandover", "connect"]
+__all__ = ["CloseTimeout", "StepHandover", "connect"]
 
 log = logging.getLogger("nanwatch")
+
+
+@dataclass(slots=True)
+class CloseTimeout:
+    """The timeout ``Monitor.close()`` was given, for the parts its ExitStack closes with it."""
+
+    seconds: float = 10.0
+
+    def call(self, close: Callable[[float], None]) -> None:
+        close(self.seconds)
 
 
 class StepHandover:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["ENDED_FAMILY", "FAMILIES", "INCIDENT", "JOB_SKIPPED", "LOSS_SCALE_OVERFLOW", "NONFINITE",
            "NOT_REPRODUCIBLE", "ROLLOUT_EVENT", "ROLLOUT_NONFINITE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED",
-           "UNMEASURED", "CounterFamily",
-           "RequestCounters"]
+           "UNMEASURED", "WEIGHT_SYNC_MISMATCHES", "WEIGHT_SYNCS_VERIFIED", "CounterFamily", "RequestCounters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +84,15 @@ NOT_REPRODUCIBLE = CounterFamily(
     "Incidents the trainer's differential re-run could not reproduce (class not_reproducible), by the "
     "host that saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own "
     "re-run does not is the silent-data-corruption signal: sum by (host) over runs.")
+WEIGHT_SYNCS_VERIFIED = CounterFamily(
+    "weight_sync_verified", "nanwatch_weight_syncs_verified_total", (),
+    "Weight syncs verified: a rollout worker's weight fingerprints of a weight version equal the trainer's "
+    "(one per worker and version; PUT /v1/runs/{run_id}/weights/{version}).")
+WEIGHT_SYNC_MISMATCHES = CounterFamily(
+    "weight_sync_mismatch", "nanwatch_weight_sync_mismatches_total", (),
+    "Weight syncs that failed verification: a rollout worker's weight fingerprints of a weight version "
+    "differ from the trainer's (a tensor differs, is missing or is extra); each is a weight_sync_mismatch "
+    "event naming the version, the worker and the first differing tensors.")
 
 ROLLOUT_NONFINITE = CounterFamily(
     "rollout_nonfinite", "nanwatch_rollout_nonfinite_values_total", (),
@@ -102,7 +110,7 @@ ROLLOUT_EVENT = CounterFamily(
 #: every counter family, by its stored key
 FAMILIES: dict[str, CounterFamily] = {f.key: f for f in (
     NONFINITE, SITE, SDPA, SKIPPED, JOB_SKIPPED, INCIDENT, UNMEASURED, RUN_NONFINITE, LOSS_SCALE_OVERFLOW,
-    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT)}
+    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES)}
 
 #: a row of the counters table that is no counter: whether the run ended normally (1) or not (0). Rendered
 #: as the gauge ``nanwatch_run_ended`` from ``RunState.ended``, not from the row

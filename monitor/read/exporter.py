@@ -205,7 +205,8 @@ class _Families(dict):
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
 _AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
     counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
-    counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT)}
+    counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT, counters.WEIGHT_SYNCS_VERIFIED,
+    counters.WEIGHT_SYNC_MISMATCHES)}
 
 
 def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:

@@ -1,7 +1,7 @@
 """``IngressGate``: cheap refusals before a request reaches a route, and the body read under limits.
 
-* 401/403 for a body route (POST /v1/reports: an ingest token; PUT /v1/directives/{run_id}: an admin
-  token) whose bearer token is missing or not of its role, before a single body byte is read: a client
+* 401/403 for a body route (POST /v1/reports, PUT /v1/runs/{run_id}/weights/{version}: an ingest
+  token; PUT /v1/directives/{run_id}: an admin token) whose bearer token is missing or not of its role, before a single body byte is read: a client
   without a token holds no buffer, whatever it sends. (The routes check the token again, through
   ``nanwatch.monitor.web.deps``; this check only decides whether the body is worth reading.)
 * 413 when Content-Length is over the limit; a body without one (chunked) is counted and cut off at it,
@@ -35,8 +35,10 @@ __all__ = ["IngressGate"]
 
 
 def _body_role(method: str, path: str) -> Role | None:
-    """The role a route with a JSON body needs (POST /v1/reports, PUT /v1/directives/{run_id}), else None."""
-    if (method, path) == ("POST", "/v1/reports"):
+    """The role a route with a JSON body needs (POST /v1/reports, PUT /v1/runs/{run_id}/weights/{version}:
+    ingest; PUT /v1/directives/{run_id}: admin), else None."""
+    if (method, path) == ("POST", "/v1/reports") or (method == "PUT" and path.startswith("/v1/runs/")
+                                                     and "/weights/" in path):
         return "ingest"
     if method == "PUT" and path.startswith("/v1/directives/"):
         return "admin"

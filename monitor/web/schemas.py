@@ -19,7 +19,8 @@ from nanwatch.monitor.model.store import EventRow
 from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
-           "RankView", "RlhfView", "RolloutView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem", "ApiJSON"]
+           "RankView", "RlhfView", "RolloutView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem",
+           "WeightSyncResult", "WeightVerdict", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -216,6 +217,29 @@ class RunDetail(RunSummary):
     sdpa: list[SdpaView]
     event_counts: dict[str, int]
     events: list[EventView]
+
+
+class WeightVerdict(_Out):
+    """One rollout worker's weight fingerprints of a version against the trainer's."""
+
+    worker: str
+    verified: bool = Field(description="every tensor's fingerprint equals the trainer's, none missing or extra")
+    differing: list[str] = Field(description="the first tensors whose fingerprints differ, sorted")
+    differing_count: int
+    missing: list[str] = Field(description="the first tensors the trainer has and the worker not, sorted")
+    missing_count: int
+    extra: list[str] = Field(description="the first tensors the worker has and the trainer not, sorted")
+    extra_count: int
+
+
+class WeightSyncResult(_Out):
+    """What a weight-fingerprint set was compared with: nothing yet (the other side has not posted), one
+    worker's verdict (a rollout set), or the verdicts of the workers that were waiting (the trainer's)."""
+
+    version: int
+    side: Literal["trainer", "rollout"]
+    worker: str
+    compared: list[WeightVerdict]
 
 
 class ApiJSON(JSONResponse):

@@ -39,6 +39,7 @@ from nanwatch.monitor.model.memory import MemoryBudget
 from nanwatch.monitor.model.refusal import CapReached, Refused, StoreUnavailable, Unstorable
 from nanwatch.monitor.model.state import Applied, CollectorState
 from nanwatch.monitor.model.store import DELETE_BATCH, EventRow, Store
+from nanwatch.monitor.model.weight_syncs import WeightSyncs
 from nanwatch.monitor.write.fold import Changes, Ingested, fold
 from nanwatch.monitor.write.rules import Intents, Issue, RuleEngine
 from nanwatch.policy import Rule
@@ -110,6 +111,8 @@ class Ledger:
         self._unsynced_marks: set[tuple[str, int, str]] = set()
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
+        #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
+        self.weight_syncs = WeightSyncs()
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 
@@ -127,7 +130,7 @@ class Ledger:
             return self._fold(batch)
 
         # above the memory limit, existing series keep moving; new ones are dropped and counted
-        done = self._atomically(runs, marks,
+        done = self.atomically(runs, marks,
                                 (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
         self.state.requests.applied(done.accepted, done.duplicates)
         return done
@@ -135,7 +138,7 @@ class Ledger:
     def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
         """A new version, all or nothing: a poller never sees a version the store does not hold."""
         self._check_caps(set(), {run_id})
-        return self._atomically({run_id}, set(), lambda: self.issue_directive(run_id, spec, actor=actor))
+        return self.atomically({run_id}, set(), lambda: self.issue_directive(run_id, spec, actor=actor))
 
     def clear_directive(self, run_id: str, *, actor: str) -> Directive:
         """Back to the model's own attention path: a new version with mode ``none``."""
@@ -180,6 +183,7 @@ class Ledger:
                     with self.store.transaction():
                         self.store.delete_runs(group)
                     self.state.forget(group)  # one pass over memory's marks per group, not per run
+                    self.weight_syncs.forget(group)
                     self.directive_log.forget(group)
                     self._forgetting.difference_update(group)
                     gone, group, rows = gone + len(group), [], 0
@@ -308,7 +312,7 @@ class Ledger:
             self.store.delete_hwm(stale)
             self.state.forget_incarnations(stale)
 
-        self._atomically({run_id for run_id, _, _ in stale}, set(), forget)
+        self.atomically({run_id for run_id, _, _ in stale}, set(), forget)
         log.info("nanwatch collector: forgot %d high-water marks of incarnations no longer live, to make room "
                  "under NANWATCH_MAX_INCARNATIONS_PER_RUN", len(stale))
 
@@ -344,9 +348,10 @@ class Ledger:
             if sum(state.runs[r].series_dropped for r in runs if r in state.runs) > dropped:
                 state.caps_hit["memory"] += 1
 
-    def _atomically(self, runs: set[str], marks: set[tuple[str, int, str]], write: Callable[[], T]) -> T:
-        """``write()`` in one transaction; ``runs``: the runs it may change, ``marks``: the high-water marks
-        it may add (a report's own: what a repair takes out of memory without walking every mark)."""
+    def atomically(self, runs: set[str], marks: set[tuple[str, int, str]], write: Callable[[], T]) -> T:
+        """``write()`` in one transaction (the ledger's writes, and ``write.weight_compare``'s); ``runs``: the
+        runs it may change, ``marks``: the high-water marks it may add (a report's own: what a repair takes
+        out of memory without walking every mark)."""
         if not self.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was applied, retry")

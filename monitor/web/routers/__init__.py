@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["directives", "health", "metrics", "reports", "runs"]
+__all__ = ["directives", "health", "metrics", "reports", "runs", "weights"]
 
 
 def __getattr__(name: str) -> ModuleType:

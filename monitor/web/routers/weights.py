@@ -1,0 +1,48 @@
+"""``PUT /v1/runs/{run_id}/weights/{version}``: one side's weight fingerprints of a weight version, compared
+with the other side's (``nanwatch.monitor.write.weight_compare``; docs/weight_sync.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+
+from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.web.body import parse_strict
+from nanwatch.monitor.web.deps import IngestToken, ResourcesDep, RunIdPath
+from nanwatch.monitor.web.routers._problems import AUTH, BODY, INVALID, NOT_READY
+from nanwatch.monitor.web.schemas import ApiJSON, Problem, WeightSyncResult
+from nanwatch.monitor.write.weight_compare import apply_weights
+from nanwatch.wire import MAX_INT, WeightFingerprints
+
+router = APIRouter(tags=["weights"])
+
+_BODY = {"required": True,
+         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WeightFingerprints"}}}}
+#: models the body references, added to the OpenAPI components by create_app
+SCHEMA_MODELS = (WeightFingerprints,)
+
+
+@router.put(
+    "/v1/runs/{run_id}/weights/{version}", response_model=WeightSyncResult, response_class=ApiJSON,
+    openapi_extra={"requestBody": _BODY},
+    responses={400: {"model": Problem, "description": "malformed JSON"}, **BODY,
+               409: {"model": Problem, "description": "the version already has another trainer set"},
+               429: {"model": Problem, "description": "a cap was reached (runs, memory, a version's waiting "
+                     "rollout sets)"},
+               **AUTH, 403: {"model": Problem, "description": "a valid token of the wrong kind, or a run outside "
+                             "the token's namespace (nothing was applied)"},
+               **INVALID, **NOT_READY},
+)
+async def put_weights(run_id: RunIdPath, version: Annotated[int, Path(ge=0, le=MAX_INT)], request: Request,
+                      res: ResourcesDep, token: IngestToken) -> ApiJSON:
+    """Record the trainer's or a rollout worker's weight fingerprints of weight ``version`` and compare them
+    with the other side's, when it is there: each rollout worker's set is compared with the trainer's; equal
+    counts ``nanwatch_weight_syncs_verified_total``, different counts ``nanwatch_weight_sync_mismatches_total``
+    and logs a ``weight_sync_mismatch`` event (version, worker, first differing tensors). A resend of the same
+    set is answered again and counted once. An ingest token writes its namespace's runs only (403)."""
+    if not token.owns(run_id):
+        raise Refused(f"token {token.name!r} owns the runs matching {token.runs!r}, not {run_id!r}: nothing was "
+                      "applied", status=403, reason="foreign_run")
+    body = parse_strict(WeightFingerprints, await request.body())
+    return ApiJSON(WeightSyncResult.model_validate(apply_weights(res.ledger, run_id, version, body)))

@@ -5,10 +5,13 @@ Nothing in the product imports this module, and it is not in the wheel."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
+import math
 import os
 import shutil
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,14 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import nanwatch
 from nanwatch.bench.load import synthetic_report as step_report
 from nanwatch.bench.serve import CollectorProcess as _CollectorProcess
 from nanwatch.bench.serve import free_port
 from nanwatch.bench.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
-__all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "TinyNet",
+__all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "RolloutEngine", "TinyNet",
            "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
-           "overflow_attention", "step_reports", "tiny_tokenizer", "token_ids"]
+           "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -243,3 +247,57 @@ def failing(obj, method: str, exc: Exception):
         yield
     finally:
         setattr(obj, method, real)
+
+
+def rollout_policy(seed: int = 0) -> torch.nn.Module:
+    """A tiny Qwen3 policy for the rollout tests (fp32, its own lm_head)."""
+    model = tiny_qwen3("sdpa", seed=seed, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked next-token distributions, as a trained model's are
+    return model
+
+
+class RolloutEngine:
+    """The rollout side of an RLHF loop: its own copy of the policy, on its own thread, sampling ``BATCH``
+    completions of ``NEW`` tokens with ``generate(output_scores=True)`` and returning their logprobs
+    (``nanwatch.hooks.rollout_logprobs``). ``dtype`` and ``lowered`` (module names) set its precision;
+    ``temperature`` is applied by its sampler only; ``nan_at``: a step whose logprobs get one NaN."""
+
+    PROMPT, NEW, BATCH = 4, 4, 4
+
+    def __init__(self, policy: torch.nn.Module, *, dtype: torch.dtype | None = None, lowered: tuple[str, ...] = (),
+                 temperature: float = 1.0) -> None:
+        self.model = copy.deepcopy(policy).eval()
+        if dtype is not None:
+            self.model.to(dtype)
+        for name in lowered:
+            module = self.model.get_submodule(name).to(torch.bfloat16)
+            module.register_forward_pre_hook(lambda m, a: tuple(x.to(torch.bfloat16) for x in a))
+            module.register_forward_hook(lambda m, a, out: out.float())
+        self.temperature = temperature
+        self.nan_at: int | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """A weight sync: the trainer's weights, cast to the engine's dtypes."""
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        self._thread.submit(self.model.load_state_dict, state).result()
+
+    def sample(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._thread.submit(self._sample, step).result()
+
+    @torch.no_grad()
+    def _sample(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + step)
+        prompts = torch.randint(1, self.model.config.vocab_size, (self.BATCH, self.PROMPT), generator=g)
+        torch.manual_seed(step)
+        out = self.model.generate(prompts, do_sample=True, max_new_tokens=self.NEW, temperature=self.temperature,
+                                  top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
+                                  pad_token_id=0, eos_token_id=None)
+        logprobs = nanwatch.hooks.rollout_logprobs(out).processed  # of the distribution the sampler drew from
+        if step == self.nan_at:
+            logprobs[1, 2] = math.nan  # a sampler NaN: TRL PR #6693 would neutralise it
+        return out.sequences, logprobs
+
+    def close(self) -> None:
+        self._thread.shutdown()

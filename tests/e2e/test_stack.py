@@ -11,7 +11,10 @@ shortened), and three tiny training runs:
   math-fallback ticket's inputs (the calls, and the site and rank that ran them) reach Prometheus (it fires
   after 10 sustained minutes, which promtool's tests cover);
 * ``e2e-healthy``: fp32, fused attention: it pages nobody;
-* ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens.
+* ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens;
+* ``e2e-rollout``: a tiny Qwen3 trained in fp32 on the samples of a copy generating on its own thread (#28);
+  the trainer publishes each weight version and the copy posts its weight fingerprints; from step 4 the copy
+  is no longer synced (a jump, a sync mismatch) and at step 6 its sampler returns a NaN: three pages.
 
 Only the receivers' URLs and the group timings differ from the shipped Alertmanager config; Prometheus
 loads the shipped rule file as it is.
@@ -35,16 +38,27 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import CollectorProcess, free_port, load_script, require_tool, tiny_qwen3, token_ids
+from support import (
+    CollectorProcess,
+    RolloutEngine,
+    free_port,
+    load_script,
+    require_tool,
+    rollout_policy,
+    tiny_qwen3,
+    token_ids,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
+from nanwatch.weight_sync import post_weights
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 NAN_PAGE_WITHIN_S = 30  # from the NaN step's report to the page at the webhook (scrape 1s, eval 1s, group 1s)
+ROLLOUT_PAGES_WITHIN_S = 60  # from the sampler NaN's report to each of the rollout run's three pages
 MATH_INPUTS_WITHIN_S = 60  # the math ticket's inputs are in Prometheus within this (it fires 10 minutes on)
 
 
@@ -175,7 +189,8 @@ def _train(collector: str) -> dict:
                         out = model(input_ids=ids, labels=ids)
                     lp = torch.log_softmax(out.logits.float(), -1)[..., :-1, :].gather(-1, ids[:, 1:, None])[..., 0]
                     mon.rlhf(logprobs=lp, old_logprobs=lp.detach() * 1.01, ref_logprobs=lp.detach() * 0.99,
-                             advantages=torch.randn(ids.shape[0]), mask=torch.ones_like(lp, dtype=torch.bool))
+                             advantages=torch.randn(ids.shape[0]), mask=torch.ones_like(lp, dtype=torch.bool),
+                             rollout_logprobs=lp.detach() * 1.001)  # the rollout panels have data too
                     out.loss.backward()
                     opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -202,6 +217,7 @@ def _train(collector: str) -> dict:
                     model(input_ids=ids, labels=ids).loss.backward()
                 assert mon.last_report().first_offender is None
         _train_amp(collector, marks)
+        _train_rollout(collector, marks)
     return marks
 
 
@@ -230,6 +246,38 @@ def _train_amp(collector: str, marks: dict) -> None:
             marks["amp_reports"].append(mon.last_report())
             time.sleep(0.5)
     marks["amp_reported"] = time.monotonic()
+
+
+def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: int = 6, steps: int = 24) -> None:
+    """e2e-rollout (#28): a GRPO-shaped loop; the rollout copy is synced (and posts its weight fingerprints
+    of each version) until ``stale_from``, then keeps its old weights; its sampler returns a NaN at ``nan_at``.
+    The steps go on for a few seconds after, so that Prometheus sees the run live when it pages."""
+    policy = rollout_policy()
+    engine = RolloutEngine(policy)
+    engine.nan_at = nan_at
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    new = RolloutEngine.NEW
+    marks["rollout_events"] = []
+    with nanwatch.attach(policy, run_id="e2e-rollout", collector=collector, optimizer=opt) as mon:
+        for n in range(steps):
+            if n < stale_from:
+                engine.sync(policy)
+            mon.publish_weights(n)
+            post_weights(collector, "e2e-rollout", n, nanwatch.fingerprint(engine.model), worker="rollout-0")
+            sequences, rollout = engine.sample(n)
+            with mon.step(n):
+                logits = policy(sequences).logits[:, -new - 1:-1].float()
+                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -new:, None]).squeeze(-1)
+                advantages = torch.randn(sequences.shape[0], generator=torch.Generator().manual_seed(n))
+                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
+                (-(advantages[:, None] * logprobs).mean()).backward()
+                opt.step()
+                opt.zero_grad()
+            marks["rollout_events"] += [(n, e.cause) for e in mon.last_report().rollout_events]
+            if n == nan_at:
+                marks["rollout_reported"] = time.monotonic()
+            time.sleep(0.4)
+    engine.close()
 
 
 def _wait_for(condition, within_s: float, what: str):
@@ -282,6 +330,19 @@ def test_math_fallback_in_half_precision_feeds_its_ticket_with_the_site(stack):
     calls, info = _wait_for(inputs, MATH_INPUTS_WITHIN_S - (time.monotonic() - start), "the math ticket's inputs")
     assert {c["metric"]["dtype"] for c in calls} == {"bfloat16"}
     assert {(i["metric"]["site"].startswith("model.layers."), i["metric"]["rank"]) for i in info} == {(True, "0")}
+
+
+@pytest.mark.parametrize(("alertname", "figure"), [
+    ("NanwatchRolloutMismatchJump", "mean |dlogp| is now"), ("NanwatchWeightSyncMismatch", "differ"),
+    ("NanwatchSamplerNonfinite", "non-finite")])
+def test_a_rollout_that_stops_syncing_pages_with_the_run_and_the_figure(stack, alertname, figure):
+    assert stack["runs"]["rollout_events"][0] == (4, "jump")  # what the trainer classified, first
+    start = stack["runs"]["rollout_reported"]
+    pages = _wait_for(_pages(stack["webhook"], alertname, "e2e-rollout"), ROLLOUT_PAGES_WITHIN_S
+                      - (time.monotonic() - start), alertname)
+    (alert, *_) = pages
+    assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
+    assert "e2e-rollout" in alert["annotations"]["description"] and figure in alert["annotations"]["description"]
 
 
 def test_a_healthy_run_pages_nobody(stack):

@@ -33,7 +33,8 @@ def test_a_monitored_step_makes_zero_host_syncs(dtype):
                 try:
                     with mon.step(n):
                         y = mon.watch("block.out", model(x))
-                        mon.rlhf(logprobs=lp, old_logprobs=lp * 0.9, ref_logprobs=lp * 1.1, mask=mask)
+                        mon.rlhf(logprobs=lp, old_logprobs=lp * 0.9, ref_logprobs=lp * 1.1, mask=mask,
+                                 rollout_logprobs=lp * 1.05)  # the rollout comparison: device ops only too
                         y.float().square().mean().backward()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
@@ -43,7 +44,7 @@ def test_a_monitored_step_makes_zero_host_syncs(dtype):
     assert all(c.confirmed for c in r.sdpa)
     assert len(r.logits) == 2 and all(lg.source == "lse" and len(lg.per_head) == 4 for lg in r.logits)
     assert {(s.site, s.phase) for s in r.sites} >= {("0", "forward"), ("1", "backward"), ("block.out", "forward")}
-    assert r.rlhf is not None and r.rlhf.tokens > 0
+    assert r.rlhf is not None and r.rlhf.tokens > 0 and r.rlhf.rollout.tokens == r.rlhf.tokens
 
 
 @cuda

@@ -58,6 +58,7 @@ def _run(engine: RolloutEngine, policy: torch.nn.Module, steps: int, *, sync_unt
 
 
 def _events(reports) -> list[tuple[int, str]]:
+    assert {r.attention_mode for r in reports} == {"none"}  # no cause of a rollout mismatch is the attention's
     return [(r.step, e.cause) for r in reports for e in r.rollout_events]
 
 

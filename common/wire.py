@@ -38,6 +38,7 @@ __all__ = [
     "MismatchCause",
     "ModuleShare",
     "RlhfStat",
+    "Spike",
     "RolloutAttribution",
     "RolloutEvent",
     "RolloutStat",
@@ -55,12 +56,13 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.8"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.9"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
 #                                        1.7 Incident.capsule (where the incident capsule was written)
 #                                        1.8 rollout mismatch (RlhfStat.rollout, rollout_events, attribution)
+#                                        1.9 replica_divergence incidents (ranks, hosts, params), spikes
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -88,7 +90,8 @@ Unmeasured = Literal["no_forward", "no_attention", "compiled", "no_logits", "no_
 #: finite through forward and backward and the optimizer's update wrote the non-finite ones (e.g. fp16 Adam's
 #: eps underflow): no attention switch helps; ``not_classified`` the rerun could not run soundly
 #: (``Incident.note`` says why).
-IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer", "not_classified"]
+IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer", "replica_divergence",
+                        "not_classified"]
 #: How a rerun path ended: non-finite at the first offender or the output, finite, or not run.
 RerunOutcome = Literal["nonfinite", "finite", "skipped"]
 #: The old name of ``RerunOutcome`` ("replay" now means only replaying a capsule).
@@ -217,6 +220,18 @@ class RlhfStat(_Wire):
         None, description="which of the KL figures the trainer's loss uses, when the integration knows")
     advantage_std: float | None = None
     rollout: RolloutStat | None = Field(None, description="rollout vs trainer logprobs (``rollout_logprobs=``)")
+
+
+class Spike(_Wire):
+    """A site whose value jumped ``factor``× over its running baseline this step, without overflowing: a
+    precursor, not an incident (Megatron's "large grads" and spiky-loss checks, k = 10)."""
+
+    site: SiteName
+    phase: Phase
+    kind: SiteKind
+    value: float = Field(description="this step's amax (a gradient site: its largest |g|; the loss: its value)")
+    baseline: float = Field(description="the site's running baseline (the largest value of its recent steps)")
+    factor: float = Field(description="value / baseline")
 
 
 class RolloutStat(_Wire):
@@ -348,6 +363,17 @@ class Incident(_Wire):
         "`nanwatch replay CAPSULE` reproduces the birth anywhere")
     seconds: float = Field(0.0, description="wall time the rerun took")
     note: ShortText = ""
+    ranks: Annotated[list[Count], Field(max_length=1024, fail_fast=True)] = Field(
+        default_factory=list, description="replica_divergence: the ranks whose parameters disagree with the "
+        "majority of their replicas (with two replicas, both)")
+    hosts: Annotated[list[Annotated[str, StringConstraints(max_length=255)]], Field(max_length=64)] = Field(
+        default_factory=list, description="replica_divergence: the hosts of those ranks")
+    params: Annotated[list[SiteName], Field(max_length=16, fail_fast=True)] = Field(
+        default_factory=list, description="replica_divergence: the first differing parameters (or optimizer "
+        "state entries, named param:state), in the model's order")
+    repaired: bool | None = Field(None, description="replica_divergence: the majority's parameters and optimizer "
+                                  "state were broadcast to the others and the check then passed (False: it did "
+                                  "not, or there is no majority; None: replica_repair off)")
 
 
 def schema_major(version: str) -> int | None:
@@ -380,6 +406,9 @@ class StepReport(_Wire):
     rollout_events: Annotated[list[RolloutEvent], Field(max_length=8, fail_fast=True)] = Field(
         default_factory=list, description="rollout mismatches classified at this step (job or rank report)")
     rollout_attribution: RolloutAttribution | None = None
+    spikes: Annotated[list[Spike], Field(max_length=64, fail_fast=True)] = Field(
+        default_factory=list, description="sites whose value jumped k× over their running baseline this step "
+        "(at most 64, largest factor first)")
     fingerprints: Annotated[list[Fingerprint], Field(max_length=256, fail_fast=True)] = Field(default_factory=list)
     coverage: Coverage | None = Field(None, description="what was measured (None from 1.0 senders)")
     step_skipped: bool | None = Field(
@@ -434,7 +463,8 @@ class StepReport(_Wire):
         if self.ranks_reporting is not None and self.ranks_reporting > self.world_size:
             raise ValueError(f"ranks_reporting {self.ranks_reporting} exceeds world_size {self.world_size}")
         if self.scope == "heartbeat" and (self.sites or self.sdpa or self.logits or self.rlhf or self.fingerprints
-                                          or self.incident or self.rollout_events or self.rollout_attribution):
+                                          or self.incident or self.rollout_events or self.rollout_attribution
+                                          or self.spikes):
             raise ValueError("a heartbeat carries no measurements (sites, sdpa, logits, rlhf, fingerprints, "
                              "incident): send them as a rank, job or detail report")
         return self

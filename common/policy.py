@@ -105,13 +105,14 @@ def precision_helps(r: StepReport) -> bool:
     overflow born in attention or the logits, in training. The birth decides where the report names one (the
     incident's rerun or drill-down); else the step's first offender, which is the birth when no rerun ran
     (attention downstream of an MLP's NaN comes after it, so the MLP is first). Never for a step classified
-    ``data_mask`` or ``not_reproducible``, an optimizer or parameter birth, a non-finite query (born
+    ``data_mask``, ``not_reproducible`` or ``replica_divergence``, an optimizer or parameter birth, a non-finite query (born
     upstream), an eval or generate stage value, or a gradient overflow that dynamic loss scaling handled."""
     if r.stage != "train" or r.scaler_overflow:
         return False
     inc = r.incident
     if inc is not None:
-        if inc.cls in ("data_mask", "not_reproducible", "optimizer") or inc.phase == "optimizer":
+        # a replica divergence is silent data corruption on a host: no attention path cures it
+        if inc.cls in ("data_mask", "not_reproducible", "optimizer", "replica_divergence") or inc.phase == "optimizer":
             return False
         if inc.birth_kind is not None:
             return inc.birth_kind in _PRECISION_KINDS and not (inc.birth or "").endswith(QUERY_SUFFIX)

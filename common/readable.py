@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["attribution", "figure", "file_name", "headroom", "incident", "printable", "replay_command", "rlhf",
-           "rollout", "rollout_event", "visits"]
+           "rollout", "rollout_event", "spikes", "visits"]
 
 
 def figure(x: float | str | None) -> str:
@@ -101,10 +101,28 @@ def replay_command(inc: Mapping[str, Any]) -> str | None:
     return f"nanwatch replay {shlex.quote(printable(capsule))} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
 
 
+def _divergence(inc: Mapping[str, Any]) -> list[str]:
+    """A replica divergence's ranks and hosts, first differing parameters and whether it was repaired."""
+    ranks, hosts, params = inc.get("ranks") or [], inc.get("hosts") or [], inc.get("params") or []
+    parts = [f"rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in ranks) or '?'}"
+             + (f" on {', '.join(printable(h) for h in hosts)}" if hosts else "")
+             + " disagree with their replicas (the replicas now train different models)"]
+    if params:
+        parts.append("first differing " + ", ".join(printable(p) for p in params[:4])
+                     + (f" and {len(params) - 4} more" if len(params) > 4 else ""))
+    repaired = inc.get("repaired")
+    parts.append("repair off (replica_repair=False)" if repaired is None else "repaired from the majority"
+                 if repaired else "not repaired (no majority, or the check failed again)")
+    return parts
+
+
 def incident(inc: Mapping[str, Any]) -> str:
     """An incident (``Incident.model_dump(mode="json")``, or the collector's incident event detail) in one
-    phrase: its class, the birth module and kind, the elements there, parameters found non-finite."""
+    phrase: its class, the birth module and kind, the elements there, parameters found non-finite; a replica
+    divergence's ranks, hosts, first differing parameters and repair."""
     parts = [f"class {inc.get('cls', '?')}"]
+    if inc.get("cls") == "replica_divergence":
+        parts += _divergence(inc)
     birth = inc.get("birth")
     if birth:
         kind = inc.get("birth_kind")
@@ -184,6 +202,16 @@ def rollout_event(ev: Mapping[str, Any]) -> str:
         if ev.get(key):
             parts.append(f"{key}: {ev[key]}" if key == "remedy" else str(ev[key]))
     return "; ".join(parts)
+
+
+def spikes(found: list[Mapping[str, Any]], *, most: int = 3) -> str:
+    """Spikes (``Spike`` as JSON, largest factor first) in one phrase: each site, pass and factor over its
+    baseline, the first ``most`` of them; a precursor, not an incident."""
+    parts = [f"{printable(s.get('site', '?'))} ({s.get('phase', '?')}) {figure(s.get('factor'))}x its baseline "
+             f"({figure(s.get('value'))} vs {figure(s.get('baseline'))})" for s in found[:most]]
+    if len(found) > most:
+        parts.append(f"{len(found) - most} more")
+    return "; ".join(parts) or "-"
 
 
 def attribution(at: Mapping[str, Any]) -> str:

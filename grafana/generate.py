@@ -417,11 +417,25 @@ def guard_panels() -> list[Any]:
         .with_transformation(organize(exclude=["Time", "Value"], order=["class", "host", "rank", "capsule"],
                                       rename={"class": "Class", "host": "Host", "rank": "Rank",
                                               "capsule": "Capsule"})))
+    # both exist only once something happened (#29): "(none)" reads 0, not "No data"
+    spikes = or_none(f"sum by (site_kind) (increase(nanwatch_spikes_total{{{RUN}}}[$__rate_interval]))", "site_kind")
+    divergences = or_none(f'max by (class) (increase(nanwatch_incidents_total{{{RUN}, class="replica_divergence"}}'
+                          "[$__rate_interval]))", "class")
+    precursors = [
+        ts_panel("Spike steps by site kind", "Steps in which a site of a kind jumped k times (spike_factor, 10) "
+                 "over its running baseline without overflowing (backward sites: grad): a precursor, not an "
+                 "incident (NanwatchSpikesSustained above 5 in 15 minutes). `nanwatch status RUN` names the "
+                 "latest sites and factors. \"(none)\": no spike.", query(spikes, "{{site_kind}}"), w=12),
+        ts_panel("Replica divergences", "Replica checks that found data-parallel replicas no longer "
+                 "bit-identical (silent data corruption; NanwatchReplicaDivergence pages). The ranks and hosts "
+                 "are in \"Latest incident by class\" (class replica_divergence). \"(none)\": none.",
+                 query(divergences, "{{class}}"), w=12)]
     return [skipped,
             ts_panel("Incidents by class", "The trainer's verdict on non-finite steps: precision (a fallback "
                      "helps), data_mask, not_reproducible and optimizer (born in the optimizer update; no "
-                     "fallback helps: a person must look), not_classified.", query(incidents, "{{class}}"), w=12),
-            capsules]
+                     "fallback helps: a person must look), not_classified, replica_divergence (replicas that "
+                     "stopped agreeing: never a fallback).", query(incidents, "{{class}}"), w=12),
+            capsules, *precursors]
 
 
 def reporting_panels() -> list[Any]:

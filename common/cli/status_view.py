@@ -112,6 +112,8 @@ class _Run:
         self.ranks: dict[int, dict] = {}  # rank -> view of its latest incarnation
         self.ended: dict[tuple[int, str], float] = {}
         self.rollout_nonfinite = 0.0
+        self.spike_steps: dict[str, set[tuple[str, int]]] = {}  # site kind -> (stage, step): once per step
+        self.latest_spikes: list[dict] = []
 
     def report(self, r: dict) -> None:
         scope, rank, step = r.get("scope", "rank"), int(r.get("rank", 0)), int(r.get("step", 0))
@@ -131,6 +133,8 @@ class _Run:
                 self.first = dict(site=fo, phase=r.get("first_offender_phase"), stage=r.get("first_offender_stage"),
                                   rank=rank if who is None else who, step=step, time=r["time"])
         self._rollout(r, scope, rank, run_level)
+        if run_level and r.get("spikes"):
+            self._spikes(r, rank, step)
         inc = r.get("incident")
         if inc is not None and scope != "detail":
             detail = {k: v for k, v in inc.items() if k not in ("site", "step")}
@@ -175,6 +179,15 @@ class _Run:
             self.events.append(dict(time=r["time"], kind="rollout_attribution", step=r.get("step"), rank=rank,
                                     site=at.get("module"), actor="", detail=at))
 
+    def _spikes(self, r: dict, rank: int, step: int) -> None:
+        """A run-level report's spikes, as the collector counts them (wire 1.9): one per step and site kind
+        (backward sites are ``grad``), and the latest report's spikes."""
+        for s in r["spikes"]:
+            kind = "grad" if s.get("phase") == "backward" else s.get("kind", "tensor")
+            self.spike_steps.setdefault(kind, set()).add((r.get("stage", "train"), step))
+        if not self.latest_spikes or step >= self.latest_spikes[0]["step"]:
+            self.latest_spikes = [dict(s, step=step, rank=rank) for s in r["spikes"][:8]]
+
     def closed(self, rec: dict) -> None:
         self.ended[(int(rec.get("rank", 0)), str(rec.get("incarnation", "")))] = float(rec.get("time", 0.0))
 
@@ -203,7 +216,8 @@ class _Run:
             first_offender=None if self.first is None else {k: v for k, v in self.first.items() if k != "time"},
             ranks=ranks, sdpa=[dict(backend=b, dtype=d, stage=s, calls=n) for (b, d, s), n in sorted(self.sdpa.items())],
             rollout=next((((v.get("rlhf") or {}).get("rollout")) for v in ranks if v["scope"] == "job"), None),
-            rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events)
+            rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events,
+            spikes_total={k: len(v) for k, v in sorted(self.spike_steps.items())}, latest_spikes=self.latest_spikes)
 
 
 def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
@@ -287,6 +301,19 @@ def _rollout_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _spike_lines(r: dict[str, Any]) -> list[str]:
+    """The run's spike steps by site kind and its latest spikes (wire 1.9): precursors, not incidents."""
+    totals, latest = r.get("spikes_total") or {}, r.get("latest_spikes") or []
+    if not totals and not latest:
+        return []
+    out = ["  spike steps (a site over k x its baseline, finite): "
+           + (", ".join(f"{k} {v:g}" for k, v in sorted(totals.items())) or "-")]
+    if latest:
+        out.append(f"  latest spikes at step {latest[0]['step']} on rank {latest[0]['rank']}: "
+                   f"{readable.spikes(latest)}")
+    return out
+
+
 def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
     """The lines of one run's view (from the collector's JSON or from :func:`fold`)."""
     d, fo = r.get("directive") or {}, r.get("first_offender")
@@ -307,6 +334,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
     out += _rollout_lines(r)
+    out += _spike_lines(r)
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
     stages = {"train": 0, "eval": 1, "generate": 2}
     for s in sorted(r.get("sdpa") or [], key=lambda s: (s["backend"], s["dtype"], stages.get(s.get("stage"), 3))):

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["ENDED_FAMILY", "FAMILIES", "INCIDENT", "JOB_SKIPPED", "LOSS_SCALE_OVERFLOW", "NONFINITE",
-           "NOT_REPRODUCIBLE", "ROLLOUT_EVENT", "ROLLOUT_NONFINITE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED",
+           "NOT_REPRODUCIBLE", "ROLLOUT_EVENT", "ROLLOUT_NONFINITE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED", "SPIKE",
            "UNMEASURED", "WEIGHT_SYNC_MISMATCHES", "WEIGHT_SYNCS_VERIFIED", "CounterFamily", "RequestCounters"]
 
 
@@ -61,7 +61,8 @@ INCIDENT = CounterFamily(
     "incident", "nanwatch_incidents_total", ("class",),
     "Non-finite steps classified by the trainer: by its differential re-run (precision, data_mask, "
     "not_reproducible, not_classified), or born in the optimizer update (optimizer), summed over "
-    "ranks.")
+    "ranks; and data-parallel replicas whose parameters stopped agreeing (replica_divergence: silent data "
+    "corruption without a NaN), counted once per step whichever ranks report it.")
 UNMEASURED = CounterFamily(
     "unmeasured", "nanwatch_unmeasured_steps_total", ("reason",),
     "Step reports, summed over ranks, in which part of the step went unmeasured, by reason "
@@ -106,11 +107,17 @@ ROLLOUT_EVENT = CounterFamily(
     "from the wrong version), drift (precision or kernels), offset (sampler semantics: temperature, "
     "top-p/top-k on one side only), outliers (a few sequences far off). Counted from job and rank "
     "reports (each rank's own classification in per-rank mode), never from detail reports.")
+SPIKE = CounterFamily(
+    "spike", "nanwatch_spikes_total", ("site_kind",),
+    "Steps in which at least one site of a kind jumped k times (spike_factor, 10 by default) over its running "
+    "baseline without overflowing (Spike), by site kind (a backward site counts as grad; the loss as loss): a "
+    "precursor, not an incident. Counted once per step and kind whichever ranks report it, from job and rank "
+    "reports, never from detail reports; the sites are in the run's spike events.")
 
 #: every counter family, by its stored key
 FAMILIES: dict[str, CounterFamily] = {f.key: f for f in (
     NONFINITE, SITE, SDPA, SKIPPED, JOB_SKIPPED, INCIDENT, UNMEASURED, RUN_NONFINITE, LOSS_SCALE_OVERFLOW,
-    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES)}
+    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES, SPIKE)}
 
 #: a row of the counters table that is no counter: whether the run ended normally (1) or not (0). Rendered
 #: as the gauge ``nanwatch_run_ended`` from ``RunState.ended``, not from the row

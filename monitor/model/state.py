@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nanwatch.monitor.model.auth import ANY_NAMESPACE
 from nanwatch.monitor.model.counters import (
@@ -27,7 +27,7 @@ from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
-__all__ = ["CRASH_KEY", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
+__all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
            "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "RankState", "RunState", "Silent",
            "crash_key", "world_size"]
 
@@ -115,6 +115,10 @@ class Crash(NamedTuple):
 
 #: steps remembered per run to count a loss-scale overflow once per step, whichever ranks report it
 _OVERFLOW_STEPS = 64
+#: keys ``RunState.count_once`` remembers (a resend is refused by its high-water mark; this dedupes ranks)
+_COUNTED_ONCE = 1_024
+#: the spikes of the latest report kept for ``nanwatch status``
+LATEST_SPIKES = 8
 
 
 class Silent(NamedTuple):
@@ -190,6 +194,11 @@ class RunState:
     latest offenders; ``nanwatch_latest_incident_info``): where its capsule lies, for the dashboard."""
     math_fallback: tuple[str, str, str] | None = None
     """(site, dtype, rank) of the latest training SDPA call that ran on the math backend in half precision."""
+    counted_once: dict[tuple, None] = field(default_factory=dict)
+    """Recent (what, step, ...) keys counted once per step (insertion order, bounded): ``count_once``."""
+    latest_spikes: tuple[int, int, tuple[Any, ...]] | None = None
+    """(step, rank, spikes) of the run's latest run-level report with spikes (wire 1.9 ``Spike``, the first
+    ``LATEST_SPIKES``, largest factor first), in memory: what ``nanwatch status`` shows."""
     overflow_steps: dict[int, None] = field(default_factory=dict)
     """Recent steps whose loss-scale overflow was counted (insertion order, bounded): one count per step."""
     ended_ranks: dict[int, str] = field(default_factory=dict)
@@ -205,6 +214,16 @@ class RunState:
     silent: dict[int, Silent] = field(default_factory=dict)
     """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
     for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""
+
+    def count_once(self, key: tuple) -> bool:
+        """Whether ``key`` (a spike's or a replica divergence's step, and what it is of) is seen for the first
+        time lately: the ranks of one job may each report the same step, which counts once."""
+        if key in self.counted_once:
+            return False
+        self.counted_once[key] = None
+        if len(self.counted_once) > _COUNTED_ONCE:
+            del self.counted_once[next(iter(self.counted_once))]
+        return True
 
     def count_overflow(self, step: int) -> bool:
         """Whether a loss-scale overflow at ``step`` is the step's first (ranks of one job report the same

@@ -206,7 +206,7 @@ class _Families(dict):
 _AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
     counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
     counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT, counters.WEIGHT_SYNCS_VERIFIED,
-    counters.WEIGHT_SYNC_MISMATCHES)}
+    counters.WEIGHT_SYNC_MISMATCHES, counters.SPIKE)}
 
 
 def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:

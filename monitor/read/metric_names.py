@@ -19,7 +19,7 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
            "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
-           "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
+           "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "SPIKES", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
            "WEIGHT_SYNCS_VERIFIED", "WEIGHT_SYNC_MISMATCHES", "family"]
 
 
@@ -115,11 +115,12 @@ RUN_ENDED = MetricSpec(
 # added for the incident capsule (wire 1.7 ``Incident.capsule``; issue #20)
 NOT_REPRODUCIBLE_INCIDENTS = MetricSpec(
     counters.NOT_REPRODUCIBLE.metric, "counter", ("run_id", "namespace", "host"),
-    "Incidents the trainer's differential re-run could not reproduce (class not_reproducible), by the "
-    "run-id namespace of the run (the glob of the scoped token that owns it, * for none) and the host that "
-    "saw them (the hostname of Incident.host, cleaned). A host that computes a NaN its own re-run does not "
-    "is the silent-data-corruption signal: sum by (namespace, host) over runs (one namespace's reports "
-    "never count on another's host). Hosts are capped per run and per namespace (NANWATCH_MAX_HOSTS_*).")
+    "Incidents that point at a host, by the run-id namespace of the run (the glob of the scoped token that "
+    "owns it, * for none) and the host: the trainer's differential re-run could not reproduce them (class "
+    "not_reproducible; the hostname of Incident.host, cleaned), or the host's data-parallel replica disagreed "
+    "with the others (class replica_divergence: one count per host named). A host that computes a NaN its own "
+    "re-run does not, or whose parameters drift from its replicas', is the silent-data-corruption signal: sum "
+    "by (namespace, host) over runs (one namespace's reports never count on another's host). Hosts are capped per run and per namespace (NANWATCH_MAX_HOSTS_*).")
 LATEST_INCIDENT_INFO = MetricSpec(
     "nanwatch_latest_incident_info", "gauge", ("run_id", "class", "host", "rank", "capsule"),
     "The run's latest incident of each class (always 1; one series per run and class): the host and "
@@ -137,6 +138,8 @@ ROLLOUT_NONFINITE_VALUES = _counted(counters.ROLLOUT_NONFINITE)
 ROLLOUT_MISMATCH_EVENTS = _counted(counters.ROLLOUT_EVENT)
 WEIGHT_SYNCS_VERIFIED = _counted(counters.WEIGHT_SYNCS_VERIFIED)
 WEIGHT_SYNC_MISMATCHES = _counted(counters.WEIGHT_SYNC_MISMATCHES)
+# added for spikes (wire 1.9 ``StepReport.spikes``; issue #29)
+SPIKES = _counted(counters.SPIKE)
 REPORTS_ACCEPTED = MetricSpec(
     "nanwatch_collector_reports_accepted_total", "counter", (),
     "Step reports applied to the state.")
@@ -165,6 +168,7 @@ _SPECS = (
     RUN_NONFINITE_VALUES, RUN_WORLD_SIZE, RANK_CRASHED, LATEST_OFFENDER_INFO, MATH_FALLBACK_INFO,
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
+    SPIKES,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT,
 )
 

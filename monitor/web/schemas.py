@@ -165,6 +165,19 @@ class EventView(_View):
     detail: dict[str, Any]
 
 
+class SpikeView(_Out):
+    """One spike of the run's latest report with spikes (wire 1.9 ``Spike``): a precursor, not an incident."""
+
+    step: int
+    rank: int
+    site: str
+    phase: str
+    kind: str
+    value: ApiFloat
+    baseline: ApiFloat
+    factor: ApiFloat
+
+
 class SdpaView(_Out):
     backend: str
     dtype: str
@@ -215,6 +228,10 @@ class RunDetail(RunSummary):
     rollout_nonfinite_total: int = Field(0, description="non-finite values in the rollout's own log-probabilities "
                                          "(inside the mask), summed over steps: nanwatch_rollout_nonfinite_values_total")
     sdpa: list[SdpaView]
+    spikes_total: dict[str, int] = Field(default_factory=dict, description="spike steps by site kind: "
+                                         "nanwatch_spikes_total")
+    latest_spikes: list[SpikeView] = Field(default_factory=list, description="the spikes of the run's latest "
+                                           "report with any (the first few, largest factor first; in memory)")
     event_counts: dict[str, int]
     events: list[EventView]
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.counters import ENDED_FAMILY, CounterFamily
 from nanwatch.monitor.model.state import (
+    LATEST_SPIKES,
     MAX_HEARTBEAT_S,
     MAX_WORLD_SIZE,
     RANK_SERIES,
@@ -337,11 +338,33 @@ def _count_run_level(counts: _Counts, r: StepReport) -> None:
     for reason in r.coverage.unmeasured if r.coverage is not None and r.stage == "train" else ():
         if counts.admit(counters.UNMEASURED, (reason,)):
             counts.add(counters.UNMEASURED, (reason,), 1)
-    if r.incident is not None:
-        if counts.admit(counters.INCIDENT, (r.incident.cls,)):
-            counts.add(counters.INCIDENT, (r.incident.cls,), 1)
+    inc = r.incident
+    # a replica divergence is the job's, found by a collective every rank took part in: once per step
+    if inc is not None and (inc.cls != "replica_divergence" or counts.run.count_once(("replica", inc.step))):
+        if counts.admit(counters.INCIDENT, (inc.cls,)):
+            counts.add(counters.INCIDENT, (inc.cls,), 1)
         _note_incident(counts, r)
     _count_rollout(counts, r)
+    _count_spikes(counts, r)
+
+
+def spike_kind(phase: str, kind: str) -> str:
+    """A spike's ``site_kind`` label: a backward site's is ``grad`` (as the headroom's), else its kind."""
+    return "grad" if phase == "backward" else kind
+
+
+def _count_spikes(counts: _Counts, r: StepReport) -> None:
+    """A step's spikes (wire 1.9): one count per step and site kind, whichever ranks report it (a step in which
+    forty gradient sites jumped is one spike step of kind grad), and the run's latest spikes for ``nanwatch
+    status``. Run-level reports only, as nanwatch_run_nonfinite_values_total: a detail report's are its job's."""
+    if not r.spikes:
+        return
+    run = counts.run
+    for kind in dict.fromkeys(spike_kind(s.phase, s.kind) for s in r.spikes):
+        if run.count_once(("spike", r.stage, r.step, kind)) and counts.admit(counters.SPIKE, (kind,)):
+            counts.add(counters.SPIKE, (kind,), 1)
+    if run.latest_spikes is None or r.step >= run.latest_spikes[0]:
+        run.latest_spikes = (r.step, r.rank, tuple(r.spikes[:LATEST_SPIKES]))
 
 
 def _count_rollout(counts: _Counts, r: StepReport) -> None:
@@ -403,12 +426,23 @@ def _note_incident(counts: _Counts, r: StepReport) -> None:
     silent-data-corruption signal, counted per run and summed over runs by host in the alert)."""
     inc, run = r.incident, counts.run
     host = host_label(inc.host) if inc.host else "unknown"
-    if (inc.cls == "not_reproducible" and counts.admit_host(host)
-            and counts.admit(counters.NOT_REPRODUCIBLE, (host,))):
-        counts.add(counters.NOT_REPRODUCIBLE, (host,), 1)
+    who = str(r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank)
+    named = [host] if inc.cls == "not_reproducible" else []
+    if inc.cls == "replica_divergence":  # the hosts whose replicas disagree, each counted once
+        named = list(dict.fromkeys(host_label(h) for h in inc.hosts))
+        host = _listed(named, 4) or "unknown"
+        who = _listed([str(k) for k in inc.ranks], 8) or who
+    for h in named:
+        if counts.admit_host(h) and counts.admit(counters.NOT_REPRODUCIBLE, (h,)):
+            counts.add(counters.NOT_REPRODUCIBLE, (h,), 1)
     if run.admit(("latest_incident", inc.cls), 1, counts.cap):
-        who = r.first_offender_rank if r.scope == "job" and r.first_offender_rank is not None else r.rank
-        run.latest_incidents[inc.cls] = (host, str(who), printable(inc.capsule or ""))
+        run.latest_incidents[inc.cls] = (host, who, printable(inc.capsule or ""))
+
+
+def _listed(names: list[str], most: int) -> str:
+    """The first ``most`` names, comma-separated, and how many more (an info label stays short)."""
+    more = len(names) - most
+    return ",".join(names[:most]) + (f",+{more}" if more > 0 else "")
 
 
 def _note_latest_offender(run: RunState, r: StepReport, offenders: dict[str, tuple[str, str]]) -> None:

@@ -68,6 +68,10 @@ class _Reads:
     def directive(self, run_id: str) -> Directive:
         return self.directive_log.latest(run_id)
 
+    def event_count(self, run_id: str, kind: str) -> int:
+        run = self.state.runs.get(run_id)
+        return run.event_counts[kind] if run is not None else 0
+
     def witness(self, run_id: str) -> Applied | None:
         run = self.state.runs.get(run_id)
         return run.applied if run is not None else None

@@ -38,6 +38,9 @@ class RuleReads(Protocol):
 
     def directive(self, run_id: str) -> Directive: ...
 
+    def event_count(self, run_id: str, kind: str) -> int:
+        """How many events of ``kind`` the run holds (recorded, this process's and the store's read back)."""
+
     def witness(self, run_id: str) -> Applied | None:
         """Which incarnation of rank 0 applied the current revertible directive (``RunState.applied``)."""
 
@@ -86,6 +89,7 @@ class RuleEngine:
             _first_nonfinite(r, rank, reads, events)
         _lifecycle(r, rank, previous_mode, events)
         _rollout(r, events)
+        _spikes(r, reads, events)
         issued = _auto_revert(r, reads, out) if r.rank == 0 and rank is not None else None
         if r.scope == "heartbeat" or overflow:
             return out  # no measurements (or only the scaler's overflow): only its mode can change (above)
@@ -139,9 +143,12 @@ def _lifecycle(r: StepReport, rank: RankState | None, previous_mode: str | None,
                    rank=r.rank)
     if r.incident is not None:
         inc = r.incident
-        # everything the trainer's differential re-run found, the drill-down's birth, parameters and path
-        events.add("incident", f"incident:{events.who}:{inc.step}",
-                   inc.model_dump(mode="json", exclude={"site", "step"}), site=inc.site)
+        # everything the trainer's differential re-run found, the drill-down's birth, parameters and path; a
+        # replica divergence (its ranks, hosts, first differing parameters, repaired) is the job's: once a step
+        key = (f"replica_divergence:{inc.step}" if inc.cls == "replica_divergence"
+               else f"incident:{events.who}:{inc.step}")
+        events.add("incident", key, inc.model_dump(mode="json", exclude={"site", "step"}),
+                   site=inc.site or (inc.params[0] if inc.params else None))
     if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
         if rank.attention_mode == "none":
             events.add("mode_reverted", f"reverted:{r.directive_version}",
@@ -166,6 +173,27 @@ def _rollout(r: StepReport, events: _Events) -> None:
     if at is not None and r.scope != "heartbeat":
         events.add("rollout_attribution", f"rollout_attribution:{at.cause}:{at.step}",
                    at.model_dump(mode="json"), site=at.module, rank=r.rank)
+
+
+#: spike events a run holds at most: the first spike of each site and pass, until this many (a spiky run
+#: cannot fill the run's event cap; nanwatch_spikes_total counts them all)
+MAX_SPIKE_EVENTS = 64
+
+
+def _spikes(r: StepReport, reads: RuleReads, events: _Events) -> None:
+    """The first spike of each site and pass (wire 1.9), while the run holds fewer than ``MAX_SPIKE_EVENTS``:
+    its step, factor, value and baseline. From run-level reports (a detail report's are its job's). Never a
+    directive: a spike is a precursor, not an incident."""
+    if r.scope not in RUN_LEVEL_SCOPES or not r.spikes:
+        return
+    room = MAX_SPIKE_EVENTS - reads.event_count(r.run_id, "spike")
+    for s in r.spikes:
+        if room <= 0:
+            return
+        key = f"spike:{s.phase}:{s.site}"
+        if not reads.has_event(r.run_id, key):
+            events.add("spike", key, s.model_dump(mode="json", exclude={"site"}), site=s.site)
+            room -= 1
 
 
 def _auto_revert(r: StepReport, reads: RuleReads, out: Intents) -> str | None:

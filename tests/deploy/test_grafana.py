@@ -211,6 +211,9 @@ _SCENARIO = [
     ('nanwatch_rollout_nonfinite_values_total{run_id="r1"}', "0x4 3x15"),
     ('nanwatch_weight_syncs_verified_total{run_id="r1"}', "0+1x20"),
     ('nanwatch_weight_sync_mismatches_total{run_id="r1"}', "0x20"),
+    # #29: spike steps born at zero, a replica divergence
+    ('nanwatch_spikes_total{run_id="r1", site_kind="grad"}', "_x3 0 1 2x15"),
+    ('nanwatch_incidents_total{run_id="r1", class="replica_divergence"}', "_x5 0 1x14"),
     ("nanwatch_collector_logit_tau", "30x20"),
     ('nanwatch_events_total{run_id="r1", kind="first_nonfinite"}', "_x4 1x15"),
     ('nanwatch_events_total{run_id="r1", kind="directive_set"}', "_x9 1x10"),
@@ -369,6 +372,12 @@ def test_run_health_content():
                    'stat=~"prob_correlation|logprob_slope"', "nanwatch_rollout_mismatch_events_total",
                    "nanwatch_rollout_nonfinite_values_total", *WEIGHT_SYNC):
         assert needle in exprs, needle
+    # #29: spike steps by site kind and replica divergences, each "(none)" at 0 while nothing happened
+    spikes = _panel(RUN_HEALTH, "Spike steps by site kind")["targets"][0]
+    assert "nanwatch_spikes_total" in spikes["expr"] and spikes["legendFormat"] == "{{site_kind}}"
+    assert '"site_kind", "(none)"' in spikes["expr"]
+    divergences = _panel(RUN_HEALTH, "Replica divergences")["targets"][0]["expr"]
+    assert 'class="replica_divergence"' in divergences and '"class", "(none)"' in divergences
 
 
 def test_fleet_table_one_row_per_run_linked_to_run_health():

@@ -31,6 +31,7 @@ from nanwatch.monitor.web.schemas import (
     RunList,
     RunSummary,
     SdpaView,
+    SpikeView,
 )
 from nanwatch.run_status import run_status
 
@@ -117,7 +118,11 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
             for (fam, labels), v in run.counters.items() if fam == counters.SDPA.key]
-    return ApiJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa,
+    step, rank, found = run.latest_spikes or (0, 0, ())
+    spikes = [SpikeView(step=step, rank=rank, **s.model_dump()) for s in found]
+    return ApiJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa, latest_spikes=spikes,
+                             spikes_total={labels[0]: v for (fam, labels), v in run.counters.items()
+                                           if fam == counters.SPIKE.key},
                              rollout=rollout_figures.latest(res.state, run, now),
                              rollout_nonfinite_total=run.counters.get((counters.ROLLOUT_NONFINITE.key, ()), 0),
                              event_counts=dict(run.event_counts), events=events))

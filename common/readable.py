@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["attribution", "figure", "file_name", "headroom", "incident", "printable", "replay_command", "rlhf",
-           "rollout", "rollout_event", "visits"]
+           "rollout", "rollout_event", "spikes", "visits"]
 
 
 def figure(x: float | str | None) -> str:
@@ -202,4 +202,18 @@ def attribution(at: Mapping[str, Any]) -> str:
         parts.append(f"capsule {printable(at['capsule'])}")
     if at.get("note"):
         parts.append(str(at["note"]))
+    return "; ".join(parts)
+
+
+def spikes(items: list[Mapping[str, Any]], *, most: int = 3) -> str:
+    """A step's spikes (``Spike`` as JSON, largest factor first) in one phrase: the first ``most`` named with
+    their factor, value and baseline (a site named ``loss`` is the loss), then how many more."""
+    parts = []
+    for s in items[:most]:
+        site, phase = printable(str(s.get("site", "?"))), s.get("phase", "?")
+        what = "loss spike" if site == "loss" else "spike"
+        parts.append(f"{what} at {site} ({phase}): {float(s.get('factor', math.nan)):.3g}x its baseline "
+                     f"(value {figure(s.get('value'))}, baseline {figure(s.get('baseline'))})")
+    if len(items) > most:
+        parts.append(f"{len(items) - most} more spiking site{'s' if len(items) - most != 1 else ''}")
     return "; ".join(parts)

@@ -112,6 +112,8 @@ class _Run:
         self.ranks: dict[int, dict] = {}  # rank -> view of its latest incarnation
         self.ended: dict[tuple[int, str], float] = {}
         self.rollout_nonfinite = 0.0
+        self.spikes_total = 0
+        self.latest_spikes: dict | None = None  # {step, rank, spikes}: the latest run-level report with spikes
 
     def report(self, r: dict) -> None:
         scope, rank, step = r.get("scope", "rank"), int(r.get("rank", 0)), int(r.get("step", 0))
@@ -131,6 +133,10 @@ class _Run:
                 self.first = dict(site=fo, phase=r.get("first_offender_phase"), stage=r.get("first_offender_stage"),
                                   rank=rank if who is None else who, step=step, time=r["time"])
         self._rollout(r, scope, rank, run_level)
+        if run_level and r.get("spikes"):
+            self.spikes_total += len(r["spikes"])
+            if self.latest_spikes is None or step >= self.latest_spikes["step"]:
+                self.latest_spikes = dict(step=step, rank=rank, spikes=r["spikes"])
         inc = r.get("incident")
         if inc is not None and scope != "detail":
             detail = {k: v for k, v in inc.items() if k not in ("site", "step")}
@@ -203,7 +209,8 @@ class _Run:
             first_offender=None if self.first is None else {k: v for k, v in self.first.items() if k != "time"},
             ranks=ranks, sdpa=[dict(backend=b, dtype=d, stage=s, calls=n) for (b, d, s), n in sorted(self.sdpa.items())],
             rollout=next((((v.get("rlhf") or {}).get("rollout")) for v in ranks if v["scope"] == "job"), None),
-            rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events)
+            rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events,
+            spikes_total=self.spikes_total, latest_spikes=self.latest_spikes)
 
 
 def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
@@ -287,6 +294,16 @@ def _rollout_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _spike_lines(r: dict[str, Any]) -> list[str]:
+    """The run's spikes (wire 1.9: a site ``spike_factor``× over its running baseline, finite): how many were
+    reported, and the latest step's, largest first."""
+    last = r.get("latest_spikes")
+    if not r.get("spikes_total") or not last:
+        return []
+    return [f"  spikes: {r['spikes_total']:g} reported; latest at step {last['step']} on rank {last['rank']}: "
+            f"{readable.spikes(last['spikes'])}"]
+
+
 def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
     """The lines of one run's view (from the collector's JSON or from :func:`fold`)."""
     d, fo = r.get("directive") or {}, r.get("first_offender")
@@ -307,6 +324,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
     out += _rollout_lines(r)
+    out += _spike_lines(r)
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
     stages = {"train": 0, "eval": 1, "generate": 2}
     for s in sorted(r.get("sdpa") or [], key=lambda s: (s["backend"], s["dtype"], stages.get(s.get("stage"), 3))):

@@ -107,6 +107,8 @@ def test_a_loss_jump_times_20_fed_by_watch_is_a_loss_spike(caplog):
 
 
 def test_500_healthy_steps_with_adamw_dropout_accumulation_and_warmup_have_no_spike():
+    """No false alarm in 500 ordinary steps; one control step (450: the MLP output ×50) shows the detector
+    was watching all along: it is the only step with spikes."""
     model = _model(attention_dropout=0.1)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -117,6 +119,7 @@ def test_500_healthy_steps_with_adamw_dropout_accumulation_and_warmup_have_no_sp
         with nanwatch.attach(model, run_id="healthy", optimizer=opt,
                              on_report=lambda r: r.spikes and spiked.append((r.step, r.spikes))) as mon:
             for n in range(500):
+                undo = _times(model.model.layers[0].mlp, 50.0) if n == 450 else None
                 with mon.step(n):
                     for micro in range(2):  # gradient accumulation: two micro-batches per optimizer step
                         ids = token_ids(2, 12, seed=n * 2 + micro, vocab=64)
@@ -126,8 +129,12 @@ def test_500_healthy_steps_with_adamw_dropout_accumulation_and_warmup_have_no_sp
                     opt.step()
                     sched.step()
                     opt.zero_grad()
+                if undo is not None:
+                    undo()
             assert mon.last_report().step == 499
-    assert spiked == []
+    assert [step for step, _ in spiked] == [450], [(step, [(s.site, s.phase, round(s.factor, 1)) for s in sp])
+                                                   for step, sp in spiked]
+    assert (MLP, "forward") in {(s.site, s.phase) for s in spiked[0][1]}
 
 
 def _site(value: float, *, site: str = "a", phase: str = "forward") -> SiteStat:

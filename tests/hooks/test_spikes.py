@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from support import token_ids, tiny_qwen3
+from support import tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.hooks.measure.spikes import SpikeDetector

@@ -371,6 +371,9 @@ def _check_spikes(c: MonitorConfig) -> None:
         raise ValueError(f"spike_warmup must be an int >= 0, got {c.spike_warmup!r}")
     if c.spike_action not in ("report", "skip"):
         raise ValueError(f"spike_action must be 'report' or 'skip', got {c.spike_action!r}")
+    if c.spike_capsule:
+        warnings.warn("MonitorConfig(spike_capsule=True): capturing a spike in a capsule is not implemented yet; "
+                      "spikes are reported, not captured", RuntimeWarning, stacklevel=4)
 
 
 def _check_remedies(c: MonitorConfig) -> None:

@@ -152,3 +152,13 @@ def test_the_baseline_ignores_warmup_zero_baselines_non_finite_values_and_a_step
     assert d.observe(6, [_site(3.0)]) == []                     # step 6 seen again: its value replaced
     z = SpikeDetector(factor=10.0, window=3, warmup=0)
     assert z.observe(0, [_site(0.0)]) == [] and z.observe(1, [_site(5.0)]) == []  # baseline 0: no comparison
+
+
+def test_status_file_shows_the_spikes(tmp_path):
+    from nanwatch.cli.status_view import fold, read_records, render_detail
+
+    _run(fault="mlp", log_dir=str(tmp_path))
+    (path,) = tmp_path.glob("*.jsonl")
+    (view,) = fold(read_records(str(path)))
+    lines = [ln for ln in render_detail(view) if ln.strip().startswith("spikes:")]
+    assert lines and f"latest at step {K} on rank 0" in lines[0] and f"spike at {MLP} (forward)" in lines[0], lines

@@ -204,16 +204,6 @@ def rollout_event(ev: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def spikes(found: list[Mapping[str, Any]], *, most: int = 3) -> str:
-    """Spikes (``Spike`` as JSON, largest factor first) in one phrase: each site, pass and factor over its
-    baseline, the first ``most`` of them; a precursor, not an incident."""
-    parts = [f"{printable(s.get('site', '?'))} ({s.get('phase', '?')}) {figure(s.get('factor'))}x its baseline "
-             f"({figure(s.get('value'))} vs {figure(s.get('baseline'))})" for s in found[:most]]
-    if len(found) > most:
-        parts.append(f"{len(found) - most} more")
-    return "; ".join(parts) or "-"
-
-
 def attribution(at: Mapping[str, Any]) -> str:
     """A rollout mismatch attributed to a module (``RolloutAttribution`` as JSON) in one phrase: the module
     named, the mismatch each lowered module reproduces, the capsule."""
@@ -230,4 +220,18 @@ def attribution(at: Mapping[str, Any]) -> str:
         parts.append(f"capsule {printable(at['capsule'])}")
     if at.get("note"):
         parts.append(str(at["note"]))
+    return "; ".join(parts)
+
+
+def spikes(items: list[Mapping[str, Any]], *, most: int = 3) -> str:
+    """A step's spikes (``Spike`` as JSON, largest factor first) in one phrase: the first ``most`` named with
+    their factor, value and baseline (a site named ``loss`` is the loss), then how many more."""
+    parts = []
+    for s in items[:most]:
+        site, phase = printable(str(s.get("site", "?"))), s.get("phase", "?")
+        what = "loss spike" if site == "loss" else "spike"
+        parts.append(f"{what} at {site} ({phase}): {float(s.get('factor', math.nan)):.3g}x its baseline "
+                     f"(value {figure(s.get('value'))}, baseline {figure(s.get('baseline'))})")
+    if len(items) > most:
+        parts.append(f"{len(items) - most} more spiking site{'s' if len(items) - most != 1 else ''}")
     return "; ".join(parts)

@@ -26,8 +26,8 @@ from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["DirectiveSource", "GuardChoice", "MonitorConfig", "ReportScopeChoice", "default_is_attention",
-           "resolve_config"]
+__all__ = ["DirectiveSource", "GuardChoice", "MonitorConfig", "ReportScopeChoice", "SpikeAction",
+           "default_is_attention", "resolve_config"]
 
 log = logging.getLogger("nanwatch")
 
@@ -39,6 +39,7 @@ DirectiveSource = Literal["auto", "local", "collector", "off"]
 ReportScopeChoice = Literal["auto", "rank", "job"]
 #: Whether nanwatch puts a weight guard on the optimizers that step the model (``MonitorConfig.guard``).
 GuardChoice = Literal["auto", "off"]
+SpikeAction = Literal["report", "skip"]
 
 #: Capsule limits a config leaves unset: (environment variable, default, least value allowed).
 _CAPSULE_LIMITS = {"capsule_max": ("NANWATCH_CAPSULE_MAX", 4, 0),
@@ -65,6 +66,8 @@ class MonitorConfig:
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
       ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``rerun`` (``replay``, deprecated), ``capsule``,
       ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
+    * **spikes** (a value jumping k× over its recent past, before it overflows): ``spike_factor``,
+      ``spike_window``, ``spike_warmup``, ``spike_action``;
     * **the rollout** (RLHF: the sampler against the trainer): ``rollout_cap``, ``rollout_dtype``,
       ``rollout_attribution``;
     * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
@@ -186,6 +189,23 @@ class MonitorConfig:
     """A capsule's size limit: parameters first, then inputs; what does not fit is listed in it as dropped.
     Default ``NANWATCH_CAPSULE_MAX_BYTES`` or 256 MiB."""
 
+    # ---- spikes (nanwatch.hooks.measure.spikes) -----------------------------------------------------
+    spike_factor: float = 10.0
+    """A site's value (forward: its output's amax; backward: its gradient's; ``mon.watch("loss", loss)``: the
+    loss) above this many times its baseline is a spike (Megatron-LM's k = 10). 0 turns spikes off. Checked
+    on the reporter thread from the values every report already carries: no cost in the training step."""
+
+    spike_window: int = 20
+    """The baseline: the site's largest value over its last this many measured steps."""
+
+    spike_warmup: int = 10
+    """The first this many measured steps of each site are never a spike (initialisation, first updates)."""
+
+    spike_action: SpikeAction = "report"
+    """``report``: a spike is a precursor in the report and the log, never a directive, a skip or an
+    incident. ``skip``: the weight guard also skips the update of a step that spiked, as a non-finite one;
+    deciding before the optimizer step costs one host read of the step's values per optimizer step."""
+
     # ---- the rollout ---------------------------------------------------------------------------------
     rollout_cap: float = 2.0
     """The truncation cap c of ``Monitor.rlhf(rollout_logprobs=)``: a token whose ratio exp(Δlogp) leaves
@@ -289,6 +309,7 @@ class MonitorConfig:
         _check_measuring(self)
         _check_remedies(self)
         _check_rollout(self)
+        _check_spikes(self)
         _check_directives_and_reports(self)
         _check_local_record(self)
 
@@ -335,6 +356,18 @@ def _check_rollout(c: MonitorConfig) -> None:
     if not isinstance(getattr(torch, c.rollout_dtype, None), torch.dtype) or c.rollout_dtype.startswith("int"):
         raise ValueError(f"rollout_dtype must name a floating torch dtype (bfloat16, float16), got "
                          f"{c.rollout_dtype!r}")
+
+
+def _check_spikes(c: MonitorConfig) -> None:
+    if not (isinstance(c.spike_factor, (int, float)) and math.isfinite(c.spike_factor)
+            and (c.spike_factor == 0 or c.spike_factor > 1)):
+        raise ValueError(f"spike_factor must be a finite number > 1, or 0 (off), got {c.spike_factor!r}")
+    if not (isinstance(c.spike_window, int) and c.spike_window >= 1):
+        raise ValueError(f"spike_window must be an int >= 1, got {c.spike_window!r}")
+    if not (isinstance(c.spike_warmup, int) and c.spike_warmup >= 0):
+        raise ValueError(f"spike_warmup must be an int >= 0, got {c.spike_warmup!r}")
+    if c.spike_action not in ("report", "skip"):
+        raise ValueError(f"spike_action must be 'report' or 'skip', got {c.spike_action!r}")
 
 
 def _check_remedies(c: MonitorConfig) -> None:

@@ -14,7 +14,9 @@
 * ``nanwatch bench rollout [options]``: what ``Monitor.rlhf()`` costs a GRPO-shaped step, with and without
   the rollout comparison, side by side (:mod:`nanwatch.bench.rlhf_cost`);
 * ``nanwatch bench fingerprint [options]``: the weight fingerprint of a model-sized set of tensors, as a
-  ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`).
+  ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`);
+* ``nanwatch bench spikes [options]``: the spike baseline's reporter-thread time per report, next to a step
+  (:mod:`nanwatch.bench.spike_cost`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -53,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import fingerprint_cost
 
         return fingerprint_cost.main(argv[1:])
+    if argv[:1] == ["spikes"]:
+        from nanwatch.bench import spike_cost
+
+        return spike_cost.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

@@ -25,7 +25,8 @@ another. Site names are relative to it.
 and closes at the batch end at which Lightning's ``global_step`` moved, so that the micro-batches of
 ``accumulate_grad_batches`` (or of a manual loop that steps every k batches) are one step. It is numbered by
 ``trainer.global_step`` when it opens: the step Lightning's loggers write its row under (one optimizer).
-Validation (the sanity check included) is one ``stage="eval"`` report per validation run.
+Validation (the sanity check included) is one ``stage="eval"`` report per validation run. The loss each
+backward starts from (``on_before_backward``) is watched as the site ``loss``, so a loss spike is reported.
 
 **The weight guard.** Lightning's optimizers (``trainer.optimizers``) get the weight guard
 (``Monitor.guard``), in automatic and manual optimization: Lightning steps them as
@@ -140,6 +141,10 @@ attribute path of the module to watch (default: see the module's docstring). ``l
             figures = self._scalars.figures()
             if figures:
                 pl_module.log_dict(figures, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._training:  # the loss is a site (``loss``): its spikes are seen (``nanwatch.hooks.measure.spikes``)
+            self.monitor.watch("loss", loss)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._training:

@@ -20,6 +20,9 @@ standalone ``trainer.evaluate()`` (before, after or without ``train()``: the cal
 length then) are all reported, and none is charged to a training step. ``generate()`` forwards are
 labelled with their stage.
 
+Each micro-batch's loss (what ``training_step`` returns) is watched as the site ``loss``: a loss spike
+(``MonitorConfig.spike_factor``× over its recent steps) is reported.
+
 A step that raises is reported with ``raised`` (the exception's type): ``training_step`` is wrapped while
 training, so the callback sees the exception, reports the step and detaches before it propagates; anything
 else that ends the process is reported at interpreter exit.
@@ -47,6 +50,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.facade import Monitor
@@ -161,13 +166,15 @@ class NanwatchCallback(_trainer_base()):
     # ---- wraps on the trainer instance -----------------------------------------------------------------
     def _wrap_training_step(self, trainer: Any) -> _Unwrap:
         """See a step's exception: its report says ``raised``, and it is sent (the callback detaches) before
-        the exception leaves ``train()`` (HF skips ``on_train_end`` then)."""
+        the exception leaves ``train()`` (HF skips ``on_train_end`` then). And see its loss: ``training_step``
+        returns each micro-batch's loss (detached, after its backward, before the optimizer step), watched as
+        the site ``loss`` (its forward pass only: no gradient), so that a loss spike is reported."""
         original = trainer.training_step
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
             try:
-                return original(*args, **kwargs)
+                loss = original(*args, **kwargs)
             except BaseException as exc:
                 try:
                     if self._training and self.monitor is not None:
@@ -176,6 +183,9 @@ class NanwatchCallback(_trainer_base()):
                 except Exception as inner:  # noqa: BLE001 - the trainer's exception is the one to see
                     log.warning("nanwatch: could not report the step that raised: %r", inner)
                 raise
+            if self._training and self.monitor is not None and isinstance(loss, torch.Tensor):
+                self.monitor.watch("loss", loss)  # the micro-batch's loss (detached): a site, for its spikes
+            return loss
 
         trainer.training_step = training_step
         return _Unwrap(trainer, "training_step")

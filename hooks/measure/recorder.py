@@ -253,13 +253,16 @@ class Recorder:
         self.state.warnings.append(message)
         return True
 
-    def nonfinite_flag(self, *, job: bool = False) -> torch.Tensor:
+    def nonfinite_flag(self, *, job: bool = False, spiked: bool = False) -> torch.Tensor:
         """1.0 when a training site held NaN or Inf so far in this step, else 0.0: a 0-d float32 tensor on
         the buffer's device, from device ops only (reading it on the host is a sync).
 
         ``job=True``: reduced (MAX) over the training process group under torch.distributed: a collective,
         so every rank calls it under the same condition, never a local value. The lowest faulting rank goes
-        into the buffer for the report (``StepStats.nonfinite_rank``): device ops only."""
+        into the buffer for the report (``StepStats.nonfinite_rank``): device ops only.
+
+        ``spiked``: this rank's step spiked and ``spike_action="skip"`` asks to skip it: the flag is set (the
+        reduction then skips the step on every rank), but this rank is not named as a non-finite one."""
         flag = self.obs["train"].any_nonfinite()
         batches = self.state.batches
         if batches:  # parameters an optimizer step wrote, or this step started from
@@ -270,10 +273,13 @@ class Recorder:
             flag = torch.zeros((), dtype=torch.float32, device=self.buf.device)
         else:
             flag = _to(self.buf, flag).to(torch.float32)
+        if spiked:
+            flag = torch.ones_like(flag)
         if not job or self._reduction is None or not reduction_active(self._group):
             return flag
         flag, lowest = self._reduction.reduce(flag)
-        self.buf.maximize(NONFINITE_RANK, _to(self.buf, lowest))
+        if not spiked:
+            self.buf.maximize(NONFINITE_RANK, _to(self.buf, lowest))
         return _to(self.buf, flag)
 
     @property

@@ -21,6 +21,7 @@ from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.spikes import SpikeDetector, SpikeSkip
 from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
 from nanwatch.hooks.remedies.weight_guard import (
     WeightGuard,
@@ -65,6 +66,10 @@ class OptimizerHooks:
         self._discovery: OptimizerDiscovery | None = None
         self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
         self._handles: list = []
+        #: ``spike_action="skip"``: the open step's spike check, shared by every guard (None: not asked)
+        self._spike_skip = SpikeSkip(rec, SpikeDetector(factor=config.spike_factor, window=config.spike_window,
+                                                        warmup=config.spike_warmup)
+                                     ) if config.spike_action == "skip" and config.spike_factor else None
 
     def discover(self, model: torch.nn.Module) -> None:
         """Find the optimizers stepping ``model``'s parameters at their first step (:meth:`found`), until
@@ -81,7 +86,7 @@ class OptimizerHooks:
                            "it is not guarded twice")
             return existing
         g = WeightGuard(optimizer, rec=self._rec, directive_state=self._directive_state,
-                        host_read=sync is not False, warn=self._warn)
+                        host_read=sync is not False, warn=self._warn, spiked=self._spike_skip)
         self._weight_guards.append(g)
         self._handles.append(g)
         self.check(optimizer)

@@ -41,7 +41,9 @@ collective, see ``nanwatch.hooks.measure.collective``), so every rank skips the 
 value in. The reduction is issued whenever the guard decides, and it decides under conditions that are
 the same on every rank: the optimizer's kind (fused or not), ``sync=`` and ``MonitorConfig.guard``, and the
 ``skip_step`` mode, which ranks agree on. A reduction that fails (it should not) is a warning, and the rank
-decides on its own flag. With gradient accumulation the flag covers every micro-batch of the nanwatch step,
+decides on its own flag. With ``spike_action="skip"`` a step that spiked on a rank (``nanwatch.hooks.measure.spikes``,
+read on the host before the optimizer step: one read per optimizer step, that opt-in's cost, fused or not)
+sets that rank's flag before the reduction, so every rank skips it too. With gradient accumulation the flag covers every micro-batch of the nanwatch step,
 i.e. of the optimizer step when the step spans it (the HF callback's does).
 """
 
@@ -51,6 +53,7 @@ import functools
 import logging
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +62,7 @@ from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
 from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, Recorder
 
-__all__ = ["FirstResult", "WeightGuard", "drop_grads_if_flagged", "guard_of", "inner_optimizer", "run_closure"]
+__all__ = ["FirstResult", "WeightGuard", "asks_skip", "drop_grads_if_flagged", "guard_of", "inner_optimizer", "run_closure"]
 
 log = logging.getLogger("nanwatch")
 
@@ -90,14 +93,25 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def job_flag(rec: Recorder) -> torch.Tensor:
+def job_flag(rec: Recorder, *, spiked: bool = False) -> torch.Tensor:
     """The job's non-finite flag for an optimizer step (device ops and, under torch.distributed, the one
-    reduction); this rank's own flag if the reduction fails."""
+    reduction); this rank's own flag if the reduction fails. ``spiked``: set it (``spike_action="skip"``)."""
     try:
-        return rec.nonfinite_flag(job=True)
+        return rec.nonfinite_flag(job=True, spiked=spiked)
     except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
         probe_failed(exc)
-        return rec.nonfinite_flag()
+        return rec.nonfinite_flag(spiked=spiked)
+
+
+def asks_skip(spiked: Callable[[], bool] | None) -> bool:
+    """``spike_action="skip"``'s verdict on the open step (False when off, or when the check fails)."""
+    if spiked is None:
+        return False
+    try:
+        return spiked()
+    except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
+        probe_failed(exc)
+        return False
 
 
 class FirstResult:
@@ -154,7 +168,7 @@ class WeightGuard:
     under the ``skip_step`` directive, with a warning that says so). Fused ones ignore it (free)."""
 
     def __init__(self, optimizer: Any, *, rec: Recorder, directive_state: DirectiveState, host_read: bool,
-                 warn: WarnOnce) -> None:
+                 warn: WarnOnce, spiked: Callable[[], bool] | None = None) -> None:
         opt = self.optimizer = inner_optimizer(optimizer)
         self.fused = is_fused(opt)
         self.effective = self.fused or host_read
@@ -175,12 +189,14 @@ class WeightGuard:
                 return original(*args, **kwargs)  # unguarded (warned), or removed under another wrapper
             # step(closure): the forward and backward run now, so that the flag covers them
             _, loss, args, kwargs = run_closure(args, kwargs)
-            flag = job_flag(rec)
+            spike = self.effective and asks_skip(spiked)  # spike_action="skip": one host read (its opt-in cost)
+            flag = job_flag(rec, spiked=spike)
             rec.slot(GUARD_SKIPPED, flag, how="max")
             if self.fused:
                 return self._fused_step(original, flag, args, kwargs)
             if bool(flag):  # sync-ok: non-fused optimizer (GradScaler pays the same), or the skip_step directive
-                log.warning("nanwatch: non-finite values in this step: optimizer step skipped")
+                log.warning("nanwatch: %s in this step: optimizer step skipped",
+                            "a spike (spike_action='skip')" if spike else "non-finite values")
                 return loss  # the closure's loss, as step() would have returned it (None without one)
             return original(*args, **kwargs)
 

@@ -1,7 +1,8 @@
 """Report assembly, on the reporter thread: a step's decoded values (``nanwatch.hooks.measure.decode``'s
 ``StepStats``) plus what the training thread knew at step end (:class:`StepContext`) become one
 :class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no attention
-measured) attached and told once."""
+measured) attached and told once, and the step's spikes (``nanwatch.hooks.measure.spikes``: each site against
+its own running baseline, from the values the copy brought)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
 from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
+from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
@@ -40,13 +42,15 @@ class ReportBuilder:
     ``StepStats`` and its context in, a report out; nothing here reads the recorder."""
 
     def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
-                 expects_logits: Callable[[], bool], agree_every: int | None) -> None:
+                 expects_logits: Callable[[], bool], agree_every: int | None,
+                 spikes: SpikeDetector | None = None) -> None:
         self._ids = dict(run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation,
                          agree_every=agree_every)
         self._expects_logits = expects_logits
         self._warn = warn
         self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
         self._params = NonfiniteParams()  # reporter thread only: non-finite parameters, told once per episode
+        self._spikes = spikes  # reporter thread only: the sites' running baselines (None: spikes off)
 
     def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
         """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
@@ -73,6 +77,7 @@ class ReportBuilder:
             else:
                 self._warn(w)
         first = stats.first_offender
+        spikes = self._spikes.observe(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
         return StepReport(
             **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
             sites=stats.sites, sdpa=stats.sdpa, logits=stats.logits, fingerprints=stats.fingerprints,
@@ -82,7 +87,8 @@ class ReportBuilder:
             first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
             rollout_attribution=state.rollout_attribution,
-            loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64])
+            loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
+            spikes=spikes)
 
     def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,
                             overflow: bool | None) -> Incident | None:

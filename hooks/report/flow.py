@@ -32,6 +32,7 @@ from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.directives.local_rules import LocalRuleEngine
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import decode_step
+from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
@@ -39,7 +40,7 @@ from nanwatch.hooks.report.mismatch import MismatchClassifier
 from nanwatch.hooks.report.reporter import Landed, Reporter
 from nanwatch.wire import RolloutEvent, StepReport
 
-__all__ = ["Built", "ReportFlow"]
+__all__ = ["Built", "ReportFlow", "spike_detector"]
 
 log = logging.getLogger("nanwatch")
 
@@ -54,6 +55,13 @@ class Built:
     False not; None: no training step (an evaluation, the final report), which neither makes nor breaks one."""
     rlhf: dict[tuple[str, str], float] | None
     """A training step's raw RLHF slots, for the job reduction (None: no RLHF stats, or no training step)."""
+
+
+def spike_detector(config: MonitorConfig) -> SpikeDetector | None:
+    """The running baselines ``config`` asks for (None: ``spike_factor=0``, spikes off)."""
+    if not config.spike_factor:
+        return None
+    return SpikeDetector(factor=config.spike_factor, window=config.spike_window, warmup=config.spike_warmup)
 
 
 class ReportFlow:
@@ -76,7 +84,9 @@ class ReportFlow:
         self._local = LocalLog(config, rank=rank, incarnation=incarnation, warn=warn)  # log lines, JSONL file
         self._builder = ReportBuilder(
             run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, warn=warn,
-            expects_logits=expects_logits, agree_every=config.directive_check_every if world_size > 1 else None)
+            expects_logits=expects_logits, agree_every=config.directive_check_every if world_size > 1 else None,
+            spikes=spike_detector(config))
+        self._job_spikes = spike_detector(config)  # job scope: the job report's sites (each the ranks' max)
         self._reporter = Reporter(max_pending=config.max_pending_reports)
         self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
         self._thread.start()
@@ -179,7 +189,7 @@ class ReportFlow:
             # reporter's closing header then releases any peer waiting on this step's reduction)
             outs = self._job.own(report)
         else:
-            outs = [self._classified(o) for o in self._job.route(report, built.rlhf)]
+            outs = [self._job_spiked(self._classified(o)) for o in self._job.route(report, built.rlhf)]
         for out in outs:
             if self._sender is not None:
                 self._sender.submit(out)
@@ -205,6 +215,13 @@ class ReportFlow:
                 except Exception:
                     log.exception("nanwatch: the rollout mismatch's handler failed")
         return report.model_copy(update={"rollout_events": events}) if events else report
+
+    def _job_spiked(self, report: StepReport) -> StepReport:
+        """A job report's spikes: its reduced sites (each the ranks' largest value) against the job's own
+        baselines; it came with the poster's own."""
+        if report.scope != "job" or self._job_spikes is None:
+            return report
+        return report.model_copy(update={"spikes": self._job_spikes.observe(report.step, report.sites)})
 
     def _closing(self) -> None:
         """Reporter thread, after its last report: the job's group and the local log close here, so that

@@ -7,7 +7,8 @@ would receive; nothing here runs on the training thread, and nothing here raises
 **Log lines** (``logging.getLogger("nanwatch")``, WARNING, one line each, HF's ``logger.warning`` style),
 from ``rank`` and ``job`` reports (in job scope rank 0 speaks for the job):
 a non-finite *episode* starting (the first non-finite step after clean ones, not every NaN step of a NaN
-run), an incident classified, the step raising, the attention mode changing, and the values turning
+run), an incident classified, a spike (a site's value ``spike_factor``× over its running baseline, before
+any overflow: ``nanwatch.hooks.measure.spikes``), the step raising, the attention mode changing, and the values turning
 finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps. A loss-scale overflow
 that a GradScaler handled (``scaler_overflow``) is no episode: one quieter INFO line ("loss scale overflow at
 step k; scale 65536 -> 32768"), and a WARNING when the scale falls below 1 (fp16 gradients underflow then).
@@ -123,6 +124,10 @@ class _Lines:
             self._classified.add((r.rank, inc.step))
             what = readable.incident(inc.model_dump(mode="json"))
             lines.append(f"nanwatch: step {inc.step} ({r.stage}) classified: {what}")
+        if r.spikes and r.stage == "train":
+            skipped = "; step skipped (spike_action='skip')" if r.step_skipped and r.first_offender is None else ""
+            lines.append(f"nanwatch: step {r.step}: {readable.spikes([s.model_dump(mode='json') for s in r.spikes])}"
+                         f"{skipped}")
         if r.raised:
             lines.append(f"{where}: the step raised {r.raised}: rank {r.rank} crashed")
         if r.attention_mode != self._mode:

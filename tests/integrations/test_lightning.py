@@ -313,3 +313,29 @@ def test_ddp_on_two_gloo_processes_skips_a_nan_step_on_every_rank(tmp_path):
         assert o["finite"] and o["world_size"] == 2
     assert out[0]["checksum"] == out[1]["checksum"]  # the replicas took the same updates
     assert out[1]["offender"] is not None and out[0]["offender"] is None
+
+
+# ---- spikes (issue #29.2) -----------------------------------------------------------------------------------
+class JumpingLoss(TinyLM):
+    """The loss of global step ``at`` ×20 (finite): what Lightning hands ``on_before_backward``."""
+
+    def __init__(self, at: int, **kw) -> None:
+        super().__init__(**kw)
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 20.0 if self.trainer.global_step == self.at else loss
+
+
+def test_the_callback_feeds_the_loss_and_a_loss_jump_is_a_spike(tmp_path):
+    module = JumpingLoss(at=6)
+    _, _, reports = _fit(tmp_path, module, max_steps=8, callback_options={"spike_warmup": 3})
+    train = _train(reports)
+    assert [r.step for r in train] == list(range(8))
+    assert all(any(s.site == "loss" for s in r.sites) for r in train)  # the loss is a site every step
+    spiked = {r.step: {(s.site, s.phase) for s in r.spikes} for r in train if r.spikes}
+    assert 6 in spiked and ("loss", "forward") in spiked[6], spiked
+    assert all(("loss", "forward") not in v for step, v in spiked.items() if step != 6), spiked
+    loss = next(s for s in train[6].spikes if s.site == "loss")
+    assert 10 < loss.factor < 40 and train[6].incident is None and not train[6].step_skipped

@@ -473,3 +473,25 @@ def test_each_tensorboard_row_describes_its_own_steps(tmp_path):
         want = {s: float(sum(counted(r) for r in train if r.step <= s)) for s in rows}
         assert want == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
         assert got == want, tag
+
+
+def test_the_callback_feeds_the_loss_and_a_loss_jump_is_a_spike(tmp_path):
+    """``training_step``'s loss is watched as the site ``loss``: a loss ×20 at HF step 7 is a loss spike there."""
+
+    class JumpingLoss(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kw):
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kw)
+            return loss * 20.0 if self.state.global_step == 6 and not return_outputs else loss
+
+    reports = []
+    cb = NanwatchCallback(run_id="hf", on_report=step_reports(reports), spike_warmup=3)
+    trainer = JumpingLoss(model=_model(), args=_args(tmp_path, gradient_checkpointing=False, gradient_accumulation_steps=1,
+                                                     bf16=False, max_steps=9), train_dataset=_dataset(16),
+                          callbacks=[cb])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    train = [r for r in reports if r.stage == "train"]
+    assert all(any(s.site == "loss" for s in r.sites) for r in train)
+    spiked = {r.step: {(s.site, s.phase) for s in r.spikes} for r in train if r.spikes}
+    assert [step for step, v in spiked.items() if ("loss", "forward") in v] == [7], spiked

@@ -164,6 +164,7 @@ def test_status_shows_the_latest_spikes_from_the_collector_and_a_file(tmp_path, 
         lines = [x for x in out if x.startswith(head)]
         assert len(lines) == 2 and lines[0] == lines[1], (head, out)
     assert "  spike steps (a site over k x its baseline, finite): grad 2, mlp 2" in out, out
-    assert ("  latest spikes at step 6 on rank 0: model.layers.0.mlp (forward) 50x its baseline (175 vs 3.5); "
-            "model.layers.0.mlp (backward) 12x its baseline (0.12 vs 0.01)") in out, out
+    assert ("  latest spikes at step 6 on rank 0: spike at model.layers.0.mlp (forward): 50x its baseline (value "
+            "175, baseline 3.5); spike at model.layers.0.mlp (backward): 12x its baseline (value 0.12, baseline "
+            "0.01)") in out, out
 

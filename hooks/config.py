@@ -161,7 +161,7 @@ class MonitorConfig:
     all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when
     the ranks share no gradients (independent models): each rank then decides alone."""
 
-    replica_check_every: int = 200
+    replica_check_every: int = 500
     """Under torch.distributed, every this many optimizer steps compare the parameters and the covered
     optimizers' state across the data-parallel replicas, which must be bit-identical (DDP, ZeRO-1/2: the
     data-parallel group, ``process_group``; FSDP2 HSDP: the mesh's replicate dimension): a device-side

@@ -14,7 +14,9 @@
 * ``nanwatch bench rollout [options]``: what ``Monitor.rlhf()`` costs a GRPO-shaped step, with and without
   the rollout comparison, side by side (:mod:`nanwatch.bench.rlhf_cost`);
 * ``nanwatch bench fingerprint [options]``: the weight fingerprint of a model-sized set of tensors, as a
-  ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`).
+  ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`);
+* ``nanwatch bench replica [options]``: what the replica check costs a data-parallel step, per check and
+  amortised at the default ``replica_check_every`` (:mod:`nanwatch.bench.replica`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -53,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import fingerprint_cost
 
         return fingerprint_cost.main(argv[1:])
+    if argv[:1] == ["replica"]:
+        from nanwatch.bench import replica
+
+        return replica.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

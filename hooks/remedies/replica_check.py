@@ -176,6 +176,11 @@ class ReplicaCheck:
         """The check is on (a group of two or more replicas, and no failure yet)."""
         return self._handle is not None
 
+    @property
+    def layout(self) -> ReplicaLayout | None:
+        """The compared tensors' names and the replicas (None before the first check)."""
+        return self._layout
+
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps += 1
         if self._steps % self._every or torch.compiler.is_compiling():

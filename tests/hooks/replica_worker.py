@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -51,12 +52,17 @@ def _wrap(scenario: str, model: torch.nn.Module) -> torch.nn.Module:
 
 def _train(scenario: str, rank: int, steps: int, micro: int, options: dict) -> tuple[list, list[str], dict]:
     model = _model()
+    torch.manual_seed(1000 + rank)  # from here on each rank's own RNG: dropout masks differ across ranks
     wrapped = _wrap(scenario, model)
     inner = wrapped.module if hasattr(wrapped, "module") else wrapped
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     if scenario == "raise" and rank == 1:
-        def boom(*_):
-            raise RuntimeError("rank 1 fails inside its optimizer step")
+        calls = []
+
+        def boom(*_):  # inside step(), after the weight guard's reduction: at the optimizer step of the check
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("rank 1 fails inside its optimizer step")
         opt.register_step_pre_hook(boom)
     reports: list = []
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
@@ -115,6 +121,7 @@ def main(scenario: str, out_dir: str) -> None:
                                                     options)
     except RuntimeError as exc:
         result["raised"] = str(exc)
+        result["traceback"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # no destroy_process_group: under "raise" a peer is gone

@@ -106,3 +106,19 @@ def test_a_rank_raising_in_the_checks_step_leaves_the_other_warned_not_hung(tmp_
     assert "optimizer step" in rank1["raised"]
     assert "raised" not in rank0, rank0
     assert [w for w in rank0["warnings"] if "replica check" in w and "failed" in w], rank0["warnings"]
+
+
+def test_the_verdict_names_the_minority_and_says_when_there_is_no_majority():
+    import torch
+
+    from nanwatch.hooks.remedies.replica_check import MAX_NAMED, verdict
+
+    table = torch.zeros((3, 5, 2), dtype=torch.int64)
+    table[1, 3, 0] = 7  # replica 1 differs in tensor 3
+    values, src = verdict(table)
+    checked, differ, no_majority, *rest = values.tolist()
+    assert (checked, differ, no_majority) == (1, 1, 0)
+    assert rest[:3] == [0, 1, 0] and rest[3:3 + MAX_NAMED] == [4] + [0] * (MAX_NAMED - 1)
+    assert src.tolist() == [-1, -1, -1, 0, -1]  # copy tensor 3 from replica 0
+    values, src = verdict(table[:2])  # two replicas: both out, no majority, nothing to copy from
+    assert values[:5].tolist() == [1, 1, 1, 1, 1] and src.tolist() == [-1] * 5

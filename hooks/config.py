@@ -64,7 +64,8 @@ class MonitorConfig:
     * **what is measured**: ``grads``, ``logits``, ``coarse``, ``fingerprint``, ``is_attention``,
       ``exact_logit_every``, ``exact_logit_chunk_elems``, ``param_check_every``;
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
-      ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``rerun`` (``replay``, deprecated), ``capsule``,
+      ``guard``, ``optimizer_check``, ``process_group``, ``guard_reduce``, ``replica_check_every``,
+      ``replica_repair``, ``rerun`` (``replay``, deprecated), ``capsule``,
       ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
     * **spikes** (a value jumping k× over its recent past, before it overflows): ``spike_factor``,
       ``spike_window``, ``spike_warmup``, ``spike_action``;
@@ -162,6 +163,20 @@ class MonitorConfig:
     """Under torch.distributed, reduce the weight guard's flag across ``process_group`` (one async
     all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when
     the ranks share no gradients (independent models): each rank then decides alone."""
+
+    replica_check_every: int = 500
+    """Under torch.distributed, every this many optimizer steps compare the parameters and the covered
+    optimizers' state across the data-parallel replicas, which must be bit-identical (DDP, ZeRO-1/2: the
+    data-parallel group, ``process_group``; FSDP2 HSDP: the mesh's replicate dimension): a device-side
+    fingerprint per tensor, one all-gather, the verdict decoded by the reporter thread; a disagreement is
+    an incident of class ``replica_divergence`` (``nanwatch.hooks.remedies.replica_check``; docs/distributed.md,
+    "Replicas that must agree"). 0: off. The default keeps the amortised cost under 0.5 % of a step
+    (``nanwatch bench replica``, docs/benchmarks.md). Must be the same on every rank (a collective)."""
+
+    replica_repair: bool = False
+    """When the replica check finds a disagreement and a majority of replicas agrees, broadcast the majority's
+    tensors to the others and check again (``Incident.repaired``); without a majority (two replicas, a tie)
+    repair is impossible and the incident says so. Costs one host read of the verdict per check."""
 
     rerun: bool | None = None
     """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.remedies.rerun``).
@@ -371,6 +386,8 @@ def _check_spikes(c: MonitorConfig) -> None:
 
 
 def _check_remedies(c: MonitorConfig) -> None:
+    if not (isinstance(c.replica_check_every, int) and c.replica_check_every >= 0):
+        raise ValueError(f"replica_check_every must be an int >= 0 (0: off), got {c.replica_check_every!r}")
     if c.guard not in ("auto", "off"):
         raise ValueError(f"guard must be 'auto' or 'off', got {c.guard!r}")
     if c.process_group is not None and not (torch.distributed.is_available()

@@ -16,7 +16,9 @@
 * ``nanwatch bench fingerprint [options]``: the weight fingerprint of a model-sized set of tensors, as a
   ratio to one AdamW step on them (:mod:`nanwatch.bench.fingerprint_cost`);
 * ``nanwatch bench spikes [options]``: the spike baseline's reporter-thread time per report, next to a step
-  (:mod:`nanwatch.bench.spike_cost`).
+  (:mod:`nanwatch.bench.spike_cost`);
+* ``nanwatch bench replica [options]``: what the replica check costs a data-parallel step, per check and
+  amortised at the default ``replica_check_every`` (:mod:`nanwatch.bench.replica`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -59,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import spike_cost
 
         return spike_cost.main(argv[1:])
+    if argv[:1] == ["replica"]:
+        from nanwatch.bench import replica
+
+        return replica.main(argv[1:])
     from nanwatch.bench import step
 
     return step.main(argv)

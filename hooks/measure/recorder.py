@@ -113,6 +113,9 @@ class StepState:
     #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
     #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
     loss_scaling: bool = False
+    #: the replica check ran in this step: its layout (``nanwatch.hooks.remedies.replica_check.ReplicaLayout``),
+    #: which names the verdict in the step's slots
+    replica: object = None
 
 
 class Recorder:

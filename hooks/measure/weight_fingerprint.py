@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "fingerprint", "fingerprint_sums", "multipliers"]
+__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "fingerprint", "fingerprint_rows", "fingerprint_sums", "multipliers"]
 
 #: the 32-bit words of one block (one position multiplier each): part of the definition
 BLOCK = 1 << 16
@@ -132,6 +132,16 @@ def fingerprint_sums(t: torch.Tensor, *, chunk_elements: int = DEFAULT_CHUNK_ELE
             w = multipliers(start // BLOCK, sums.numel(), block_seed, device)
             total[lane] += (sums * w).sum()
     return total
+
+
+def fingerprint_rows(tensors: Iterable[torch.Tensor], device: torch.device, *,
+                     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """The lane sums of each tensor, as one int64 ``[P, 2]`` tensor on ``device`` (device ops only, no host
+    read): what the replica check compares across ranks (``nanwatch.hooks.remedies.replica_check``). A row
+    plus the dtype-and-shape hash is the tensor's ``fingerprint`` value; replicas compare tensors of one
+    layout, so the rows alone decide. Every tensor must be on ``device`` (no copy is made here)."""
+    rows = [fingerprint_sums(t, chunk_elements=chunk_elements) for t in tensors]
+    return torch.stack(rows) if rows else torch.zeros((0, 2), dtype=torch.int64, device=device)
 
 
 def _meta(t: torch.Tensor) -> tuple[int, int]:

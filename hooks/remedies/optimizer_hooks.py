@@ -23,6 +23,7 @@ from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.spikes import SpikeDetector, SpikeSkip
 from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
+from nanwatch.hooks.remedies.replica_check import ReplicaCheck
 from nanwatch.hooks.remedies.weight_guard import (
     WeightGuard,
     drop_grads_if_flagged,
@@ -65,6 +66,7 @@ class OptimizerHooks:
         self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
         self._discovery: OptimizerDiscovery | None = None
         self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
+        self.replicas: ReplicaCheck | None = None  # on the first optimizer covered (replica_check_every)
         self._handles: list = []
         #: ``spike_action="skip"``: the open step's spike check, shared by every guard (None: not asked)
         self._spike_skip = SpikeSkip(rec, SpikeDetector(factor=config.spike_factor, window=config.spike_window,
@@ -90,6 +92,7 @@ class OptimizerHooks:
         self._weight_guards.append(g)
         self._handles.append(g)
         self.check(optimizer)
+        self._check_replicas(g.optimizer)
         if self._rerun_tap is not None:
             self._rerun_tap.keep_forward_inputs(self.effective)
         return g
@@ -103,6 +106,15 @@ class OptimizerHooks:
         check = OptimizerCheck(opt, rec=self._rec, names={id(p): n for n, p in model.named_parameters()})
         self._checks[id(opt)] = check
         self._handles.append(check)
+        self._check_replicas(opt)
+
+    def _check_replicas(self, optimizer: torch.optim.Optimizer) -> None:
+        """The replica check on the first optimizer covered (``replica_check_every``): every rank covers the
+        same optimizer at the same point (attach, or its first step), so its collectives are issued alike."""
+        if self.replicas is None and self._config.replica_check_every:
+            self.replicas = ReplicaCheck(optimizer, model=self._model, rec=self._rec, config=self._config,
+                                         optimizers=self.optimizers, warn=self._warn)
+            self._handles.append(self.replicas)
 
     def found(self, optimizer: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None
               ) -> tuple[tuple, dict] | None:

@@ -16,6 +16,7 @@ from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_in
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
+from nanwatch.hooks.remedies.replica_check import replica_incident
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]
@@ -62,6 +63,11 @@ class ReportBuilder:
             stats.step_skipped or (state.loss_scaling and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
         warns.extend(told)
         incident = self._optimizer_incident(stats, state.incident, step, overflow=overflow)
+        replicas = replica_incident(state.replica, stats.slot, step)  # type: ignore[arg-type]
+        if replicas is not None:
+            log.warning("nanwatch: step %d: replicas diverged: %s; first differing: %s", step, replicas.note,
+                        ", ".join(replicas.params))
+            incident = incident or replicas  # the rerun's or optimizer's verdict, when the same step has one
         for f in stats.fingerprints:
             if f.cross_doc_leak:
                 warns.append(f"forward {f.forward}: packed sequences (position_ids restart) ran with plain "

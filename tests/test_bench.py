@@ -58,6 +58,36 @@ def test_variant_subset_always_keeps_bare(tmp_path):
     assert list(json.loads(out.read_text())["variants"]) == ["bare", "nanwatch"]
 
 
+def test_sdpa_backend_math_runs_every_step_on_the_math_kernel(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, "--variants", "nanwatch", "--sdpa-backend", "math", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["config"]["sdpa_backend"] == "math" and list(results["variants"]) == ["bare", "nanwatch"]
+    assert "attention on math sdpa" in capsys.readouterr().out
+    with bench.sdpa_context("math"):  # what each timed step runs under
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()  # and only those
+
+
+@pytest.mark.parametrize("backend", ["efficient", "cudnn"])
+def test_a_backend_without_a_kernel_for_the_step_is_reported_not_a_crash(backend, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA these backends have kernels: the CPU is the machine without one")
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, "--sdpa-backend", backend, "--json", str(out)]) == 4
+    results = json.loads(out.read_text())
+    assert results["variants"] == {} and f"sdpa backend {backend!r} cannot run this step on cpu" in results["unavailable"]
+    assert results["unavailable"] in capsys.readouterr().out
+
+
+def test_an_unknown_sdpa_backend_is_refused():
+    with pytest.raises(SystemExit):
+        bench.main([*TINY, "--sdpa-backend", "nope"])
+    with pytest.raises(ValueError, match="sdpa_backend"):
+        bench.BenchConfig(sdpa_backend="nope")
+
+
 _BAD = [["--layers", "0"], ["--heads", "3", "--kv-heads", "2"], ["--variants", "nope"]]
 if not torch.cuda.is_available():
     _BAD.append(["--device", "cuda"])

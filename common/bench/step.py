@@ -39,9 +39,12 @@ import torch
 
 from nanwatch.bench.floor import Floor
 
-__all__ = ["BenchConfig", "VARIANTS", "main", "run"]
+__all__ = ["SDPA_BACKENDS", "BenchConfig", "VARIANTS", "main", "run", "sdpa_context"]
 
 VARIANTS = ("bare", "aminmax_floor", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
+#: ``--sdpa-backend``: the name -> ``torch.nn.attention.SDPBackend`` member (None: torch's own choice)
+SDPA_BACKENDS = {"default": None, "math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -98,6 +101,12 @@ class BenchConfig:
     variants: tuple[str, ...] = VARIANTS
     """Which variants to run; ``bare`` is always included (everything is relative to it)."""
 
+    sdpa_backend: str = "default"
+    """The attention kernel every variant's step runs on: ``default`` (torch picks), or ``math``, ``flash``,
+    ``efficient``, ``cudnn`` (each step under ``torch.nn.attention.sdpa_kernel`` of that one backend). A
+    backend that cannot run this step (this device, dtype or shape) is reported as unavailable, not a crash:
+    on a CPU ``flash`` runs torch's CPU flash kernel; ``efficient`` and ``cudnn`` have no CPU kernel."""
+
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
@@ -117,6 +126,8 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         self.variants = ("bare",) + tuple(v for v in VARIANTS[1:] if v in self.variants)
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {list(SDPA_BACKENDS)}, got {self.sdpa_backend!r}")
 
 
 @dataclass(slots=True)
@@ -218,6 +229,30 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
     return [table[name] for name in cfg.variants]
 
 
+def sdpa_context(name: str) -> contextlib.AbstractContextManager:
+    """``sdpa_kernel`` of the one backend ``name`` names (``default``: no restriction)."""
+    member = SDPA_BACKENDS[name]
+    if member is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, member))
+
+
+def unavailable(cfg: BenchConfig, model, opt, ids) -> str | None:
+    """Why this step cannot run on ``cfg.sdpa_backend`` (one untimed bare step under it), or None."""
+    if cfg.sdpa_backend == "default":
+        return None
+    try:
+        with sdpa_context(cfg.sdpa_backend):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except RuntimeError as exc:  # "No available kernel. Aborting execution." and the reasons torch warned
+        return f"sdpa backend {cfg.sdpa_backend!r} cannot run this step on {cfg.device}: {str(exc).splitlines()[0]}"
+    finally:
+        opt.zero_grad(set_to_none=True)
+    return None
+
+
 def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *, record: bool) -> None:
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     times: list[float] = []
@@ -226,7 +261,7 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
             opt.zero_grad(set_to_none=True)
             sync()
             t0 = time.perf_counter()
-            with variant.step(i):
+            with sdpa_context(cfg.sdpa_backend), variant.step(i):
                 out = model(input_ids=ids, labels=ids, use_cache=False)
                 out.loss.backward()
                 opt.step()  # inside the step: the weight guard reads this step's flag
@@ -238,12 +273,18 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
 
 
 def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
-    """Run the benchmark; returns the results as a JSON-ready dict."""
+    """Run the benchmark; returns the results as a JSON-ready dict (with ``unavailable``, the reason, and no
+    variants when ``cfg.sdpa_backend`` cannot run this step)."""
     prev_threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
         model, opt, ids = _build(cfg)
+        why = unavailable(cfg, model, opt, ids)
+        if why is not None:
+            log(f"nanwatch bench: {why}")
+            return {"config": asdict(cfg), "machine": _machine(cfg), "params": sum(p.numel() for p in model.parameters()),
+                    "unavailable": why, "variants": {}}
         floor = Floor(model)
         variants = _variants(cfg, model, opt, floor)
         log(_describe(cfg, model))
@@ -264,7 +305,7 @@ def _describe(cfg: BenchConfig, model: torch.nn.Module) -> str:
     return (f"nanwatch bench: tiny Qwen3 (sdpa) {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads / "
             f"{cfg.kv_heads} kv heads x head_dim {cfg.head_dim}, intermediate {cfg.intermediate}, vocab "
             f"{cfg.vocab}, {params / 1e6:.2f}M params; batch {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}, "
-            f"AdamW; {cfg.device}, torch threads {torch.get_num_threads()}; {cfg.repeats} rounds x "
+            f"AdamW; attention on {cfg.sdpa_backend} sdpa; {cfg.device}, torch threads {torch.get_num_threads()}; {cfg.repeats} rounds x "
             f"{cfg.steps} steps per variant (+{cfg.warmup} warmup)")
 
 
@@ -293,15 +334,18 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant],
         vs_floor = rows["nanwatch"]["paired_added_ms"] / floor["ms"]
     return {
         "config": asdict(cfg),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "cuda_device": torch.cuda.get_device_name()
-                    if cfg.device == "cuda" else None},
+        "machine": _machine(cfg),
         "params": sum(p.numel() for p in model.parameters()),
         "variants": rows,
         "nanwatch_added_vs_debug_added": key,
         "floor": floor,
         "nanwatch_added_vs_floor": vs_floor,
     }
+
+
+def _machine(cfg: BenchConfig) -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "cuda_device": torch.cuda.get_device_name() if cfg.device == "cuda" else None}
 
 
 def format_table(results: dict) -> str:
@@ -335,6 +379,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), dest=name)
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (bare always runs)")
+    p.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=list(SDPA_BACKENDS), dest="sdpa_backend",
+                   help="run every step on this attention kernel (exit 4 when it cannot run this step)")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON here")
     return p
 
@@ -349,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanwatch bench: {exc}")
         return 2
     results = run(cfg)
-    print(format_table(results))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
+    if "unavailable" in results:
+        return 4
+    print(format_table(results))
     return 0
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from support import Mixer, tiny_qwen3
+from support import Mixer, free_port, tiny_qwen3
 
 import nanwatch
 
@@ -110,3 +115,27 @@ def test_the_weight_guard_adds_zero_host_syncs():
             r = mon.last_report()
             unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
             assert r.step_skipped is (n == 2) and unchanged is (n == 2), (n, r.step_skipped, unchanged)
+
+
+@cuda
+def test_a_job_reported_guarded_step_with_the_capsule_idle_and_rlhf_makes_zero_host_syncs(tmp_path):
+    """Two ranks on one GPU (gloo, torchrun): report_scope="job" (the reporter thread's reduction), the weight
+    guard on a fused AdamW, the capsule on and idle, rlhf() with the rollout, every step under sync-debug
+    "error" (gpu_job_worker.py says what this leaves to a two-GPU machine: the guard's flag reduction)."""
+    worker = Path(__file__).with_name("gpu_job_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(worker), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["sync_debug_caught_item"], "set_sync_debug_mode('error') did not catch a deliberate .item()"
+        assert r["errors"] == [], r["errors"]
+        assert r["capsule_files"] == [], r["capsule_files"]  # clean steps: the capsule stays idle
+        for n, rep in r["own"].items():
+            assert rep["first_offender"] is None and rep["step_skipped"] is False, (r["rank"], n)
+            assert rep["rlhf"]["tokens"] > 0 and rep["rlhf"]["rollout"]["tokens"] == rep["rlhf"]["tokens"]
+    jobs = [p for p in ranks[0]["posts"] if p["scope"] == "job"]  # rank 0 posts the job's reports
+    assert sorted({p["step"] for p in jobs}) == [0, 1, 2, 3] and all(p["ranks_reporting"] == 2 for p in jobs)
+    pooled = sum(r["own"]["0"]["rlhf"]["tokens"] for r in ranks)
+    assert next(p for p in jobs if p["step"] == 0)["rlhf"]["tokens"] == pooled  # both ranks' tokens, pooled

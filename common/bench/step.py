@@ -39,7 +39,7 @@ import torch
 
 from nanwatch.bench.floor import Floor
 
-__all__ = ["BenchConfig", "VARIANTS", "main", "run"]
+__all__ = ["BenchConfig", "VARIANTS", "build", "main", "run"]
 
 VARIANTS = ("bare", "aminmax_floor", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -140,7 +140,8 @@ def lm_step(mon, model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
     return step
 
 
-def _build(cfg: BenchConfig):
+def build(cfg: BenchConfig):
+    """The model of ``cfg`` (a tiny Qwen3, sdpa), its fused AdamW and a batch of token ids."""
     from nanwatch.bench.tiny_models import tiny_qwen3
 
     model = tiny_qwen3(
@@ -243,7 +244,7 @@ def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        model, opt, ids = _build(cfg)
+        model, opt, ids = build(cfg)
         floor = Floor(model)
         variants = _variants(cfg, model, opt, floor)
         log(_describe(cfg, model))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 import torch
@@ -299,3 +300,56 @@ def test_fingerprint_mode_times_the_weight_fingerprint_against_adamw(capsys, tmp
     assert {"fingerprint_s", "adamw_s", "adamw_fused_s", "ratio_to_adamw", "ratio_to_adamw_fused"} <= set(result)
     assert "fingerprint / adamw" in capsys.readouterr().out
     assert main(["fingerprint", "--rounds", "0"]) == 2
+
+
+_PROFILE_TINY = TINY[:TINY.index("--repeats")] + TINY[TINY.index("--repeats") + 2:]
+
+
+def test_profile_measures_every_component_against_defaults(tmp_path, capsys):
+    """``nanwatch bench profile``: every component arm runs interleaved with bare and defaults, each paired per
+    round; the reporter thread's CPU and the hand-over are measured; nothing stays attached."""
+    from nanwatch.bench import main as bench_main
+    from nanwatch.bench import profile
+
+    out = tmp_path / "profile.json"
+    tiny = _PROFILE_TINY
+    assert bench_main(["profile", *tiny, "--rounds", "2", "--dtype", "fp32", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert list(r["arms"]) == list(profile.ARMS)
+    for name, arm in r["arms"].items():
+        assert len(arm["round_ms"]) == 2 and all(t > 0 for t in arm["round_ms"]), name
+        if name != "bare":  # each nanwatch arm: its reporter thread's CPU and the training thread's hand-over
+            for key in ("step_end_ms", "capture_ms", "reporter_ms"):
+                assert len(arm[key]) == 2 and all(t > 0 for t in arm[key]), (name, key)
+            assert all(c < e for c, e in zip(arm["capture_ms"], arm["step_end_ms"], strict=True)), name
+    comps = r["components"]
+    assert list(comps) == ["total", *profile.COMPONENTS, "exact_logit"]
+    d, b = r["arms"]["defaults"]["round_ms"], r["arms"]["bare"]["round_ms"]
+    assert comps["total"]["added_ms"] == pytest.approx(statistics.median(x - y for x, y in zip(d, b, strict=True)))
+    off = r["arms"]["grads_off"]["round_ms"]  # a component's cost: defaults minus the arm without it
+    assert comps["grads_off"]["added_ms"] == pytest.approx(statistics.median(x - y for x, y in zip(d, off, strict=True)))
+    assert comps["grads_off"]["pct_of_bare"] == pytest.approx(100 * comps["grads_off"]["added_ms"] / r["bare_ms"])
+    assert comps["exact_logit"]["amortised_ms"] == pytest.approx(comps["exact_logit"]["added_ms"] / 100)
+    assert r["config"]["dtype"] == "fp32" and "fp32: bare step" in printed
+    for name in profile.COMPONENTS:
+        assert re.search(rf"^{name}\s+[+-]\d", printed, re.M), name
+    from nanwatch.hooks.instrument import patching
+
+    assert not patching.is_installed() and F.scaled_dot_product_attention is patching.ORIGINAL_SDPA
+    from nanwatch.hooks.report.reporter import Reporter
+
+    assert Reporter.capture.__qualname__ == "Reporter.capture"  # the timing wrapper is gone
+
+
+def test_profile_arm_subset_and_bad_options(tmp_path, capsys):
+    from nanwatch.bench import profile
+
+    out = tmp_path / "p.json"
+    tiny = _PROFILE_TINY
+    assert profile.main([*tiny, "--rounds", "1", "--arms", "spikes_off", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert list(r["arms"]) == ["bare", "defaults", "spikes_off"] and list(r["components"]) == ["total", "spikes_off"]
+    assert profile.main([*tiny, "--arms", "nope"]) == 2
+    assert profile.main([*tiny, "--layers", "0"]) == 2
+    assert "nanwatch bench profile:" in capsys.readouterr().out

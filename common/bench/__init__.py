@@ -18,7 +18,9 @@
 * ``nanwatch bench spikes [options]``: the spike baseline's reporter-thread time per report, next to a step
   (:mod:`nanwatch.bench.spike_cost`);
 * ``nanwatch bench replica [options]``: what the replica check costs a data-parallel step, per check and
-  amortised at the default ``replica_check_every`` (:mod:`nanwatch.bench.replica`).
+  amortised at the default ``replica_check_every`` (:mod:`nanwatch.bench.replica`);
+* ``nanwatch bench profile [options]``: where nanwatch's added time per step goes, one arm per component
+  turned off, for bf16 and fp32 (:mod:`nanwatch.bench.profile`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -61,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import spike_cost
 
         return spike_cost.main(argv[1:])
+    if argv[:1] == ["profile"]:
+        from nanwatch.bench import profile
+
+        return profile.main(argv[1:])
     if argv[:1] == ["replica"]:
         from nanwatch.bench import replica
 

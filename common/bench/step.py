@@ -39,7 +39,7 @@ import torch
 
 from nanwatch.bench.floor import Floor
 
-__all__ = ["SDPA_BACKENDS", "BenchConfig", "VARIANTS", "main", "run", "sdpa_context"]
+__all__ = ["SDPA_BACKENDS", "BenchConfig", "VARIANTS", "build", "main", "run", "sdpa_context"]
 
 VARIANTS = ("bare", "aminmax_floor", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
 #: ``--sdpa-backend``: the name -> ``torch.nn.attention.SDPBackend`` member (None: torch's own choice)
@@ -151,7 +151,8 @@ def lm_step(mon, model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.
     return step
 
 
-def _build(cfg: BenchConfig):
+def build(cfg: BenchConfig):
+    """The model of ``cfg`` (a tiny Qwen3, sdpa), its fused AdamW and a batch of token ids."""
     from nanwatch.bench.tiny_models import tiny_qwen3
 
     model = tiny_qwen3(
@@ -279,7 +280,7 @@ def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        model, opt, ids = _build(cfg)
+        model, opt, ids = build(cfg)
         why = unavailable(cfg, model, opt, ids)
         if why is not None:
             log(f"nanwatch bench: {why}")

@@ -147,7 +147,8 @@ class MonitorConfig:
 
     optimizer_check: bool = True
     """After every step of an optimizer nanwatch found (passed or discovered), check the parameters it
-    just wrote: one ``torch._foreach_norm(ord=inf)`` over the parameters that had a gradient, on the device
+    just wrote: the largest |x| of each parameter that had a gradient, on the device (``_foreach_norm(ord=inf)``;
+    on the CPU one ``aminmax`` each)
     (``nanwatch.hooks.measure.optimizer_check``). A value born in the update (fp16 AdamW's eps underflow, a
     huge learning rate) is then named at the step it happened (site kind ``param``, pass ``optimizer``),
     with an incident of class ``optimizer``, instead of at the next forward it poisons."""

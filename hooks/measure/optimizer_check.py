@@ -9,8 +9,9 @@ different parameter each step. A weight guard cannot help (it decides before the
 
 How: a step post-hook on the optimizer (``Optimizer.register_step_post_hook``: it runs after the real
 update, and not at all when the weight guard or a GradScaler skipped the call) takes the parameters that
-had a gradient (the ones a ``torch.optim`` optimizer updates) and computes ``torch._foreach_norm(params,
-ord=inf)`` per (device, dtype): one multi-tensor kernel on CUDA, one read of each parameter; the largest
+had a gradient (the ones a ``torch.optim`` optimizer updates) and computes their largest |x| per (device,
+dtype): ``torch._foreach_norm(params, ord=inf)``, one multi-tensor kernel on CUDA, or on the CPU one
+``aminmax`` each (14x cheaper there, :func:`_largest_abs`); one read of each parameter; the largest
 magnitude of a parameter is NaN or Inf exactly when the parameter holds one. The per-parameter values stay
 on the device as a :class:`ParamBatch` of the step (no host sync); the report decodes them on the reporter
 thread, and only the non-finite ones become sites (kind ``param``, phase ``optimizer``; the first
@@ -53,6 +54,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (as ``nanwatch.hooks.instrument.probes.local_shard``; not imported from there:
     the probes import the recorder, which imports this module)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _largest_abs(group: list[torch.Tensor]) -> torch.Tensor:
+    """The largest |x| of each tensor of ``group`` (one device and dtype), NaN where it holds a NaN, stacked:
+    ``_foreach_norm(ord=inf)`` (one fused kernel) on an accelerator; on the CPU one ``aminmax`` each, which
+    measured 14x cheaper there (0.61 against 8.4 ms a step for a 5.2M-parameter bf16 tiny Qwen3's 47 tensors,
+    2-core AMD EPYC, torch 2.13: the foreach norm was 4 % of that model's step)."""
+    zero = group[0].new_zeros(())  # an empty parameter holds nothing non-finite (neither op takes one)
+    if group[0].device.type == "cpu":
+        low, high = zip(*(torch.aminmax(t) if t.numel() else (zero, zero) for t in group), strict=True)
+        return torch.maximum(torch.stack(high), -torch.stack(low))
+    full = [t for t in group if t.numel()]
+    norms = iter(torch._foreach_norm(full, ord=math.inf) if full else ())
+    return torch.stack([next(norms) if t.numel() else zero for t in group])
 
 
 #: Non-finite parameters of one batch named as sites in a report (the rest are counted).
@@ -205,14 +220,13 @@ class OptimizerCheck:
             contained(self._check)
 
     def _check(self) -> None:
-        """Device ops only: one ``_foreach_norm`` per (device, dtype) of the updated parameters."""
+        """Device ops only: the largest |x| of each updated parameter (:func:`_largest_abs`), per (device, dtype)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]
                   if p.grad is not None and p.is_floating_point()]
         if not params:
             return
         groups, meta = self._layout_of(params)
-        parts = [torch.stack(torch._foreach_norm([_local(p).detach() for p in group], ord=math.inf))
-                 for group in groups]
+        parts = [_largest_abs([_local(p).detach() for p in group]) for group in groups]
         batch = ParamBatch(
             pos=0, phase="optimizer", owner=self._owner, names=meta["names"], dtypes=meta["dtypes"],
             numels=meta["numels"],

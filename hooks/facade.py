@@ -263,18 +263,23 @@ class Monitor(OldDirectivesName):
         return publish_weights(self.config, self._model() if weights is None else weights, version, rank=self.rank,
                                warn=self._warn_once, gather=gather)
 
-    def rlhf(self, *, logprobs: torch.Tensor, mask: torch.Tensor | None = None, clip_eps: float = 0.2,
-             kl_optimised: str | None = None, rollout_cap: float | None = None, **tensors: Any) -> None:
-        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device; ``tensors``:
-        ``ref_logprobs``, ``old_logprobs``, ``advantages`` (per token, or per sequence as GRPO's),
-        ``rollout_logprobs`` (the sampler's, of the same tokens: compared with ``logprobs``, truncation cap
-        ``rollout_cap`` or ``config.rollout_cap``), ``input_ids`` and ``attention_mask`` (prompt and completion:
-        for the attribution). ``kl_optimised``: the KL the loss uses (``k1``, ``k3`` or ``k3_ratio``)."""
+    def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+             old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None,
+             rollout_logprobs: torch.Tensor | None = None, rollout_cap: float | None = None,
+             input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> None:
+        """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device. ``advantages``: per
+        token, or per sequence as GRPO's; ``kl_optimised``: the KL the loss uses (``k1``, ``k3``, ``k3_ratio``).
+        ``rollout_logprobs``: the sampler's, of the same tokens, compared with ``logprobs`` (truncation cap
+        ``rollout_cap``, default ``config.rollout_cap``); ``input_ids`` (prompt then completion) and
+        ``attention_mask`` let a drift be attributed to a module."""
         if self._active and not torch.compiler.is_compiling():
             contained(self._remedies.keep_rollout, rlhf_probe(
                 self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,
-                clip_eps=clip_eps, kl_optimised=kl_optimised, rollout_cap=rollout_cap or self.config.rollout_cap,
-                **tensors))
+                ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, advantages=advantages, clip_eps=clip_eps,
+                kl_optimised=kl_optimised, rollout_logprobs=rollout_logprobs,
+                rollout_cap=rollout_cap or self.config.rollout_cap, input_ids=input_ids,
+                attention_mask=attention_mask))
 
 
 def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str | None = None,

@@ -185,7 +185,7 @@ def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = F
         by_device.setdefault(full.device, []).append((len(names) - 1, fingerprint_sums(full, chunk_elements=chunk_elements)))
     values: list[list[int]] = [[]] * len(names)
     for found in by_device.values():  # the host read: once per device the tensors are on
-        for (i, _), lane_sums in zip(found, torch.stack([s for _, s in found]).tolist(), strict=True):
+        for (i, _), lane_sums in zip(found, torch.stack([s for _, s in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
             values[i] = lane_sums
     return {name: "".join(f"{(s + m) & _M64:016x}" for s, m in zip(lane_sums, meta, strict=True))
             for name, lane_sums, meta in zip(names, values, metas, strict=True)}

@@ -56,13 +56,14 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.9"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.10"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
 #                                        1.7 Incident.capsule (where the incident capsule was written)
 #                                        1.8 rollout mismatch (RlhfStat.rollout, rollout_events, attribution)
 #                                        1.9 replica_divergence incidents (ranks, hosts, params), spikes
+#                                        1.10 Coverage.coarse_skipped (coarse sites one step in coarse_every)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -329,6 +330,10 @@ class Coverage(_Wire):
         "counted again (their saved log-sum-exp is where the logit bound is read)")
     logits: bool = Field(False, description="the output head's logits were measured in a training forward")
     params_checked: Count = Field(0, description="parameter and optimizer-state tensors checked at step start")
+    coarse_skipped: bool = Field(
+        False, description="the coarse localisation sites (block parts, norms, embeddings) were not measured in "
+        "this step: they are measured one step in coarse_every, and every step for a while after a non-finite "
+        "value or a spike; the attention sites, the logits and the parameters are measured every step")
     unmeasured: Annotated[list[Unmeasured], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
 
 

@@ -1,11 +1,13 @@
 """The floor of ``nanwatch bench``: the least a hook-based monitor that reads each monitored tensor once
 can cost.
 
-Plain PyTorch hooks on the same modules nanwatch measures (attention, the output head and the coarse
-localisation sites) do one ``torch.aminmax`` of each output in forward and of its gradient in backward,
-attention modules one more of their input (nanwatch reads each call's query too), and every step one
-``aminmax`` of the same rotating share of the parameters (a tensor met twice in a row is read once, as
-nanwatch does). Nothing is kept, decoded or reported.
+Plain PyTorch hooks on the same modules nanwatch measures (attention, the output head and, one step in
+``coarse_every``, the coarse localisation sites) do one ``torch.aminmax`` of each output in forward and of
+its gradient in backward, attention modules one more of their input (nanwatch reads each call's query too);
+every step one ``aminmax`` of the same rotating share of the parameters, and after each optimizer step one
+of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
+nanwatch does. Nothing is kept, decoded or reported: these are the reads nanwatch's defaults promise, and
+their time is the least any monitor that makes the same promises can cost.
 
 The floor is the time spent in those reads, summed per step with a clock around each (and a device sync
 on CUDA): read where nanwatch reads, with the caches as the step leaves them, in the same interleaved
@@ -33,11 +35,17 @@ class Floor:
     """``round()`` attaches the floor's hooks for a round; ``step()`` reads this step's parameter share.
     ``reads`` counts the tensors read in the last step; ``step_ms`` is each step's time spent reading."""
 
-    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 8, coarse_every: int = 4,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.every = param_check_every
+        self.coarse_every = coarse_every
+        self.optimizer = optimizer
+        self._steps = 0  # steps so far: the coarse sites are read in those whose count coarse_every divides
+        self._coarse_on = True
         self.reads = 0
         self.step_ms: list[float] = []
+        self.step_reads: list[int] = []
         self._seconds = 0.0
         self._sweep = 0
         self._last: Callable[[], torch.Tensor | None] = lambda: None
@@ -45,12 +53,13 @@ class Floor:
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def summary(self) -> dict:
-        """The floor: median milliseconds a step spends reading, and the reads a step."""
-        return {"ms": statistics.median(self.step_ms) if self.step_ms else 0.0, "reads": self.reads,
-                "steps": len(self.step_ms)}
+        """The floor: the mean milliseconds a step spends reading, and the mean reads a step (means: with
+        ``coarse_every`` one step in that many reads more than the others, which a median would hide)."""
+        return {"ms": statistics.fmean(self.step_ms) if self.step_ms else 0.0,
+                "reads": statistics.fmean(self.step_reads) if self.step_reads else 0.0, "steps": len(self.step_ms)}
 
-    def _modules(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-        """(attention modules, every other measured module), chosen as ``Monitor`` chooses them."""
+    def _modules(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:
+        """(attention modules, the output head, the coarse sites), chosen as ``Monitor`` chooses them."""
         model = self.model
         fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         hits = [(n, m) for n, m in model.named_modules() if default_is_attention(n, m)]
@@ -58,8 +67,7 @@ class Floor:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         others = [head] if isinstance(head, torch.nn.Module) else []
         skip = {id(m) for m in attn + others}
-        others += [m for _, _, m in coarse_sites(model, fqns, skip)]
-        return attn, others
+        return attn, others, [m for _, _, m in coarse_sites(model, fqns, skip)]
 
     def _read(self, x) -> None:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
@@ -79,14 +87,28 @@ class Floor:
         if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(self._read)
 
+    def _coarse(self, module, args, output) -> None:
+        if self._coarse_on:
+            self._output(module, args, output)
+
     def _input(self, module, args, kwargs) -> None:
         self._read(first_tensor(args) if args else kwargs.get("hidden_states"))
 
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._read(p)
+
     @contextlib.contextmanager
     def round(self) -> Iterator[None]:
-        attn, others = self._modules()
+        attn, head, coarse = self._modules()
         handles = [m.register_forward_pre_hook(self._input, with_kwargs=True) for m in attn]
-        handles += [m.register_forward_hook(self._output) for m in attn + others]
+        handles += [m.register_forward_hook(self._output) for m in attn + head]
+        handles += [m.register_forward_hook(self._coarse) for m in coarse]
+        if self.optimizer is not None:
+            handles.append(self.optimizer.register_step_post_hook(self._after_update))
         try:
             yield
         finally:
@@ -96,6 +118,8 @@ class Floor:
     @contextlib.contextmanager
     def step(self, _: int) -> Iterator[None]:
         self.reads, self._seconds = 0, 0.0
+        self._coarse_on = self.coarse_every <= 1 or self._steps % self.coarse_every == 0
+        self._steps += 1
         params = list(self.model.parameters())
         share = -(-len(params) // self.every)
         start = self._sweep % len(params)
@@ -104,3 +128,4 @@ class Floor:
             self._read(p)
         yield
         self.step_ms.append(self._seconds * 1e3)
+        self.step_reads.append(self.reads)

@@ -3,19 +3,24 @@
 One process, one model, one optimizer; variants of the same step, interleaved round-robin so that
 drift (thermal, allocator, other load) hits every variant alike:
 
-* ``bare``: forward, backward, AdamW step;
+* ``bare``: forward, the next-token logprobs from the logits (``log_softmax`` and ``gather``; the loss is
+  their negative mean, the work of HF's own loss), backward, AdamW step;
 * ``aminmax_floor``: plain hooks doing one ``aminmax`` of every tensor nanwatch reads, where it reads
   it, and nothing else (``nanwatch.bench.floor``): the floor;
 * ``nanwatch``: the same inside ``with mon.step(n):`` with ``nanwatch.attach(model, run_id="bench")``
-  at its defaults (step numbers keep counting across rounds, so the exact-logit sampling happens at
-  its real 1-in-``exact_logit_every`` rate);
+  at its defaults, and ``mon.rlhf(logprobs=, old_logprobs=, rollout_logprobs=)`` on the step's logprobs (the
+  RLHF and rollout statistics counted in; the spike baseline runs at its defaults). Step numbers keep counting
+  across rounds, so the exact-logit sampling and the coarse sites' 1 in ``coarse_every`` happen at their
+  real rates;
 * ``nanwatch_guard``: the same with the weight guard on the optimizer (``attach(..., optimizer=opt)``; the
   optimizer is a fused AdamW in every variant, so the guard's cost is the only difference);
 * ``debug_underflow_overflow``: transformers' ``DebugUnderflowOverflow(model)`` (a fresh one per
   round; it keeps no handles, so its hooks are removed from the modules' hook dicts afterwards);
 * ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
 
-Medians of per-step times are reported as a ratio to bare and as added milliseconds. The numbers that
+Per-step times are reported as a ratio to bare and as added milliseconds; a round's figure is the mean of
+its steps (``steps`` a multiple of ``coarse_every``: the steps that read the coarse sites cost more than the
+others, which a median would hide). The numbers that
 matter are nanwatch's added time against DebugUnderflowOverflow's, and against the floor's: one read of
 each monitored tensor and gradient of a step, timed in the same rounds (the least any monitor that reads
 each of them once can cost). Added times are paired: the median over rounds of each round's difference
@@ -71,13 +76,13 @@ class BenchConfig:
     hidden: int = 256
     """Hidden size; heads x head_dim need not equal it (Qwen3 projects)."""
 
-    heads: int = 4
+    heads: int = 8
     """Query heads."""
 
-    kv_heads: int = 2
+    kv_heads: int = 4
     """Key/value heads (grouped-query attention)."""
 
-    head_dim: int = 64
+    head_dim: int = 32
     """Per-head width."""
 
     intermediate: int = 768
@@ -86,8 +91,9 @@ class BenchConfig:
     vocab: int = 4096
     """Vocabulary size (the lm_head output is batch x seq x vocab)."""
 
-    steps: int = 5
-    """Timed steps per variant per round."""
+    steps: int = 8
+    """Timed steps per variant per round (a multiple of nanwatch's ``coarse_every``, 4, keeps every round's
+    share of coarse-site steps the same)."""
 
     repeats: int = 6
     """Rounds; every round runs every variant once, in a rotated order."""
@@ -135,8 +141,9 @@ class _Variant:
     name: str
     round_: Callable[[], contextlib.AbstractContextManager]  # set up / tear down around one round
     step: Callable[[int], contextlib.AbstractContextManager]  # around forward+backward (+opt step)
+    rlhf: Callable[[torch.Tensor], None] = lambda lp: None  # inside the step, given the step's logprobs
     times_ms: list[float] = field(default_factory=list)
-    round_medians_ms: list[float] = field(default_factory=list)  # one per round, paired with bare's
+    round_means_ms: list[float] = field(default_factory=list)  # one per round, paired with bare's
 
 
 def lm_step(mon, model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Callable[[int], None]:
@@ -201,6 +208,15 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
     def nanwatch_step(_: int):
         return state["mon"].step(next(counter))
 
+    g = torch.Generator().manual_seed(1)
+    # the sampler's logprobs agree with the trainer's to ~1e-4, under the mismatch's drift floor (1e-3): the
+    # clean steady state, no rollout event (and no attribution) in any round
+    noise = (1e-4 * torch.randn(cfg.batch, cfg.seq - 1, generator=g)).to(cfg.device)
+
+    def nanwatch_rlhf(lp: torch.Tensor) -> None:
+        old = lp.detach()
+        state["mon"].rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + noise)
+
     @contextlib.contextmanager
     def debug_round() -> Iterator[None]:
         from transformers.debug_utils import DebugUnderflowOverflow
@@ -222,8 +238,9 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
     table = {
         "bare": _Variant("bare", null, lambda n: null()),
         "aminmax_floor": _Variant("aminmax_floor", floor.round, floor.step),
-        "nanwatch": _Variant("nanwatch", nanwatch_round, nanwatch_step),
-        "nanwatch_guard": _Variant("nanwatch_guard", lambda: nanwatch_round(guard=True), nanwatch_step),
+        "nanwatch": _Variant("nanwatch", nanwatch_round, nanwatch_step, nanwatch_rlhf),
+        "nanwatch_guard": _Variant("nanwatch_guard", lambda: nanwatch_round(guard=True), nanwatch_step,
+                                   nanwatch_rlhf),
         "debug_underflow_overflow": _Variant("debug_underflow_overflow", debug_round, lambda n: null()),
         "detect_anomaly": _Variant("detect_anomaly", null, anomaly_step),
     }
@@ -263,14 +280,16 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
             sync()
             t0 = time.perf_counter()
             with sdpa_context(cfg.sdpa_backend), variant.step(i):
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-                out.loss.backward()
+                logits = model(input_ids=ids, use_cache=False).logits
+                lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                variant.rlhf(lp)
+                (-lp.mean()).backward()
                 opt.step()  # inside the step: the weight guard reads this step's flag
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
     if record:
         variant.times_ms.extend(times)
-        variant.round_medians_ms.append(statistics.median(times))
+        variant.round_means_ms.append(statistics.fmean(times))
 
 
 def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
@@ -286,12 +305,13 @@ def run(cfg: BenchConfig, *, log: Callable[[str], None] = print) -> dict:
             log(f"nanwatch bench: {why}")
             return {"config": asdict(cfg), "machine": _machine(cfg), "params": sum(p.numel() for p in model.parameters()),
                     "unavailable": why, "variants": {}}
-        floor = Floor(model)
+        floor = Floor(model, optimizer=opt)
         variants = _variants(cfg, model, opt, floor)
         log(_describe(cfg, model))
         for v in variants:
             _timed_steps(cfg, model, opt, ids, v, cfg.warmup, record=False)
         floor.step_ms.clear()
+        floor.step_reads.clear()
         for r in range(cfg.repeats):
             k = r % len(variants)  # rotate which variant goes first
             for v in variants[k:] + variants[:k]:
@@ -314,13 +334,13 @@ def _results(cfg: BenchConfig, model: torch.nn.Module, variants: list[_Variant],
     med = {v.name: statistics.median(v.times_ms) for v in variants}
     bare = med["bare"]
     best = {v.name: min(v.times_ms) for v in variants}
-    # Paired: each round of a variant runs next to a round of bare, so the ratio of the two round medians
+    # Paired: each round of a variant runs next to a round of bare, so the ratio of the two round means
     # cancels the slow drifts of a shared machine; the median over rounds is the steadiest figure.
-    bare_rounds = next(v.round_medians_ms for v in variants if v.name == "bare")
-    paired = {v.name: statistics.median(a / b for a, b in zip(v.round_medians_ms, bare_rounds, strict=True))
+    bare_rounds = next(v.round_means_ms for v in variants if v.name == "bare")
+    paired = {v.name: statistics.median(a / b for a, b in zip(v.round_means_ms, bare_rounds, strict=True))
               for v in variants}
     # added time, paired the same way: the median over rounds of each round's difference to bare
-    paired_added = {v.name: statistics.median(a - b for a, b in zip(v.round_medians_ms, bare_rounds, strict=True))
+    paired_added = {v.name: statistics.median(a - b for a, b in zip(v.round_means_ms, bare_rounds, strict=True))
                     for v in variants}
     rows = {v.name: {"median_ms": med[v.name], "ratio": med[v.name] / bare, "added_ms": med[v.name] - bare,
                      "paired_ratio": paired[v.name], "paired_added_ms": paired_added[v.name],
@@ -364,8 +384,9 @@ def format_table(results: dict) -> str:
     floor = results["floor"]
     if floor is not None:
         vs = results["nanwatch_added_vs_floor"]
-        lines.append(f"floor: one aminmax of each of the {floor['reads']} tensors a step reads, where nanwatch reads "
-                     f"them = {floor['ms']:.2f} ms a step (median of {floor['steps']})"
+        lines.append(f"floor: one aminmax of each of the {floor['reads']:.1f} tensors a step reads (mean), where "
+                     f"nanwatch reads them = {floor['ms']:.2f} ms a step (mean of {floor['steps']}; "
+                     f"{100 * floor['ms'] / results['variants']['bare']['median_ms']:.2f} % of bare)"
                      + (f"; nanwatch added time (paired) = {vs:.2f}x the floor" if vs is not None else ""))
     return "\n".join(lines)
 

@@ -153,6 +153,7 @@ def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
     head = _head(model, config)
     return Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=config.grads,
                   exact_every=config.exact_logit_every, exact_chunk_elems=config.exact_logit_chunk_elems,
+                  coarse_every=config.coarse_every,
                   model=model_ref,
                   head=fqns.get(id(head)) if head is not None else None)
 
@@ -195,7 +196,7 @@ def _register(model, outer, cfg: MonitorConfig, probes: Probes, hook) -> None:
         skip = {id(m) for _, m in attn} | ({id(head)} if head_name is not None else set())
         for site, kind, mod in coarse_sites(model, fqns, skip):
             hook(mod.register_forward_hook(partial(hooks.output_hook, site, kind), always_call=True))
-            probes.mark_coarse(mod)
+            probes.mark_coarse(mod, site, kind)
     hook(model.register_forward_pre_hook(hooks.root_pre, with_kwargs=True))
     hook(model.register_forward_hook(hooks.root_post, with_kwargs=True))
     if cfg.fingerprint:

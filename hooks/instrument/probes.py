@@ -43,7 +43,11 @@ from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.wire import SiteKind, SiteName
 
-__all__ = ["Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
+__all__ = ["FULL_AFTER_ALARM", "Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
+
+#: Steps in which every coarse site is measured after a step with a non-finite value or a spike (``alarm``),
+#: whatever ``coarse_every`` says: a value that recurs is then named where it is born.
+FULL_AFTER_ALARM = 16
 
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
@@ -144,7 +148,7 @@ class Probes:
 
     def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
                  exact_every: int, exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None],
-                 head: str | None) -> None:
+                 head: str | None, coarse_every: int = 1) -> None:
         self.rec = rec
         self.directive_state = directive_state
         self.grads = grads
@@ -164,6 +168,13 @@ class Probes:
         self._masks_seen: set[tuple[int, int, int]] = set()
         #: modules whose output is a coarse site (``nanwatch.hooks.measure.structure``)
         self.coarse_ids: set[int] = set()
+        #: each coarse site's kind, by name
+        self.coarse_kinds: dict[str, str] = {}
+        self._coarse_every = coarse_every
+        #: the coarse sites are measured in the open step (``begin_step``; ``coarse_every``)
+        self.coarse_now = True
+        self._full_left = 1  # steps still measuring every coarse site (the first step does)
+        self._alarmed = False  # set by the reporter thread (``alarm``), read at the next step start
         self._in_step = False  # a training step is open (between ``begin_step`` and ``end_step``)
         #: told the stage of each model forward that starts outside any training step (``outside_step``)
         self._outside: Callable[[str], None] | None = None
@@ -219,17 +230,32 @@ class Probes:
         the masks counted so far no longer identify a forward."""
         self._masks_seen.clear()
 
-    def mark_coarse(self, module: torch.nn.Module) -> None:
-        """``module``'s output is a coarse site: an SDPA call it makes itself is named ``<site>.sdpa``."""
+    def mark_coarse(self, module: torch.nn.Module, site: str, kind: str) -> None:
+        """``module``'s output is the coarse site ``site`` of ``kind``: an SDPA call it makes itself is named
+        ``<site>.sdpa``, and its kind is known on steps that do not read it (``coarse_every``)."""
         self.coarse_ids.add(id(module))
+        self.coarse_kinds[site] = kind
 
     def begin_step(self, step: int) -> None:
         """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
         ``exact_logit_every`` steps)."""
         self._in_step = True
         self.sampled = bool(self._exact_every) and step % self._exact_every == 0
+        if self._alarmed:
+            self._alarmed, self._full_left = False, FULL_AFTER_ALARM
+        every = self._coarse_every
+        # without an output head no site is sure to see every forward value: then every coarse site, always
+        self.coarse_now = self.head is None or every <= 1 or step % every == 0 or self._full_left > 0
+        self._full_left = max(self._full_left - 1, 0)
+        if not self.coarse_now and self.coarse_ids:
+            self.rec.cover(coarse_skipped=True)
         self._masks_seen.clear()
         self.rerun.clear()
+
+    def alarm(self) -> None:
+        """Reporter thread: a step held a non-finite value or a spike; from the next step start, every coarse
+        site is measured for ``FULL_AFTER_ALARM`` steps."""
+        self._alarmed = True
 
     def stage(self) -> str:
         """The stage of the forward running now: ``generate`` (inside ``generate()``), ``eval`` (the model in

@@ -24,26 +24,31 @@ class ObservationLog:
     def __init__(self, *, capacity: int = 256) -> None:
         self._capacity = capacity
         self._bufs: dict[BufKey, torch.Tensor] = {}
+        #: each row's (min, max) cells as 0-d views, made once per buffer: indexing a row anew at every call
+        #: cost two ``select`` ops, as much host time as the ``aminmax`` launch itself
+        self._cells: dict[BufKey, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._used: dict[BufKey, int] = {}
 
     def observe(self, x: torch.Tensor) -> tuple[BufKey, int]:
         """Write ``x``'s (min, max) into the next row; returns where (for the host's bookkeeping)."""
         key = (x.device, x.dtype)
         i = self._used.get(key, 0)
-        buf = self._bufs.get(key)
-        if buf is None or i >= buf.shape[0]:
-            buf = self._grow(key, buf)
-        torch.aminmax(x, out=(buf[i, 0], buf[i, 1]))
+        cells = self._cells.get(key)
+        if cells is None or i >= len(cells):
+            cells = self._grow(key)
+        torch.aminmax(x, out=cells[i])
         self._used[key] = i + 1
         return key, i
 
-    def _grow(self, key: BufKey, old: torch.Tensor | None) -> torch.Tensor:
+    def _grow(self, key: BufKey) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        old = self._bufs.get(key)
         rows = self._capacity if old is None else 2 * old.shape[0]
         buf = torch.empty(rows, 2, dtype=key[1], device=key[0])
         if old is not None:
             buf[: old.shape[0]].copy_(old)
         self._bufs[key] = buf
-        return buf
+        cells = self._cells[key] = list(zip(buf[:, 0].unbind(), buf[:, 1].unbind(), strict=True))
+        return cells
 
     def any_nonfinite(self) -> torch.Tensor | None:
         """A 0-d bool device tensor, true when a row so far holds NaN or Inf (None before any row). Device

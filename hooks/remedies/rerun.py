@@ -327,7 +327,9 @@ def _search(model: torch.nn.Module, probes: Probes, directive_state: DirectiveSt
     base = verdict.base
     base.update(drilled)
     if "birth" in base:
-        base["birth_kind"] = kinds.get(base["birth"], "logits" if base["birth"] == probes.head else "module")
+        birth = base["birth"]  # a coarse site the step did not read (coarse_every) has its kind from install
+        base["birth_kind"] = kinds.get(birth) or probes.coarse_kinds.get(birth) or (
+            "logits" if birth == probes.head else "module")
     with directive_state.forced("fp32"):
         fp32 = _run(model, probes, culprit, watch)
     with directive_state.forced("eager_to_sdpa"), sdpa_kernel(SDPBackend.MATH):

@@ -177,7 +177,7 @@ def _train(collector: str) -> dict:
         model.model.layers[0].mlp.register_forward_hook(
             lambda m, a, out: out * math.nan if state["step"] == 3 else out)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        with nanwatch.attach(model, run_id="e2e-nan", collector=collector, optimizer=opt) as mon:
+        with nanwatch.attach(model, run_id="e2e-nan", collector=collector, optimizer=opt, coarse_every=1) as mon:
             for n in range(12):
                 state["step"] = n
                 with mon.step(n):

@@ -98,6 +98,7 @@ FAULTS = ["mlp_output", "post_attention_layernorm_output", "down_proj_weight", "
 
 
 def _run(name: str, impl: str, fault: str, seed: int, **attach):
+    attach.setdefault("coarse_every", 1)  # every step measures every coarse site: what this file pins down
     rng = random.Random(f"{name}/{impl}/{fault}/{seed}")
     layer, step = rng.randrange(LAYERS), rng.randrange(1, STEPS)
     model = _model(name, impl, seed)
@@ -205,3 +206,62 @@ def test_the_collector_keeps_the_incident_with_its_birth(tmp_path):
     assert detail["cls"] == "data_mask" and detail["birth_elements"] > 0
     path = detail["path"]  # the MLP, then its block, every block after it, the final norm, the head
     assert path[:2] == [prefix, f"model.layers.{layer}"] and path[-2:] == ["model.norm", "lm_head"], path
+
+
+def _rotation_run(fault_steps: set[int], *, wait_after: set[int] = frozenset(), **attach):
+    """A tiny Qwen3 at the default ``coarse_every`` (4), layer 0's MLP output NaN at ``fault_steps``; after
+    the steps in ``wait_after`` the test waits for the report (so the alarm it raises is in before the next
+    step starts: in training it lands a step or two later, as the reporter thread gets to it)."""
+    model = _model("qwen3", "sdpa", 0)
+    mlp = model.model.layers[0].mlp
+    mlp.armed = False
+    _poison_output(mlp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="rot", optimizer=opt, directive_source="off",
+                             on_report=step_reports(reports), **attach) as mon:
+            for n in range(9):
+                mlp.armed = n in fault_steps
+                ids = token_ids(seed=n)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                if n in wait_after:
+                    mon.last_report()
+            mon.last_report()
+    return reports
+
+
+def test_coarse_sites_are_read_one_step_in_coarse_every_and_the_rest_every_step():
+    reports = _rotation_run(set())
+    assert [r.step for r in reports] == list(range(9))
+    for r in reports:
+        kinds = {s.kind for s in r.sites}
+        measured = r.step % 4 == 0  # the first step, then every 4th
+        assert r.coverage.coarse_skipped is (not measured), r.step
+        assert ({"mlp", "norm", "block"} <= kinds) is measured, (r.step, kinds)
+        assert {"embedding", "attention", "logits"} <= kinds and r.coverage.params_checked > 0  # every step
+        assert {s.phase for s in r.sites if s.kind == "embedding"} == {"forward", "backward"}
+        assert r.first_offender is None and not r.step_skipped
+    assert reports[1].coverage.sites < reports[0].coverage.sites
+
+
+def test_a_nan_on_a_step_without_coarse_sites_is_still_caught_and_then_every_site_is_read():
+    """Born in layer 0's MLP at step 2 (no coarse site read): named at the next site read after it (layer 1's
+    attention query), the step skipped; the alarm makes the next steps read every coarse site, so the same
+    fault at step 3 is named where it is born."""
+    reports = _rotation_run({2, 3}, wait_after={2})
+    r2, r3 = reports[2], reports[3]
+    assert r2.coverage.coarse_skipped and r2.step_skipped
+    assert (r2.first_offender, r2.first_offender_phase) == ("model.layers.1.self_attn.query", "forward")
+    assert not r3.coverage.coarse_skipped and r3.step_skipped
+    assert (r3.first_offender, r3.first_offender_phase) == ("model.layers.0.mlp", "forward")
+    assert all(not r.coverage.coarse_skipped for r in reports[4:]), "an alarm reads every site for a while"
+
+
+def test_coarse_every_1_reads_every_coarse_site_every_step():
+    reports = _rotation_run(set(), coarse_every=1)
+    assert all(not r.coverage.coarse_skipped and "mlp" in {s.kind for s in r.sites} for r in reports)

@@ -44,7 +44,8 @@ def _run(steps: int = K + 3, *, at: int = K, fault=None, fused: bool = False, **
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="spikes", optimizer=opt, **options) as mon:
+        # every step reads the MLP (the spike's site): with coarse_every its spikes are seen on the steps that read it
+        with nanwatch.attach(model, run_id="spikes", optimizer=opt, **{"coarse_every": 1, **options}) as mon:
             for n in range(steps):
                 undo = _times(model.model.layers[0].mlp, 50.0) if fault == "mlp" and n == at else None
                 before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -116,7 +117,7 @@ def test_500_healthy_steps_with_adamw_dropout_accumulation_and_warmup_have_no_sp
     spiked = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="healthy", optimizer=opt,
+        with nanwatch.attach(model, run_id="healthy", optimizer=opt, coarse_every=1,
                              on_report=lambda r: r.spikes and spiked.append((r.step, r.spikes))) as mon:
             for n in range(500):
                 undo = _times(model.model.layers[0].mlp, 50.0) if n == 450 else None

@@ -120,11 +120,13 @@ class MonitorConfig:
     coarse_every: int = 4
     """Measure the coarse sites (``coarse``) one step in this many (steps whose number it divides), and every
     step for :data:`~nanwatch.hooks.instrument.probes.FULL_AFTER_ALARM` steps after a step with a non-finite
-    value or a spike (and in the first step); 0 or 1: every step. The input embedding, the attention sites,
-    the logits, the parameters and the optimizer check are read every step whatever this is, so every
-    non-finite value is still seen in the step it happens (a value born in an MLP reaches the next attention
-    site or the logits in forward, the gradient into the embedding in backward); on the other steps the
-    first offender is named at the first site measured after it (``Coverage.coarse_skipped`` says so), and
+    value or a spike (and in the first step); 0 or 1: every step. In forward the input embedding, the
+    attention sites and the logits, in backward the gradient into the embedding, and the parameters and the
+    optimizer check are read every step whatever this is, so every non-finite value is still seen in the step
+    it happens (a value born in an MLP reaches the next attention site or the logits in forward; every value
+    born in backward reaches the gradient into the embedding); the attention and logits gradients are read
+    with the coarse sites. On the other steps the first offender is named at the first site measured after
+    it (``Coverage.coarse_skipped`` says so), and
     the differential rerun's birth search is unaffected. A model without an output head (no logits site)
     reads every coarse site every step. Why: on a CPU one read of every coarse site and its gradient costs
     about 1 % of a small model's step by itself."""

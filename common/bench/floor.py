@@ -1,9 +1,11 @@
 """The floor of ``nanwatch bench``: the least a hook-based monitor that reads each monitored tensor once
 can cost.
 
-Plain PyTorch hooks on the same modules nanwatch measures (attention, the output head and, one step in
-``coarse_every``, the coarse localisation sites) do one ``torch.aminmax`` of each output in forward and of
-its gradient in backward, attention modules one more of their input (nanwatch reads each call's query too);
+Plain PyTorch hooks on the same modules nanwatch measures do one ``torch.aminmax`` of each output in forward
+and of its gradient in backward as nanwatch's defaults do: the input embedding every step, attention and the
+output head in forward every step and in backward one step in ``coarse_every``, the other coarse
+localisation sites one step in ``coarse_every``; attention modules one more of their input (nanwatch reads
+each call's query too);
 every step one ``aminmax`` of the same rotating share of the parameters, and after each optimizer step one
 of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
 nanwatch does. Nothing is kept, decoded or reported: these are the reads nanwatch's defaults promise, and
@@ -58,8 +60,9 @@ class Floor:
         return {"ms": statistics.fmean(self.step_ms) if self.step_ms else 0.0,
                 "reads": statistics.fmean(self.step_reads) if self.step_reads else 0.0, "steps": len(self.step_ms)}
 
-    def _modules(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:
-        """(attention modules, the output head, the coarse sites), chosen as ``Monitor`` chooses them."""
+    def _modules(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[tuple[str, torch.nn.Module]]]:
+        """(attention modules, the output head, the coarse sites with their kinds), chosen as ``Monitor``
+        chooses them."""
         model = self.model
         fqns = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         hits = [(n, m) for n, m in model.named_modules() if default_is_attention(n, m)]
@@ -67,7 +70,7 @@ class Floor:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         others = [head] if isinstance(head, torch.nn.Module) else []
         skip = {id(m) for m in attn + others}
-        return attn, others, [m for _, _, m in coarse_sites(model, fqns, skip)]
+        return attn, others, [(kind, m) for _, kind, m in coarse_sites(model, fqns, skip)]
 
     def _read(self, x) -> None:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
@@ -81,11 +84,15 @@ class Floor:
             self._sync()
             self._seconds += time.perf_counter() - t0
 
-    def _output(self, module, args, output) -> None:
+    def _output(self, module, args, output, *, grad: bool = True) -> None:
         x = first_tensor(output)
         self._read(x)
-        if isinstance(x, torch.Tensor) and x.requires_grad:
+        if grad and isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(self._read)
+
+    def _every_step(self, module, args, output) -> None:
+        """Attention and the head: forward every step, the gradient with the coarse sites (as nanwatch)."""
+        self._output(module, args, output, grad=self._coarse_on)
 
     def _coarse(self, module, args, output) -> None:
         if self._coarse_on:
@@ -105,8 +112,9 @@ class Floor:
     def round(self) -> Iterator[None]:
         attn, head, coarse = self._modules()
         handles = [m.register_forward_pre_hook(self._input, with_kwargs=True) for m in attn]
-        handles += [m.register_forward_hook(self._output) for m in attn + head]
-        handles += [m.register_forward_hook(self._coarse) for m in coarse]
+        handles += [m.register_forward_hook(self._every_step) for m in attn + head]
+        # the embedding every step, both passes (every backward value reaches its gradient); the rest rotate
+        handles += [m.register_forward_hook(self._output if kind == "embedding" else self._coarse) for kind, m in coarse]
         if self.optimizer is not None:
             handles.append(self.optimizer.register_step_post_hook(self._after_update))
         try:

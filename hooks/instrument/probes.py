@@ -49,6 +49,8 @@ __all__ = ["FULL_AFTER_ALARM", "Frame", "Probes", "first_tensor", "local_shard",
 #: whatever ``coarse_every`` says: a value that recurs is then named where it is born.
 FULL_AFTER_ALARM = 16
 
+#: Sites whose gradient is read only with the coarse sites (``Probes._reads_grad``).
+_LOCAL_GRADS = frozenset({"attention", "logits"})
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
 _graph_task_id = torch._C._current_graph_task_id
@@ -170,6 +172,7 @@ class Probes:
         self.coarse_ids: set[int] = set()
         #: each coarse site's kind, by name
         self.coarse_kinds: dict[str, str] = {}
+        self._embedding_site = False  # an input embedding is a coarse site (read every step, both passes)
         self._coarse_every = coarse_every
         #: the coarse sites are measured in the open step (``begin_step``; ``coarse_every``)
         self.coarse_now = True
@@ -235,6 +238,7 @@ class Probes:
         ``<site>.sdpa``, and its kind is known on steps that do not read it (``coarse_every``)."""
         self.coarse_ids.add(id(module))
         self.coarse_kinds[site] = kind
+        self._embedding_site = self._embedding_site or kind == "embedding"
 
     def begin_step(self, step: int) -> None:
         """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
@@ -295,12 +299,20 @@ class Probes:
             return
         stage = self.stage()
         if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
-            if self.grads and x.requires_grad:
+            if self._reads_grad(kind, x):
                 x.register_hook(partial(self._grad_hook, site, kind, stage))
             return
         self.rec.tensor(site, kind, "forward", x, stage)
-        if self.grads and x.requires_grad and torch.is_grad_enabled():
+        if self._reads_grad(kind, x) and torch.is_grad_enabled():
             x.register_hook(partial(self._grad_hook, site, kind, stage))
+
+    def _reads_grad(self, kind: str, x: torch.Tensor) -> bool:
+        """Whether the gradient into this site is read: every step, except that a step without its coarse
+        sites (``coarse_now`` false) reads no attention or logits gradient when the model has an embedding
+        site, whose gradient every value born in backward reaches; those are read with the coarse sites."""
+        if not (self.grads and x.requires_grad):
+            return False
+        return self.coarse_now or kind not in _LOCAL_GRADS or not self._embedding_site
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
         if self._active and grad is not None:

@@ -83,10 +83,14 @@ class StepStats:
     """The lowest rank whose step held a non-finite value (the guard's reduction); None: none, or not reduced."""
     rlhf: RlhfStat | None
     """The RLHF stats, when the step recorded any."""
-    rlhf_slots: dict[tuple[str, str], float] | None
-    """The raw RLHF slots the step wrote (a job report reduces these across ranks before decoding once)."""
     slot: SlotReader
     """Any other slot of this copy: the slots a module above ``measure`` owns (loss scaling's)."""
+
+    @property
+    def rlhf_slots(self) -> dict[tuple[str, str], float] | None:
+        """The raw RLHF slots the step wrote (a job report reduces these across ranks before decoding once):
+        read when asked, not at every decode (a hundred slot reads a report that only job reports need)."""
+        return rlhf_slots(self.slot) if self.rlhf is not None else None
 
 
 @dataclass(slots=True)
@@ -131,8 +135,7 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
         first_offender=Offender(*first) if first is not None else None, batches=batches,
         step_skipped=None if skipped == -math.inf else skipped > 0,
         nonfinite_rank=int(-lowest) if math.isfinite(lowest) else None,
-        rlhf=decode_rlhf(get, kl) if state.rlhf else None, rlhf_slots=rlhf_slots(get) if state.rlhf else None,
-        slot=get)
+        rlhf=decode_rlhf(get, kl) if state.rlhf else None, slot=get)
 
 
 def step_so_far(rec: Recorder) -> StepSoFar:

@@ -20,6 +20,16 @@ __all__ = ["ObservationLog"]
 BufKey = tuple[torch.device, torch.dtype]
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its dimensions in memory order when that makes it contiguous (a transposed view: SDPA's query
+    and output, ``[B, H, S, D]`` over ``[B, S, H, D]`` memory), else ``x``: the extremes of every element do not
+    depend on the order, and a strided read measured 1.6x (bf16) to 2x (fp32) slower than a contiguous one
+    (``aminmax`` of a 4x8x256x32 query, 2 threads, torch 2.13 CPU)."""
+    order = sorted(range(x.dim()), key=lambda d: (x.stride(d), x.size(d)), reverse=True)
+    y = x.permute(order)
+    return y if y.is_contiguous() else x
+
+
 class ObservationLog:
     def __init__(self, *, capacity: int = 256) -> None:
         self._capacity = capacity
@@ -36,7 +46,7 @@ class ObservationLog:
         cells = self._cells.get(key)
         if cells is None or i >= len(cells):
             cells = self._grow(key)
-        torch.aminmax(x, out=cells[i])
+        torch.aminmax(x if x.is_contiguous() else _dense(x), out=cells[i])
         self._used[key] = i + 1
         return key, i
 

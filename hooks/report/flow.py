@@ -170,7 +170,8 @@ class ReportFlow:
         if report.stage != "train":  # an evaluation is no training step: it neither makes nor breaks a streak
             return Built(report, None, None)
         # a loss-scale overflow the scaler handled is normal operation: it keeps a clean streak going
-        return Built(report, report.first_offender is None or bool(report.scaler_overflow), stats.rlhf_slots)
+        return Built(report, report.first_offender is None or bool(report.scaler_overflow),
+                     stats.rlhf_slots if self._job is not None else None)  # only a job report reduces them
 
     def _observe(self, built: Built) -> None:
         """Feed the directive state's clean streak and the local rule engine (never the final report)."""

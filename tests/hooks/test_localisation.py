@@ -245,6 +245,8 @@ def test_coarse_sites_are_read_one_step_in_coarse_every_and_the_rest_every_step(
         assert ({"mlp", "norm", "block"} <= kinds) is measured, (r.step, kinds)
         assert {"embedding", "attention", "logits"} <= kinds and r.coverage.params_checked > 0  # every step
         assert {s.phase for s in r.sites if s.kind == "embedding"} == {"forward", "backward"}
+        backward = {s.kind for s in r.sites if s.phase == "backward"}
+        assert backward == ({"embedding", "attention", "logits", "mlp", "norm", "block"} if measured else {"embedding"})
         assert r.first_offender is None and not r.step_skipped
     assert reports[1].coverage.sites < reports[0].coverage.sites
 
@@ -260,6 +262,34 @@ def test_a_nan_on_a_step_without_coarse_sites_is_still_caught_and_then_every_sit
     assert not r3.coverage.coarse_skipped and r3.step_skipped
     assert (r3.first_offender, r3.first_offender_phase) == ("model.layers.0.mlp", "forward")
     assert all(not r.coverage.coarse_skipped for r in reports[4:]), "an alarm reads every site for a while"
+
+
+def test_a_nan_born_in_backward_on_a_step_without_coarse_sites_is_caught_at_the_embedding_gradient():
+    model = _model("qwen3", "sdpa", 0)
+    mlp = model.model.layers[1].mlp
+    mlp.armed = False
+    _poison_grad(mlp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="rot-bwd", optimizer=opt, directive_source="off",
+                             on_report=step_reports(reports)) as mon:
+            for n in range(3):
+                mlp.armed = n == 1
+                before = [p.detach().clone() for p in model.parameters()]
+                ids = token_ids(seed=n)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                if n == 1:
+                    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            mon.last_report()
+    r = reports[1]
+    assert r.coverage.coarse_skipped and r.step_skipped and unchanged  # the weight guard kept it out
+    assert (r.first_offender, r.first_offender_phase) == ("model.embed_tokens", "backward")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_coarse_every_1_reads_every_coarse_site_every_step():

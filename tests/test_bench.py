@@ -350,6 +350,22 @@ def test_profile_arm_subset_and_bad_options(tmp_path, capsys):
     assert profile.main([*tiny, "--rounds", "1", "--arms", "spikes_off", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert list(r["arms"]) == ["bare", "defaults", "spikes_off"] and list(r["components"]) == ["total", "spikes_off"]
+    assert r["entry_points"] is None  # no clocks unless asked
+    assert profile.main([*tiny, "--rounds", "2", "--arms", "bare", "--timers", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    entries = r["entry_points"]  # every entry point clocked in the defaults arm, each a share of the step
+    from nanwatch.bench import host_timers
+
+    assert len(entries) == len(host_timers.ENTRY_POINTS)
+    assert entries["sdpa_probe._after_sdpa"]["ms"] > 0 and entries["Monitor.end_step"]["ms"] > 0
+    assert entries["OptimizerCheck._check"]["ms"] > 0 and entries["Monitor.rlhf"]["ms"] > 0
+    assert sum(e["ms"] for e in entries.values()) < r["defaults_ms"]
+    assert "clocked per entry point" in capsys.readouterr().out
+    from nanwatch.hooks import facade
+    from nanwatch.hooks.instrument import sdpa_probe
+
+    assert facade.Monitor.end_step.__qualname__ == "Monitor.end_step"  # every clock removed
+    assert sdpa_probe._after_sdpa.__name__ == "_after_sdpa"
     assert profile.main([*tiny, "--arms", "nope"]) == 2
     assert profile.main([*tiny, "--layers", "0"]) == 2
     assert "nanwatch bench profile:" in capsys.readouterr().out

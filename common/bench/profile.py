@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from nanwatch.bench import host_timers
 from nanwatch.bench.step import BenchConfig, build
 
 __all__ = ["COMPONENTS", "ProfileConfig", "main", "run"]
@@ -91,6 +92,9 @@ class ProfileConfig:
     threads: int | None = 2
     arms: tuple[str, ...] = ARMS
     """Which arms to run; ``bare`` and ``defaults`` always run (every figure is relative to them)."""
+    timers: bool = False
+    """Also clock each entry point of nanwatch on the training thread in the ``defaults`` arm
+    (``nanwatch.bench.host_timers``; about a microsecond a call, in every nanwatch arm alike)."""
 
     def bench_config(self) -> BenchConfig:
         """The same shape as ``nanwatch bench``'s config (validated there)."""
@@ -117,6 +121,7 @@ class _Arm:
     reporter_ms: list[float] = field(default_factory=list)  # reporter-thread CPU per report, each round
     step_end_ms: list[float] = field(default_factory=list)  # training thread: Monitor.end_step per step
     capture_ms: list[float] = field(default_factory=list)  # of which the slot buffer copy (Reporter.capture)
+    entry_ms: dict[str, list[float]] = field(default_factory=dict)  # ``timers``: ms a step per entry point
 
 
 def _arm(name: str) -> _Arm:
@@ -139,8 +144,9 @@ def _thread_cpu_s(thread: threading.Thread | None) -> float | None:
 class _Runner:
     """Runs one arm's round: attach (unless bare), ``steps`` timed steps, drain the reporter, close."""
 
-    def __init__(self, cfg: ProfileConfig) -> None:
+    def __init__(self, cfg: ProfileConfig, clocks: dict[str, float] | None = None) -> None:
         self.cfg = cfg
+        self.clocks = clocks  # host_timers.timing()'s seconds, when --timers
         self.model, self.opt, self.ids = build(cfg.bench_config())
         # the sampler's logprobs agree with the trainer's to ~1e-4, under the mismatch's drift floor (1e-3):
         # the clean steady state, no rollout event (and no attribution) in any round
@@ -171,6 +177,8 @@ class _Runner:
             mon.end_step = step_end  # Monitor.step() closes the step with it
         cpu0 = cpu1 = _thread_cpu_s(reporter)
         _CAPTURE.seconds = 0.0
+        if self.clocks is not None:
+            self.clocks.update(dict.fromkeys(self.clocks, 0.0))
         try:
             for _ in range(n):
                 self.opt.zero_grad(set_to_none=True)
@@ -194,6 +202,9 @@ class _Runner:
                 arm.capture_ms.append(_CAPTURE.seconds * 1e3 / n)
                 if cpu0 is not None and cpu1 is not None:
                     arm.reporter_ms.append((cpu1 - cpu0) * 1e3 / n)
+                if self.clocks is not None and arm.name == "defaults":
+                    for key, sec in self.clocks.items():
+                        arm.entry_ms.setdefault(key, []).append(sec * 1e3 / n)
 
 
 class _Timed:
@@ -236,9 +247,10 @@ def run(cfg: ProfileConfig, *, log: Callable[[str], None] = print) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        with warnings.catch_warnings(), _timing_capture():
+        clocking = host_timers.timing() if cfg.timers else contextlib.nullcontext(None)
+        with warnings.catch_warnings(), _timing_capture(), clocking as clocks:
             warnings.simplefilter("ignore")
-            runner = _Runner(cfg)
+            runner = _Runner(cfg, clocks)
             arms = [_arm(name) for name in cfg.arms]
             log(_describe(cfg, runner.model))
             for arm in arms:
@@ -302,10 +314,21 @@ def _results(cfg: ProfileConfig, model: torch.nn.Module, arms: list[_Arm]) -> di
         "params": sum(p.numel() for p in model.parameters()),
         "bare_ms": bare_ms, "defaults_ms": statistics.median(dflt.round_ms),
         "components": rows,
+        "entry_points": _entry_points(dflt, bare_ms),
         "arms": {a.name: {"round_ms": a.round_ms, "reporter_ms": a.reporter_ms, "step_end_ms": a.step_end_ms,
                            "capture_ms": a.capture_ms}
                  for a in arms},
     }
+
+
+def _entry_points(dflt: _Arm, bare_ms: float) -> dict[str, dict[str, Any]] | None:
+    """``--timers``: each entry point's ms a step in the defaults arm (median over rounds), with what runs there."""
+    if not dflt.entry_ms:
+        return None
+    what = {f"{c or m.rsplit('.', 1)[1]}.{f}": w for m, c, f, w in host_timers.ENTRY_POINTS}
+    rows = {key: {"ms": statistics.median(v), "pct_of_bare": 100 * statistics.median(v) / bare_ms, "what": what[key]}
+            for key, v in dflt.entry_ms.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def format_table(results: dict) -> str:
@@ -329,6 +352,14 @@ def format_table(results: dict) -> str:
                      f"{ex['amortised_ms']:+.3f} ms ({ex['amortised_pct']:+.3f}% of bare)")
     lines.append("component rows: defaults minus the arm with only that component off; reporter column: that "
                  "arm's reporter-thread CPU per report (in brackets: minus defaults')")
+    entries = results.get("entry_points")
+    if entries:
+        lines.append("training thread, defaults arm, clocked per entry point (ms a step, median over rounds):")
+        for key, row in entries.items():
+            lines.append(f"  {row['ms']:7.3f} ms {row['pct_of_bare']:6.2f}%  {key:<30} {row['what']}")
+        total = sum(row["ms"] for row in entries.values())
+        lines.append(f"  {total:7.3f} ms {100 * total / results['bare_ms']:6.2f}%  (sum), plus the reporter thread's "
+                     f"{results['components']['total']['reporter_ms'] or 0:.3f} ms of CPU a report")
     return "\n".join(lines)
 
 
@@ -342,6 +373,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), dest=name)
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset (bare, defaults always run)")
+    p.add_argument("--timers", action="store_true", help="also clock nanwatch's entry points in the defaults arm")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON here")
     return p
 
@@ -350,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     opts = {k: v for k, v in vars(args).items() if k not in ("json_path", "arms", "threads")}
     try:
-        cfg = ProfileConfig(**opts, threads=args.threads or None,
+        cfg = ProfileConfig(**{k: v for k, v in opts.items() if k != "timers"}, timers=args.timers,
+                            threads=args.threads or None,
                             arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()))
     except ValueError as exc:
         print(f"nanwatch bench profile: {exc}")

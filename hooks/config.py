@@ -119,7 +119,7 @@ class MonitorConfig:
 
     coarse_every: int = 4
     """Measure the coarse sites (``coarse``) one step in this many (steps whose number it divides), and every
-    step for :data:`~nanwatch.hooks.instrument.probes.FULL_AFTER_ALARM` steps after a step with a non-finite
+    step for :data:`~nanwatch.hooks.instrument.probes.FULL_AFTER_ALARM` (16) steps after a step with a non-finite
     value or a spike (and in the first step); 0 or 1: every step. In forward the input embedding, the
     attention sites and the logits, in backward the gradient into the embedding, and the parameters and the
     optimizer check are read every step whatever this is, so every non-finite value is still seen in the step

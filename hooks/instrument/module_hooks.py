@@ -66,9 +66,9 @@ class ModuleHooks:
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
         each decoder block and its parts, MoE routers and experts, the final norm): the logits and the
-        embedding every step, the others when ``Probes.coarse_now`` (``coarse_every``)."""
+        embedding every step, the others when the step reads them (``Probes.turns``, ``coarse_every``)."""
         p = self._probes
-        if p.measuring and (kind in _EVERY_STEP or p.coarse_now) and not _is_compiling():
+        if p.measuring and (kind in _EVERY_STEP or p.turns.now) and not _is_compiling():
             if kind == "logits":
                 self._head_seen = True
                 if p.stage() == "train" and not recomputing():

@@ -43,13 +43,13 @@ from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.wire import SiteKind, SiteName
 
-__all__ = ["FULL_AFTER_ALARM", "Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
+__all__ = ["FULL_AFTER_ALARM", "CoarseTurns", "Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
 
 #: Steps in which every coarse site is measured after a step with a non-finite value or a spike (``alarm``),
 #: whatever ``coarse_every`` says: a value that recurs is then named where it is born.
 FULL_AFTER_ALARM = 16
 
-#: Sites whose gradient is read only with the coarse sites (``Probes._reads_grad``).
+#: Sites whose gradient is read only with the coarse sites (``CoarseTurns.reads_grad``).
 _LOCAL_GRADS = frozenset({"attention", "logits"})
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
@@ -143,6 +143,40 @@ def watch(probes: Probes, name: str, kind: str, x: torch.Tensor, warn: Callable[
     probes.site(name, kind, x)
 
 
+class CoarseTurns:
+    """Which steps read the coarse sites (``MonitorConfig.coarse_every``): one step in ``every`` (those whose
+    number it divides), the first step, and ``FULL_AFTER_ALARM`` steps after an alarm (a step with a non-finite
+    value or a spike, told by the reporter thread); every step when ``every`` <= 1 or ``always`` (a model
+    without an output head: no other site is sure to see every forward value)."""
+
+    def __init__(self, every: int, *, always: bool) -> None:
+        self.every, self.always = every, always
+        #: the open step reads the coarse sites
+        self.now = True
+        #: the model has an input-embedding site, read every step in both passes: every value born in
+        #: backward reaches the gradient into it
+        self.embedding = False
+        self._left = 1  # steps still reading every coarse site (the first step does)
+        self._alarmed = False  # set by the reporter thread, taken at the next step start
+
+    def alarm(self) -> None:
+        """Reporter thread: a step held a non-finite value or a spike."""
+        self._alarmed = True
+
+    def begin_step(self, step: int) -> bool:
+        """Step ``step`` opens: whether it reads the coarse sites."""
+        if self._alarmed:
+            self._alarmed, self._left = False, FULL_AFTER_ALARM
+        self.now = self.always or self.every <= 1 or step % self.every == 0 or self._left > 0
+        self._left = max(self._left - 1, 0)
+        return self.now
+
+    def reads_grad(self, kind: str) -> bool:
+        """Whether the open step reads the gradient into a site of ``kind``: the attention and logits gradients
+        with the coarse sites (when the embedding's gradient is read, every step); any other every step."""
+        return self.now or kind not in _LOCAL_GRADS or not self.embedding
+
+
 class Probes:
     """What every probe of one Monitor shares. Hooks registered with its methods do nothing while it is
     not ``active`` (see :meth:`enable`), and nothing inside ``torch.compile`` tracing (they would add graph
@@ -172,12 +206,8 @@ class Probes:
         self.coarse_ids: set[int] = set()
         #: each coarse site's kind, by name
         self.coarse_kinds: dict[str, str] = {}
-        self._embedding_site = False  # an input embedding is a coarse site (read every step, both passes)
-        self._coarse_every = coarse_every
-        #: the coarse sites are measured in the open step (``begin_step``; ``coarse_every``)
-        self.coarse_now = True
-        self._full_left = 1  # steps still measuring every coarse site (the first step does)
-        self._alarmed = False  # set by the reporter thread (``alarm``), read at the next step start
+        #: which steps read the coarse sites (``coarse_every``); ``turns.alarm`` is the reporter thread's
+        self.turns = CoarseTurns(coarse_every, always=head is None)
         self._in_step = False  # a training step is open (between ``begin_step`` and ``end_step``)
         #: told the stage of each model forward that starts outside any training step (``outside_step``)
         self._outside: Callable[[str], None] | None = None
@@ -238,28 +268,17 @@ class Probes:
         ``<site>.sdpa``, and its kind is known on steps that do not read it (``coarse_every``)."""
         self.coarse_ids.add(id(module))
         self.coarse_kinds[site] = kind
-        self._embedding_site = self._embedding_site or kind == "embedding"
+        self.turns.embedding = self.turns.embedding or kind == "embedding"
 
     def begin_step(self, step: int) -> None:
         """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
         ``exact_logit_every`` steps)."""
         self._in_step = True
         self.sampled = bool(self._exact_every) and step % self._exact_every == 0
-        if self._alarmed:
-            self._alarmed, self._full_left = False, FULL_AFTER_ALARM
-        every = self._coarse_every
-        # without an output head no site is sure to see every forward value: then every coarse site, always
-        self.coarse_now = self.head is None or every <= 1 or step % every == 0 or self._full_left > 0
-        self._full_left = max(self._full_left - 1, 0)
-        if not self.coarse_now and self.coarse_ids:
+        if not self.turns.begin_step(step) and self.coarse_ids:
             self.rec.cover(coarse_skipped=True)
         self._masks_seen.clear()
         self.rerun.clear()
-
-    def alarm(self) -> None:
-        """Reporter thread: a step held a non-finite value or a spike; from the next step start, every coarse
-        site is measured for ``FULL_AFTER_ALARM`` steps."""
-        self._alarmed = True
 
     def stage(self) -> str:
         """The stage of the forward running now: ``generate`` (inside ``generate()``), ``eval`` (the model in
@@ -299,20 +318,12 @@ class Probes:
             return
         stage = self.stage()
         if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
-            if self._reads_grad(kind, x):
+            if self.grads and x.requires_grad and self.turns.reads_grad(kind):
                 x.register_hook(partial(self._grad_hook, site, kind, stage))
             return
         self.rec.tensor(site, kind, "forward", x, stage)
-        if self._reads_grad(kind, x) and torch.is_grad_enabled():
+        if self.grads and x.requires_grad and self.turns.reads_grad(kind) and torch.is_grad_enabled():
             x.register_hook(partial(self._grad_hook, site, kind, stage))
-
-    def _reads_grad(self, kind: str, x: torch.Tensor) -> bool:
-        """Whether the gradient into this site is read: every step, except that a step without its coarse
-        sites (``coarse_now`` false) reads no attention or logits gradient when the model has an embedding
-        site, whose gradient every value born in backward reaches; those are read with the coarse sites."""
-        if not (self.grads and x.requires_grad):
-            return False
-        return self.coarse_now or kind not in _LOCAL_GRADS or not self._embedding_site
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:
         if self._active and grad is not None:

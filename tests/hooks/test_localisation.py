@@ -208,35 +208,40 @@ def test_the_collector_keeps_the_incident_with_its_birth(tmp_path):
     assert path[:2] == [prefix, f"model.layers.{layer}"] and path[-2:] == ["model.norm", "lm_head"], path
 
 
-def _rotation_run(fault_steps: set[int], *, wait_after: set[int] = frozenset(), **attach):
-    """A tiny Qwen3 at the default ``coarse_every`` (4), layer 0's MLP output NaN at ``fault_steps``; after
-    the steps in ``wait_after`` the test waits for the report (so the alarm it raises is in before the next
-    step starts: in training it lands a step or two later, as the reporter thread gets to it)."""
+def _rotation_run(fault_steps: set[int], *, wait_after: set[int] = frozenset(), grad: bool = False, layer: int = 0,
+                  **attach):
+    """A tiny Qwen3 at the default ``coarse_every`` (4), layer ``layer``'s MLP output (``grad``: the gradient into
+    it) NaN at ``fault_steps``; after the steps in ``wait_after`` the test waits for the report (so the alarm it
+    raises is in before the next step starts: in training it lands a step or two later, as the reporter thread
+    gets to it). Returns the reports and, per step, whether the weights moved."""
     model = _model("qwen3", "sdpa", 0)
-    mlp = model.model.layers[0].mlp
+    mlp = model.model.layers[layer].mlp
     mlp.armed = False
-    _poison_output(mlp)
+    (_poison_grad if grad else _poison_output)(mlp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    reports = []
+    reports, moved = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanwatch.attach(model, run_id="rot", optimizer=opt, directive_source="off",
                              on_report=step_reports(reports), **attach) as mon:
             for n in range(9):
                 mlp.armed = n in fault_steps
+                before = [p.detach().clone() for p in model.parameters()]
                 ids = token_ids(seed=n)
                 with mon.step(n):
                     model(input_ids=ids, labels=ids).loss.backward()
                     opt.step()
                     opt.zero_grad()
+                moved.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)))
                 if n in wait_after:
                     mon.last_report()
             mon.last_report()
-    return reports
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the weight guard kept every NaN out
+    return reports, moved
 
 
 def test_coarse_sites_are_read_one_step_in_coarse_every_and_the_rest_every_step():
-    reports = _rotation_run(set())
+    reports, _ = _rotation_run(set())
     assert [r.step for r in reports] == list(range(9))
     for r in reports:
         kinds = {s.kind for s in r.sites}
@@ -255,43 +260,23 @@ def test_a_nan_on_a_step_without_coarse_sites_is_still_caught_and_then_every_sit
     """Born in layer 0's MLP at step 2 (no coarse site read): named at the next site read after it (layer 1's
     attention query), the step skipped; the alarm makes the next steps read every coarse site, so the same
     fault at step 3 is named where it is born."""
-    reports = _rotation_run({2, 3}, wait_after={2})
+    reports, moved = _rotation_run({2, 3}, wait_after={2})
     r2, r3 = reports[2], reports[3]
     assert r2.coverage.coarse_skipped and r2.step_skipped
     assert (r2.first_offender, r2.first_offender_phase) == ("model.layers.1.self_attn.query", "forward")
     assert not r3.coverage.coarse_skipped and r3.step_skipped
     assert (r3.first_offender, r3.first_offender_phase) == ("model.layers.0.mlp", "forward")
     assert all(not r.coverage.coarse_skipped for r in reports[4:]), "an alarm reads every site for a while"
+    assert moved == [True, True, False, False, True, True, True, True, True]
 
 
 def test_a_nan_born_in_backward_on_a_step_without_coarse_sites_is_caught_at_the_embedding_gradient():
-    model = _model("qwen3", "sdpa", 0)
-    mlp = model.model.layers[1].mlp
-    mlp.armed = False
-    _poison_grad(mlp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    reports = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="rot-bwd", optimizer=opt, directive_source="off",
-                             on_report=step_reports(reports)) as mon:
-            for n in range(3):
-                mlp.armed = n == 1
-                before = [p.detach().clone() for p in model.parameters()]
-                ids = token_ids(seed=n)
-                with mon.step(n):
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                if n == 1:
-                    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-            mon.last_report()
+    reports, moved = _rotation_run({1}, grad=True, layer=1)
     r = reports[1]
-    assert r.coverage.coarse_skipped and r.step_skipped and unchanged  # the weight guard kept it out
+    assert r.coverage.coarse_skipped and r.step_skipped and not moved[1]  # the weight guard kept it out
     assert (r.first_offender, r.first_offender_phase) == ("model.embed_tokens", "backward")
-    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_coarse_every_1_reads_every_coarse_site_every_step():
-    reports = _rotation_run(set(), coarse_every=1)
+    reports, _ = _rotation_run(set(), coarse_every=1)
     assert all(not r.coverage.coarse_skipped and "mlp" in {s.kind for s in r.sites} for r in reports)

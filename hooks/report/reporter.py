@@ -33,6 +33,7 @@ log = logging.getLogger("nanwatch")
 #: start and first hooks) and the decode is Python too: started at once, it holds the GIL while the training
 #: thread waits for it. Measured (bench model, bf16, 2 threads, 2-core EPYC VM): ``Monitor.end_step`` took
 #: 1.17 ms a step started at once, 0.51 ms with a 3 ms wait, the decode itself ~0.7 ms of this thread's CPU.
+#: At most a quarter of the time between hand-overs, so that steps shorter than the wait never pile up.
 SETTLE_S = 0.002
 
 
@@ -71,6 +72,8 @@ class Reporter:
         self._seq = 0
         self._submitted = -1
         self._done = -1
+        self._last_capture = time.monotonic()
+        self._period = 0.0  # seconds between the last two hand-overs (the step's length, near enough)
         self.dropped = 0
 
     def capture(self, data: torch.Tensor, step: int, context: Any) -> bool:
@@ -88,6 +91,8 @@ class Reporter:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(data.device))
         pending = Pending(self._seq, step, host, n, event, context)
+        now = time.monotonic()
+        self._period, self._last_capture = now - self._last_capture, now
         self._seq += 1
         with self._cond:
             self._submitted = pending.seq
@@ -132,7 +137,7 @@ class Reporter:
         copy that cannot be read is logged and finished here (no report), and the next step is taken."""
         while (item := self._queue.get()) is not None:
             if self._queue.empty():  # not behind: let the training thread get past its step boundary first
-                time.sleep(SETTLE_S)
+                time.sleep(min(SETTLE_S, self._period / 4))
             try:
                 if item.event is not None:
                     # Poll rather than synchronize: a sync-debug mode set by the trainer is global and would

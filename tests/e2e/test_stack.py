@@ -233,7 +233,9 @@ def _train_amp(collector: str, marks: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     marks["amp_started"], marks["amp_reports"] = time.time(), []
-    with nanwatch.attach(model, run_id="e2e-amp", collector=collector, optimizer=opt, scaler=scaler) as mon:
+    # every step reads the gradients the scaler scales (the test pins their headroom to the fp16 limit)
+    with nanwatch.attach(model, run_id="e2e-amp", collector=collector, optimizer=opt, scaler=scaler,
+                         coarse_every=1) as mon:
         for n in range(12):
             with mon.step(n):
                 ids = token_ids(seed=0)

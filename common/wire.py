@@ -331,9 +331,10 @@ class Coverage(_Wire):
     logits: bool = Field(False, description="the output head's logits were measured in a training forward")
     params_checked: Count = Field(0, description="parameter and optimizer-state tensors checked at step start")
     coarse_skipped: bool = Field(
-        False, description="the coarse localisation sites (block parts, norms, embeddings) were not measured in "
-        "this step: they are measured one step in coarse_every, and every step for a while after a non-finite "
-        "value or a spike; the attention sites, the logits and the parameters are measured every step")
+        False, description="the coarse localisation sites (blocks, their parts, norms) and the attention and "
+        "logits gradients were not read in this step: they are read one step in coarse_every, and every step for "
+        "a while after a non-finite value or a spike; the embedding (both passes), the attention calls, the logits "
+        "and the parameters are read every step, so the first offender is then the first site read after the birth")
     unmeasured: Annotated[list[Unmeasured], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
 
 

@@ -126,10 +126,10 @@ class MonitorConfig:
     it happens (a value born in an MLP reaches the next attention site or the logits in forward; every value
     born in backward reaches the gradient into the embedding); the attention and logits gradients are read
     with the coarse sites. On the other steps the first offender is named at the first site measured after
-    it (``Coverage.coarse_skipped`` says so), and
-    the differential rerun's birth search is unaffected. A model without an output head (no logits site)
-    reads every coarse site every step. Why: on a CPU one read of every coarse site and its gradient costs
-    about 1 % of a small model's step by itself."""
+    it (``Coverage.coarse_skipped`` says so) and a precision directive waits for evidence such a step can
+    give (``nanwatch.policy.precision_helps``); the differential rerun's birth search is unaffected. A model
+    without an output head (no logits site) reads every coarse site every step. Why: on a CPU one read of
+    every coarse site and its gradient costs about 1 % of a small model's step by itself."""
 
     fingerprint: bool = True
     """Record each forward's input layout (position_ids, mask kind, packing, fully masked rows)."""

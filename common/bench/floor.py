@@ -5,9 +5,8 @@ Plain PyTorch hooks on the same modules nanwatch measures do one ``torch.aminmax
 and of its gradient in backward as nanwatch's defaults do: the input embedding every step, attention and the
 output head in forward every step and in backward one step in ``coarse_every``, the other coarse
 localisation sites one step in ``coarse_every``; attention modules one more of their input (nanwatch reads
-each call's query too);
-every step one ``aminmax`` of the same rotating share of the parameters, and after each optimizer step one
-of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
+each call's query too); every step one ``aminmax`` of the same rotating share of the parameters, and after
+each optimizer step one of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
 nanwatch does. Nothing is kept, decoded or reported: these are the reads nanwatch's defaults promise, and
 their time is the least any monitor that makes the same promises can cost.
 
@@ -114,7 +113,8 @@ class Floor:
         handles = [m.register_forward_pre_hook(self._input, with_kwargs=True) for m in attn]
         handles += [m.register_forward_hook(self._every_step) for m in attn + head]
         # the embedding every step, both passes (every backward value reaches its gradient); the rest rotate
-        handles += [m.register_forward_hook(self._output if kind == "embedding" else self._coarse) for kind, m in coarse]
+        handles += [m.register_forward_hook(self._output if kind == "embedding" else self._coarse)
+                    for kind, m in coarse]
         if self.optimizer is not None:
             handles.append(self.optimizer.register_step_post_hook(self._after_update))
         try:

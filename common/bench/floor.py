@@ -22,11 +22,12 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
 from nanwatch.hooks.config import default_is_attention
-from nanwatch.hooks.instrument.probes import first_tensor
+from nanwatch.hooks.instrument.probes import CoarseTurns, first_tensor
 from nanwatch.hooks.measure.structure import coarse_sites
 
 __all__ = ["Floor"]
@@ -42,8 +43,8 @@ class Floor:
         self.every = param_check_every
         self.coarse_every = coarse_every
         self.optimizer = optimizer
-        self._steps = 0  # steps so far: the coarse sites are read in those whose count coarse_every divides
-        self._coarse_on = True
+        self._steps = 0  # steps so far, numbered as nanwatch's bench numbers them
+        self._turns = CoarseTurns(coarse_every, always=False)  # which steps read what: nanwatch's own rule
         self.reads = 0
         self.step_ms: list[float] = []
         self.step_reads: list[int] = []
@@ -83,19 +84,14 @@ class Floor:
             self._sync()
             self._seconds += time.perf_counter() - t0
 
-    def _output(self, module, args, output, *, grad: bool = True) -> None:
+    def _output(self, kind: str, module, args, output) -> None:
+        """A site of ``kind``: read when the step reads it, its gradient too when the step reads that."""
+        if not self._turns.reads(kind):
+            return
         x = first_tensor(output)
         self._read(x)
-        if grad and isinstance(x, torch.Tensor) and x.requires_grad:
+        if self._turns.reads_grad(kind) and isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(self._read)
-
-    def _every_step(self, module, args, output) -> None:
-        """Attention and the head: forward every step, the gradient with the coarse sites (as nanwatch)."""
-        self._output(module, args, output, grad=self._coarse_on)
-
-    def _coarse(self, module, args, output) -> None:
-        if self._coarse_on:
-            self._output(module, args, output)
 
     def _input(self, module, args, kwargs) -> None:
         self._read(first_tensor(args) if args else kwargs.get("hidden_states"))
@@ -110,11 +106,11 @@ class Floor:
     @contextlib.contextmanager
     def round(self) -> Iterator[None]:
         attn, head, coarse = self._modules()
+        self._turns.embedding = any(kind == "embedding" for kind, _ in coarse)
+        self._turns.always = not head
+        sites = [("attention", m) for m in attn] + [("logits", m) for m in head] + coarse
         handles = [m.register_forward_pre_hook(self._input, with_kwargs=True) for m in attn]
-        handles += [m.register_forward_hook(self._every_step) for m in attn + head]
-        # the embedding every step, both passes (every backward value reaches its gradient); the rest rotate
-        handles += [m.register_forward_hook(self._output if kind == "embedding" else self._coarse)
-                    for kind, m in coarse]
+        handles += [m.register_forward_hook(partial(self._output, kind)) for kind, m in sites]
         if self.optimizer is not None:
             handles.append(self.optimizer.register_step_post_hook(self._after_update))
         try:
@@ -126,7 +122,7 @@ class Floor:
     @contextlib.contextmanager
     def step(self, _: int) -> Iterator[None]:
         self.reads, self._seconds = 0, 0.0
-        self._coarse_on = self.coarse_every <= 1 or self._steps % self.coarse_every == 0
+        self._turns.begin_step(self._steps)
         self._steps += 1
         params = list(self.model.parameters())
         share = -(-len(params) // self.every)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from nanwatch.bench import host_timers
-from nanwatch.bench.step import BenchConfig, build
+from nanwatch.bench.step import BenchConfig, build, next_token_logprobs, rlhf_feed
 
 __all__ = ["COMPONENTS", "ProfileConfig", "main", "run"]
 
@@ -148,19 +148,14 @@ class _Runner:
         self.cfg = cfg
         self.clocks = clocks  # host_timers.timing()'s seconds, when --timers
         self.model, self.opt, self.ids = build(cfg.bench_config())
-        # the sampler's logprobs agree with the trainer's to ~1e-4, under the mismatch's drift floor (1e-3):
-        # the clean steady state, no rollout event (and no attribution) in any round
-        g = torch.Generator().manual_seed(1)
-        self.noise = (1e-4 * torch.randn(cfg.batch, cfg.seq - 1, generator=g)).to(self.ids.device)
+        self.feed = rlhf_feed(cfg.batch, cfg.seq, cfg.device)
         self.sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
         self.counter = 0  # step numbers count across arms and rounds: sampled work runs at its real rate
 
     def _work(self, mon, rlhf: bool) -> None:
-        logits = self.model(input_ids=self.ids, use_cache=False).logits
-        lp = logits[:, :-1].float().log_softmax(-1).gather(-1, self.ids[:, 1:, None]).squeeze(-1)
+        lp = next_token_logprobs(self.model, self.ids)
         if rlhf and mon is not None:
-            old = lp.detach()
-            mon.rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + self.noise)
+            self.feed(mon, lp)
         (-lp.mean()).backward()
         self.opt.step()  # inside the step: the weight guard reads this step's flag
 

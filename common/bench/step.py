@@ -44,7 +44,8 @@ import torch
 
 from nanwatch.bench.floor import Floor
 
-__all__ = ["SDPA_BACKENDS", "BenchConfig", "VARIANTS", "build", "main", "run", "sdpa_context"]
+__all__ = ["SDPA_BACKENDS", "BenchConfig", "VARIANTS", "build", "main", "next_token_logprobs", "rlhf_feed", "run",
+           "sdpa_context"]
 
 VARIANTS = ("bare", "aminmax_floor", "nanwatch", "nanwatch_guard", "debug_underflow_overflow", "detect_anomaly")
 #: ``--sdpa-backend``: the name -> ``torch.nn.attention.SDPBackend`` member (None: torch's own choice)
@@ -208,14 +209,10 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
     def nanwatch_step(_: int):
         return state["mon"].step(next(counter))
 
-    g = torch.Generator().manual_seed(1)
-    # the sampler's logprobs agree with the trainer's to ~1e-4, under the mismatch's drift floor (1e-3): the
-    # clean steady state, no rollout event (and no attribution) in any round
-    noise = (1e-4 * torch.randn(cfg.batch, cfg.seq - 1, generator=g)).to(cfg.device)
+    feed = rlhf_feed(cfg.batch, cfg.seq, cfg.device)
 
     def nanwatch_rlhf(lp: torch.Tensor) -> None:
-        old = lp.detach()
-        state["mon"].rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + noise)
+        feed(state["mon"], lp)
 
     @contextlib.contextmanager
     def debug_round() -> Iterator[None]:
@@ -245,6 +242,27 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
         "detect_anomaly": _Variant("detect_anomaly", null, anomaly_step),
     }
     return [table[name] for name in cfg.variants]
+
+
+def next_token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The forward and the logprob of each next token (``log_softmax`` and ``gather``: the work of HF's own
+    loss, whose negative mean the benches' step backpropagates), ``[B, S - 1]`` float32."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    return logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def rlhf_feed(batch: int, seq: int, device: str) -> Callable[[object, torch.Tensor], None]:
+    """``feed(mon, lp)``: ``mon.rlhf`` on a step's logprobs as an RLHF trainer calls it, the old logprobs
+    ``lp`` itself and the sampler's ``lp`` plus noise of ~1e-4: under the mismatch's drift floor (1e-3), the
+    clean steady state, no rollout event (and no attribution) in any round."""
+    g = torch.Generator().manual_seed(1)
+    noise = (1e-4 * torch.randn(batch, seq - 1, generator=g)).to(device)
+
+    def feed(mon, lp: torch.Tensor) -> None:
+        old = lp.detach()
+        mon.rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + noise)
+
+    return feed
 
 
 def sdpa_context(name: str) -> contextlib.AbstractContextManager:
@@ -280,8 +298,7 @@ def _timed_steps(cfg: BenchConfig, model, opt, ids, variant: _Variant, n: int, *
             sync()
             t0 = time.perf_counter()
             with sdpa_context(cfg.sdpa_backend), variant.step(i):
-                logits = model(input_ids=ids, use_cache=False).logits
-                lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                lp = next_token_logprobs(model, ids)
                 variant.rlhf(lp)
                 (-lp.mean()).backward()
                 opt.step()  # inside the step: the weight guard reads this step's flag

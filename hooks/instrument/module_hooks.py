@@ -28,10 +28,6 @@ from nanwatch.hooks.measure.inputs import position_layout, record_forward_inputs
 __all__ = ["ModuleHooks"]
 
 _is_compiling = torch.compiler.is_compiling
-#: Output sites measured every step whatever ``coarse_every`` says: the logits (every forward value reaches
-#: them) and the input embedding (every backward value reaches the gradient into it), so that no non-finite
-#: value of a step goes unseen in it.
-_EVERY_STEP = frozenset({"logits", "embedding"})
 
 
 class ModuleHooks:
@@ -66,9 +62,9 @@ class ModuleHooks:
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
         each decoder block and its parts, MoE routers and experts, the final norm): the logits and the
-        embedding every step, the others when the step reads them (``Probes.turns``, ``coarse_every``)."""
+        embedding every step, the others when the step reads them (``CoarseTurns.reads``, ``coarse_every``)."""
         p = self._probes
-        if p.measuring and (kind in _EVERY_STEP or p.turns.now) and not _is_compiling():
+        if p.measuring and p.turns.reads(kind) and not _is_compiling():
             if kind == "logits":
                 self._head_seen = True
                 if p.stage() == "train" and not recomputing():

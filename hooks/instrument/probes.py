@@ -49,6 +49,10 @@ __all__ = ["FULL_AFTER_ALARM", "CoarseTurns", "Frame", "Probes", "first_tensor",
 #: whatever ``coarse_every`` says: a value that recurs is then named where it is born.
 FULL_AFTER_ALARM = 16
 
+#: Sites read every step whatever ``coarse_every`` says (``CoarseTurns.reads``): attention (the SDPA wrapper
+#: reads every call) and the logits, which every forward value reaches, and the input embedding, whose
+#: gradient every backward value reaches.
+_EVERY_STEP = frozenset({"attention", "logits", "embedding"})
 #: Sites whose gradient is read only with the coarse sites (``CoarseTurns.reads_grad``).
 _LOCAL_GRADS = frozenset({"attention", "logits"})
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
@@ -170,6 +174,10 @@ class CoarseTurns:
         self.now = self.always or self.every <= 1 or step % self.every == 0 or self._left > 0
         self._left = max(self._left - 1, 0)
         return self.now
+
+    def reads(self, kind: str) -> bool:
+        """Whether the open step reads a site of ``kind`` in forward."""
+        return self.now or kind in _EVERY_STEP
 
     def reads_grad(self, kind: str) -> bool:
         """Whether the open step reads the gradient into a site of ``kind``: the attention and logits gradients

@@ -189,7 +189,7 @@ class Monitor(OldDirectivesName):
             self.directive_state.at_step_boundary(n)
         except Exception as exc:
             probe_failed(exc)
-        self._remedies.at_step_start()  # then this step's share of the parameters and optimizer state
+        self._remedies.at_step_start(n)  # an earlier step's rerun, the carried weights, the sweep's share
 
     def end_step(self) -> None:
         """Close the open step and hand it to the reporter (no host sync, but one flag read in rerun mode)."""
@@ -202,8 +202,8 @@ class Monitor(OldDirectivesName):
             return
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
         self._remedies.at_step_end(n, raised=raised)
-        self._handover.hand_over(n, raised)
-        self._remedies.new_step()
+        data, state = self._handover.hand_over(n, raised)
+        self._remedies.new_step(data, state)  # a rerun decided a step later (an accelerator) decodes them
 
     def mark_raised(self, exc: BaseException | type[BaseException]) -> None:
         """The open eval window, else the open step, raised ``exc`` (or its type): its report says so, claims

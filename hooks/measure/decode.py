@@ -29,7 +29,7 @@ from nanwatch.hooks.measure.slot_buffer import SlotBuffer
 from nanwatch.wire import Fingerprint, LogitStat, RlhfStat, SdpaCall, SiteStat, dtype_name
 
 __all__ = ["QUIET_KINDS", "Offender", "SlotReader", "StepSoFar", "StepStats", "decode_step", "nonfinite_phases",
-           "step_so_far"]
+           "step_facts", "step_so_far"]
 
 #: Site kinds reported only when non-finite (checked every step, named only when they matter).
 QUIET_KINDS = frozenset({"param"})
@@ -141,10 +141,16 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
 def step_so_far(rec: Recorder) -> StepSoFar:
     """The open step decoded on the host now: one sync (the rerun's, once per run)."""
     stats = decode_step(rec.state, rec.flat().tolist(), slots=rec.buf)  # sync-ok: once per run
-    c = rec.state.coverage
+    return step_facts(rec.state, stats)
+
+
+def step_facts(state: StepState, stats: StepStats) -> StepSoFar:
+    """What the differential rerun needs of a step, from its record and its decoded stats: the open step's
+    (:func:`step_so_far`) or a step already handed over (the rerun decided a step later, on an accelerator)."""
+    c = state.coverage
     return StepSoFar(stats.first_offender, sum(f.fully_masked_rows for f in stats.fingerprints),
                      bool(c.compiled_forwards or c.compiled_calls),
-                     {key[0]: meta.kind for key, meta in rec.state.sites.items()})
+                     {key[0]: meta.kind for key, meta in state.sites.items()})
 
 
 def nonfinite_phases(rec: Recorder) -> set[str]:

@@ -7,6 +7,14 @@ step 0 (measured: all 25 parameters of the tiny Qwen3, on CPU). The forward and 
 finite, so nothing named it; from step 1 on every site was NaN and the rotating parameter check named a
 different parameter each step. A weight guard cannot help (it decides before the update).
 
+When: after every step on the CPU, where it is cheap; on an accelerator after the first step and then one in
+``MonitorConfig.optimizer_check_every`` (16), because there it reads every weight, the model's size in bytes
+a step (16.4 GB at 8B in bf16). A value an unchecked update writes is not missed: every localising site is
+read every step, so the next forward sees the weight at its first use, at the module holding it; the weight
+guard skips that step, and the differential rerun reads every parameter once and names the one written
+(class ``optimizer``, kind ``param``: ``nanwatch.hooks.remedies.incident_tensors``). :attr:`OptimizerCheck.unread`
+tells the rerun that an update ran since the last check.
+
 How: a step post-hook on the optimizer (``Optimizer.register_step_post_hook``: it runs after the real
 update, and not at all when the weight guard or a GradScaler skipped the call) takes the parameters that
 had a gradient (the ones a ``torch.optim`` optimizer updates) and computes their largest |x| per (device,
@@ -196,19 +204,27 @@ class _Records(Protocol):
 class OptimizerCheck:
     """One optimizer's post-step check (see the module docstring); ``remove()`` takes it off.
 
+    ``every``: check after one step in this many, the first included (``MonitorConfig.optimizer_check_every``);
+    :attr:`unread` says whether an update ran since the last check.
+
     Example usage::
 
-        check = OptimizerCheck(opt, rec=rec, names={id(p): n for n, p in model.named_parameters()})
+        check = OptimizerCheck(opt, rec=rec, names={id(p): n for n, p in model.named_parameters()}, every=16)
         ...                      # every opt.step() records a ParamBatch into the open step
         check.carry()            # at the next step start
         check.remove()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, rec: _Records, names: dict[int, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, rec: _Records, names: dict[int, str],
+                 every: int = 1) -> None:
         self.optimizer = optimizer
         self._rec = rec
         self._names = names
         self._owner = type(optimizer).__name__
+        self._every = every
+        self._steps = 0  # the optimizer's steps seen (post-hook calls)
+        #: an update ran after the last read of the parameters (``every`` > 1): what it wrote is unread
+        self.unread = False
         self._last: tuple[ParamBatch, list[torch.Tensor], list[int]] | None = None
         #: the parameters of the last check, by id, and what is derived from them alone (their grouping by
         #: device and dtype, names, dtypes, sizes): the same every step unless the set of updated ones changes
@@ -216,7 +232,12 @@ class OptimizerCheck:
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return
+        due = self._steps % self._every == 0  # the first step, then one in ``every``
+        self._steps += 1
+        self.unread = not due  # a fused optimizer's skipped step counts too: conservative, never a wrong class
+        if due:
             contained(self._check)
 
     def _check(self) -> None:

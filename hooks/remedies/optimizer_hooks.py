@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +44,9 @@ class OptimizerHooks:
 
     ``rerun_tap``: the probes' :class:`~nanwatch.hooks.instrument.rerun_tap.RerunTap` when rerun mode is on
     (else None), told after each new weight guard whether to keep the forward inputs (rerun mode needs an
-    effective weight guard to protect the weights meanwhile).
+    effective weight guard to protect the weights meanwhile). ``before_update``: called at each guarded
+    optimizer's pre-step (the rerun's last chance to re-run a step on the weights it saw). ``check_every``:
+    the optimizer checks' cadence (``MonitorConfig.optimizer_check_every``, resolved for the device).
 
     Example usage::
 
@@ -55,8 +58,11 @@ class OptimizerHooks:
     """
 
     def __init__(self, model: weakref.ref[torch.nn.Module], *, config: MonitorConfig, rec: Recorder,
-                 directive_state: DirectiveState, warn: WarnOnce, rerun_tap: RerunTap | None) -> None:
+                 directive_state: DirectiveState, warn: WarnOnce, rerun_tap: RerunTap | None,
+                 check_every: int = 1, before_update: Callable[[], None] | None = None) -> None:
         self._model = model
+        self._check_every = check_every
+        self._before_update = before_update
         self._config = config
         self._rec = rec
         self._directive_state = directive_state
@@ -91,6 +97,8 @@ class OptimizerHooks:
                         host_read=sync is not False, warn=self._warn, spiked=self._spike_skip)
         self._weight_guards.append(g)
         self._handles.append(g)
+        if self._before_update is not None:  # the rerun's last chance on the weights a step saw
+            self._handles.append(g.optimizer.register_step_pre_hook(self._pre_step))
         self.check(optimizer)
         self._check_replicas(g.optimizer)
         if self._rerun_tap is not None:
@@ -103,7 +111,8 @@ class OptimizerHooks:
         model = self._model()
         if not self._config.optimizer_check or id(opt) in self._checks or model is None:
             return
-        check = OptimizerCheck(opt, rec=self._rec, names={id(p): n for n, p in model.named_parameters()})
+        check = OptimizerCheck(opt, rec=self._rec, names={id(p): n for n, p in model.named_parameters()},
+                               every=self._check_every)
         self._checks[id(opt)] = check
         self._handles.append(check)
         self._check_replicas(opt)
@@ -148,6 +157,15 @@ class OptimizerHooks:
         opts = {id(c.optimizer): c.optimizer for c in self._checks.values()}
         opts.update((id(g.optimizer), g.optimizer) for g in self._weight_guards)
         return list(opts.values())
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._before_update is not None and not torch.compiler.is_compiling():
+            contained(self._before_update)
+
+    def unread_updates(self) -> bool:
+        """An optimizer update ran after its optimizer check last read the parameters (the check is
+        amortised: ``optimizer_check_every``)."""
+        return any(c.unread for c in self._checks.values())
 
     def at_step_start(self) -> None:
         """The weights this step starts from, as the last update left them (``OptimizerCheck.carry``)."""

@@ -25,8 +25,12 @@ faulting call (its arguments, parameters, RNG and settings) is what an incident 
 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
-forward, no more), once per run, plus one host read of the step's non-finite flag per step while rerun mode
-is on (``MonitorConfig.rerun``). It does not run when it cannot be sound: a NaN born in backward (the rerun
+forward, no more), once per run, plus, to decide when to run it, the step's non-finite flag on the host
+(``MonitorConfig.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
+accelerator copied without a host read and decided a step later (``nanwatch.hooks.remedies.rerun_flags``).
+First, every parameter and optimizer-state tensor is read once (``nanwatch.hooks.remedies.incident_tensors``):
+a parameter an unchecked optimizer update wrote non-finite is class ``optimizer``, with no rerun. It does
+not run when it cannot be sound: a NaN born in backward (the rerun
 re-runs forwards), no kept forward, compiled code in the step (the probes, and so the fp32 path, are off
 inside graphs), or no weight guard (the weights already moved). The incident then says ``not_classified``
 and why.
@@ -40,8 +44,8 @@ DeepSpeed ZeRO-3 or SyncBatchNorm a forward gathers from every rank: one rank re
 (``nanwatch.hooks.measure.collective.collective_forward``). Running it on every rank together would need the
 ranks to agree on every branch of the search (which micro-batch, which path), a collective per branch.
 
-:class:`DifferentialRerun` is what the Monitor holds: rerun mode's per-step decision (one host read of the
-step's flag, the scaler's overflow excepted, once per run) and the capsule writer it fills. ``rerun`` was
+:class:`DifferentialRerun` is what the Monitor holds: rerun mode's per-step decision (the step's flag, the
+scaler's overflow excepted, once per run) and the capsule writer it fills. ``rerun`` was
 called ``replay`` before "replay" came to mean only a capsule's (``nanwatch replay``); the old name still
 works, with a DeprecationWarning.
 """
@@ -52,7 +56,7 @@ import logging
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -63,14 +67,18 @@ from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
-from nanwatch.hooks.measure.decode import step_so_far
+from nanwatch.hooks.measure.decode import StepSoFar, decode_step, step_facts, step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
+from nanwatch.hooks.remedies.incident_tensors import optimizer_birth, read_tensors, state_note
+from nanwatch.hooks.remedies.loss_scaling import SCALER_FOUND, handled_by_scaler
+from nanwatch.hooks.remedies import rerun_flags
+from nanwatch.hooks.remedies.rerun_flags import FlagsInFlight
 from nanwatch.wire import Incident
 
-__all__ = ["DifferentialRerun", "classify", "open_capsules", "replay", "rerun"]
+__all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "replay", "rerun"]
 
 log = logging.getLogger("nanwatch")
 
@@ -348,23 +356,36 @@ def _search(model: torch.nn.Module, probes: Probes, directive_state: DirectiveSt
 
 def rerun(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState, kept: list[KeptForward],
           step: int, site: str | None, phase: str | None, masked_rows: int, weight_guard_on: bool,
-          compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None) -> Incident:
+          compiled: bool, rank: int, kinds: dict[str, str] | None = None, capsules: Any = None,
+          optimizers: Sequence[torch.optim.Optimizer] = (), unread_updates: bool = False, stale: str = ""
+          ) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a rerun that fails is
     ``not_classified`` with the error in ``note``. With ``capsules`` (a
     ``nanwatch.hooks.remedies.capsule.CapsuleWriter``), a drilled-down incident also gets a capsule of its
     birth module's faulting call (``Incident.capsule``), and a not-reproducible one a capsule of its first
     offender's call in the re-run. ``weight_guard_on``: a weight guard kept the step out of the weights (else
-    the weights moved, and a rerun would not be that step)."""
+    the weights moved, and a rerun would not be that step); ``stale``: why the weights may have moved since
+    all the same (a flag that reached the host late, ``nanwatch.hooks.remedies.rerun_flags``).
+
+    First every parameter and the state of ``optimizers`` are read once
+    (``nanwatch.hooks.remedies.incident_tensors``): a parameter non-finite after an optimizer update the
+    optimizer check did not read (``unread_updates``) is an ``optimizer`` birth, no rerun needed."""
     verdict = _Verdict(step=step, site=site, phase=phase, masked_rows=masked_rows, rank=rank,
                        capsules=capsules)
-    why_not = _why_not(model, phase=phase, kept=kept, weight_guard_on=weight_guard_on, compiled=compiled)
+    why_not = stale or _why_not(model, phase=phase, kept=kept, weight_guard_on=weight_guard_on, compiled=compiled)
     if why_not:
         return verdict.done("not_classified", why_not)
     saved_rng = torch.get_rng_state()
     saved_cuda = torch.cuda.get_rng_state_all() if any(k.cuda_rng for k in kept) else []
     named = _named_module_of(model, site)
     try:
-        return _search(model, probes, directive_state, kept, named, site, kinds or {}, verdict)
+        bad = read_tensors(model, list(optimizers))
+        if bad.params and unread_updates:
+            return verdict.done("optimizer", **optimizer_birth(bad, step=step, phase=phase))
+        incident = _search(model, probes, directive_state, kept, named, site, kinds or {}, verdict)
+        if bad.state:
+            incident = incident.model_copy(update={"note": f"{incident.note}; {state_note(bad)}"[:1000]})
+        return incident
     except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
         return verdict.done("not_classified", f"the rerun failed: {type(exc).__name__}: {str(exc)[:200]}")
     finally:
@@ -390,20 +411,22 @@ def replay(*, guarded: bool | None = None, **options: Any) -> Incident:
 
 
 def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,
-             step: int, weight_guard_on: bool, rank: int, capsules: Any = None) -> Incident | None:
-    """The open step, known to be non-finite: classify it by a rerun and put the verdict into the
-    recorder, for the step's report (one host read of the step's values, once per run). None when the
-    value was born in an optimizer update (forward and backward were finite): there is nothing to re-run,
-    and the report names it (``nanwatch.hooks.measure.optimizer_check``)."""
-    so_far = step_so_far(rec)
-    first = so_far.first
+             step: int, facts: StepSoFar, kept: list[KeptForward], weight_guard_on: bool, rank: int,
+             capsules: Any = None, optimizers: Sequence[torch.optim.Optimizer] = (), unread_updates: bool = False,
+             stale: str = "") -> Incident | None:
+    """Step ``step``, known to be non-finite, described by ``facts`` (its first offender, masked rows...):
+    classify it by a rerun of its ``kept`` forwards and put the verdict into the recorder's open step, for
+    that step's report (the step's own, or on an accelerator a later one: the incident carries its step).
+    None when the value was born in an optimizer update the optimizer check read (forward and backward were
+    finite): there is nothing to re-run, and the report names it (``nanwatch.hooks.measure.optimizer_check``)."""
+    first = facts.first
     if first is not None and first[1] == "optimizer":
         return None
-    incident = rerun(model=model, probes=probes, directive_state=directive_state,
-                     kept=list(probes.rerun.kept), step=step, site=first[0] if first else None,
-                     phase=first[1] if first else None, masked_rows=so_far.masked_rows,
-                     weight_guard_on=weight_guard_on, compiled=so_far.compiled, rank=rank, kinds=so_far.kinds,
-                     capsules=capsules)
+    incident = rerun(model=model, probes=probes, directive_state=directive_state, kept=kept, step=step,
+                     site=first[0] if first else None, phase=first[1] if first else None,
+                     masked_rows=facts.masked_rows, weight_guard_on=weight_guard_on, compiled=facts.compiled,
+                     rank=rank, kinds=facts.kinds, capsules=capsules, optimizers=optimizers,
+                     unread_updates=unread_updates, stale=stale)
     rec.set_incident(incident)
     # INFO: the report's own line (nanwatch.hooks.report.local_log) tells the incident at WARNING, once,
     # with its step, site and birth; two lines for one incident would read as two
@@ -425,48 +448,111 @@ def open_capsules(config: MonitorConfig, rank: int) -> CapsuleWriter | None:
     return CapsuleWriter(run_id=config.run_id, rank=rank, directory=folder, max_count=count, max_bytes=limit)
 
 
+def defers(device: torch.device) -> bool:
+    """Whether a model on ``device`` has its rerun decided a step later, from its flag copied without a host
+    read (an accelerator), rather than at the step's end (the CPU, where the read is free). The tests' seam:
+    forcing True runs the accelerator's path on the CPU."""
+    return device.type != "cpu"
+
+
 class DifferentialRerun:
-    """Rerun mode for one Monitor: at the end of a step that did not raise, with its forwards kept, read the
-    step's non-finite flag (the one host read it costs) and, the first time it is set (a loss-scale overflow
-    the scaler handled excepted), classify the step by a rerun before anything else moves. Holds the capsule
-    writer the rerun fills. Training thread.
+    """Rerun mode for one Monitor (``MonitorConfig.rerun``; on whenever a weight guard is effective): the
+    first time a step's non-finite flag is set (a loss-scale overflow the scaler handled excepted), classify
+    that step by a rerun before its weights move. Holds the capsule writer the rerun fills. Training thread.
+
+    When: on the CPU reading the flag is free, so the step is decided at its end. On an accelerator the flag
+    goes to the host without a read (``nanwatch.hooks.remedies.rerun_flags``) and the step is decided at the
+    next step start, or else at the next optimizer pre-step, once it has landed (never waiting for it); its
+    incident then lands in that later step's report, with its own ``step``. ``defer`` says which (a test may
+    set it, to run the accelerator's path on the CPU).
 
     Example usage::
 
         rerun = DifferentialRerun(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
-                                  directive_state=state)
+                                  directive_state=state, optimizers=hooks.optimizers)
+        rerun.at_step_start()             # an earlier step's flag landed set: classified now
         ...                               # the step; its forwards kept while a weight guard is effective
+        rerun.before_update()             # an optimizer's pre-step (its guard's): the same, else too late
         rerun.at_step_end(n, scaling=scaling, weight_guard_on=hooks.effective)
+        rerun.handed_over(data, state)    # the step's values and record, as the report's copy took them
         rerun.close(timeout=10.0)         # a capsule still being written is finished (bounded)
     """
 
     def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
-                 model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState
-                 ) -> None:
-        #: rerun mode: ``MonitorConfig.rerun``, by default on on the CPU (the per-step host read is free
-        #: there) and off on a GPU
-        self.on = config.rerun if config.rerun is not None else device.type == "cpu"
+                 model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState,
+                 optimizers: Callable[[], list[torch.optim.Optimizer]] = list,
+                 unread_updates: Callable[[], bool] = bool) -> None:
+        #: rerun mode: ``MonitorConfig.rerun`` (None: on), effective while a weight guard is
+        self.on = config.rerun is not False
+        #: decide a step later, from its flag copied without a host read (an accelerator), rather than at its end
+        self.defer = defers(device)
+        #: the steps' flags on their way to the host (``defer``)
+        self.flags = FlagsInFlight(landed=rerun_flags.landed)
         #: the capsule writer (None: capsules off)
         self.capsules = open_capsules(config, rank)
         self._rank, self._rec, self._model = rank, rec, model
         self._probes, self._directive_state = probes, directive_state
+        self._optimizers, self._unread_updates = optimizers, unread_updates
+        self._unread = False  # an optimizer update the optimizer check did not read ran before this step
+        self._step: int | None = None  # the open step
         self._done = False  # the run's first non-finite step was classified: once per run
+
+    def at_step_start(self, step: int | None = None) -> None:
+        """A step starts: whether an update the optimizer check did not read ran before it; and (``defer``)
+        an earlier step whose flag has landed set is classified now, its incident in this step's report."""
+        self._step = step
+        self._unread = bool(self._unread_updates())
+        if self.defer and not self._done:
+            self._decide()
+
+    def before_update(self) -> None:
+        """An optimizer's pre-step (``defer``): a flag that has landed set is classified now, while the
+        weights are still the faulting step's; the flags still in flight go stale (the update may move them)."""
+        if self.defer and not self._done and len(self.flags):
+            self._decide()
+            self.flags.update_may_run(self._step)
 
     def at_step_end(self, step: int, *, scaling: Any, weight_guard_on: bool) -> Incident | None:
         """Step ``step`` ends normally (``scaling``: the Monitor's ``LossScaling``, or None): classify it if
-        it is the run's first non-finite one and its forwards were kept."""
+        it is the run's first non-finite one and its forwards were kept; with ``defer``, send its flag."""
         if self._done or not self._probes.rerun.keep_inputs:
             return None
-        if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode (free on the CPU; opt-in on GPU)
+        if self.defer:
+            self.flags.send(step, self._rec.nonfinite_flag(), kept=list(self._probes.rerun.kept),
+                            weight_guard_on=weight_guard_on, unread_updates=self._unread)
+            return None
+        if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode on the CPU (free there)
             return None
         if scaling is not None and scaling.handled_overflow():  # sync-ok: rerun mode, flag set
             return None
         self._done = True
         return classify(rec=self._rec, model=self._model(), probes=self._probes,
-                        directive_state=self._directive_state, step=step, weight_guard_on=weight_guard_on,
-                        rank=self._rank, capsules=self.capsules)
+                        directive_state=self._directive_state, step=step, facts=step_so_far(self._rec),
+                        kept=list(self._probes.rerun.kept), weight_guard_on=weight_guard_on, rank=self._rank,
+                        capsules=self.capsules, optimizers=self._optimizers(), unread_updates=self._unread)
+
+    def handed_over(self, data: torch.Tensor, state: StepState) -> None:
+        """The step just ended was handed to the reporter (``defer``): its values and record stay referenced
+        with its flag, for the decode a rerun of it needs."""
+        if self.defer:
+            self.flags.handed_over(data, state)
+
+    def _decide(self) -> None:
+        flag = self.flags.first_set()
+        if flag is None or flag.state is None or flag.data is None:
+            return
+        stats = decode_step(flag.state, flag.data.tolist())  # sync-ok: the incident path, once per run
+        if flag.state.loss_scaling and handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites):
+            return  # dynamic loss scaling at work: no incident (the scaler skipped the update)
+        self._done = True
+        self.flags.clear()
+        classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self._directive_state,
+                 step=flag.step, facts=step_facts(flag.state, stats), kept=flag.kept,
+                 weight_guard_on=flag.weight_guard_on, rank=self._rank, capsules=self.capsules,
+                 optimizers=self._optimizers(), unread_updates=flag.unread_updates, stale=flag.stale)
 
     def close(self, timeout: float) -> None:
         """A capsule still being written is finished (bounded wait)."""
+        self.flags.clear()
         if self.capsules is not None:
             self.capsules.join(timeout)

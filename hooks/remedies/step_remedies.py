@@ -12,11 +12,11 @@ Example usage::
     remedies = StepRemedies(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
                             directive_state=state, warn=WarnOnce())
     remedies.attach(model, optimizer=opt, scaler=None)
-    remedies.at_step_start()
+    remedies.at_step_start(41)
     ...                                   # the step
     remedies.at_step_end(41, raised=None)
-    ...                                   # the step's hand-over
-    remedies.new_step()
+    data, state = handover.hand_over(41)  # the step's hand-over
+    remedies.new_step(data, state)
     remedies.remove()                     # at close; then remedies.join(timeout)
 """
 
@@ -32,7 +32,7 @@ from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.param_sweep import ParamSweep
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.hooks.remedies.attribution import RolloutAttributor
 from nanwatch.hooks.remedies.loss_scaling import LossScaling
 from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
@@ -40,7 +40,11 @@ from nanwatch.hooks.remedies.rerun import DifferentialRerun
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.wire import RolloutEvent
 
-__all__ = ["StepRemedies"]
+__all__ = ["ACCELERATOR_CHECK_EVERY", "StepRemedies"]
+
+#: ``optimizer_check_every``'s default on an accelerator: the check reads every weight (the model's size in
+#: bytes) after one optimizer step in this many, the first included; on the CPU, every step
+ACCELERATOR_CHECK_EVERY = 16
 
 
 class StepRemedies:
@@ -51,9 +55,13 @@ class StepRemedies:
                  warn: WarnOnce) -> None:
         self._config, self._rec, self._model, self._warn, self._probes = config, rec, model, warn, probes
         self.rerun = DifferentialRerun(config, rank=rank, device=device, rec=rec, model=model, probes=probes,
-                                       directive_state=directive_state)
+                                       directive_state=directive_state, optimizers=self._covered,
+                                       unread_updates=self._unread_updates)
+        every = config.optimizer_check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
         self.optimizers = OptimizerHooks(model, config=config, rec=rec, directive_state=directive_state,
-                                         warn=warn, rerun_tap=probes.rerun if self.rerun.on else None)
+                                         warn=warn, rerun_tap=probes.rerun if self.rerun.on else None,
+                                         check_every=every, before_update=self.rerun.before_update
+                                         if self.rerun.on else None)
         self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
         self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
         #: the rollout attribution (None: ``rollout_attribution=False``), its capsules the rerun's writer's
@@ -86,10 +94,19 @@ class StepRemedies:
             raise RuntimeError("nanwatch: watch_scaler() needs an attached Monitor")
         self._scaling.watch(scaler)
 
-    def at_step_start(self) -> None:
-        """The weights this step starts from, as the last update left them (``OptimizerCheck.carry``); then
-        this step's share of the parameters and optimizer state, read before any forward so that a tensor
+    def _covered(self) -> list[torch.optim.Optimizer]:
+        return self.optimizers.optimizers()
+
+    def _unread_updates(self) -> bool:
+        return self.optimizers.unread_updates()
+
+    def at_step_start(self, step: int | None = None) -> None:
+        """An earlier step's rerun decided, if its flag has landed set (on an accelerator); the weights this
+        step starts from, as the last update left them (``OptimizerCheck.carry``); then this step's share of
+        the parameters and optimizer state (``param_check_every``), read before any forward so that a tensor
         already non-finite is named the birth site."""
+        if self.rerun.on:
+            contained(self.rerun.at_step_start, step)
         self.optimizers.at_step_start()
         if self._config.param_check_every:
             contained(self._check_params)
@@ -131,8 +148,11 @@ class StepRemedies:
         if result is not None:
             self._rec.state.rollout_attribution = result
 
-    def new_step(self) -> None:
-        """After the step's hand-over: the scalers' per-step flags start afresh."""
+    def new_step(self, data: torch.Tensor | None = None, state: StepState | None = None) -> None:
+        """After the step's hand-over (``data``, ``state``: its values and record, as the report's copy took
+        them; a rerun decided a step later decodes them): the scalers' per-step flags start afresh."""
+        if data is not None and state is not None and self.rerun.on:
+            contained(self.rerun.handed_over, data, state)
         if self._scaling is not None:
             self._scaling.new_step()
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import contained
@@ -57,17 +59,20 @@ class StepHandover:
         #: an exception it caught): no final report then
         self.ended_by: str | None = None
 
-    def hand_over(self, step: int, raised: str | None = None) -> None:
+    def hand_over(self, step: int, raised: str | None = None) -> tuple[torch.Tensor, StepState]:
         """The recorder's current record, under ``step`` (``raised``: the exception type the step or window
         raised), to the reporter; no host sync. Dropped, with a warning, when the reporter is too far
-        behind: training never waits for reporting."""
+        behind: training never waits for reporting. Returns what was handed over: the values on the device
+        and the record (a rerun decided a step later decodes them, ``nanwatch.hooks.remedies.rerun``)."""
         self.reported_step = step
         data = self._rec.flat()
-        ctx = StepContext(self._rec.swap(), self._directive_state.mode, self._directive_state.version,
-                          time.time(), raised=raised)
+        state = self._rec.swap()
+        ctx = StepContext(state, self._directive_state.mode, self._directive_state.version, time.time(),
+                          raised=raised)
         if not self._flow.capture(data, step, ctx):
             log.warning("nanwatch: reporter is %d steps behind; dropped the report for step %d",
                         self._max_pending, step)
+        return data, state
 
     def finish(self) -> None:
         """At close, once every hook is off: the directive state closes, and a run that did not end on an

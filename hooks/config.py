@@ -144,10 +144,15 @@ class MonitorConfig:
     exact_logit_chunk_elems: int = 1 << 24
     """Upper bound on the score elements held at once by the exact computation (memory stays bounded)."""
 
-    param_check_every: int = 8
+    param_check_every: int = 0
     """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch covers)
     once in this many steps, a rotating share at each step start, so that a tensor already non-finite is
-    named as the birth site; 0 turns it off."""
+    named as a site of its own before any forward; 0 (the default) turns it off. Off by default because it
+    is not needed to name the tensor: every localising site is read every step, so a non-finite weight is
+    met at its next use, at the module holding it (the first offender; a NaN ``exp_avg`` reaches the weight
+    at the next update), and the differential rerun reads every parameter and optimizer-state tensor once
+    on that incident and names it (``nanwatch.hooks.remedies.incident_tensors``). On, it reads all of them
+    every N steps (~6 GB a step at 8B with N=8)."""
 
     # ---- remedies ----------------------------------------------------------------------------------
     guard: GuardChoice = "auto"

@@ -5,7 +5,8 @@ Plain PyTorch hooks on the same modules nanwatch measures do one ``torch.aminmax
 and of its gradient in backward as nanwatch's defaults do: the input embedding every step, attention and the
 output head in forward every step and in backward one step in ``coarse_every``, the other coarse
 localisation sites one step in ``coarse_every``; attention modules one more of their input (nanwatch reads
-each call's query too); every step one ``aminmax`` of the same rotating share of the parameters, and after
+each call's query too); with ``param_check_every`` (off, as nanwatch's default) every step one ``aminmax`` of
+the same rotating share of the parameters; and after
 each optimizer step one of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
 nanwatch does. Nothing is kept, decoded or reported: these are the reads nanwatch's defaults promise, and
 their time is the least any monitor that makes the same promises can cost.
@@ -37,7 +38,7 @@ class Floor:
     """``round()`` attaches the floor's hooks for a round; ``step()`` reads this step's parameter share.
     ``reads`` counts the tensors read in the last step; ``step_ms`` is each step's time spent reading."""
 
-    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 8, coarse_every: int = 4,
+    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 0, coarse_every: int = 4,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.every = param_check_every
@@ -124,9 +125,9 @@ class Floor:
         self.reads, self._seconds = 0, 0.0
         self._turns.begin_step(self._steps)
         self._steps += 1
-        params = list(self.model.parameters())
-        share = -(-len(params) // self.every)
-        start = self._sweep % len(params)
+        params = list(self.model.parameters()) if self.every else []  # the sweep: off by default, as nanwatch's
+        share = -(-len(params) // self.every) if params else 0
+        start = self._sweep % len(params) if params else 0
         self._sweep = start + share
         for p in (params + params)[start : start + share]:
             self._read(p)

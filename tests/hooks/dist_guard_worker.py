@@ -156,7 +156,9 @@ def fsdp2() -> list[dict]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward())
+    # the rotating sweep passed explicitly (off by default): what it reads of DTensor parameters is this
+    # test's point (test_dist_guard: the local shards)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), param_check_every=8)
 
 
 def accelerate() -> list[dict]:

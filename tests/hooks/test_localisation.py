@@ -177,7 +177,7 @@ def test_a_healthy_run_raises_no_alarm(name, impl):
     for r in reports:
         assert r.first_offender is None and r.incident is None and not r.step_skipped
         assert r.nonfinite_total == 0 and r.coverage.unmeasured == []
-        assert r.coverage.params_checked > 0
+        assert r.coverage.params_checked == 0  # no sweep by default: an incident's rerun reads them once
     kinds = {s.kind for s in reports[0].sites}
     assert {"embedding", "block", "mlp", "norm", "attention", "logits"} <= kinds
     if name == "qwen3_moe":  # routers and experts are sites; the routers' logits get a logit max
@@ -248,7 +248,7 @@ def test_coarse_sites_are_read_one_step_in_coarse_every_and_the_rest_every_step(
         measured = r.step % 4 == 0  # the first step, then every 4th
         assert r.coverage.coarse_skipped is (not measured), r.step
         assert ({"mlp", "norm", "block"} <= kinds) is measured, (r.step, kinds)
-        assert {"embedding", "attention", "logits"} <= kinds and r.coverage.params_checked > 0  # every step
+        assert {"embedding", "attention", "logits"} <= kinds  # every step
         assert {s.phase for s in r.sites if s.kind == "embedding"} == {"forward", "backward"}
         backward = {s.kind for s in r.sites if s.phase == "backward"}
         assert backward == ({"embedding", "attention", "logits", "mlp", "norm", "block"} if measured else {"embedding"})

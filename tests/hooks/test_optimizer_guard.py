@@ -103,16 +103,19 @@ def test_guard_off_lets_the_nan_into_the_weights(passed):
     assert r.incident is None or r.incident.cls != "optimizer"
 
 
-def test_pure_fp16_adamw_names_the_optimizer_update_at_step_0_and_offers_no_fp32():
+@pytest.mark.parametrize("every", [None, 16], ids=["cpu-default", "amortised"])
+def test_pure_fp16_adamw_names_the_optimizer_update_at_step_0_and_offers_no_fp32(every):
     # A real optimizer-born NaN, no injection: in fp16, eps=1e-8 rounds to 0 and exp_avg_sq underflows
     # where gradients are small, so AdamW divides 0/0 or x/0 at its first step (checked below: the
-    # forward and backward of step 0 are finite, the weights after it are not).
+    # forward and backward of step 0 are finite, the weights after it are not). Amortised (an
+    # accelerator's default, forced here), the check still reads the first step.
     model = _model(torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-8)
     reports, modes = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="fp16", optimizer=opt, directive_source="local") as mon:
+        with nanwatch.attach(model, run_id="fp16", optimizer=opt, directive_source="local",
+                             optimizer_check_every=every) as mon:
             for n in range(5):
                 ids = token_ids(2, 16, seed=n, vocab=64)
                 with mon.step(n):
@@ -416,3 +419,74 @@ def test_the_cpu_path_of_the_check_gives_the_foreach_norms_values():
         assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
         with_empty = _largest_abs([torch.zeros(0, dtype=dtype), *group])  # (the foreach norm refuses an empty one)
         assert with_empty[0] == 0 and torch.equal(with_empty[1:].nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+# ---- the check amortised (an accelerator's default, #35): an unchecked update's NaN is still named ---------
+
+@pytest.mark.parametrize("defer", [False, True], ids=["decided-at-step-end", "decided-a-step-later"])
+def test_an_update_the_amortised_check_did_not_read_is_named_at_its_parameter(defer, monkeypatch, caplog):
+    """Fused SGD's update writes Inf into one parameter at step 1 (its gradient turned Inf by a hook nanwatch
+    does not measure: forward and backward finite); the check reads only the first step of sixteen, so step
+    1 is finite. Step 2's forward meets the weight at the module holding it (the first offender), the guard
+    skips step 2 and every later one, and the rerun reads every parameter once: class ``optimizer``, born at
+    the parameter. With ``defer`` the accelerator's path (the step decided at the next step start)."""
+    from nanwatch.hooks.remedies import rerun as rerun_module
+
+    monkeypatch.setattr(rerun_module, "defers", lambda device: defer)
+    caplog.set_level(logging.WARNING, logger="nanwatch")
+    model = _model()
+    param = model.get_parameter(BAD)
+    now = [0]
+    param.register_hook(lambda g: g * math.inf if now[0] == 1 else g)
+    opt = _make("sgd_fused", model)
+    reports, finite = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="amortised", optimizer=opt, directive_source="local", coarse_every=1,
+                             optimizer_check_every=16) as mon:
+            for n in range(5):
+                now[0] = n
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+                finite.append(bool(param.isfinite().all()))
+    assert finite == [True, False, False, False, False]  # the update of step 1 wrote it
+    assert [r.first_offender for r in reports[:2]] == [None, None]  # step 1's update was not read
+    assert (reports[2].first_offender, reports[2].first_offender_phase) == ("model.layers.0.mlp", "forward")
+    assert [r.step_skipped for r in reports] == [False, False, True, True, True]  # guarded from step 2 on
+    at = 3 if defer else 2
+    inc = reports[at].incident
+    assert [r.incident is not None for r in reports].count(True) == 1
+    assert (inc.cls, inc.step, inc.birth, inc.birth_kind, inc.phase) == ("optimizer", 2, BAD, "param", "forward")
+    assert inc.birth_params == {BAD: param.numel()} and "born in an optimizer update" in inc.note  # all Inf
+    assert "momentum_buffer" in inc.note  # the state it also wrote, named
+    assert not nanwatch.policy.precision_helps(reports[2]) and not nanwatch.policy.precision_helps(reports[at])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nanwatch: step 2 (train)")]
+    told = " ".join(lines)
+    assert "non-finite at model.layers.0.mlp (forward" in told and "step skipped" in told, lines
+    assert f"class optimizer; born at {BAD} (param)" in told and "when step 2's forward used it" in told, lines
+    # nothing says the update of step 2 wrote it (it was skipped): the check never read a step since step 0
+    assert not any("after SGD.step(): the update wrote" in x for x in told.split(";")), lines
+
+
+def test_a_nan_weight_written_by_hand_is_not_blamed_on_an_update_the_check_read():
+    """Every step checked (the CPU's default): a parameter made NaN between steps is no optimizer birth."""
+    model = _model()
+    opt = _make("sgd_fused", model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="by-hand", optimizer=opt, directive_source="off", coarse_every=1) as mon:
+            for n in range(3):
+                if n == 2:
+                    with torch.no_grad():
+                        model.get_parameter(BAD)[0, 0] = math.nan
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+            inc = mon.last_report().incident
+    assert (inc.cls, inc.birth, inc.birth_params) == ("data_mask", BAD.removesuffix(".weight"), {"weight": 1}), inc

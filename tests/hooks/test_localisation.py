@@ -148,15 +148,15 @@ def test_each_fault_is_pinned_to_the_module_of_birth(name, impl, fault, seed):
         assert named == ("model.embed_tokens", "forward")
     elif fault == "mlp_grad":
         assert named == (f"{prefix}.mlp", "backward")
-    else:  # the weight: named directly when this step's share of the check read it, else drilled down
+    else:  # the weight: met at its use, at the module holding it (no step-start sweep), then drilled down
         module = f"{prefix}.mlp.experts" if name == "qwen3_moe" else f"{prefix}.mlp.down_proj"
         param = "down_proj" if name == "qwen3_moe" else "weight"
-        if r.first_offender != f"{module}.{param}":
-            coarse = f"{prefix}.mlp.experts" if name == "qwen3_moe" else f"{prefix}.mlp"  # MoE experts are sites
-            assert named == (coarse, "forward"), named
-            inc = r.incident
-            assert inc is not None and inc.birth == module and inc.birth_params.get(param, 0) >= 1, inc
-            assert inc.path and inc.path[0].startswith(prefix)  # then onwards, downstream
+        coarse = f"{prefix}.mlp.experts" if name == "qwen3_moe" else f"{prefix}.mlp"  # MoE experts are sites
+        assert named == (coarse, "forward"), named
+        inc = r.incident
+        assert inc is not None and inc.birth == module and inc.birth_params.get(param, 0) >= 1, inc
+        assert inc.cls == "data_mask"  # written by hand after a checked update: no optimizer birth
+        assert inc.path and inc.path[0].startswith(prefix)  # then onwards, downstream
 
 
 @pytest.mark.parametrize("name,impl", CASES)

@@ -490,3 +490,31 @@ def test_a_nan_weight_written_by_hand_is_not_blamed_on_an_update_the_check_read(
                     opt.zero_grad()
             inc = mon.last_report().incident
     assert (inc.cls, inc.birth, inc.birth_params) == ("data_mask", BAD.removesuffix(".weight"), {"weight": 1}), inc
+
+
+def test_a_nan_in_optimizer_state_is_named_without_a_sweep():
+    """No step-start sweep (the default): an ``exp_avg`` turned NaN before step 2 reaches the weight in step
+    2's update (amortised check: not read), the weight reaches step 3's forward at the module holding it,
+    and the rerun's one read names the parameter and the state it came from."""
+    model = _model()
+    opt = _make("adamw_fused", model)
+    param = model.get_parameter(BAD)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="state", optimizer=opt, directive_source="off", coarse_every=1,
+                             optimizer_check_every=16) as mon:
+            for n in range(4):
+                if n == 2:
+                    opt.state[param]["exp_avg"][0, 0] = math.nan
+                ids = token_ids(2, 16, seed=n, vocab=64)
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    assert [r.first_offender for r in reports] == [None, None, None, "model.layers.0.mlp"]
+    assert all(r.coverage.params_checked == 0 for r in reports)  # nothing read at step start
+    inc = reports[3].incident
+    assert (inc.cls, inc.step, inc.birth, inc.birth_kind) == ("optimizer", 3, BAD, "param"), inc
+    assert f"optimizer.{BAD}.exp_avg" in inc.note, inc.note

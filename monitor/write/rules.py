@@ -116,9 +116,9 @@ class _Events:
     out: Intents
 
     def add(self, kind: str, key: str, detail: FirstNonfinite | ModeChange | dict[str, Any], *,
-            site: str | None = None, rank: int | None = None) -> None:
+            site: str | None = None, rank: int | None = None, step: int | None = None) -> None:
         self.out.actions.append(EventRow(self.r.run_id, self.now, kind, key, self.who if rank is None else rank,
-                                         self.r.step, site, "", detail))
+                                         self.r.step if step is None else step, site, "", detail))
 
 
 def _first_nonfinite(r: StepReport, rank: RankState | None, reads: RuleReads, events: _Events) -> None:
@@ -147,8 +147,10 @@ def _lifecycle(r: StepReport, rank: RankState | None, previous_mode: str | None,
         # replica divergence (its ranks, hosts, first differing parameters, repaired) is the job's: once a step
         key = (f"replica_divergence:{inc.step}" if inc.cls == "replica_divergence"
                else f"incident:{events.who}:{inc.step}")
+        # stamped with the incident's own step: on a GPU the rerun decides a step later, and the incident
+        # arrives in a later step's report (nanwatch.hooks.remedies.rerun_flags)
         events.add("incident", key, inc.model_dump(mode="json", exclude={"site", "step"}),
-                   site=inc.site or (inc.params[0] if inc.params else None))
+                   site=inc.site or (inc.params[0] if inc.params else None), step=inc.step)
     if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:
         if rank.attention_mode == "none":
             events.add("mode_reverted", f"reverted:{r.directive_version}",

@@ -118,6 +118,37 @@ def test_the_weight_guard_adds_zero_host_syncs():
 
 
 @cuda
+def test_the_rerun_at_defaults_adds_zero_host_syncs_and_classifies_a_step_later():
+    """Rerun mode is on by default on a GPU (#35): the step's flag goes to the host by an async copy and an
+    event, so the clean steps and the NaN step itself run under sync-debug "error"; the next step decides
+    (its start: the flag has landed, or its optimizer pre-step), and its report carries the NaN step's
+    incident, with that step's number."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Mixer(128), Mixer(128)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(2, 64, 128, device="cuda")
+    reports = []
+    with nanwatch.attach(model, run_id="gpu-rerun", optimizer=opt, directive_source="off",
+                         is_attention=lambda n, m: isinstance(m, Mixer)) as mon:
+        for n, inputs in enumerate([x, x, x * float("nan"), x]):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*probe failed.*")
+                torch.cuda.set_sync_debug_mode("error" if n < 3 else "default")  # step 3: the incident's reads
+                try:
+                    with mon.step(n):
+                        model(inputs).float().square().mean().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            reports.append(mon.last_report())
+    assert [r.step_skipped for r in reports] == [False, False, True, False]
+    assert [r.incident is not None for r in reports] == [False, False, False, True]
+    inc = reports[3].incident
+    assert (inc.cls, inc.step) == ("data_mask", 2), inc
+
+
+@cuda
 def test_a_job_reported_guarded_step_with_the_capsule_idle_and_rlhf_makes_zero_host_syncs(tmp_path):
     """Two ranks on one GPU (gloo, torchrun): report_scope="job" (the reporter thread's reduction), the weight
     guard on a fused AdamW, the capsule on and idle, rlhf() with the rollout, every step under sync-debug

@@ -136,3 +136,17 @@ def test_status_from_a_local_record_shows_the_same_capsule_line_as_the_collector
     assert len(lines) == 2 and lines[0] == lines[1], lines
     assert ("capsule s3://bucket/caps/both-4.nwcap: replay with `nanwatch replay s3://bucket/caps/both-4.nwcap "
             "--device cuda --try same` on this host and on another") in lines[0]
+
+
+def test_an_incident_decided_a_step_later_keeps_its_own_step(tmp_path, capsys):
+    """On a GPU the rerun decides the faulting step at the next step start (#35): step 8's report carries
+    step 7's incident. The event, the run view and ``nanwatch status`` say step 7."""
+    late = _incident("late", 8, "precision", "h1 rank 0")
+    late = late.model_copy(update={"incident": late.incident.model_copy(update={"step": 7})})
+    with background_collector(tmp_path) as srv:
+        post_reports(srv.url, late)
+        events = [e for e in run_view(srv.url, "late")["events"] if e["kind"] == "incident"]
+        assert [e["step"] for e in events] == [7], events
+        assert main(["status", "late", "--url", srv.url]) == 0
+    out = capsys.readouterr().out
+    assert any(x.startswith("  incident at step 7 on rank 0: class precision") for x in out.splitlines()), out

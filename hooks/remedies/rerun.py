@@ -519,7 +519,8 @@ class DifferentialRerun:
             return None
         if self.defer:
             self.flags.send(step, self._rec.nonfinite_flag(), kept=list(self._probes.rerun.kept),
-                            weight_guard_on=weight_guard_on, unread_updates=self._unread)
+                            weight_guard_on=weight_guard_on, unread_updates=self._unread,
+                            mode=self._directive_state.mode)
             return None
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode on the CPU (free there)
             return None
@@ -546,10 +547,13 @@ class DifferentialRerun:
             return  # dynamic loss scaling at work: no incident (the scaler skipped the update)
         self._done = True
         self.flags.clear()
-        classify(rec=self._rec, model=self._model(), probes=self._probes, directive_state=self._directive_state,
-                 step=flag.step, facts=step_facts(flag.state, stats), kept=flag.kept,
-                 weight_guard_on=flag.weight_guard_on, rank=self._rank, capsules=self.capsules,
-                 optimizers=self._optimizers(), unread_updates=flag.unread_updates, stale=flag.stale)
+        # the path the step ran: a fallback asked for on its own report may be in force by now
+        with self._directive_state.forced(flag.mode):
+            classify(rec=self._rec, model=self._model(), probes=self._probes,
+                     directive_state=self._directive_state, step=flag.step, facts=step_facts(flag.state, stats),
+                     kept=flag.kept, weight_guard_on=flag.weight_guard_on, rank=self._rank,
+                     capsules=self.capsules, optimizers=self._optimizers(), unread_updates=flag.unread_updates,
+                     stale=flag.stale)
 
     def close(self, timeout: float) -> None:
         """A capsule still being written is finished (bounded wait)."""

@@ -18,7 +18,7 @@ deferred path runs there only when a test forces it (``DifferentialRerun.defer``
 Example usage::
 
     flags = FlagsInFlight()
-    flags.send(41, rec.nonfinite_flag(), kept=kept, weight_guard_on=True, unread_updates=False)
+    flags.send(41, rec.nonfinite_flag(), kept=kept, weight_guard_on=True, unread_updates=False, mode="none")
     flags.handed_over(data, state)          # the step's values and record, as the report's copy took them
     ...                                     # step 42 starts
     flag = flags.first_set()                # the first landed flag that is set, or None (never waits)
@@ -57,6 +57,9 @@ class StepFlag:
     weight_guard_on: bool
     unread_updates: bool
     """An optimizer update ran after the optimizer check last read the parameters, before this step."""
+    mode: str = "none"
+    """The attention path the step ran (the directive in force): its rerun re-runs that path, whatever
+    directive applies when it is decided (one asked for on its own report may apply first)."""
     data: torch.Tensor | None = None
     """The step's values on the device (``Recorder.flat()``, by reference) and its record: its decode."""
     state: StepState | None = None
@@ -84,7 +87,7 @@ class FlagsInFlight:
         return len(self._flags)
 
     def send(self, step: int, flag: torch.Tensor, *, kept: list[KeptForward], weight_guard_on: bool,
-             unread_updates: bool) -> None:
+             unread_updates: bool, mode: str = "none") -> None:
         """Step ``step`` ends: its flag (a 0-d device tensor) starts for the host (device ops only)."""
         cuda = flag.device.type == "cuda"
         host = self._pinned.pop() if self._pinned else torch.empty(1, dtype=torch.float32, pin_memory=cuda)
@@ -96,7 +99,7 @@ class FlagsInFlight:
         if len(self._flags) >= MAX_IN_FLIGHT:
             self._flags.popleft()
             self.given_up += 1
-        self._flags.append(StepFlag(step, host, event, kept, weight_guard_on, unread_updates))
+        self._flags.append(StepFlag(step, host, event, kept, weight_guard_on, unread_updates, mode))
 
     def handed_over(self, data: torch.Tensor, state: StepState) -> None:
         """The last step sent was handed to the reporter: its values and record, kept by reference."""

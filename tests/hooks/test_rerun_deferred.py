@@ -57,10 +57,11 @@ FAULTS = {  # name: (dtype, attention, fault on the model before step K, fault o
 }
 
 
-def _train(fault: str, tmp_path: Path, monkeypatch, *, defer: bool, landed=None, steps: int = STEPS):
+def _train(fault: str, tmp_path: Path, monkeypatch, *, defer: bool, landed=None, steps: int = STEPS,
+           directives: str = "off", no_update: frozenset | set = frozenset()):
     """A tiny Qwen3 trained with a guarded fused AdamW, ``fault`` at step K; ``defer``: the accelerator's
-    path, forced; ``landed(flag, now)``: when a flag counts as landed (default: at once). Returns the reports,
-    the model's embedding, and the log lines."""
+    path, forced; ``landed(flag, now)``: when a flag counts as landed (default: at once); ``directives``:
+    ``directive_source``; ``no_update``: steps that only accumulate gradients. Returns the reports."""
     dtype, impl, on_model, on_batch, _ = FAULTS[fault]
     monkeypatch.setattr(rerun_module, "defers", lambda device: defer)
     now = [0]
@@ -72,7 +73,7 @@ def _train(fault: str, tmp_path: Path, monkeypatch, *, defer: bool, landed=None,
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id=f"def-{fault}", optimizer=opt, directive_source="off",
+        with nanwatch.attach(model, run_id=f"def-{fault}", optimizer=opt, directive_source=directives,
                              capsule_dir=str(tmp_path / "capsules"), log_dir=str(tmp_path / "logs")) as mon:
             assert mon._remedies.rerun.defer is defer  # noqa: SLF001 - the seam took
             for n in range(steps):
@@ -86,8 +87,9 @@ def _train(fault: str, tmp_path: Path, monkeypatch, *, defer: bool, landed=None,
                         batch = on_batch({"labels": ids, "embeds": model.model.embed_tokens(ids)})
                 with mon.step(n):
                     model(**batch).loss.backward()
-                    opt.step()
-                    opt.zero_grad()
+                    if n not in no_update:
+                        opt.step()
+                        opt.zero_grad()
                 reports.append(mon.last_report())
     return reports
 
@@ -165,3 +167,15 @@ def test_a_flag_that_lands_after_the_weights_may_have_moved_is_not_classified(tm
     assert at == K + 2 and inc.step == K and inc.cls == "not_classified", inc
     assert "reached the host only after an optimizer update of step 2 may have moved the weights" in inc.note
     assert inc.capsule is None and inc.same == "skipped"
+
+
+def test_a_fallback_applied_before_the_decision_does_not_change_the_path_re_run(tmp_path, monkeypatch):
+    """Under the local rules step K's report (no class yet: it comes later) asks for fp32, applied at step
+    K+2's boundary. Step K+1 accumulates gradients (no optimizer step: the weights stay step K's) and the
+    flag lands only at step K+2's start, after the fallback: the rerun still re-runs step K on the path step
+    K ran (fp16 eager), so the class stays precision, never "not reproducible"."""
+    reports = _train("precision", tmp_path, monkeypatch, defer=True, directives="local", no_update={K + 1},
+                     landed=lambda flag, now: now >= K + 2)
+    assert [r.attention_mode for r in reports] == ["none"] * (K + 2) + ["fp32"] * (STEPS - K - 2)
+    at, inc = _incident(reports)
+    assert at == K + 2 and (inc.cls, inc.step, inc.same, inc.fp32) == ("precision", K, "nonfinite", "finite"), inc

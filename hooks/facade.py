@@ -192,7 +192,8 @@ class Monitor(OldDirectivesName):
         self._remedies.at_step_start(n)  # an earlier step's rerun, the carried weights, the sweep's share
 
     def end_step(self) -> None:
-        """Close the open step and hand it to the reporter (no host sync, but one flag read in rerun mode)."""
+        """Close the open step and hand it to the reporter (no host sync; on the CPU, where it is free, the rerun
+        reads the step's flag)."""
         if self._evals.open:  # an evaluation inside the step: reported on its own, first
             contained(self.end_eval)
         n, raised, self._raised = self._evals.open_step, self._raised, None

@@ -50,12 +50,13 @@ COMPONENTS: dict[str, tuple[dict[str, Any], str]] = {
                           "read every step instead of one step in four; minus defaults, the rotation's saving"),
     "grads_off": ({"grads": False}, "grads=False: every site's backward read (the gradient into it)"),
     "logits_off": ({"logits": False}, "logits=False: the lm_head output's read, forward and backward"),
-    "param_sweep_off": ({"param_check_every": 0}, "param_check_every=0: the rotating parameter and optimizer-"
-                        "state sweep (1/8 of them at each step start)"),
+    "param_sweep_on": ({"param_check_every": 8}, "param_check_every=8 (a negative row: it adds work; off by "
+                       "default since #35): the rotating parameter and optimizer-state sweep, 1/8 of them at "
+                       "each step start"),
     "optimizer_check_off": ({"optimizer_check": False}, "optimizer_check=False: the post-step _foreach_norm "
                             "over the updated parameters"),
     "guard_off": ({"guard": "off"}, "guard='off': the weight guard's flag on the fused AdamW (and with it the "
-                  "differential rerun, which is on by default only with a weight guard on a CPU model)"),
+                  "differential rerun, which is on by default only with a weight guard)"),
     "fingerprint_off": ({"fingerprint": False}, "fingerprint=False: the forward's input layout record"),
     "rerun_off": ({"rerun": False}, "rerun=False: the differential rerun's hooks, idle on a clean step"),
     "capsule_off": ({"capsule": False}, "capsule=False: the capsule's hooks, idle on a clean step"),

@@ -4,4 +4,5 @@ attribution).
 Imports ``measure``, ``directives`` and ``instrument``; nothing above it.
 """
 
-__all__ = ["attribution", "capsule", "loss_scaling", "optimizer_discovery", "optimizer_hooks", "replay", "rerun", "weight_guard"]
+__all__ = ["attribution", "capsule", "incident_tensors", "loss_scaling", "optimizer_discovery", "optimizer_hooks", "replay",
+           "rerun", "rerun_flags", "weight_guard"]

@@ -153,9 +153,7 @@ def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
     head = _head(model, config)
     return Probes(rec=rec, directive_state=directive_state, fqns=fqns, grads=config.grads,
                   exact_every=config.exact_logit_every, exact_chunk_elems=config.exact_logit_chunk_elems,
-                  coarse_every=config.coarse_every,
-                  model=model_ref,
-                  head=fqns.get(id(head)) if head is not None else None)
+                  model=model_ref, head=fqns.get(id(head)) if head is not None else None)
 
 
 def install(model: torch.nn.Module, probes: Probes, *, outer: torch.nn.Module | None, owner: object,

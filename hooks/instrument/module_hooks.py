@@ -61,10 +61,9 @@ class ModuleHooks:
     # ---- outputs -----------------------------------------------------------------------------------
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
-        each decoder block and its parts, MoE routers and experts, the final norm): the logits and the
-        embedding every step, the others when the step reads them (``CoarseTurns.reads``, ``coarse_every``)."""
+        each decoder block and its parts, MoE routers and experts, the final norm), every step."""
         p = self._probes
-        if p.measuring and p.turns.reads(kind) and not _is_compiling():
+        if p.measuring and not _is_compiling():
             if kind == "logits":
                 self._head_seen = True
                 if p.stage() == "train" and not recomputing():

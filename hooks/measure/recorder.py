@@ -75,7 +75,6 @@ class Counts:
     recomputed_calls: int = 0
     logits: bool = False
     params_checked: int = 0
-    coarse_skipped: bool = False  # the coarse sites were not measured (``coarse_every``)
 
 
 @dataclass(slots=True)
@@ -231,7 +230,7 @@ class Recorder:
 
     def cover(self, *, forwards: int = 0, train: bool = False, compiled_forwards: int = 0, attention: int = 0,
               probed: int = 0, recomputed: int = 0, compiled: int = 0, logits: bool = False,
-              layer: str | None = None, params_checked: int = 0, coarse_skipped: bool = False) -> None:
+              layer: str | None = None, params_checked: int = 0) -> None:
         """Count what this step covered (host-side integers only); ``train``: the forwards were training
         forwards."""
         c = self.state.coverage
@@ -244,7 +243,6 @@ class Recorder:
         c.compiled_calls += compiled
         c.logits = c.logits or logits
         c.params_checked += params_checked
-        c.coarse_skipped = c.coarse_skipped or coarse_skipped
         if layer is not None:
             self.state.attention_layers.add(layer)
 

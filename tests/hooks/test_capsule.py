@@ -50,7 +50,7 @@ def _train(fault, tmp_path: Path, *, dtype=torch.float16, impl: str = "eager", u
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="caps", optimizer=opt, directive_source="off", coarse_every=1,
+        with nanwatch.attach(model, run_id="caps", optimizer=opt, directive_source="off",
                              capsule_dir=str(tmp_path / "capsules"), **attach) as mon:
             for n in range(STEPS):
                 if n == K:

@@ -54,7 +54,7 @@ def _run(kind: str, *, passed: bool, steps: int = K + 2, k: int = K, **options):
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="g", optimizer=opt if passed else None, directive_source="off", coarse_every=1,
+        with nanwatch.attach(model, run_id="g", optimizer=opt if passed else None, directive_source="off",
                              **options) as mon:
             for n in range(steps):
                 now[0] = n
@@ -267,7 +267,7 @@ def _run_closure(kind: str, *, passed: bool | None, k: int = K, steps: int = K +
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off", coarse_every=1,
+        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off",
                                                           optimizer=opt if passed else None)
         for n in range(steps):
             now[0] = n

@@ -98,3 +98,17 @@ def test_a_value_born_in_a_weight_gradient_is_caught_at_that_parameter():
     r = reports[1]
     assert r.step_skipped and (r.first_offender, r.first_offender_phase) == ("0.weight", "backward"), r.first_offender
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_run_that_attached_but_never_stepped_warns_once():
+    model = _mlp()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with nanwatch.attach(model, run_id="no-step") as mon:
+            for _ in range(3):  # the loop forgot `with mon.step(n):`
+                model(torch.randn(4, 8)).square().mean().backward()
+            with mon.step(0):  # once a step is open, the warning has said what it had to
+                model(torch.randn(4, 8)).square().mean().backward()
+            model(torch.randn(4, 8)).square().mean().backward()
+    told = [str(w.message) for w in said if "outside `with mon.step(n):`" in str(w.message)]
+    assert len(told) == 1, told

@@ -26,10 +26,11 @@ import math
 
 import torch
 
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import RolloutStat
 
-__all__ = ["EDGES", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_SLOTS", "decode_rollout", "record_rollout"]
+__all__ = ["EDGES", "HIST_KEYS", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_MAX_KEYS", "ROLLOUT_SLOTS", "decode_rollout",
+           "histogram_bins", "rollout_rows", "rollout_sequences"]
 
 #: |Δlogp| histogram edges: bin 0 is [0, 1e-6), bin i is [EDGES[i-1], EDGES[i]), the last bin [100, inf).
 _PER_DECADE = 8
@@ -45,50 +46,57 @@ _MAXES = ("abs_max", "seq_max", "neg_seq_min", "seq_abs_max", "log_cap")
 #: Every slot the comparison writes, as (kind, name), for ``RLHF_SLOTS`` (the job report's reduction).
 ROLLOUT_SLOTS: tuple[tuple[str, str], ...] = (*(("sum", "ro_" + k) for k in (*_SUMS, *_HIST)),
                                               *(("max", "ro_" + k) for k in _MAXES))
-_SUM_KEYS = tuple(("rlhf", "ro_" + k) for k in (*_SUMS, *_HIST))
-_MAX_KEYS = tuple(("rlhf", "ro_" + k) for k in _MAXES)
+#: The |Δ| histogram's slots, and the comparison's maxima (one block, in ``_MAXES`` order).
+HIST_KEYS = tuple(("rlhf", "ro_" + k) for k in _HIST)
+ROLLOUT_MAX_KEYS = tuple(("rlhf", "ro_" + k) for k in _MAXES)
 
 
-def record_rollout(rec: Recorder, lp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cap: float) -> None:
-    """Launch the comparison of ``lp`` (the trainer's logprobs, float32) with ``rollout`` over ``mask`` (bool,
-    ``lp``'s shape; ``[B, T]``: one row a sequence). Device ops only: two block writes into the slot buffer."""
-    if lp.dim() < 2:
-        lp, rollout, mask = lp.reshape(1, -1), rollout.reshape(1, -1), mask.reshape(1, -1)
-    acc = rec.acc_dtype
-    r = rollout.detach().to(lp.dtype)
-    ok = mask & torch.isfinite(lp) & torch.isfinite(r)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    x, y = torch.where(ok, lp, zero), torch.where(ok, r, zero)
+def rollout_rows(rows: TokenRows, lp: torch.Tensor, rollout: torch.Tensor, ok: torch.Tensor, *, acc: torch.dtype,
+                 cap: float) -> torch.Tensor:
+    """Add the comparison's token rows to ``rows`` (``record_rlhf``'s): ``lp`` the trainer's logprobs, ``rollout``
+    the sampler's (float32), ``ok`` the unmasked tokens where both are finite. Returns |Δ| (0 outside ``ok``), for
+    ``histogram_bins``. The moments are products in the rows' stack; Δ and k3 are float64 (k3 = expm1(Δ) − Δ
+    cancels: in float32 it would lose the small Δ that matter)."""
+    zero = device_constant(0.0, lp.dtype, lp.device)
+    xy = torch.where(ok, torch.stack([lp, rollout]), zero)
+    x, y = xy
     d = x - y
     a = d.abs()
-    okf = ok.to(acc)
     d64 = d.to(acc)
-    k3 = torch.where(ok, torch.expm1(d64) - d64, 0.0)
-    log_c = math.log(cap)
-    px, py = torch.where(ok, torch.exp(x), zero), torch.where(ok, torch.exp(y), zero)
-    seq_n = okf.sum(1)
+    px, py = torch.where(ok, torch.exp(xy), zero)
+    for name, value, times in (
+            ("n", ok, None), ("d", d64, None), ("abs", a, None), ("sq", d64, d64),
+            ("k3", torch.expm1(d64) - d64, None), ("trunc", a > math.log(cap), None),
+            ("px", px, None), ("py", py, None), ("pxx", px, px), ("pyy", py, py), ("pxy", px, py),
+            ("x", x, None), ("y", y, None), ("xx", x, x), ("xy", x, y)):
+        rows.sum(("rlhf", "ro_" + name), ok, value, times)
+    rows.max(ROLLOUT_MAX_KEYS[0], ok, a)
+    return a
+
+
+def rollout_sequences(rows: TokenRows, per_seq: torch.Tensor, *, acc: torch.dtype, cap: float) -> None:
+    """The per-sequence figures, from ``per_seq`` (``rows.by_sequence``): the sequence and outlier counts as
+    sequence sums, the sequence log-ratio extremes, the worst sequence's mean |Δ| and log c as max rows (each
+    sequence's value spread over its tokens, so one ``amax`` takes them with the rest)."""
+    seq_n, seq_d, seq_abs = (per_seq[rows.row(("rlhf", "ro_" + k))] for k in ("n", "d", "abs"))
     has = seq_n > 0
-    seq_d = d64.sum(1)
-    seq_abs = a.to(acc).sum(1) / seq_n.clamp(min=1.0)
-    typical = torch.where(has, seq_abs, math.nan).nanmedian()  # NaN when no sequence has a token: no outlier
-    outlier = has & (seq_abs > torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR))
-    # the bin by arithmetic, not searchsorted (10 ms for 400 values on a CPU): 8 bins a decade from 1e-6
-    index = ((torch.log10(a) + 6.0) * _PER_DECADE + 1.0).floor_().clamp_(0, len(EDGES)).long()
-    hist = torch.zeros(len(_HIST), dtype=acc, device=a.device).scatter_add_(0, index.reshape(-1), okf.reshape(-1))
+    seq_abs = seq_abs / seq_n.clamp(min=1.0)
+    typical = torch.where(has, seq_abs, device_constant(math.nan, acc, seq_abs.device)).nanmedian()  # NaN when no sequence has a token: no outlier
+    # no ``has &``: a sequence without tokens has mean 0, under the floor; a NaN threshold compares False
+    outlier = seq_abs > torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR)
+    rows.sequence_sum(("rlhf", "ro_seqs"), has)
+    rows.sequence_sum(("rlhf", "ro_outliers"), outlier)
+    spread_has = rows.spread(has)
+    for key, value in zip(ROLLOUT_MAX_KEYS[1:4], (seq_d, -seq_d, seq_abs), strict=True):
+        rows.max(key, spread_has, rows.spread(value))
+    rows.max(ROLLOUT_MAX_KEYS[4], rows.const(True), rows.const(math.log(cap), acc))
 
-    def s(v: torch.Tensor) -> torch.Tensor:
-        return v.sum(dtype=acc)
 
-    sums = torch.stack([
-        okf.sum(), s(has), s(d64), s(a), s(d64 * d64), s(k3), s(ok & (a > log_c)), s(outlier),
-        s(px), s(py), s(px * px), s(py * py), s(px * py), s(x), s(y), s(x * x), s(x * y)])
-    none = torch.full((), -math.inf, dtype=acc, device=a.device)
-    maxes = torch.stack([
-        torch.where(ok, a.to(acc), none).amax(), torch.where(has, seq_d, none).amax(),
-        torch.where(has, -seq_d, none).amax(), torch.where(has, seq_abs, none).amax(),
-        torch.full((), log_c, dtype=acc, device=a.device)])
-    rec.slot(_SUM_KEYS, torch.cat([sums, hist]), many=True)
-    rec.slot(_MAX_KEYS, maxes, how="max", many=True)
+def histogram_bins(a: torch.Tensor) -> torch.Tensor:
+    """The |Δ| histogram bin of each token: by arithmetic, not ``searchsorted`` (10 ms for 400 values on a
+    loaded CPU, where it goes parallel), 8 bins a decade from 1e-6; the float ops of old, so the bins are."""
+    # clamped first, so the cast's truncation is the floor (the values are >= 0); log10(0) = -inf gives bin 0
+    return torch.log10(a).add_(6.0).mul_(_PER_DECADE).add_(1.0).clamp_(0, len(EDGES)).long()
 
 
 def _quantile(hist: list[float], n: float, abs_max: float | None, q: float = _QUANTILE) -> float | None:

@@ -106,12 +106,14 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     shape = lp.shape if mask is None else torch.broadcast_shapes(lp.shape, mask.shape)
     rows = TokenRows(shape, lp.device)
     m = rows.const(True) if mask is None else mask.detach().to(torch.bool).expand(shape)
-    given = {name: t.detach() for name, t in zip(RLHF_TENSORS, (lp, ref_logprobs, old_logprobs, advantages,
-                                                                rollout_logprobs), strict=True) if t is not None}
+    # stacked in this order: old, policy and ref side by side, so both log-differences are one op (_policy_rows)
+    given = {name: t.detach() for name, t in (("old_logprobs", old_logprobs), ("logprobs", lp),
+                                              ("ref_logprobs", ref_logprobs), ("advantages", advantages),
+                                              ("rollout_logprobs", rollout_logprobs)) if t is not None}
     apart = given.pop("advantages") if "advantages" in given and given["advantages"].shape != shape else None
     values, fin, at = _inputs(rec, rows, given, m)
-    lp = values[0]
-    ok = m & fin[0]
+    lp = values[at["logprobs"]]
+    ok = m & fin[at["logprobs"]]
     rows.sum(("rlhf", "tokens"), m, m)
     rows.max(("rlhf", "neg_logprob_min"), ok, -lp)
     _policy_rows(rows, lp, ok, values, at, clip_eps=clip_eps, k3_ratio=kl_optimised == "k3_ratio")
@@ -123,12 +125,13 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     rollout = "rollout_logprobs" in at
     if rollout:
         both = ok & fin[at["rollout_logprobs"]]
-        gap = rollout_rows(rows, lp, values[at["rollout_logprobs"]], both, acc=acc, cap=rollout_cap)
+        rollout_rows(rows, lp, values[at["rollout_logprobs"]], both, acc=acc, cap=rollout_cap)
         rollout_sequences(rows, rows.by_sequence(acc), acc=acc, cap=rollout_cap)
-        rec.slot(HIST_KEYS, both, many=True, at=histogram_bins(gap))
+        rec.slot(HIST_KEYS, rows.weighted(("rlhf", "ro_n")), many=True,
+                 at=histogram_bins(rows.weighted(("rlhf", "ro_abs"))))
     keys, totals = rows.totals(acc)
     rec.slot(keys, totals, many=True)
-    _, maxima = rows.maxima()
+    _, maxima = rows.maxima(acc)
     rec.slot(_MAX_KEYS, maxima[: len(_MAX_KEYS)], how="max", many=True)
     if rollout:  # the comparison's own block: its slots exist only once it was asked for
         rec.slot(ROLLOUT_MAX_KEYS, maxima[len(_MAX_KEYS):], how="max", many=True)
@@ -164,23 +167,29 @@ def _policy_rows(rows: TokenRows, lp: torch.Tensor, ok: torch.Tensor, values: to
     """The ratio's and the KL's rows. Their maxima always (a max row whose mask never holds writes -inf,
     "unset", as an unwritten slot reads), so that the four are one block; their sums only when given."""
     never = rows.const(False)
-    ratio = None
-    if "old_logprobs" in at:
-        ratio = torch.exp(lp - values[at["old_logprobs"]])
-        rok = ok & _finite(ratio)
+    i, old, ref = at["logprobs"], at.get("old_logprobs"), at.get("ref_logprobs")
+    if old is not None and ref is not None:  # stacked [old, policy, ref]: [lp − old, ref − lp], then both exps
+        diffs = values[i : i + 2] - values[i - 1 : i + 1]
+        (ratio, exp_d), d = torch.exp(diffs), diffs[1]
+    else:
+        ratio = None if old is None else torch.exp(lp - values[old])
+        d = None if ref is None else values[ref] - lp  # log(ref/policy)
+        exp_d = None if d is None else torch.exp(d)
+    # exp is >= 0 or NaN, so ``< inf`` is its finiteness in one op (``_finite`` takes two)
+    if ratio is not None:
+        rok = ok & (ratio < math.inf)
         rows.sum(("rlhf", "ratio_n"), rok, rok)
         rows.sum(("rlhf", "clipped"), rok, (ratio - 1.0).abs() > clip_eps)
         rows.max(("rlhf", "ratio_max"), rok, ratio)
     else:
         rows.max(("rlhf", "ratio_max"), never, lp)
-    if "ref_logprobs" not in at:
+    if d is None:
         rows.max(("rlhf", "k1_max"), never, lp)
         rows.max(("rlhf", "k3_max"), never, lp)
         return
-    d = values[at["ref_logprobs"]] - lp  # log(ref/policy)
     k1 = -d
-    k3 = torch.exp(d) - d - 1.0
-    kok = ok & _finite(k3)
+    k3 = exp_d - d - 1.0
+    kok = ok & (k3 < math.inf)  # never -inf: exp(d) >= 0, and -d is -inf only where exp(d) is inf (NaN then)
     for name, value in (("kl_n", kok), ("k1_sum", k1), ("k3_sum", k3)):
         rows.sum(("rlhf", name), kok, value)
     rows.max(("rlhf", "k1_max"), kok, k1)

@@ -45,7 +45,7 @@ class TokenRows:
         rows.sum("tokens", mask, mask)                  # a count: the mask is its own value
         rows.max("neg_min", ok, -lp)
         keys, totals = rows.totals(torch.float64)       # one value a sum row, in row order
-        keys, maxima = rows.maxima()
+        keys, maxima = rows.maxima(torch.float64)
     """
 
     def __init__(self, shape: torch.Size, device: torch.device) -> None:
@@ -55,6 +55,7 @@ class TokenRows:
         self._maxes: list[tuple[Hashable, torch.Tensor, torch.Tensor]] = []
         self._by_sequence: list[tuple[Hashable, torch.Tensor]] = []
         self._per_seq: torch.Tensor | None = None
+        self._weighted: torch.Tensor | None = None
 
     def const(self, value: float | bool, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``value`` over every token (an expanded view of a kept device constant: no kernel)."""
@@ -75,12 +76,22 @@ class TokenRows:
         return per_sequence.unsqueeze(1).expand(self.shape)
 
     def _reduced(self, acc: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
+        # a product row's two values are multiplied alone when there are one or two, in one op on a second
+        # stack when there are more (the stack and the op cost two kernels, whatever the count)
+        products = sum(t is not None for *_, t in self._sums)
         masks = torch.stack([m.expand(self.shape) for _, m, _, _ in self._sums])
-        values = torch.stack([v.expand(self.shape) for _, _, v, _ in self._sums])
-        if any(t is not None for *_, t in self._sums):
+        values = torch.stack([(v if t is None or products > 2 else v * t).expand(self.shape)
+                              for _, _, v, t in self._sums])
+        if products > 2:
             one = self.const(1, values.dtype)
             values = values * torch.stack([one if t is None else t.expand(self.shape) for *_, t in self._sums])
-        return torch.where(masks, values, device_constant(0, values.dtype, self.device)).sum(dims, dtype=acc)
+        self._weighted = torch.where(masks, values, device_constant(0, values.dtype, self.device))
+        return self._weighted.sum(dims, dtype=acc)
+
+    def weighted(self, key: Hashable) -> torch.Tensor:
+        """After a reduction: the sum row ``key`` over the tokens as it was summed (its value where its mask
+        holds, 0 elsewhere), in the stack's dtype."""
+        return self._weighted[self.row(key)]
 
     def by_sequence(self, acc: torch.dtype) -> torch.Tensor:
         """The sum rows reduced over each sequence (the tokens' dimension 1): ``[rows, *sequence shape]`` (one
@@ -110,10 +121,13 @@ class TokenRows:
             keys += tuple(k for k, _ in self._by_sequence)
         return keys, per_seq.reshape(len(keys), -1).sum(1, dtype=acc)
 
-    def maxima(self) -> tuple[tuple[Hashable, ...], torch.Tensor]:
-        """Every max row's maximum, in row order (-inf for a row whose mask never holds)."""
+    def maxima(self, acc: torch.dtype) -> tuple[tuple[Hashable, ...], torch.Tensor]:
+        """Every max row's maximum, in row order, in ``acc`` or the stack's dtype if wider (-inf for a row whose
+        mask never holds)."""
         masks = torch.stack([m.expand(self.shape) for _, m, _ in self._maxes])
         values = torch.stack([v.expand(self.shape) for _, _, v in self._maxes])
-        none = device_constant(-torch.inf, values.dtype, self.device)
+        # a 1-element -inf, not a 0-d one: it takes part in type promotion, so ``where`` yields ``acc`` itself
+        # and the slot write needs no cast of its own
+        none = device_constant(-torch.inf, acc, self.device).reshape(1)
         out = torch.where(masks, values, none).amax(tuple(range(1, len(self.shape) + 1)))
         return tuple(k for k, *_ in self._maxes), out

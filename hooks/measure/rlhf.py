@@ -25,7 +25,7 @@ from nanwatch.hooks.measure.rollout import (
     rollout_rows,
     rollout_sequences,
 )
-from nanwatch.hooks.measure.token_rows import TokenRows
+from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import RlhfStat
 
 __all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
@@ -102,7 +102,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         advantages = advantages.unsqueeze(1).expand_as(mask)
     rec.mark_rlhf(kl_optimised)
     acc = rec.acc_dtype
-    lp = logprobs.detach().float()
+    lp = logprobs.detach()
     shape = lp.shape if mask is None else torch.broadcast_shapes(lp.shape, mask.shape)
     rows = TokenRows(shape, lp.device)
     m = rows.const(True) if mask is None else mask.detach().to(torch.bool).expand(shape)
@@ -114,19 +114,20 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     values, fin, at = _inputs(rec, rows, given, m)
     lp = values[at["logprobs"]]
     ok = m & fin[at["logprobs"]]
-    rows.sum(("rlhf", "tokens"), m, m)
+    one = rows.const(1, values.dtype)  # a count's value: every value row is float32, for one-copy stacks
+    rows.sum(("rlhf", "tokens"), m, one)
     rows.max(("rlhf", "neg_logprob_min"), ok, -lp)
     _policy_rows(rows, lp, ok, values, at, clip_eps=clip_eps, k3_ratio=kl_optimised == "k3_ratio")
     if "advantages" in at:
         a = values[at["advantages"]]
         aok = m & fin[at["advantages"]]
-        for name, value, times in (("adv_n", aok, None), ("adv_sum", a, None), ("adv_sq", a, a)):
+        for name, value, times in (("adv_n", one, None), ("adv_sum", a, None), ("adv_sq", a, a)):
             rows.sum(("rlhf", name), aok, value, times)
     rollout = "rollout_logprobs" in at
     if rollout:
         both = ok & fin[at["rollout_logprobs"]]
         rollout_rows(rows, lp, values[at["rollout_logprobs"]], both, acc=acc, cap=rollout_cap)
-        rollout_sequences(rows, rows.by_sequence(acc), acc=acc, cap=rollout_cap)
+        sequences = rollout_sequences(rows, rows.by_sequence(acc))
         rec.slot(HIST_KEYS, rows.weighted(("rlhf", "ro_n")), many=True,
                  at=histogram_bins(rows.weighted(("rlhf", "ro_abs"))))
     keys, totals = rows.totals(acc)
@@ -134,7 +135,8 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     _, maxima = rows.maxima(acc)
     rec.slot(_MAX_KEYS, maxima[: len(_MAX_KEYS)], how="max", many=True)
     if rollout:  # the comparison's own block: its slots exist only once it was asked for
-        rec.slot(ROLLOUT_MAX_KEYS, maxima[len(_MAX_KEYS):], how="max", many=True)
+        log_c = device_constant(math.log(rollout_cap), acc, lp.device).reshape(1)  # float64: the decode's cap
+        rec.slot(ROLLOUT_MAX_KEYS, torch.cat([maxima[len(_MAX_KEYS):], sequences, log_c]), how="max", many=True)
     if apart is not None:
         _advantages_apart(rec, apart)
 
@@ -148,8 +150,8 @@ def _inputs(rec: Recorder, rows: TokenRows, given: dict[str, torch.Tensor], m: t
     at = {name: i for i, name in enumerate(given)}
     stacked = torch.stack([t.expand(shape) for t in given.values()])
     fin = _finite(stacked)
-    bad = ~fin
     values = stacked.float()
+    bad = torch.logical_not(fin, out=torch.empty_like(values))  # float32 0/1, a value row
     if values is not stacked:  # the figures read float32 (a float64 beyond its range is inf there)
         fin = _finite(values)
     not_m = ~m
@@ -166,7 +168,7 @@ def _policy_rows(rows: TokenRows, lp: torch.Tensor, ok: torch.Tensor, values: to
                  clip_eps: float, k3_ratio: bool) -> None:
     """The ratio's and the KL's rows. Their maxima always (a max row whose mask never holds writes -inf,
     "unset", as an unwritten slot reads), so that the four are one block; their sums only when given."""
-    never = rows.const(False)
+    never, one = rows.const(False), rows.const(1, values.dtype)
     i, old, ref = at["logprobs"], at.get("old_logprobs"), at.get("ref_logprobs")
     if old is not None and ref is not None:  # stacked [old, policy, ref]: [lp − old, ref − lp], then both exps
         diffs = values[i : i + 2] - values[i - 1 : i + 1]
@@ -178,8 +180,8 @@ def _policy_rows(rows: TokenRows, lp: torch.Tensor, ok: torch.Tensor, values: to
     # exp is >= 0 or NaN, so ``< inf`` is its finiteness in one op (``_finite`` takes two)
     if ratio is not None:
         rok = ok & (ratio < math.inf)
-        rows.sum(("rlhf", "ratio_n"), rok, rok)
-        rows.sum(("rlhf", "clipped"), rok, (ratio - 1.0).abs() > clip_eps)
+        rows.sum(("rlhf", "ratio_n"), rok, one)
+        rows.sum(("rlhf", "clipped"), rok, torch.gt((ratio - 1.0).abs(), clip_eps, out=torch.empty_like(ratio)))
         rows.max(("rlhf", "ratio_max"), rok, ratio)
     else:
         rows.max(("rlhf", "ratio_max"), never, lp)
@@ -190,14 +192,14 @@ def _policy_rows(rows: TokenRows, lp: torch.Tensor, ok: torch.Tensor, values: to
     k1 = -d
     k3 = exp_d - d - 1.0
     kok = ok & (k3 < math.inf)  # never -inf: exp(d) >= 0, and -d is -inf only where exp(d) is inf (NaN then)
-    for name, value in (("kl_n", kok), ("k1_sum", k1), ("k3_sum", k3)):
+    for name, value in (("kl_n", one), ("k1_sum", k1), ("k3_sum", k3)):
         rows.sum(("rlhf", name), kok, value)
     rows.max(("rlhf", "k1_max"), kok, k1)
     rows.max(("rlhf", "k3_max"), kok, k3)
     if k3_ratio:  # ratio 1 where there are no old logprobs (TRL: one iteration)
         k3r = k3 if ratio is None else k3 * ratio
         rok = kok & _finite(k3r)
-        rows.sum(("rlhf", "k3r_n"), rok, rok)
+        rows.sum(("rlhf", "k3r_n"), rok, one)
         rows.sum(("rlhf", "k3r_sum"), rok, k3r)
 
 

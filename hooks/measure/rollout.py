@@ -30,8 +30,8 @@ import torch
 from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import RolloutStat
 
-__all__ = ["EDGES", "HIST_KEYS", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_MAX_KEYS", "ROLLOUT_SLOTS", "decode_rollout",
-           "histogram_bins", "rollout_rows", "rollout_sequences"]
+__all__ = ["EDGES", "HIST_KEYS", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_MAX_KEYS", "ROLLOUT_SLOTS",
+           "decode_rollout", "histogram_bins", "rollout_rows", "rollout_sequences"]
 
 #: |Δlogp| histogram edges: bin 0 is [0, 1e-6), bin i is [EDGES[i-1], EDGES[i]), the last bin [100, inf).
 _PER_DECADE = 8
@@ -56,38 +56,40 @@ def rollout_rows(rows: TokenRows, lp: torch.Tensor, rollout: torch.Tensor, ok: t
                  cap: float) -> None:
     """Add the comparison's token rows to ``rows`` (``record_rlhf``'s): ``lp`` the trainer's logprobs, ``rollout``
     the sampler's (float32), ``ok`` the unmasked tokens where both are finite; every row is masked by ``ok``, so
-    the values need no masking of their own. The moments are products in the rows' stack; Δ is taken in float32
-    and held in float64, as k3 = expm1(Δ) − Δ is (it cancels: in float32 it would lose the small Δ that
-    matter)."""
-    d = torch.sub(lp, rollout, out=torch.empty(lp.shape, dtype=acc, device=lp.device))  # one op: sub and cast
+    the values need no masking of their own. Every row is float32, as the rows' stack must be one dtype to be one
+    copy on a GPU: Δ, |Δ| and the moments' factors as before (their products in the stack); k3 = expm1(Δ) − Δ is
+    taken in float64 (it cancels: in float32 it would lose the small Δ that matter), then rounded once."""
+    d = lp - rollout
     a = d.abs()
-    px, py = torch.exp(lp), torch.exp(rollout)
-    # |Δ| is exactly a float32's, so it is compared with the float32 log c, as it always was
+    d64 = d.to(acc)
+    k3 = torch.sub(torch.expm1(d64), d64, out=torch.empty_like(d))
+    # |Δ| is exactly a float32, so it is compared with the float32 log c, as it always was
     log_c = struct.unpack("f", struct.pack("f", math.log(cap)))[0]
+    trunc = torch.gt(a, log_c, out=torch.empty_like(d))
+    px, py = torch.exp(lp), torch.exp(rollout)
+    one = rows.const(1, d.dtype)
     for name, value, times in (
-            ("n", ok, None), ("d", d, None), ("abs", a, None), ("sq", d, d), ("k3", torch.expm1(d) - d, None),
-            ("trunc", a > log_c, None), ("px", px, None), ("py", py, None), ("pxx", px, px), ("pyy", py, py),
-            ("pxy", px, py), ("x", lp, None), ("y", rollout, None), ("xx", lp, lp), ("xy", lp, rollout)):
+            ("n", one, None), ("d", d, None), ("abs", a, None), ("sq", d, d), ("k3", k3, None), ("trunc", trunc, None),
+            ("px", px, None), ("py", py, None), ("pxx", px, px), ("pyy", py, py), ("pxy", px, py),
+            ("x", lp, None), ("y", rollout, None), ("xx", lp, lp), ("xy", lp, rollout)):
         rows.sum(("rlhf", "ro_" + name), ok, value, times)
     rows.max(ROLLOUT_MAX_KEYS[0], ok, a)
 
 
-def rollout_sequences(rows: TokenRows, per_seq: torch.Tensor, *, acc: torch.dtype, cap: float) -> None:
-    """The per-sequence figures, from ``per_seq`` (``rows.by_sequence``): the sequence and outlier counts as
-    sequence sums, the sequence log-ratio extremes, the worst sequence's mean |Δ| and log c as max rows (each
-    sequence's value spread over its tokens, so one ``amax`` takes them with the rest)."""
+def rollout_sequences(rows: TokenRows, per_seq: torch.Tensor) -> torch.Tensor:
+    """The per-sequence figures, from ``per_seq`` (``rows.by_sequence``, float64): the sequence and outlier counts
+    as sequence sums (added up by ``rows.totals``); returns the sequence maxima in float64 (the largest and the
+    negated smallest log-ratio Σ Δ, which the decode exponentiates, then the worst sequence's mean |Δ|):
+    ``ROLLOUT_MAX_KEYS[1:4]``."""
     seq_n, seq_d, seq_abs = (per_seq[rows.row(("rlhf", "ro_" + k))] for k in ("n", "d", "abs"))
     has = seq_n > 0
-    seq_abs = seq_abs / seq_n  # NaN (0/0) for a sequence without tokens: left out of the median, and below
+    seq_abs = seq_abs / seq_n  # NaN (0/0) for a sequence without tokens: left out of the median and the outliers
     typical = seq_abs.nanmedian()  # NaN when no sequence has a token: no outlier
-    # NaN compares False: a sequence without tokens, or a NaN threshold, is no outlier
-    outlier = seq_abs > torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR)
-    rows.sequence_sum(("rlhf", "ro_seqs"), has)
+    outlier = torch.gt(seq_abs, torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR), out=torch.empty_like(seq_n))
+    rows.sequence_sum(("rlhf", "ro_seqs"), torch.gt(seq_n, 0, out=torch.empty_like(seq_n)))
     rows.sequence_sum(("rlhf", "ro_outliers"), outlier)
-    spread_has = rows.spread(has)
-    for key, value in zip(ROLLOUT_MAX_KEYS[1:4], (seq_d, -seq_d, seq_abs), strict=True):
-        rows.max(key, spread_has, rows.spread(value))
-    rows.max(ROLLOUT_MAX_KEYS[4], rows.const(True), rows.const(math.log(cap), acc))
+    none = device_constant(-math.inf, seq_n.dtype, seq_n.device)
+    return torch.where(has, torch.stack([seq_d, -seq_d, seq_abs]), none).reshape(3, -1).amax(1)
 
 
 def histogram_bins(a: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,14 @@ compared on the device.
 are counted by ``record_rlhf``, never replaced). Everything is a sum or a maximum in the step's slot buffer, so
 several calls in a step accumulate and a job report reduces the slots exactly across ranks before decoding:
 
-* sums (one block, one device add): token and sequence counts; Σ Δ, Σ |Δ|, Σ Δ²; Σ k3 with
+* sums (rows of ``record_rlhf``'s, written with its other sums by one ``index_add_``): token and sequence
+  counts; Σ Δ, Σ |Δ|, Σ Δ²; Σ k3 with
   k3 = r − 1 − log r, r = exp(Δ) (the estimate of KL(rollout ‖ trainer) from tokens the rollout sampled, as
   verl's ``rollout_corr`` computes it); the truncated tokens (r outside [1/c, c]); the moments of the two
   token-probability vectors (for their Pearson correlation) and of the two logprob vectors (for the slope of
   rollout on trainer: 1/T when the sampler alone divides the logits by a temperature T); the outlier
-  sequences; and a histogram of |Δ| in :data:`EDGES` (for the 99th percentile);
-* maxima (one block): max |Δ|, the largest and smallest sequence log-ratio Σ Δ, the worst sequence's mean
+  sequences; and a histogram of |Δ| in :data:`EDGES` (for the 99th percentile; one ``index_add_`` by bin);
+* maxima (one block, one device op): max |Δ|, the largest and smallest sequence log-ratio Σ Δ, the worst sequence's mean
   |Δ|, and log c (so the decode knows the cap).
 
 The percentile is read from the histogram: 64 log-spaced bins from 1e-6 to 100, interpolated in log space

@@ -9,8 +9,12 @@ with ``amax``.
 A row is a (mask, value) pair over the tokens (the logprobs' shape, the first dimension its sequences): its sum
 is Σ value where mask (0 elsewhere: a NaN the mask leaves out stays out), its maximum the max of value where
 mask (-inf elsewhere, so a row that never holds reads "unset"). A sum row may be the product of two values (a
-moment such as Σ x·y), multiplied in the stack's dtype (the widest of its rows). Values stay in their own
-dtype up to the stack, sums accumulate in the slot buffer's (float64).
+moment such as Σ x·y), multiplied in the stack's dtype. The callers give every value row one dtype (float32;
+a count's value is a float32 one, not its bool mask): CUDA's ``cat`` copies the inputs of a stack in one kernel
+only when they share a dtype, else one copy each. Sums accumulate in the slot buffer's dtype (float64).
+
+On a CPU the same stacks cost host time rather than launches (its ``cat`` copies a strided input, such as an
+expanded constant, on its own), so a call is not cheaper there; the GPU's launch count is what this is for.
 
 Constants (True, False, a fill value) are 0-d device tensors made once per device and kept, so a call copies
 nothing from the host.
@@ -37,7 +41,8 @@ def device_constant(value: float | bool, dtype: torch.dtype, device: torch.devic
 
 
 class TokenRows:
-    """The rows of one call, over tokens of ``shape``; ``sum``/``max`` add rows, ``reduce_*`` reduce them all.
+    """The rows of one call, over tokens of ``shape``; ``sum``/``max`` add rows, ``totals``/``maxima`` (after
+    ``by_sequence`` where per-sequence sums are wanted) reduce them all.
 
     Example usage::
 
@@ -45,7 +50,7 @@ class TokenRows:
         rows.sum("tokens", mask, mask)                  # a count: the mask is its own value
         rows.max("neg_min", ok, -lp)
         keys, totals = rows.totals(torch.float64)       # one value a sum row, in row order
-        keys, maxima = rows.maxima(torch.float64)
+        keys, maxima = rows.maxima(torch.float64)  # float64 out of float32 rows: no cast for the slot write
     """
 
     def __init__(self, shape: torch.Size, device: torch.device) -> None:

@@ -126,7 +126,8 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
         aok = m & fin[at["advantages"]]
         for name, value, times in (("adv_n", one, None), ("adv_sum", a, None), ("adv_sq", a, a)):
             rows.sum(("rlhf", name), aok, value, times)
-    rollout = "rollout_logprobs" in at
+    # compared only when aligned with the logprobs (``rlhf_probe`` drops one that is not), counted either way
+    rollout = "rollout_logprobs" in at and given["rollout_logprobs"].shape == logprobs.shape
     if rollout:
         both = ok & fin[at["rollout_logprobs"]]
         rollout_rows(rows, lp, values[at["rollout_logprobs"]], both, acc=acc, cap=rollout_cap)

@@ -106,9 +106,7 @@ def precision_helps(r: StepReport) -> bool:
     incident's rerun or drill-down); else the step's first offender, which is the birth when no rerun ran
     (attention downstream of an MLP's NaN comes after it, so the MLP is first). Never for a step classified
     ``data_mask``, ``not_reproducible`` or ``replica_divergence``, an optimizer or parameter birth, a non-finite query (born
-    upstream), an eval or generate stage value, a gradient overflow that dynamic loss scaling handled, or,
-    on a step that did not read its coarse sites, a first offender that may be downstream of one
-    (:func:`_born_in_the_call`)."""
+    upstream), an eval or generate stage value, or a gradient overflow that dynamic loss scaling handled."""
     if r.stage != "train" or r.scaler_overflow:
         return False
     inc = r.incident
@@ -124,22 +122,8 @@ def precision_helps(r: StepReport) -> bool:
         return False
     first = next((s for s in r.sites if s.site == r.first_offender and s.phase == r.first_offender_phase
                   and s.stage == (r.first_offender_stage or "train")), None)
-    if r.coverage is not None and r.coverage.coarse_skipped and not _born_in_the_call(r, first):
-        return False  # the coarse sites upstream of it were not read: the birth may be an MLP's or a norm's
     # a detail or job report may name a first offender whose site it does not carry: then trust the rule's match
     return first is None or (first.kind in _PRECISION_KINDS and is_half(first.dtype))
-
-
-def _born_in_the_call(r: StepReport, first) -> bool:
-    """On a step without its coarse sites (``Coverage.coarse_skipped``): the first offender is an SDPA output
-    whose query the same step read finite, so the value was born in that attention call, whatever ran before
-    it unread. Anything else (the logits, an eager attention module's output) may be downstream of a birth
-    no site read, and is no evidence for a precision directive until a step that reads every site shows it."""
-    if first is None or first.kind != "attention" or first.phase != "forward":
-        return False
-    query = first.site + QUERY_SUFFIX
-    return any(s.site == query and s.phase == "forward" and s.stage == first.stage and not (s.nan or s.inf)
-               for s in r.sites)
 
 
 def remedy(rule: Rule, r: StepReport) -> Mode | None:

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.10"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.11"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -64,6 +64,8 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.10"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                        1.8 rollout mismatch (RlhfStat.rollout, rollout_events, attribution)
 #                                        1.9 replica_divergence incidents (ranks, hosts, params), spikes
 #                                        1.10 Coverage.coarse_skipped (coarse sites one step in coarse_every)
+#                                        1.11 Coverage.coarse_skipped gone: every localising site is read every
+#                                             step (a rotation cost the module of birth for one-off faults)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -330,11 +332,6 @@ class Coverage(_Wire):
         "counted again (their saved log-sum-exp is where the logit bound is read)")
     logits: bool = Field(False, description="the output head's logits were measured in a training forward")
     params_checked: Count = Field(0, description="parameter and optimizer-state tensors checked at step start")
-    coarse_skipped: bool = Field(
-        False, description="the coarse localisation sites (blocks, their parts, norms) and the attention and "
-        "logits gradients were not read in this step: they are read one step in coarse_every, and every step for "
-        "a while after a non-finite value or a spike; the embedding (both passes), the attention calls, the logits "
-        "and the parameters are read every step, so the first offender is then the first site read after the birth")
     unmeasured: Annotated[list[Unmeasured], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
 
 

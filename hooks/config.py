@@ -61,7 +61,7 @@ class MonitorConfig:
 
     * **the run and where it reports**: ``run_id``, ``collector`` (``collectors``), ``token``, ``rank``,
       ``world_size``;
-    * **what is measured**: ``grads``, ``logits``, ``coarse``, ``coarse_every``, ``fingerprint``, ``is_attention``,
+    * **what is measured**: ``grads``, ``logits``, ``coarse``, ``fingerprint``, ``is_attention``,
       ``exact_logit_every``, ``exact_logit_chunk_elems``, ``param_check_every``;
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
       ``guard``, ``optimizer_check``, ``optimizer_check_every``, ``process_group``, ``guard_reduce``, ``replica_check_every``,
@@ -116,20 +116,6 @@ class MonitorConfig:
     """Measure the output of every decoder block and of its parts (attention, MLP/MoE, norms), MoE routers and
     experts, the input embedding and the final norm, and their gradients: the first offender is then the
     part where a non-finite value was born, not the next attention layer."""
-
-    coarse_every: int = 4
-    """Measure the coarse sites (``coarse``) one step in this many (steps whose number it divides), and every
-    step for :data:`~nanwatch.hooks.instrument.probes.FULL_AFTER_ALARM` (16) steps after a step with a non-finite
-    value or a spike (and in the first step); 0 or 1: every step. In forward the input embedding, the
-    attention sites and the logits, in backward the gradient into the embedding, and the parameters and the
-    optimizer check are read every step whatever this is, so every non-finite value is still seen in the step
-    it happens (a value born in an MLP reaches the next attention site or the logits in forward; every value
-    born in backward reaches the gradient into the embedding); the attention and logits gradients are read
-    with the coarse sites. On the other steps the first offender is named at the first site measured after
-    it (``Coverage.coarse_skipped`` says so) and a precision directive waits for evidence such a step can
-    give (``nanwatch.policy.precision_helps``); the differential rerun's birth search is unaffected. A model
-    without an output head (no logits site) reads every coarse site every step. Why: on a CPU one read of
-    every coarse site and its gradient costs about 1 % of a small model's step by itself."""
 
     fingerprint: bool = True
     """Record each forward's input layout (position_ids, mask kind, packing, fully masked rows)."""
@@ -395,8 +381,6 @@ def _check_measuring(c: MonitorConfig) -> None:
         raise ValueError(f"exact_logit_every must be >= 0 (0 disables), got {c.exact_logit_every}")
     if c.exact_logit_chunk_elems < 1:
         raise ValueError(f"exact_logit_chunk_elems must be >= 1, got {c.exact_logit_chunk_elems}")
-    if c.coarse_every < 0:
-        raise ValueError(f"coarse_every must be >= 0 (0 or 1: every step), got {c.coarse_every}")
     if c.optimizer_check_every is not None and c.optimizer_check_every < 1:
         raise ValueError(f"optimizer_check_every must be >= 1 or None (optimizer_check=False turns the check off), "
                          f"got {c.optimizer_check_every}")

@@ -32,7 +32,6 @@ def _train(log_dir, collector=None, token=None, steps: int = 5, nan_step: int = 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     seen: list[StepReport] = []
     with nanwatch.attach(model, run_id=RUN, collector=collector, token=token, optimizer=opt, log_dir=str(log_dir),
-                         coarse_every=1,
                          on_report=step_reports(seen)) as mon:
         for n in range(steps):
             now["step"] = n

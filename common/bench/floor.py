@@ -2,9 +2,8 @@
 can cost.
 
 Plain PyTorch hooks on the same modules nanwatch measures do one ``torch.aminmax`` of each output in forward
-and of its gradient in backward as nanwatch's defaults do: the input embedding every step, attention and the
-output head in forward every step and in backward one step in ``coarse_every``, the other coarse
-localisation sites one step in ``coarse_every``; attention modules one more of their input (nanwatch reads
+and of its gradient in backward as nanwatch's defaults do, every step: the input embedding, attention, the
+output head and the other coarse localisation sites; attention modules one more of their input (nanwatch reads
 each call's query too); with ``param_check_every`` (off, as nanwatch's default) every step one ``aminmax`` of
 the same rotating share of the parameters; and after
 each optimizer step one of every parameter it updated (nanwatch's optimizer check). A tensor met twice in a row is read once, as
@@ -28,7 +27,7 @@ from functools import partial
 import torch
 
 from nanwatch.hooks.config import default_is_attention
-from nanwatch.hooks.instrument.probes import CoarseTurns, first_tensor
+from nanwatch.hooks.instrument.probes import first_tensor
 from nanwatch.hooks.measure.structure import coarse_sites
 
 __all__ = ["Floor"]
@@ -38,14 +37,11 @@ class Floor:
     """``round()`` attaches the floor's hooks for a round; ``step()`` reads this step's parameter share.
     ``reads`` counts the tensors read in the last step; ``step_ms`` is each step's time spent reading."""
 
-    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 0, coarse_every: int = 4,
+    def __init__(self, model: torch.nn.Module, *, param_check_every: int = 0,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.every = param_check_every
-        self.coarse_every = coarse_every
         self.optimizer = optimizer
-        self._steps = 0  # steps so far, numbered as nanwatch's bench numbers them
-        self._turns = CoarseTurns(coarse_every, always=False)  # which steps read what: nanwatch's own rule
         self.reads = 0
         self.step_ms: list[float] = []
         self.step_reads: list[int] = []
@@ -56,8 +52,8 @@ class Floor:
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def summary(self) -> dict:
-        """The floor: the mean milliseconds a step spends reading, and the mean reads a step (means: with
-        ``coarse_every`` one step in that many reads more than the others, which a median would hide)."""
+        """The floor: the mean milliseconds a step spends reading, and the mean reads a step (means: a step that
+        reads more than the others, the parameter sweep's, must count at its rate)."""
         return {"ms": statistics.fmean(self.step_ms) if self.step_ms else 0.0,
                 "reads": statistics.fmean(self.step_reads) if self.step_reads else 0.0, "steps": len(self.step_ms)}
 
@@ -86,12 +82,10 @@ class Floor:
             self._seconds += time.perf_counter() - t0
 
     def _output(self, kind: str, module, args, output) -> None:
-        """A site of ``kind``: read when the step reads it, its gradient too when the step reads that."""
-        if not self._turns.reads(kind):
-            return
+        """A site of ``kind``: its output, and its gradient in backward."""
         x = first_tensor(output)
         self._read(x)
-        if self._turns.reads_grad(kind) and isinstance(x, torch.Tensor) and x.requires_grad:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(self._read)
 
     def _input(self, module, args, kwargs) -> None:
@@ -107,8 +101,6 @@ class Floor:
     @contextlib.contextmanager
     def round(self) -> Iterator[None]:
         attn, head, coarse = self._modules()
-        self._turns.embedding = any(kind == "embedding" for kind, _ in coarse)
-        self._turns.always = not head
         sites = [("attention", m) for m in attn] + [("logits", m) for m in head] + coarse
         handles = [m.register_forward_pre_hook(self._input, with_kwargs=True) for m in attn]
         handles += [m.register_forward_hook(partial(self._output, kind)) for kind, m in sites]
@@ -123,8 +115,6 @@ class Floor:
     @contextlib.contextmanager
     def step(self, _: int) -> Iterator[None]:
         self.reads, self._seconds = 0, 0.0
-        self._turns.begin_step(self._steps)
-        self._steps += 1
         params = list(self.model.parameters()) if self.every else []  # the sweep: off by default, as nanwatch's
         share = -(-len(params) // self.every) if params else 0
         start = self._sweep % len(params) if params else 0

@@ -46,8 +46,6 @@ __all__ = ["COMPONENTS", "ProfileConfig", "main", "run"]
 COMPONENTS: dict[str, tuple[dict[str, Any], str]] = {
     "coarse_off": ({"coarse": False}, "coarse=False: the block and block-part sites (decoder blocks, attention "
                    "and MLP outputs, norms, embeddings), forward and backward; attention sites and logits stay"),
-    "coarse_every_step": ({"coarse_every": 1}, "coarse_every=1 (a negative row: it adds work): the coarse sites "
-                          "read every step instead of one step in four; minus defaults, the rotation's saving"),
     "grads_off": ({"grads": False}, "grads=False: every site's backward read (the gradient into it)"),
     "logits_off": ({"logits": False}, "logits=False: the lm_head output's read, forward and backward"),
     "param_sweep_on": ({"param_check_every": 8}, "param_check_every=8 (a negative row: it adds work; off by "
@@ -86,7 +84,7 @@ class ProfileConfig:
     intermediate: int = 768
     vocab: int = 4096
     steps: int = 4
-    """Timed steps per arm per round (the round's value is their mean; a multiple of ``coarse_every``, 4)."""
+    """Timed steps per arm per round (the round's value is their mean)."""
     rounds: int = 10
     warmup: int = 1
     """Untimed steps per arm, once, before the first round."""
@@ -192,7 +190,7 @@ class _Runner:
             if mon is not None:
                 mon.close()
         if record and n:
-            arm.round_ms.append(statistics.fmean(times))  # a mean: one step in coarse_every costs more
+            arm.round_ms.append(statistics.fmean(times))  # a mean: a step that reads more (the sweep's) counts at its rate
             if mon is not None:
                 arm.step_end_ms.append(step_end.seconds * 1e3 / n)
                 arm.capture_ms.append(_CAPTURE.seconds * 1e3 / n)

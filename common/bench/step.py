@@ -10,8 +10,7 @@ drift (thermal, allocator, other load) hits every variant alike:
 * ``nanwatch``: the same inside ``with mon.step(n):`` with ``nanwatch.attach(model, run_id="bench")``
   at its defaults, and ``mon.rlhf(logprobs=, old_logprobs=, rollout_logprobs=)`` on the step's logprobs (the
   RLHF and rollout statistics counted in; the spike baseline runs at its defaults). Step numbers keep counting
-  across rounds, so the exact-logit sampling and the coarse sites' 1 in ``coarse_every`` happen at their
-  real rates;
+  across rounds, so the exact-logit sampling and the parameter sweep happen at their real rates;
 * ``nanwatch_guard``: the same with the weight guard on the optimizer (``attach(..., optimizer=opt)``; the
   optimizer is a fused AdamW in every variant, so the guard's cost is the only difference);
 * ``debug_underflow_overflow``: transformers' ``DebugUnderflowOverflow(model)`` (a fresh one per
@@ -19,8 +18,8 @@ drift (thermal, allocator, other load) hits every variant alike:
 * ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
 
 Per-step times are reported as a ratio to bare and as added milliseconds; a round's figure is the mean of
-its steps (``steps`` a multiple of ``coarse_every``: the steps that read the coarse sites cost more than the
-others, which a median would hide). The numbers that
+its steps (a step that reads more than the others, the exact-logit or the sweep's, counts at its rate, which a
+median would hide). The numbers that
 matter are nanwatch's added time against DebugUnderflowOverflow's, and against the floor's: one read of
 each monitored tensor and gradient of a step, timed in the same rounds (the least any monitor that reads
 each of them once can cost). Added times are paired: the median over rounds of each round's difference
@@ -93,8 +92,7 @@ class BenchConfig:
     """Vocabulary size (the lm_head output is batch x seq x vocab)."""
 
     steps: int = 8
-    """Timed steps per variant per round (a multiple of nanwatch's ``coarse_every``, 4, keeps every round's
-    share of coarse-site steps the same)."""
+    """Timed steps per variant per round."""
 
     repeats: int = 6
     """Rounds; every round runs every variant once, in a rotated order."""

@@ -37,6 +37,9 @@ class ModuleHooks:
         self._probes = probes
         self._signature = forward_signature
         self._head_seen = False  # the logits head's own hook ran in the current forward
+        #: read every parameter's gradient every step, not only after compiled code: a model with no attention,
+        #: logits or block site has nothing else that sees a value born in backward (``install``'s fallback)
+        self.every_param_grad = False
 
     # ---- attention modules -----------------------------------------------------------------------
     def attn_pre(self, name: str, module, args) -> None:
@@ -61,10 +64,9 @@ class ModuleHooks:
     # ---- outputs -----------------------------------------------------------------------------------
     def output_hook(self, name: str, kind: str, module, args, output) -> None:
         """A module's output as a site: the logits head, and the coarse localisation sites (the embedding,
-        each decoder block and its parts, MoE routers and experts, the final norm): the logits and the
-        embedding every step, the others when the step reads them (``CoarseTurns.reads``, ``coarse_every``)."""
+        each decoder block and its parts, MoE routers and experts, the final norm), every step."""
         p = self._probes
-        if p.measuring and p.turns.reads(kind) and not _is_compiling():
+        if p.measuring and not _is_compiling():
             if kind == "logits":
                 self._head_seen = True
                 if p.stage() == "train" and not recomputing():
@@ -129,9 +131,9 @@ class ModuleHooks:
             self.output_hook(p.head, "logits", module, args, output)
 
     def param_grad(self, name: str, grad: torch.Tensor) -> None:
-        """A parameter's gradient (its hook runs outside any compiled graph). Measured only in steps
-        where compiled code ran, when the activations could not be."""
+        """A parameter's gradient (its hook runs outside any compiled graph). Measured in steps where compiled
+        code ran, when the activations could not be, and every step in a model with no other backward site."""
         p = self._probes
-        if not p.active or grad is None or not compiled.ran():
+        if not p.active or grad is None or not (self.every_param_grad or compiled.ran()):
             return
         contained(p.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

@@ -43,18 +43,8 @@ from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.wire import SiteKind, SiteName
 
-__all__ = ["FULL_AFTER_ALARM", "CoarseTurns", "Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
+__all__ = ["Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
 
-#: Steps in which every coarse site is measured after a step with a non-finite value or a spike (``alarm``),
-#: whatever ``coarse_every`` says: a value that recurs is then named where it is born.
-FULL_AFTER_ALARM = 16
-
-#: Sites read every step whatever ``coarse_every`` says (``CoarseTurns.reads``): attention (the SDPA wrapper
-#: reads every call) and the logits, which every forward value reaches, and the input embedding, whose
-#: gradient every backward value reaches.
-_EVERY_STEP = frozenset({"attention", "logits", "embedding"})
-#: Sites whose gradient is read only with the coarse sites (``CoarseTurns.reads_grad``).
-_LOCAL_GRADS = frozenset({"attention", "logits"})
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
 _graph_task_id = torch._C._current_graph_task_id
@@ -147,44 +137,6 @@ def watch(probes: Probes, name: str, kind: str, x: torch.Tensor, warn: Callable[
     probes.site(name, kind, x)
 
 
-class CoarseTurns:
-    """Which steps read the coarse sites (``MonitorConfig.coarse_every``): one step in ``every`` (those whose
-    number it divides), the first step, and ``FULL_AFTER_ALARM`` steps after an alarm (a step with a non-finite
-    value or a spike, told by the reporter thread); every step when ``every`` <= 1 or ``always`` (a model
-    without an output head: no other site is sure to see every forward value)."""
-
-    def __init__(self, every: int, *, always: bool) -> None:
-        self.every, self.always = every, always
-        #: the open step reads the coarse sites
-        self.now = True
-        #: the model has an input-embedding site, read every step in both passes: every value born in
-        #: backward reaches the gradient into it
-        self.embedding = False
-        self._left = 1  # steps still reading every coarse site (the first step does)
-        self._alarmed = False  # set by the reporter thread, taken at the next step start
-
-    def alarm(self) -> None:
-        """Reporter thread: a step held a non-finite value or a spike."""
-        self._alarmed = True
-
-    def begin_step(self, step: int) -> bool:
-        """Step ``step`` opens: whether it reads the coarse sites."""
-        if self._alarmed:
-            self._alarmed, self._left = False, FULL_AFTER_ALARM
-        self.now = self.always or self.every <= 1 or step % self.every == 0 or self._left > 0
-        self._left = max(self._left - 1, 0)
-        return self.now
-
-    def reads(self, kind: str) -> bool:
-        """Whether the open step reads a site of ``kind`` in forward."""
-        return self.now or kind in _EVERY_STEP
-
-    def reads_grad(self, kind: str) -> bool:
-        """Whether the open step reads the gradient into a site of ``kind``: the attention and logits gradients
-        with the coarse sites (when the embedding's gradient is read, every step); any other every step."""
-        return self.now or kind not in _LOCAL_GRADS or not self.embedding
-
-
 class Probes:
     """What every probe of one Monitor shares. Hooks registered with its methods do nothing while it is
     not ``active`` (see :meth:`enable`), and nothing inside ``torch.compile`` tracing (they would add graph
@@ -192,7 +144,7 @@ class Probes:
 
     def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
                  exact_every: int, exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None],
-                 head: str | None, coarse_every: int = 1) -> None:
+                 head: str | None) -> None:
         self.rec = rec
         self.directive_state = directive_state
         self.grads = grads
@@ -214,8 +166,6 @@ class Probes:
         self.coarse_ids: set[int] = set()
         #: each coarse site's kind, by name
         self.coarse_kinds: dict[str, str] = {}
-        #: which steps read the coarse sites (``coarse_every``); ``turns.alarm`` is the reporter thread's
-        self.turns = CoarseTurns(coarse_every, always=head is None)
         self._in_step = False  # a training step is open (between ``begin_step`` and ``end_step``)
         #: told the stage of each model forward that starts outside any training step (``outside_step``)
         self._outside: Callable[[str], None] | None = None
@@ -273,18 +223,15 @@ class Probes:
 
     def mark_coarse(self, module: torch.nn.Module, site: str, kind: str) -> None:
         """``module``'s output is the coarse site ``site`` of ``kind``: an SDPA call it makes itself is named
-        ``<site>.sdpa``, and its kind is known on steps that do not read it (``coarse_every``)."""
+        ``<site>.sdpa``, and the differential rerun's drill-down knows its kind."""
         self.coarse_ids.add(id(module))
         self.coarse_kinds[site] = kind
-        self.turns.embedding = self.turns.embedding or kind == "embedding"
 
     def begin_step(self, step: int) -> None:
         """Training step ``step`` opens (sampled: it computes the exact per-head logit max, every
         ``exact_logit_every`` steps)."""
         self._in_step = True
         self.sampled = bool(self._exact_every) and step % self._exact_every == 0
-        if not self.turns.begin_step(step) and self.coarse_ids:
-            self.rec.cover(coarse_skipped=True)
         self._masks_seen.clear()
         self.rerun.clear()
 
@@ -326,11 +273,11 @@ class Probes:
             return
         stage = self.stage()
         if recomputing():  # measured in the first forward; reentrant checkpointing gets its grad hook here
-            if self.grads and x.requires_grad and self.turns.reads_grad(kind):
+            if self.grads and x.requires_grad:
                 x.register_hook(partial(self._grad_hook, site, kind, stage))
             return
         self.rec.tensor(site, kind, "forward", x, stage)
-        if self.grads and x.requires_grad and self.turns.reads_grad(kind) and torch.is_grad_enabled():
+        if self.grads and x.requires_grad and torch.is_grad_enabled():
             x.register_hook(partial(self._grad_hook, site, kind, stage))
 
     def _grad_hook(self, site: str, kind: str, stage: str, grad: torch.Tensor) -> None:

@@ -75,7 +75,6 @@ class Counts:
     recomputed_calls: int = 0
     logits: bool = False
     params_checked: int = 0
-    coarse_skipped: bool = False  # the coarse sites were not measured (``coarse_every``)
 
 
 @dataclass(slots=True)
@@ -185,11 +184,16 @@ class Recorder:
         forwards.append(meta)
         return meta
 
-    def slot(self, key, value: torch.Tensor, *, how: str = "sum", many: bool = False) -> None:
+    def slot(self, key, value: torch.Tensor, *, how: str = "sum", many: bool = False,
+             at: torch.Tensor | None = None) -> None:
         """Add (``how="sum"``) or max (``"max"``) a 0-d device value into the slot ``key``: RLHF sums and
         counts, a forward's counts (``ForwardMeta.key``), the scaler's and the weight guard's flags. With
-        ``many``, ``key`` is a tuple of keys and ``value`` 1-D, one per key: consecutive slots, one device op."""
-        if many:
+        ``many``, ``key`` is a tuple of keys and ``value`` 1-D, one per key, in one device op: sums into slots
+        anywhere (``SlotBuffer.scatter_add``; with ``at``, ``value[i]`` into ``key[at[i]]``), maxima into
+        consecutive slots (``SlotBuffer.block``)."""
+        if many and how == "sum":
+            self.buf.scatter_add(key, _to(self.buf, value), at=None if at is None else _to(self.buf, at))
+        elif many:
             self.buf.block(how, key, _to(self.buf, value))
         elif how == "sum":
             self.buf.add(key, _to(self.buf, value))
@@ -231,7 +235,7 @@ class Recorder:
 
     def cover(self, *, forwards: int = 0, train: bool = False, compiled_forwards: int = 0, attention: int = 0,
               probed: int = 0, recomputed: int = 0, compiled: int = 0, logits: bool = False,
-              layer: str | None = None, params_checked: int = 0, coarse_skipped: bool = False) -> None:
+              layer: str | None = None, params_checked: int = 0) -> None:
         """Count what this step covered (host-side integers only); ``train``: the forwards were training
         forwards."""
         c = self.state.coverage
@@ -244,7 +248,6 @@ class Recorder:
         c.compiled_calls += compiled
         c.logits = c.logits or logits
         c.params_checked += params_checked
-        c.coarse_skipped = c.coarse_skipped or coarse_skipped
         if layer is not None:
             self.state.attention_layers.add(layer)
 

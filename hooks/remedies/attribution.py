@@ -32,7 +32,9 @@ worst sequences outside the step and lowers one module at a time:
      lowered), so this is the usual case: it names the module whose precision costs the most.
 
    ``lowered_abs_mean`` near ``observed_abs_mean`` says the precision explains what was observed; far below
-   it, something else does (a kernel, the sampler, a weight sync). Not found: one child lowered inside a
+   it, something else does (a kernel, the sampler, a weight sync). Below :data:`NAME_SHARE` of it the
+   attribution is **withheld** (``module`` None, the note leading with the share explained): stale weights
+   once got ``model.layers.0.self_attn`` named while lowering every module explained 2 % of the mismatch. Not found: one child lowered inside a
    block whose other children's lowering costs more (the block leads neither by match nor by share).
 
 **Outside the step, leaving nothing behind.** Under ``torch.no_grad`` (no autograd graph), autocast off,
@@ -339,6 +341,12 @@ def _verdict(base: dict[str, Any], figures: dict[str, Any], *, sequences: int, o
                 if named else "no unit lowered alone reproduces half of the mismatch of every unit lowered: "
                 "the top ones are " + ", ".join(f"{n} ({share[n]:.2f})" for n in ranked[:3]))
     modules = [ModuleShare(module=n, abs_mean=units[n][0], share=share[n]) for n in ranked[:_MAX_SHARES]]
+    explains = every / observed if observed > 0 else 1.0
+    if explains < NAME_SHARE:  # precision is not what was observed: naming a module would send the user astray
+        note = (f"withheld: lowering every module to {base['rollout_dtype']} explains {explains:.0%} of the observed "
+                f"mismatch ({every:.3g} of mean |Δlogp| {observed:.3g}), so no module's precision is the cause; "
+                f"look at the weight sync (stale weights) and the sampler first. Had it been precision: {note}")
+        named = None
     return RolloutAttribution(**base, sequences=sequences, observed_abs_mean=_finite(observed),
                               lowered_abs_mean=_finite(every), module=named, modules=modules, seconds=seconds,
                               note=note)

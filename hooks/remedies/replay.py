@@ -215,8 +215,9 @@ def _check_config(cfg: dict[str, Any], where: str = "config") -> None:
 def check_meta(meta: dict[str, Any], tensors: dict[str, Any]) -> None:
     """The metadata's shape, before any of it is used: CapsuleError (exit 2) naming the first thing wrong."""
     _check_build(meta.get("build"))
-    for field in ("params", "buffers", "dropped", "args"):
+    for field in ("params", "buffers", "dropped", "args", "hooks"):
         _need(isinstance(meta.get(field, []), list), f"'{field}' is not a list")
+    _need(all(isinstance(h, str) for h in meta.get("hooks", [])), "'hooks' holds something other than names")
     for key in (*meta.get("params", []), *meta.get("buffers", [])):
         _need(isinstance(key, str) and key.startswith(("param.", "buffer.")), f"{str(key)[:80]!r} is not a "
               "module tensor's name")
@@ -588,7 +589,8 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
             "recorded": {"host": meta.get("host"), "device": meta.get("device"),
                          "incident_cls": meta.get("incident", {}).get("cls"),
                          "birth_elements": meta.get("incident", {}).get("birth_elements")},
-            "dropped": meta.get("dropped", []), "rows": rows, "cls": cls, "exit": code}
+            "dropped": meta.get("dropped", []), "hooks": meta.get("hooks", []), "rows": rows, "cls": cls,
+            "exit": code}
 
 
 def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], device: str, bounds: Bounds
@@ -708,6 +710,14 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"{r['setting']:<10} {rep:<11} {r['nonfinite']:>10} {mx:>15}  {note}")
         else:
             lines.append(f"{r['setting']:<10} {r['status']:<11} {'-':>10} {'-':>15}  {r.get('note', '')}")
+    hooks = result.get("hooks") or []
+    if hooks:
+        lines.append(f"hooks    the module had {len(hooks)} forward hook(s) in training that a capsule cannot carry "
+                     f"(code): {'; '.join(hooks[:4])}{'; ...' if len(hooks) > 4 else ''}")
+    if result["cls"] == "not_reproducible" and hooks:
+        lines.append("class    not_reproducible: finite here, but the module ran with the hooks above in training, "
+                     "and a hook that changes its output is not replayed: suspect a hook before the hardware")
+        return "\n".join(lines)
     lines.append(f"class    {result['cls']}: {_MEANING[result['cls']]}")
     if result["cls"] == "undecided":
         lines.append(f"         {result['undecided']}: add --try fp32 to decide it; the trainer recorded class "

@@ -335,7 +335,7 @@ def _search(model: torch.nn.Module, probes: Probes, directive_state: DirectiveSt
     base = verdict.base
     base.update(drilled)
     if "birth" in base:
-        birth = base["birth"]  # a coarse site the step did not read (coarse_every) has its kind from install
+        birth = base["birth"]  # a site the step did not measure (an eval-only one, say) has its kind from install
         base["birth_kind"] = kinds.get(birth) or probes.coarse_kinds.get(birth) or (
             "logits" if birth == probes.head else "module")
     with directive_state.forced("fp32"):

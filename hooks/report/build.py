@@ -129,7 +129,7 @@ class ReportBuilder:
         return Coverage(forwards=c.forwards + c.compiled_forwards, sites=len(sites),
                         attention_calls=c.attention_calls, attention_probed=c.attention_probed,
                         compiled_calls=c.compiled_calls, recomputed_calls=c.recomputed_calls, logits=c.logits,
-                        params_checked=c.params_checked, coarse_skipped=c.coarse_skipped, unmeasured=unmeasured)
+                        params_checked=c.params_checked, unmeasured=unmeasured)
 
     def _unmeasured(self, state: StepState, logits: Sequence[LogitStat], warns: list[str]) -> list[str]:
         c = state.coverage

@@ -69,12 +69,8 @@ class ReportFlow:
 
     def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
                  directive_state: DirectiveState, expects_logits: Callable[[], bool],
-                 on_mismatch: Callable[[RolloutEvent], None] | None = None,
-                 on_alarm: Callable[[], None] | None = None) -> None:
-        """``on_alarm``: told when a training step held a non-finite value or a spike (the probes then measure
-        every coarse site for a while)."""
+                 on_mismatch: Callable[[RolloutEvent], None] | None = None) -> None:
         self._on_report = config.on_report
-        self._on_alarm = on_alarm
         self._mismatch, self._on_mismatch = MismatchClassifier(), on_mismatch
         self._directive_state = directive_state
         self._config, self._rank, self._world = config, rank, world_size
@@ -177,8 +173,6 @@ class ReportFlow:
         """Feed the directive state's clean streak and the local rule engine (never the final report)."""
         if built.clean is not None:
             self._directive_state.note_report(built.clean)
-            if self._on_alarm is not None and (not built.clean or built.report.spikes):
-                self._on_alarm()
         if self._rules is not None and not built.report.final:
             self._rules.observe(built.report)
 

@@ -150,7 +150,7 @@ class Contribution:
             sums.append(f.fully_masked_rows if f else 0.0)
             maxes += [float(f.packed), float(f.plain_causal), float(f.cross_doc_leak)] if f else [0.0] * 3
         sums += [getattr(cov, name) for name in _COUNTS]
-        maxes += [float(cov.logits), float(cov.coarse_skipped), *(float(u in cov.unmeasured) for u in _UNMEASURED)]
+        maxes += [float(cov.logits), *(float(u in cov.unmeasured) for u in _UNMEASURED)]
         raw = self.rlhf or {}
         sums.append(1.0 if self.rlhf is not None else 0.0)
         for slot in RLHF_SLOTS:
@@ -228,8 +228,8 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
     backends = _read_backends(table, s, m)
     logits, prints = _read_logits(table, m), _read_forwards(table, s, m)
     counts = dict(zip(_COUNTS, (int(x) for x in s.take(len(_COUNTS))), strict=True))
-    head_seen, coarse_skipped, *flags = m.take(2 + len(_UNMEASURED))
-    coverage = Coverage(**counts, sites=len(sites), logits=bool(head_seen), coarse_skipped=bool(coarse_skipped),
+    head_seen, *flags = m.take(1 + len(_UNMEASURED))
+    coverage = Coverage(**counts, sites=len(sites), logits=bool(head_seen),
                         unmeasured=[u for u, f in zip(_UNMEASURED, flags, strict=True) if f])
     rlhf = _read_rlhf(s, m)
     skipped = m.one()

@@ -177,7 +177,7 @@ def _train(collector: str) -> dict:
         model.model.layers[0].mlp.register_forward_hook(
             lambda m, a, out: out * math.nan if state["step"] == 3 else out)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        with nanwatch.attach(model, run_id="e2e-nan", collector=collector, optimizer=opt, coarse_every=1) as mon:
+        with nanwatch.attach(model, run_id="e2e-nan", collector=collector, optimizer=opt) as mon:
             for n in range(12):
                 state["step"] = n
                 with mon.step(n):
@@ -234,8 +234,7 @@ def _train_amp(collector: str, marks: dict) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     marks["amp_started"], marks["amp_reports"] = time.time(), []
     # every step reads the gradients the scaler scales (the test pins their headroom to the fp16 limit)
-    with nanwatch.attach(model, run_id="e2e-amp", collector=collector, optimizer=opt, scaler=scaler,
-                         coarse_every=1) as mon:
+    with nanwatch.attach(model, run_id="e2e-amp", collector=collector, optimizer=opt, scaler=scaler) as mon:
         for n in range(12):
             with mon.step(n):
                 ids = token_ids(seed=0)

@@ -19,7 +19,7 @@ def main(out_dir: str) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     ddp = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **SMALL, use_cache=False))
-    with nanwatch.attach(ddp, run_id="ddp", coarse_every=1) as mon:  # every site in the step it reports
+    with nanwatch.attach(ddp, run_id="ddp") as mon:
         for n in range(2):
             with mon.step(n):
                 ids = token_ids(seed=rank)

@@ -73,7 +73,7 @@ def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, sync: b
     default ``opt``'s step and zero_grad; ``sync``: the guard's; ``options``: MonitorConfig fields); the fault
     is on for the first micro-batch of step K."""
     fault, rows = Fault(model if not hasattr(model, "module") else model.module), []
-    with nanwatch.attach(model, run_id="dist-guard", **{"coarse_every": 1, **options}) as mon:
+    with nanwatch.attach(model, run_id="dist-guard", **options) as mon:
         mon.guard(opt, sync=sync)
         for n in range(STEPS):
             with mon.step(n):
@@ -215,7 +215,7 @@ def trainer(out: Path) -> list[dict]:
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
                              report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
                              dataloader_num_workers=0)
-    cb = NanwatchCallback(run_id="dist-guard-trainer", on_report=step_reports(reports), coarse_every=1)
+    cb = NanwatchCallback(run_id="dist-guard-trainer", on_report=step_reports(reports))
     model.register_forward_pre_hook(mark, with_kwargs=True, prepend=True)
     Trainer(model=model, args=args, train_dataset=data, callbacks=[inject, cb]).train()
     fault.remove()

@@ -73,7 +73,7 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     model = TinyNet()
     posts, own = [], {}
-    mon = nanwatch.attach(model, run_id="job", report_scope="job", heartbeat_s=3600.0, coarse_every=1,
+    mon = nanwatch.attach(model, run_id="job", report_scope="job", heartbeat_s=3600.0,
                           report_reduce_timeout_s=TIMEOUT_S, on_report=posts.append,
                           is_attention=lambda name, m: name.startswith("blocks.") and name.count(".") == 1)
     for n in range(9):

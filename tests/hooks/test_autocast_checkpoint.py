@@ -70,7 +70,7 @@ def test_checkpointing_counts_each_call_once_and_keeps_the_logit_bound(reentrant
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="ckpt", exact_logit_every=0, coarse_every=1,
+        with nanwatch.attach(model, run_id="ckpt", exact_logit_every=0,
                              on_report=step_reports(reports)) as mon:
             for n in range(3):
                 with mon.step(n):

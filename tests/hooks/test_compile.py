@@ -67,7 +67,7 @@ def _monitored(model: nn.Module, fn, ids: torch.Tensor, steps: int = 2):
     """Train ``steps`` steps (recompiles happen on the first) under a monitor; last result + report."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with nanwatch.attach(model, run_id="compile", exact_logit_every=1, coarse_every=1) as mon:
+        with nanwatch.attach(model, run_id="compile", exact_logit_every=1) as mon:
             for n in range(steps):
                 model.zero_grad(set_to_none=True)
                 with mon.step(n):

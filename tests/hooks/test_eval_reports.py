@@ -24,7 +24,7 @@ def _setup(**options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mon = nanwatch.attach(model, run_id="ev", on_report=step_reports(reports), optimizer=opt,
-                              **{"coarse_every": 1, **options})  # every step names the block part
+                              **options)  # every step names the block part
     return model, opt, mon, poison, reports
 
 

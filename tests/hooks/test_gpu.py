@@ -170,3 +170,40 @@ def test_a_job_reported_guarded_step_with_the_capsule_idle_and_rlhf_makes_zero_h
     assert sorted({p["step"] for p in jobs}) == [0, 1, 2, 3] and all(p["ranks_reporting"] == 2 for p in jobs)
     pooled = sum(r["own"]["0"]["rlhf"]["tokens"] for r in ranks)
     assert next(p for p in jobs if p["step"] == 0)["rlhf"]["tokens"] == pooled  # both ranks' tokens, pooled
+
+
+@cuda
+def test_one_off_births_are_named_at_the_defaults_on_cuda():
+    """Exact at the defaults on the device users train on: a one-off NaN born in layer 0's MLP (forward, step 2)
+    and in the gradient into layer 1's MLP (backward, step 3) are named there, in their own step; the weight
+    guard keeps both steps out of the weights."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_qwen3("sdpa", vocab_size=256, hidden_size=128, intermediate_size=256, head_dim=32).cuda()
+    model = model.to(torch.bfloat16)
+    arm = {"step": None}
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda m, a, out: out * float("nan") if arm["step"] == 2 else None, prepend=True)
+
+    def poison_grad(module, args, out) -> None:
+        if arm["step"] == 3:
+            out.register_hook(lambda g: g * float("nan"))
+
+    model.model.layers[1].mlp.register_forward_hook(poison_grad)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="gpu-exact", optimizer=opt, directive_source="off") as mon:
+            for n in range(5):
+                arm["step"] = n
+                with mon.step(n):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    named = {r.step: (r.first_offender, r.first_offender_phase) for r in reports if r.first_offender}
+    assert named == {2: ("model.layers.0.mlp", "forward"), 3: ("model.layers.1.mlp", "backward")}, named
+    assert [r.step for r in reports if r.step_skipped] == [2, 3]
+    assert all(torch.isfinite(p).all() for p in model.parameters())

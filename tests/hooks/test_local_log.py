@@ -28,7 +28,6 @@ def _train(steps: int, *, nan_steps=(), **options) -> list[StepReport]:
         lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan) if now["step"] in nan_steps else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     seen: list[StepReport] = []
-    options.setdefault("coarse_every", 1)  # every report names the MLP and has the same size
     with nanwatch.attach(model, run_id="local", optimizer=opt, on_report=step_reports(seen), **options) as mon:
         for n in range(steps):
             now["step"] = n

@@ -54,7 +54,7 @@ def _run(kind: str, *, passed: bool, steps: int = K + 2, k: int = K, **options):
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="g", optimizer=opt if passed else None, directive_source="off", coarse_every=1,
+        with nanwatch.attach(model, run_id="g", optimizer=opt if passed else None, directive_source="off",
                              **options) as mon:
             for n in range(steps):
                 now[0] = n
@@ -270,7 +270,7 @@ def _run_closure(kind: str, *, passed: bool | None, k: int = K, steps: int = K +
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off", coarse_every=1,
+        mon = None if passed is None else nanwatch.attach(model, run_id="closure", directive_source="off",
                                                           optimizer=opt if passed else None)
         for n in range(steps):
             now[0] = n
@@ -442,7 +442,7 @@ def test_an_update_the_amortised_check_did_not_read_is_named_at_its_parameter(de
     reports, finite = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="amortised", optimizer=opt, directive_source="local", coarse_every=1,
+        with nanwatch.attach(model, run_id="amortised", optimizer=opt, directive_source="local",
                              optimizer_check_every=16) as mon:
             for n in range(5):
                 now[0] = n
@@ -478,7 +478,7 @@ def test_a_nan_weight_written_by_hand_is_not_blamed_on_an_update_the_check_read(
     opt = _make("sgd_fused", model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="by-hand", optimizer=opt, directive_source="off", coarse_every=1) as mon:
+        with nanwatch.attach(model, run_id="by-hand", optimizer=opt, directive_source="off") as mon:
             for n in range(3):
                 if n == 2:
                     with torch.no_grad():
@@ -502,7 +502,7 @@ def test_a_nan_in_optimizer_state_is_named_without_a_sweep():
     reports = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="state", optimizer=opt, directive_source="off", coarse_every=1,
+        with nanwatch.attach(model, run_id="state", optimizer=opt, directive_source="off",
                              optimizer_check_every=16) as mon:
             for n in range(4):
                 if n == 2:

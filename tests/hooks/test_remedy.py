@@ -15,7 +15,7 @@ from support import overflow_attention, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.policy import precision_helps
-from nanwatch.wire import Coverage, Incident, SiteStat, StepReport
+from nanwatch.wire import Incident, SiteStat, StepReport
 
 pytest.importorskip("transformers")
 
@@ -67,13 +67,10 @@ def _train(fault, *, replay: bool, impl: str = "eager", left_pad: int = 0, steps
 def test_a_nan_born_in_an_mlp_never_switches_training_to_fp32(replay):
     reports, modes = _train(lambda m: _nan_out_of(m.model.layers[0].mlp), replay=replay)
     r = reports[K]
-    # step K reads no coarse site (coarse_every=4): the NaN is first seen downstream, at layer 1's (eager)
-    # attention output, which is no evidence of an attention birth; its alarm makes the next steps read them all
-    assert r.coverage.coarse_skipped and r.first_offender == "model.layers.1.self_attn", r.first_offender
-    named = reports[K + 1]
-    assert not named.coverage.coarse_skipped and named.first_offender == "model.layers.0.mlp", named.first_offender
+    # every site is read every step: the step of the birth names the MLP, not the attention downstream of it
+    assert r.first_offender == "model.layers.0.mlp", r.first_offender
     # attention downstream of the birth (layer 1) is non-finite too: the old rule fired on it
-    assert any(s.site == "model.layers.1.self_attn" and s.nan for s in named.sites)
+    assert any(s.site == "model.layers.1.self_attn" and s.nan for s in r.sites)
     assert set(modes) == {"none"}, modes
     if replay:
         assert r.incident.birth == "model.layers.0.mlp" and r.incident.birth_kind == "mlp", r.incident
@@ -92,14 +89,7 @@ def test_a_nan_weight_never_switches_training_to_fp32(replay):
 def test_a_half_precision_attention_overflow_still_gets_fp32_at_the_next_step(replay):
     reports, modes = _train(overflow_attention, replay=replay)
     assert reports[K].first_offender == "model.layers.0.self_attn"
-    if replay:  # the rerun's drill-down finds the birth whatever the step read
-        assert modes[K + 1:] == ["fp32"] * (STEPS - K - 1), modes
-    else:
-        # step K read no coarse site (coarse_every=4): an eager attention module's NaN output may come from
-        # upstream, so no directive yet; its alarm makes step K+1 read every site, which names the birth
-        assert reports[K].coverage.coarse_skipped and not reports[K + 1].coverage.coarse_skipped
-        assert reports[K + 1].first_offender == "model.layers.0.self_attn"
-        assert modes[K + 1] == "none" and modes[K + 2:] == ["fp32"] * (STEPS - K - 2), modes
+    assert modes[K + 1:] == ["fp32"] * (STEPS - K - 1), modes  # the birth's own step is the evidence
     if replay:
         assert reports[K].incident.birth_kind == "attention" and reports[K].incident.cls == "precision"
 
@@ -122,15 +112,6 @@ def _report(first: str | None, kind: str, *, dtype: str = "float16", stage: str 
                       incident=incident)
 
 
-def _skipped(r: StepReport, *, query_finite: bool = False) -> StepReport:
-    """``r`` from a step that read no coarse site; with ``query_finite``, the attention call's query read finite."""
-    sites = list(r.sites)
-    if query_finite:
-        sites.append(SiteStat(site=r.first_offender + ".query", kind="attention", phase="forward", stage="train",
-                              dtype="float16", numel=4, nan=0, inf=0, amax=1.0, headroom=1.0 / 65504))
-    return r.model_copy(update={"coverage": Coverage(coarse_skipped=True), "sites": sites})
-
-
 @pytest.mark.parametrize(("report", "helps"), [
     (_report("l.0.self_attn", "attention"), True),
     (_report("lm_head", "logits"), True),
@@ -147,11 +128,7 @@ def _skipped(r: StepReport, *, query_finite: bool = False) -> StepReport:
     (_report("l.0.self_attn", "attention", incident=Incident(cls="precision", step=3, birth="l.0.self_attn",
                                                                 birth_kind="attention")), True),
     (_report(None, "attention"), False),
-    (_skipped(_report("l.1.self_attn", "attention")), False),
-    (_skipped(_report("lm_head", "logits")), False),
-    (_skipped(_report("l.1.self_attn", "attention"), query_finite=True), True),
 ], ids=["attention", "logits", "fp32-attention", "mlp", "query", "eval", "optimizer", "data-mask",
-        "not-reproducible", "optimizer-incident", "mlp-birth", "attention-birth", "no-offender",
-        "unread-coarse-attention", "unread-coarse-logits", "unread-coarse-finite-query"])
+        "not-reproducible", "optimizer-incident", "mlp-birth", "attention-birth", "no-offender"])
 def test_precision_helps_only_a_half_attention_or_logits_birth_in_training(report, helps):
     assert precision_helps(report) is helps

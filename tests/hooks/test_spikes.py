@@ -36,18 +36,18 @@ def _times(module, factor: float):
     return lambda: module.__dict__.pop("forward")
 
 
-def _run(steps: int = K + 3, *, at: int = K, fault=None, fused: bool = False, **options):
-    """Train ``steps`` steps; ``fault(model, loss)`` at step ``at``: (undo, loss to watch and backward)."""
+def _run(steps: int = K + 3, *, at: int = K, fault=None, fused: bool = False, layer: int = 0, **options):
+    """Train ``steps`` steps; at step ``at`` the fault: ``"mlp"``, layer ``layer``'s MLP output x50; ``"loss"``,
+    the loss x20."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     ids = token_ids(2, 12, vocab=64)
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # every step reads the MLP (the spike's site): with coarse_every its spikes are seen on the steps that read it
-        with nanwatch.attach(model, run_id="spikes", optimizer=opt, **{"coarse_every": 1, **options}) as mon:
+        with nanwatch.attach(model, run_id="spikes", optimizer=opt, **options) as mon:
             for n in range(steps):
-                undo = _times(model.model.layers[0].mlp, 50.0) if fault == "mlp" and n == at else None
+                undo = _times(model.model.layers[layer].mlp, 50.0) if fault == "mlp" and n == at else None
                 before = {k: p.detach().clone() for k, p in model.named_parameters()}
                 with mon.step(n):
                     loss = model(input_ids=ids, labels=ids).loss
@@ -87,6 +87,16 @@ def test_a_layer_output_times_50_is_a_spike_at_its_site_and_pass_and_nothing_els
     assert said and said[0].startswith(f"nanwatch: step {K}: spike at ") and f"{MLP} (forward)" in said[0]
 
 
+@pytest.mark.parametrize("at", [30, 31])
+def test_a_one_step_spike_is_reported_in_its_step_whatever_the_step_number(at):
+    """The issue's trial: layer 1's MLP output x50 at step 30 (not a multiple of the old rotation's 4) went
+    unreported; every site is read every step, so it is reported in its step and nowhere else."""
+    rows = _run(at + 3, at=at, fault="mlp", layer=1)
+    spiked = _spikes(rows)
+    assert set(spiked) == {at}, spiked
+    assert ("model.layers.1.mlp", "forward") in spiked[at]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_spike_action_skip_keeps_the_spiking_step_out_of_the_weights(fused):
     rows = _run(fault="mlp", spike_action="skip", fused=fused)
@@ -117,7 +127,7 @@ def test_500_healthy_steps_with_adamw_dropout_accumulation_and_warmup_have_no_sp
     spiked = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="healthy", optimizer=opt, coarse_every=1,
+        with nanwatch.attach(model, run_id="healthy", optimizer=opt,
                              on_report=lambda r: r.spikes and spiked.append((r.step, r.spikes))) as mon:
             for n in range(500):
                 undo = _times(model.model.layers[0].mlp, 50.0) if n == 450 else None

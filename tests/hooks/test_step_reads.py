@@ -76,7 +76,7 @@ def _steps(monkeypatch, attach: dict | None) -> list[tuple[int, int, int]]:
 
 def test_after_the_first_step_the_accelerator_path_reads_no_weight_and_syncs_nothing(monkeypatch):
     bare = _steps(monkeypatch, None)
-    on = _steps(monkeypatch, {"coarse_every": 1, "optimizer_check_every": 16})
+    on = _steps(monkeypatch, {"optimizer_check_every": 16})
     params = sum(p.numel() * p.element_size() for p in tiny_qwen3("sdpa", vocab_size=64, use_cache=False).parameters())
     extra_bytes = [o[2] - b[2] for o, b in zip(on, bare, strict=True)]
     # step 0: the optimizer check reads every parameter once (the first update is always checked)
@@ -85,5 +85,5 @@ def test_after_the_first_step_the_accelerator_path_reads_no_weight_and_syncs_not
     assert extra_bytes[1:] == [0] * (STEPS - 1), extra_bytes
     assert [o[1] - b[1] for o, b in zip(on, bare, strict=True)] == [0] * STEPS  # no host sync: the rerun is deferred
     # what keeping the rerun costs a clean step: its flag's few small kernels (computed, copied)
-    off = _steps(monkeypatch, {"coarse_every": 1, "optimizer_check_every": 16, "rerun": False})
+    off = _steps(monkeypatch, {"optimizer_check_every": 16, "rerun": False})
     assert 0 < on[2][0] - off[2][0] <= 24, (on[2][0], off[2][0])

@@ -31,7 +31,7 @@ def main(url: str, run_id: str, scope: str, mode: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     mlp = model.get_submodule("model.layers.0.mlp")
     options = dict(report_scope=scope, heartbeat_s=1.0, report_reduce_timeout_s=3.0, rerun=False)
-    with nanwatch.attach(wrapped, run_id=run_id, collector=url, optimizer=opt, **{"coarse_every": 1, **options}) as mon:
+    with nanwatch.attach(wrapped, run_id=run_id, collector=url, optimizer=opt, **options) as mon:
         for n in range(STEPS if mode == "nan" else KILLED_RUN_STEPS if rank == 0 else NAN_STEP + 1):
             poison = mlp.register_forward_hook(  # before nanwatch's own hook: the NaN is born in the MLP
                 lambda m, a, out: out.index_fill(1, torch.tensor([0]), math.nan), prepend=True) \

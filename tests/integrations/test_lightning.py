@@ -74,7 +74,7 @@ def _data(n: int = 16, s: int = 12, batch: int = 2):
 
 def _fit(tmp_path, module, *, reports=None, logger=False, callback_options=None, val=False, **trainer_kw):
     reports = [] if reports is None else reports
-    cb = NanwatchCallback(run_id="pl", **{"on_report": step_reports(reports), "coarse_every": 1,
+    cb = NanwatchCallback(run_id="pl", **{"on_report": step_reports(reports),
                                           **(callback_options or {})})
     kw = dict(accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False, enable_checkpointing=False,
               enable_model_summary=False, logger=logger, default_root_dir=str(tmp_path), log_every_n_steps=1,

@@ -238,7 +238,7 @@ _CRASH = textwrap.dedent("""
         gradient_accumulation_steps=4, use_cpu=True, max_steps=3, save_strategy="no", report_to="none",
         disable_tqdm=True)
     transformers.Trainer(model=model, args=args, train_dataset=Dataset.from_dict({{"input_ids": ids, "labels": ids}}),
-        callbacks=[NanwatchCallback(run_id="crash", collector={url!r}, coarse_every=1)]).train()
+        callbacks=[NanwatchCallback(run_id="crash", collector={url!r})]).train()
 """)
 
 

@@ -56,8 +56,9 @@ MAX_TOTAL_BYTES = 1 << 30
 #: ... or this many files
 MAX_FILES = 1024
 
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_FOLDER = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)  # getattr: importable on Windows
+_AS_GIVEN = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)  # a folder the user named
+_FOLDER = _AS_GIVEN | _NOFOLLOW
 _warn = WarnOnce()
 
 
@@ -77,7 +78,7 @@ def _check(fd: int, shown: str, *, folder: bool) -> None:
     why = None
     if not (stat.S_ISDIR if folder else stat.S_ISREG)(st.st_mode):
         why = "not a folder" if folder else "not a regular file"
-    elif st.st_uid != os.getuid():
+    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
         why = f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     elif not folder and st.st_nlink != 1:
         why = f"a file with {st.st_nlink} hard links"
@@ -115,7 +116,7 @@ def open_checked(name: str, flags: int, *, at: int, shown: str, mode: int = 0o60
     (``O_NONBLOCK`` too: a planted FIFO does not hang the open); :class:`Refused` unless it is a regular file
     of this user's with one link."""
     try:
-        fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=at)
+        fd = os.open(name, flags | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), mode, dir_fd=at)
     except OSError as e:
         raise _refused_link(e, shown) from None
     _check(fd, shown, folder=False)
@@ -126,7 +127,7 @@ def _open_root(root: Path) -> int:
     """The undelivered folder (its parent made as the user configured it, followed as given; the folder
     itself never through a link)."""
     root.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    parent = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    parent = os.open(root.parent, _AS_GIVEN)
     try:
         return open_folder(root.name, at=parent, shown=str(root), create=True)
     finally:
@@ -197,7 +198,7 @@ class Spool:
                 if self.error is None:  # said once, where it was refused; the sender counts what is lost
                     _warn(f"undelivered reports not kept: {e.strerror}")
                 self.error = e.strerror
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, NotImplementedError) as e:  # NotImplementedError: no dir_fd (Windows)
                 self.error = f"cannot write {self.path}: {e}"
             self.kept += n
         return n
@@ -264,14 +265,14 @@ def spool_files(paths: Iterable[str | os.PathLike], *, refused: Callable[[str], 
         p = p.expanduser()
         if p.name in ("", ".", ".."):  # "/", "." or "..": nothing to stop following; the folder as given
             try:
-                fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd = os.open(p, _AS_GIVEN)
             except OSError as e:
                 refused(f"{p}: {e.strerror or e}")
                 continue
             yield from _walk(fd, p, None, "", refused)
             continue
         try:
-            parent = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            parent = os.open(p.parent, _AS_GIVEN)
         except OSError as e:
             refused(f"{p}: {e.strerror or e}")
             continue

@@ -261,6 +261,9 @@ class RolloutStat(_Wire):
                                            "vectors")
     logprob_slope: float | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
                                         "1 when they agree, 1/T when the sampler alone divides by temperature T")
+    fit_residual_rms: float | None = Field(None, description="root mean square of what the least-squares line "
+                                           "(logprob_slope) leaves of the rollout's logprobs: near 0 when a "
+                                           "temperature on one side explains the mismatch, near rms when it does not")
     seq_abs_mean_max: float | None = Field(None, description="the worst sequence's mean |Δlogp|")
     outlier_sequences: Count = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the median "
                                      "sequence's in their batch (and 0.05)")

@@ -301,6 +301,36 @@ def _rollout_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
+#: rollout workers ``nanwatch status`` lists by name (the lagging and failing ones first); the rest are counted
+_WORKERS_SHOWN = 8
+_WORKER_ORDER = {"mismatch": 0, "unverifiable": 1, "waiting": 2, "verified": 3}
+
+
+def _weight_sync_lines(r: dict[str, Any]) -> list[str]:
+    """The run's weight syncs (the collector's ``weight_sync``): the latest published version, and per rollout
+    worker its latest outcome, what it last posted and verified, and its lag."""
+    ws = r.get("weight_sync")
+    if not ws:
+        return []
+    workers = ws.get("workers") or {}
+    latest = ws.get("latest_published")
+    counts = {k: sum(w["outcome"] == k for w in workers.values()) for k in _WORKER_ORDER}
+    lagging = sum(bool(w.get("lag")) for w in workers.values())
+    out = [f"  weight sync: latest published {'v' + str(latest) if latest is not None else 'none yet'}; "
+           f"{len(workers)} rollout workers: {counts['verified']} verified, {counts['mismatch']} mismatched, "
+           f"{counts['unverifiable']} dtype or shape differs, {lagging} lagging"]
+    order = sorted(workers.items(), key=lambda kv: (-(kv[1].get("lag") or 0), _WORKER_ORDER.get(kv[1]["outcome"], 4),
+                                                    kv[0]))
+    for name, w in order[:_WORKERS_SHOWN]:
+        word = {"unverifiable": "dtype or shape differs"}.get(w["outcome"], w["outcome"])
+        verified = f"v{w['latest_verified']}" if w.get("latest_verified") is not None else "none"
+        lag = f"; LAGS {w['lag']} versions" if w.get("lag") else ""
+        out.append(f"    worker {name}: {word}, posted v{w['latest_posted']}, verified {verified}{lag}")
+    if len(order) > _WORKERS_SHOWN:
+        out.append(f"    ... and {len(order) - _WORKERS_SHOWN} more workers")
+    return out
+
+
 def _spike_lines(r: dict[str, Any]) -> list[str]:
     """The run's spike steps by site kind and its latest spikes (wire 1.9): precursors, not incidents."""
     totals, latest = r.get("spikes_total") or {}, r.get("latest_spikes") or []
@@ -334,6 +364,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
     out += _rollout_lines(r)
+    out += _weight_sync_lines(r)
     out += _spike_lines(r)
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
     stages = {"train": 0, "eval": 1, "generate": 2}

@@ -34,6 +34,12 @@ whatever the tensor's size), with one int32 multiply and one sum per word and la
 against one AdamW step in docs/benchmarks.md (``nanwatch bench``). The values are read to the host once
 per call (one sync): publishing weights to a rollout engine syncs anyway.
 
+Dtypes: the value is of the bits, so a bf16 copy of fp32 weights has other values than the fp32 ones. The
+returned ``Fingerprints`` is a ``dict`` that also carries each tensor's dtype and shape, which
+``post_weights`` sends; the trainer's ``publish_weights`` adds ``casts``: the fingerprints of its floating
+tensors as cast to each rollout dtype the way a loader casts (``.to(dtype)``, round-to-nearest-even), so
+the collector compares a bf16 copy with the trainer's bf16 cast (docs/weight_sync.md).
+
 Sharded parameters (DTensor, FSDP2): a shard is not the tensor, so by default a DTensor is refused (a
 ``ValueError`` naming it); ``gather=True`` fingerprints ``full_tensor()``, a collective that every rank
 must call, in the same order, and that materialises each full tensor in turn on every rank.
@@ -46,7 +52,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "fingerprint", "fingerprint_rows", "fingerprint_sums", "multipliers"]
+__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "Fingerprints", "fingerprint", "fingerprint_casts", "fingerprint_rows",
+           "fingerprint_sums", "multipliers"]
 
 #: the 32-bit words of one block (one position multiplier each): part of the definition
 BLOCK = 1 << 16
@@ -171,21 +178,60 @@ def _local(name: str, t: torch.Tensor, gather: bool) -> torch.Tensor:
     return t
 
 
-def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = False,
-                chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict[str, str]:
-    """The weight fingerprint of every tensor of a module's ``state_dict()`` or of a state dict: name ->
-    32 hex digits (module docstring). Non-tensor entries are skipped. The sums are computed on each
-    tensor's device; the values are read to the host once, at the end (one sync per call). ``gather``:
-    fingerprint sharded parameters (DTensor) whole, a collective every rank must join."""
+class Fingerprints(dict[str, str]):
+    """``nanwatch.fingerprint``'s answer: name -> 32 hex digits, a plain ``dict`` to every reader, that also
+    carries each tensor's ``dtypes`` (torch's name: ``bfloat16``) and ``shapes``, so that the collector can
+    compare a tensor with the trainer's cast to the same dtype, and name a dtype or shape no cast explains."""
+
+    def __init__(self, values: dict[str, str], dtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
+        super().__init__(values)
+        self.dtypes, self.shapes = dtypes, shapes
+
+
+def _values(items: Iterable[tuple[str, torch.Tensor]], chunk_elements: int,
+            seen: dict[str, tuple[str, list[int]]] | None = None) -> dict[str, str]:
+    """Each tensor's value; the tensors are taken one at a time (a gathered or cast tensor is freed before
+    the next is made) and the host read happens once per device the tensors are on. ``seen``: filled with
+    each tensor's dtype and shape, when given."""
     names, metas, by_device = [], [], {}
-    for name, t in _tensors(obj):
-        full = _local(name, t, gather)
+    for name, t in items:
         names.append(name)
-        metas.append(_meta(full))
-        by_device.setdefault(full.device, []).append((len(names) - 1, fingerprint_sums(full, chunk_elements=chunk_elements)))
+        metas.append(_meta(t))
+        if seen is not None:
+            seen[name] = (_dtype(t), list(t.shape))
+        by_device.setdefault(t.device, []).append((len(names) - 1, fingerprint_sums(t, chunk_elements=chunk_elements)))
     values: list[list[int]] = [[]] * len(names)
-    for found in by_device.values():  # the host read: once per device the tensors are on
+    for found in by_device.values():
         for (i, _), lane_sums in zip(found, torch.stack([s for _, s in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
             values[i] = lane_sums
     return {name: "".join(f"{(s + m) & _M64:016x}" for s, m in zip(lane_sums, meta, strict=True))
             for name, lane_sums, meta in zip(names, values, metas, strict=True)}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = False,
+                chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Fingerprints:
+    """The weight fingerprint of every tensor of a module's ``state_dict()`` or of a state dict: name ->
+    32 hex digits (module docstring), with each tensor's dtype and shape (``Fingerprints``). Non-tensor
+    entries are skipped. The sums are computed on each tensor's device; the values are read to the host
+    once, at the end (one sync per call). ``gather``: fingerprint sharded parameters (DTensor) whole, a
+    collective every rank must join."""
+    seen: dict[str, tuple[str, list[int]]] = {}
+    values = _values(((name, _local(name, t, gather)) for name, t in _tensors(obj)), chunk_elements, seen)
+    return Fingerprints(values, {n: d for n, (d, _) in seen.items()}, {n: shape for n, (_, shape) in seen.items()})
+
+
+def fingerprint_casts(obj: torch.nn.Module | Mapping[str, object], dtypes: Iterable[torch.dtype], *,
+                      gather: bool = False, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict[str, dict[str, str]]:
+    """Per dtype: the fingerprints of the floating tensors of another floating dtype, as cast to it the way a
+    loader casts (``t.to(dtype)``, round-to-nearest-even); what a rollout copy in that dtype holds after a
+    right sync. One cast tensor at a time is alive; one host read per dtype and device."""
+    out = {}
+    for dtype in dict.fromkeys(dtypes):
+        cast = ((n, t.detach().to(dtype)) for n, t in ((n, _local(n, t, gather)) for n, t in _tensors(obj))
+                if t.is_floating_point() and t.dtype != dtype)
+        out[str(dtype).removeprefix("torch.")] = _values(cast, chunk_elements)
+    return out

@@ -44,7 +44,7 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     import torch
 
     import nanwatch
-    from nanwatch.hooks.measure.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS, fingerprint_casts
+    from nanwatch.hooks.measure.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS, fingerprint_with_casts
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -56,8 +56,7 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     state = {f"w{i}": w for i, w in enumerate(weights)}
     opts = {"adamw": torch.optim.AdamW(weights, lr=1e-6), "adamw_fused": torch.optim.AdamW(weights, lr=1e-6, fused=True)}
     arms = {"fingerprint": lambda: nanwatch.fingerprint(state, chunk_elements=chunk),
-            "publish": lambda: (nanwatch.fingerprint(state, chunk_elements=chunk),
-                                fingerprint_casts(state, [torch.bfloat16], chunk_elements=chunk)),
+            "publish": lambda: fingerprint_with_casts(state, [torch.bfloat16], chunk_elements=chunk),
             "adamw": opts["adamw"].step, "adamw_fused": opts["adamw_fused"].step}
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     with torch.no_grad():

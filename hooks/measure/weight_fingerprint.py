@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "Fingerprints", "fingerprint", "fingerprint_casts", "fingerprint_rows",
-           "fingerprint_sums", "multipliers"]
+           "fingerprint_sums", "fingerprint_with_casts", "multipliers"]
 
 #: the 32-bit words of one block (one position multiplier each): part of the definition
 BLOCK = 1 << 16
@@ -188,28 +189,57 @@ class Fingerprints(dict[str, str]):
         self.dtypes, self.shapes = dtypes, shapes
 
 
-def _values(items: Iterable[tuple[str, torch.Tensor]], chunk_elements: int,
-            seen: dict[str, tuple[str, list[int]]] | None = None) -> dict[str, str]:
-    """Each tensor's value; the tensors are taken one at a time (a gathered or cast tensor is freed before
-    the next is made) and the host read happens once per device the tensors are on. ``seen``: filled with
-    each tensor's dtype and shape, when given."""
-    names, metas, by_device = [], [], {}
-    for name, t in items:
-        names.append(name)
-        metas.append(_meta(t))
-        if seen is not None:
-            seen[name] = (_dtype(t), list(t.shape))
-        by_device.setdefault(t.device, []).append((len(names) - 1, fingerprint_sums(t, chunk_elements=chunk_elements)))
-    values: list[list[int]] = [[]] * len(names)
+class _Entry(NamedTuple):
+    group: str
+    """``""``: the tensor itself; else the dtype it was cast to."""
+    name: str
+    meta: tuple[int, int]
+    sums: torch.Tensor
+
+
+def _entry(group: str, name: str, t: torch.Tensor, chunk_elements: int) -> _Entry:
+    return _Entry(group, name, _meta(t), fingerprint_sums(t, chunk_elements=chunk_elements))
+
+
+def _read(entries: list[_Entry]) -> dict[str, dict[str, str]]:
+    """The values by group and name; the host read happens once per device the sums are on."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, e in enumerate(entries):
+        by_device.setdefault(e.sums.device, []).append(i)
+    lanes: list[list[int]] = [[]] * len(entries)
     for found in by_device.values():
-        for (i, _), lane_sums in zip(found, torch.stack([s for _, s in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
-            values[i] = lane_sums
-    return {name: "".join(f"{(s + m) & _M64:016x}" for s, m in zip(lane_sums, meta, strict=True))
-            for name, lane_sums, meta in zip(names, values, metas, strict=True)}
+        for i, lane_sums in zip(found, torch.stack([entries[i].sums for i in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
+            lanes[i] = lane_sums
+    out: dict[str, dict[str, str]] = {}
+    for e, lane_sums in zip(entries, lanes, strict=True):
+        out.setdefault(e.group, {})[e.name] = "".join(f"{(s + m) & _M64:016x}" for s, m in
+                                                     zip(lane_sums, e.meta, strict=True))
+    return out
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def fingerprint_with_casts(obj: torch.nn.Module | Mapping[str, object], dtypes: Iterable[torch.dtype], *,
+                           gather: bool = False,
+                           chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[Fingerprints, dict[str, dict[str, str]]]:
+    """``fingerprint(obj)`` and, per dtype, the fingerprints of the floating tensors of another dtype as cast
+    to it the way a loader casts (``t.to(dtype)``, round-to-nearest-even; ``load_state_dict`` into a model of
+    that dtype copies the same bits): what a rollout copy in that dtype holds after a right sync. One pass over
+    the tensors (a sharded one is gathered once), one cast tensor alive at a time, one host read per device."""
+    wanted = list(dict.fromkeys(dtypes))
+    entries, dtype_of, shapes = [], {}, {}
+    for name, t in _tensors(obj):
+        full = _local(name, t, gather).detach()
+        dtype_of[name], shapes[name] = _dtype(full), list(full.shape)
+        entries.append(_entry("", name, full, chunk_elements))
+        for d in wanted:
+            if full.is_floating_point() and full.dtype != d:
+                entries.append(_entry(str(d).removeprefix("torch."), name, full.to(d), chunk_elements))
+    values = _read(entries)
+    return (Fingerprints(values.get("", {}), dtype_of, shapes),
+            {str(d).removeprefix("torch."): values.get(str(d).removeprefix("torch."), {}) for d in wanted})
 
 
 def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = False,
@@ -219,19 +249,10 @@ def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = F
     entries are skipped. The sums are computed on each tensor's device; the values are read to the host
     once, at the end (one sync per call). ``gather``: fingerprint sharded parameters (DTensor) whole, a
     collective every rank must join."""
-    seen: dict[str, tuple[str, list[int]]] = {}
-    values = _values(((name, _local(name, t, gather)) for name, t in _tensors(obj)), chunk_elements, seen)
-    return Fingerprints(values, {n: d for n, (d, _) in seen.items()}, {n: shape for n, (_, shape) in seen.items()})
+    return fingerprint_with_casts(obj, (), gather=gather, chunk_elements=chunk_elements)[0]
 
 
 def fingerprint_casts(obj: torch.nn.Module | Mapping[str, object], dtypes: Iterable[torch.dtype], *,
                       gather: bool = False, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict[str, dict[str, str]]:
-    """Per dtype: the fingerprints of the floating tensors of another floating dtype, as cast to it the way a
-    loader casts (``t.to(dtype)``, round-to-nearest-even); what a rollout copy in that dtype holds after a
-    right sync. One cast tensor at a time is alive; one host read per dtype and device."""
-    out = {}
-    for dtype in dict.fromkeys(dtypes):
-        cast = ((n, t.detach().to(dtype)) for n, t in ((n, _local(n, t, gather)) for n, t in _tensors(obj))
-                if t.is_floating_point() and t.dtype != dtype)
-        out[str(dtype).removeprefix("torch.")] = _values(cast, chunk_elements)
-    return out
+    """Per dtype, the casts' fingerprints alone (``fingerprint_with_casts``)."""
+    return fingerprint_with_casts(obj, dtypes, gather=gather, chunk_elements=chunk_elements)[1]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.measure.weight_fingerprint import fingerprint, fingerprint_casts
+from nanwatch.hooks.measure.weight_fingerprint import fingerprint_with_casts
 from nanwatch.weight_sync import post_weights
 
 __all__ = ["publish_weights"]
@@ -48,8 +48,7 @@ def publish_weights(config: MonitorConfig, weights: torch.nn.Module | Mapping[st
                   for d in (dtypes if dtypes is not None else (config.rollout_dtype,))]
         if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in wanted):
             raise ValueError(f"dtypes must name floating torch dtypes, got {list(dtypes or ())!r}")
-        fps = fingerprint(weights, gather=gather)
-        casts = fingerprint_casts(weights, wanted, gather=gather)
+        fps, casts = fingerprint_with_casts(weights, wanted, gather=gather)
     except Exception as exc:
         warn(f"publish_weights: could not fingerprint weight version {version}: {type(exc).__name__}: {exc}")
         return None

@@ -5,8 +5,9 @@ comparison finds (``nanwatch.monitor.write.weight_compare``).
 
 * **Bound to the run's ranks.** A trainer set carries the incarnation of the rank that posts the run's
   reports (``Monitor.publish_weights`` sends it). It is compared only once that incarnation is the run's
-  (rank 0's or the job poster's latest view): until then it waits as a *candidate* (a trainer that publishes
-  before its first report reached the collector), at most ``MAX_CANDIDATES`` a version. A set without an
+  (rank 0's or the job poster's latest view, or the incarnation the run's latest set was bound to, while
+  its rank view has expired in a long phase without reports): until then it waits as a *candidate* (a
+  trainer that publishes before its first report reached the collector), at most ``MAX_CANDIDATES`` a version. A set without an
   incarnation is refused (403): a rollout worker cannot post ``side=trainer``, and a made-up incarnation
   never binds, so the real trainer's set is still taken.
 * **Whichever side arrives second compares** (a bound trainer set and a rollout set). Dtype-aware: the verdict
@@ -70,6 +71,9 @@ class _Run:
     workers: dict[str, WorkerSync] = field(default_factory=dict)
     #: bound (published) versions and when they were bound, the newest last
     published: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    #: the incarnation the latest set was bound to: still the run's trainer while its rank view has expired
+    #: (a long rollout phase without reports), until another incarnation's set binds
+    trainer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +134,12 @@ class WeightSyncs:
         for version, v in (run.versions.items() if run is not None else ()):
             if v.trainer is not None or not v.candidates:
                 continue
-            inc = next((i for i in v.candidates if i in incarnations), None)
+            inc = next((i for i in v.candidates if i in incarnations), None)  # the reporting one first
+            if inc is None and run.trainer in v.candidates:
+                inc = run.trainer
             if inc is None:
                 continue
-            v.trainer, v.candidates, v.published = v.candidates[inc], {}, now
+            v.trainer, v.candidates, v.published, run.trainer = v.candidates[inc], {}, now, inc
             run.published[version] = now
             run.published.move_to_end(version)
             while len(run.published) > _PUBLISHED:
@@ -255,7 +261,7 @@ class WeightSyncs:
                                              v.received, v.published)) for k, v in run.versions.items()),
                     {k: WorkerSync(w.first_posted, w.latest_posted, w.latest_verified, w.outcome, w.lagging,
                                    w.expired_told) for k, w in run.workers.items()},
-                    OrderedDict(run.published))
+                    OrderedDict(run.published), run.trainer)
 
     def restore(self, run_id: str, saved: _Run | None) -> None:
         if saved is None:

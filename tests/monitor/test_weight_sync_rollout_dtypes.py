@@ -203,3 +203,19 @@ def test_dtype_and_shape_differences_are_named_not_counted_as_failed_syncs():
     # a client that sends no dtypes (a plain dict): other bits are a mismatch, as before
     plain = compare("w", trainer, side_set(WeightFingerprints(side="rollout", fingerprints=dict(odd))))
     assert plain.outcome == "mismatch" and plain.differing_count == 2
+
+
+def test_a_trainer_whose_rank_view_expired_still_binds_and_the_reporting_incarnation_wins():
+    syncs = WeightSyncs()
+    kept = {v: side_set(WeightFingerprints(side="trainer", fingerprints=_fps(v), incarnation="a")) for v in range(3)}
+    syncs.trainer("r", 0, "a", kept[0], 0.0)
+    assert syncs.bind("r", set(), 0.0) == [] and syncs.summary("r")["latest_published"] is None  # never reported
+    syncs.bind("r", {"a"}, 0.0)
+    syncs.trainer("r", 1, "a", kept[1], 1.0)  # a long rollout phase: rank 0's view expired meanwhile
+    syncs.bind("r", set(), 1.0)
+    assert syncs.summary("r")["latest_published"] == 1
+    # a restart: the new incarnation's set is the one taken, not a set posted under the old one
+    syncs.trainer("r", 2, "a", kept[1], 2.0)
+    syncs.trainer("r", 2, "b", kept[2], 2.0)
+    syncs.bind("r", {"b"}, 2.0)
+    assert syncs.runs["r"].versions[2].trainer is kept[2]

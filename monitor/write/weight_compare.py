@@ -117,23 +117,23 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
     syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
 
     def write() -> list[Any]:
-        now = wall = time.time()
+        now = time.time()
         run = ledger.state.ensure_run(run_id)
         run.touched = time.monotonic()
         for fam in _COUNTED.values():  # the series exist from the first set on
             if (fam.key, ()) not in run.counters:
                 _count(ledger, run, fam, 0)
-        bound = syncs.bind(run_id, _incarnations(run), wall)  # a trainer set that waited for its report
+        bound = syncs.bind(run_id, _incarnations(run), now)  # a trainer set that waited for its report
         if body.side == "trainer":
-            syncs.trainer(run_id, version, body.incarnation, kept, wall)
-            bound += syncs.bind(run_id, _incarnations(run), wall)
+            syncs.trainer(run_id, version, body.incarnation, kept, now)
+            bound += syncs.bind(run_id, _incarnations(run), now)
             answer, counted = [v for ver, v in bound if ver == version], bound
         else:
-            verdict, new = syncs.rollout(run_id, version, body.worker, kept, wall)
+            verdict, new = syncs.rollout(run_id, version, body.worker, kept, now)
             answer = [verdict] if verdict is not None else []
             counted = bound + ([(version, verdict)] if new else [])
         _verdicts(ledger, run, now, counted)
-        _after(ledger, run, wall)
+        _after(ledger, run, now)
         ledger.store.touch({run_id}, now)
         return answer
 

@@ -263,7 +263,8 @@ class Monitor(OldDirectivesName):
         casts to (default ``MonitorConfig.rollout_dtype``), so a bf16 (fp16, fp8) copy verifies. Returns the
         fingerprints (None if none were made)."""
         return publish_weights(self.config, self._model() if weights is None else weights, version, rank=self.rank,
-                               warn=self._warn_once, incarnation=self.incarnation, gather=gather, dtypes=dtypes)
+                               warn=self._warn_once, incarnation=self.incarnation, gather=gather, dtypes=dtypes,
+                               note=self._flow.published)
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
              old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,

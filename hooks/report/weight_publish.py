@@ -32,12 +32,13 @@ __all__ = ["publish_weights"]
 
 def publish_weights(config: MonitorConfig, weights: torch.nn.Module | Mapping[str, object] | None, version: int, *,
                     rank: int, warn: Callable[[str], None], incarnation: str, gather: bool = False,
-                    dtypes: Sequence[str | torch.dtype] | None = None,
-                    timeout_s: float = 10.0) -> dict[str, str] | None:
+                    dtypes: Sequence[str | torch.dtype] | None = None, timeout_s: float = 10.0,
+                    note: Callable[[int, list[str]], None] | None = None) -> dict[str, str] | None:
     """Fingerprint ``weights``, natively and as cast to each of ``dtypes`` (default: the config's
     ``rollout_dtype``), and post them as the trainer's set of ``version`` with ``incarnation`` (rank 0 posts;
     with ``gather``, every rank joins the gathering of sharded tensors first). Returns the native
-    fingerprints on the rank that computed them, else None; warns instead of raising."""
+    fingerprints on the rank that computed them, else None; warns instead of raising. ``note``: told the
+    version and the cast dtypes once rank 0 fingerprinted them (the Monitor's local record)."""
     if weights is None:
         warn("publish_weights: the model was garbage-collected; nothing published")
         return None
@@ -54,6 +55,8 @@ def publish_weights(config: MonitorConfig, weights: torch.nn.Module | Mapping[st
         return None
     if rank != 0:
         return fps
+    if note is not None:
+        note(version, list(casts))
     if config.collector is None:
         warn("publish_weights: no collector configured: weight fingerprints are not compared")
         return fps

@@ -18,7 +18,9 @@ constants ``NaN``/``Infinity``, as on the wire). The end of a file says how its 
 normal close's last line is the final report (``"final": true``, as sent to the collector); any other close
 (a step raised, the interpreter went down on an exception) writes a closing record
 ``{"nanwatch_log": "closed", ...}`` instead, so that a reader tells a run that ended from one that went
-silent, and never finds both. One file per
+silent, and never finds both. ``Monitor.publish_weights`` adds ``{"nanwatch_log": "weights_published",
+"version": ..., "dtypes": [...]}`` lines (the training thread writes them, under the writer's lock), which
+``nanwatch status --file`` shows as the latest published weight version. One file per
 run, rank and incarnation, ``<log_dir>/<run_id>.rank<rank>.<incarnation>.jsonl``, size-rotated by the
 standard library's ``RotatingFileHandler`` (``.1`` is the newest backup). A folder that cannot be written
 is warned about once and the run carries on without the file.

@@ -97,7 +97,7 @@ class Monitor(OldDirectivesName):
                                 on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.max_pending_reports)
-        self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window)
+        self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window, warn=warn)
         # closed in reverse order: (pushed at attach) the remedies' hooks, every probe and patch, the final
         # report; then the reporter and its sender, then the capsules still being written
         self._stack, self._timeout = contextlib.ExitStack(), CloseTimeout()

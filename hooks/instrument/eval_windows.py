@@ -64,8 +64,10 @@ class EvalWindows:
     """
 
     def __init__(self, rec: Recorder, *, hand_over: Callable[[int, str | None], None],
-                 new_window: Callable[[], None]) -> None:
+                 new_window: Callable[[], None], warn: Callable[[str], None] | None = None) -> None:
+        """``warn``: told (once, it is a ``WarnOnce``) when training forwards run before any step was opened."""
         self._rec = rec
+        self._warn = warn
         self._hand_over = hand_over
         self._new_window = new_window
         self._step: int | None = None  # the open window's step (None: no window)
@@ -121,6 +123,10 @@ class EvalWindows:
             self.begin(None, implicit=True)
         elif stage != "eval" and self._implicit and self._step is not None:
             self.end(active=True)
+        if stage == "train" and self.last_step is None and self._warn is not None:
+            self._warn("a training forward ran outside `with mon.step(n):` and no step has been opened yet: "
+                       "no report is sent until one is (what ran is charged to the first step). Wrap each training "
+                       "step in `with mon.step(n):`, or use an integration's callback")
 
     def mark_raised(self, kind: str) -> bool:
         """The open window raised ``kind`` (the first one kept); False when no window is open."""

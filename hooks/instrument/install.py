@@ -144,6 +144,23 @@ def _head(model: torch.nn.Module, cfg: MonitorConfig) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Module) else None
 
 
+def _fallback_sites(model: torch.nn.Module, probes: Probes, hooks: ModuleHooks, hook) -> None:
+    """A model with no attention module, no logits head and no decoder block (a plain ``nn.Sequential`` MLP):
+    nothing recognised would see a non-finite value, and the weight guard would let the step through. Its
+    output (both passes), the direct parts of a root ``nn.Sequential`` (the module of birth), and every
+    parameter's gradient, every step, are read instead; said once, at attach."""
+    fqns = probes.fqns
+    parts = [(fqns[id(m)], m) for m in model.children()] if isinstance(model, torch.nn.Sequential) else []
+    for site, mod in [*parts, (fqns[id(model)], model)]:
+        hook(mod.register_forward_hook(partial(hooks.output_hook, site, "module"), always_call=True))
+        probes.mark_coarse(mod, site, "module")  # an SDPA call it makes itself is then ``<site>.sdpa``
+    hooks.every_param_grad = True
+    warnings.warn(f"nanwatch: no attention module, logits head or decoder block found in {type(model).__name__}: "
+                  f"detecting non-finite values at its output{' and its ' + str(len(parts)) + ' parts' if parts else ''} "
+                  "(forward and backward) and at every parameter's gradient instead. Pass is_attention= to name "
+                  "attention modules, or mon.watch(name, tensor) for any other tensor.", RuntimeWarning, stacklevel=6)
+
+
 def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
                directive_state: DirectiveState, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
     """The Probes of one Monitor on ``model`` (the user's, inside any wrapper): its module names and output
@@ -181,20 +198,24 @@ def _register(model, outer, cfg: MonitorConfig, probes: Probes, hook) -> None:
     signature = inspect.signature(model.forward) if cfg.fingerprint else None
     hooks = ModuleHooks(probes, forward_signature=signature)
     attn = attention_modules(model, fqns, cfg.is_attention)
-    if not attn:
-        warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, *DeltaNet); SDPA "
-                      "calls are still caught, eager attention is not. Pass is_attention= to name your attention "
-                      "modules.", RuntimeWarning, stacklevel=5)
     for name, mod in attn:
         hook(mod.register_forward_pre_hook(partial(hooks.attn_pre, name)))
         hook(mod.register_forward_hook(hooks.attn_post, always_call=True))
     if head_name is not None:
         hook(head.register_forward_hook(partial(hooks.output_hook, head_name, "logits"), always_call=True))
+    coarse = []
     if cfg.coarse:
         skip = {id(m) for _, m in attn} | ({id(head)} if head_name is not None else set())
-        for site, kind, mod in coarse_sites(model, fqns, skip):
+        coarse = coarse_sites(model, fqns, skip)
+        for site, kind, mod in coarse:
             hook(mod.register_forward_hook(partial(hooks.output_hook, site, kind), always_call=True))
             probes.mark_coarse(mod, site, kind)
+    if cfg.coarse and not attn and head_name is None and not coarse:
+        _fallback_sites(model, probes, hooks, hook)
+    elif not attn:
+        warnings.warn("nanwatch: no attention module found by class name (*Attention, *Attn, *DeltaNet); SDPA "
+                      "calls are still caught, eager attention is not. Pass is_attention= to name your attention "
+                      "modules.", RuntimeWarning, stacklevel=5)
     hook(model.register_forward_pre_hook(hooks.root_pre, with_kwargs=True))
     hook(model.register_forward_hook(hooks.root_post, with_kwargs=True))
     if cfg.fingerprint:

@@ -37,6 +37,9 @@ class ModuleHooks:
         self._probes = probes
         self._signature = forward_signature
         self._head_seen = False  # the logits head's own hook ran in the current forward
+        #: read every parameter's gradient every step, not only after compiled code: a model with no attention,
+        #: logits or block site has nothing else that sees a value born in backward (``install``'s fallback)
+        self.every_param_grad = False
 
     # ---- attention modules -----------------------------------------------------------------------
     def attn_pre(self, name: str, module, args) -> None:
@@ -128,9 +131,9 @@ class ModuleHooks:
             self.output_hook(p.head, "logits", module, args, output)
 
     def param_grad(self, name: str, grad: torch.Tensor) -> None:
-        """A parameter's gradient (its hook runs outside any compiled graph). Measured only in steps
-        where compiled code ran, when the activations could not be."""
+        """A parameter's gradient (its hook runs outside any compiled graph). Measured in steps where compiled
+        code ran, when the activations could not be, and every step in a model with no other backward site."""
         p = self._probes
-        if not p.active or grad is None or not compiled.ran():
+        if not p.active or grad is None or not (self.every_param_grad or compiled.ran()):
             return
         contained(p.rec.tensor, name, "tensor", "backward", local_shard(grad), "train")

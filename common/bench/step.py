@@ -18,6 +18,9 @@ drift (thermal, allocator, other load) hits every variant alike:
   round; it keeps no handles, so its hooks are removed from the modules' hook dicts afterwards);
 * ``detect_anomaly``: ``torch.autograd.detect_anomaly()`` around forward+backward.
 
+The dtype is ``auto`` unless ``--dtype`` says otherwise (:func:`choose_dtype`, printed on the first line): bf16
+on CUDA and on a CPU with bf16 units, else fp32, so that the default run finishes in minutes on any CPU.
+
 Per-step times are reported as a ratio to bare and as added milliseconds; a round's figure is the mean of
 its steps (``steps`` a multiple of ``coarse_every``: the steps that read the coarse sites cost more than the
 others, which a median would hide). The numbers that

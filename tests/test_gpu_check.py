@@ -5,8 +5,8 @@ built from synthetic bench JSON (``nanwatch.bench.gpu_table``)."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

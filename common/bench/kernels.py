@@ -142,7 +142,7 @@ def _build(shape: Shape, layers: int, device: str, dtype: torch.dtype):
     return model, opt, ids
 
 
-class _NoMonitor:
+class _BareStep:
     """The bare step's ``mon``: its ``step`` does nothing, its ``rlhf`` takes the arguments and does nothing
     (so the feed's own op, the rollout logprobs' sum, is counted in both steps)."""
 
@@ -214,7 +214,7 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
     with meta_seams(device):
         model, opt, ids = _build(shape, layers, device, dtype)
         feed = rlhf_feed(1, shape.seq, device, mask=True)
-        bare_mon = _NoMonitor()
+        bare_mon = _BareStep()
         _steps(device, bare_mon, model, opt, ids, feed, (1, 2), attribute=False)  # AdamW's state, warm caches
         bare, flops = _steps(device, bare_mon, model, opt, ids, feed, (3,), attribute=False, flops=True)
         mon = nanwatch.attach(model, run_id="kernels", optimizer=opt, **(options or {}))

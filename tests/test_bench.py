@@ -374,19 +374,21 @@ def test_profile_arm_subset_and_bad_options(tmp_path, capsys):
     assert "nanwatch bench profile:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("flags", "device", "dtype"), [
-    ("fpu sse2 avx2 fma", "cpu", "fp32"),  # AVX2 only (the AMD EPYC where bf16 took 9.5 s a step): fp32
-    ("fpu avx2 avx512f avx512_bf16", "cpu", "bf16"),
-    ("fpu avx2 amx_bf16 amx_tile", "cpu", "bf16"),
-    ("fpu avx2 avx512_bf16x", "cpu", "fp32"),  # a whole flag, not a substring
-    ("", "cpu", "fp32"),  # no /proc/cpuinfo (not Linux): the safe choice
-    ("fpu avx2", "cuda", "bf16"),
+@pytest.mark.parametrize(("flags", "capability", "device", "dtype"), [
+    ("fpu sse2 avx2 fma", "AVX2", "cpu", "fp32"),  # AVX2 only (the AMD EPYC where bf16 took 9.5 s a step)
+    ("fpu avx2 avx512f avx512_bf16", "AVX512", "cpu", "bf16"),
+    ("fpu avx2 amx_bf16 amx_tile", "AVX512", "cpu", "bf16"),
+    ("fpu avx2 avx512f avx512_bf16", "AVX2", "cpu", "fp32"),  # ATEN_CPU_CAPABILITY=avx2: the units go unused
+    ("fpu avx2 avx512_bf16x", "AVX512", "cpu", "fp32"),  # a whole flag, not a substring
+    ("", "DEFAULT", "cpu", "fp32"),  # no /proc/cpuinfo (not Linux): the safe choice
+    ("fpu avx2", "AVX2", "cuda", "bf16"),
 ])
-def test_auto_dtype_is_bf16_only_where_the_device_runs_it_natively(flags, device, dtype):
-    chosen, why = bench.choose_dtype(device, cpu_flags=flags)
+def test_auto_dtype_is_bf16_only_where_the_device_runs_it_natively(flags, capability, device, dtype):
+    chosen, why = bench.choose_dtype(device, cpu_flags=flags, capability=capability)
     assert chosen == dtype and why.startswith(f"auto: {dtype}")
     if dtype == "fp32":
-        assert "no bf16 units" in why
+        assert "bf16 would be emulated" in why and ("no bf16 units" in why) == (
+            not {"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def test_an_explicit_dtype_is_kept_and_auto_is_resolved_at_construction():

@@ -13,7 +13,8 @@ What counts as what (a model of a CUDA device, the same on every device this run
   blocks whose time is in its bytes, not in its launches;
 * **bytes read** are, per kernel, the sum of ``numel * element_size`` over its distinct tensor inputs
   (lists too; an ``out=`` tensor is written, not read, and does not count; a broadcast view counts its
-  logical elements). Writes are not counted: a reduction writes little, and an elementwise op's writes
+  logical elements; a fill or a factory like ``new_zeros(t)`` reads nothing (:data:`WRITE_ONLY`), and
+  ``dst.copy_(src)`` reads ``src``). Writes are not counted: a reduction writes little, and an elementwise op's writes
   are about its reads;
 * a **host sync** is an op that makes the host wait for the device: ``_local_scalar_dense`` (``item()``,
   ``bool(t)``, ``tolist()`` of a device tensor), an op whose output shape depends on the data
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DATA_DEPENDENT", "NOT_KERNELS", "Counts", "OpCounter", "nanwatch_sources"]
+__all__ = ["DATA_DEPENDENT", "NOT_KERNELS", "WRITE_ONLY", "Counts", "OpCounter", "nanwatch_sources"]
 
 _aten = torch.ops.aten
 #: metadata and allocation ops: no device work (besides views, found from their schema)
@@ -55,12 +56,17 @@ NOT_KERNELS = frozenset({
     _aten.set_.source_Storage_storage_offset, _aten._reshape_alias.default, _aten.sym_size.int,
     _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default, _aten.is_same_size.default,
     _aten.new_empty.default, _aten.new_empty_strided.default, _aten.record_stream.default,
-    _aten._fused_sdp_choice.default,  # the SDPA selector: host logic, no device work
+    _aten._fused_sdp_choice.default, _aten.is_pinned.default,  # host queries: no device work
 })
 #: ops whose output shape depends on the values: the host must wait for them
 DATA_DEPENDENT = frozenset({
     "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
     "unique_consecutive", "unique_dim_consecutive", "bincount", "repeat_interleave",
+})
+#: ops that write a fresh or existing tensor without reading its values: no bytes read (a copy reads its source)
+WRITE_ONLY = frozenset({
+    "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "fill_", "zero_", "zeros", "ones", "full", "scalar_tensor", "arange", "rand", "randn", "randint",
 })
 _SYNC = _aten._local_scalar_dense.default
 _COPIES = (_aten.copy_.default, _aten._to_copy.default)
@@ -77,10 +83,10 @@ class Counts:
     """One tally: kernels launched, bytes they read, host syncs, and host-to-device copies (counted among
     the kernels; a copy from pageable memory in the step is a cost the design avoids)."""
 
-    kernels: int = 0
-    bytes: int = 0
-    syncs: int = 0
-    h2d: int = 0
+    kernels: float = 0  # float: a mean per step over a cadence's cycle
+    bytes: float = 0
+    syncs: float = 0
+    h2d: float = 0
 
     def add(self, other: Counts, scale: float = 1.0) -> None:
         self.kernels += other.kernels * scale
@@ -125,6 +131,17 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     visit(args)
     visit([v for k, v in kwargs.items() if k != "out"])
     return list(seen.values())
+
+
+def _on_host(args, kwargs) -> bool:
+    """Every tensor the op touches is on the CPU (a factory op: it makes one there)."""
+    tensors = _tensors(args, kwargs)
+    out = kwargs.get("out")
+    tensors += [out] if isinstance(out, torch.Tensor) else [t for t in out or () if isinstance(t, torch.Tensor)]
+    if tensors:
+        return all(t.device.type == "cpu" for t in tensors)
+    device = kwargs.get("device")
+    return device is None or torch.device(device).type == "cpu"
 
 
 class OpCounter(TorchDispatchMode):
@@ -176,9 +193,11 @@ class OpCounter(TorchDispatchMode):
     # ---- classification ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in NOT_KERNELS or _is_view(func):
+        if func in NOT_KERNELS or func.namespace == "profiler" or _is_view(func):  # record_function marks
             return func(*args, **kwargs)
         meta = self.device.type == "meta"
+        if func not in _COPIES and self.device.type != "cpu" and _on_host(args, kwargs):
+            return func(*args, **kwargs)  # host work beside a device model (a CPU scalar's item()): not counted
         if func is _SYNC:
             self._count(func, args, kwargs, kernel=False, sync=True)
             if meta and args[0].device.type == "meta":
@@ -226,8 +245,10 @@ class OpCounter(TorchDispatchMode):
 
     def _count(self, func, args, kwargs, *, kernel: bool, sync: bool, h2d: bool = False) -> None:
         c = Counts(kernels=int(kernel), syncs=int(sync), h2d=int(h2d))
-        if kernel:
-            c.bytes = sum(t.numel() * t.element_size() for t in _tensors(args, kwargs))
+        name = func.overloadpacket.__name__
+        if kernel and name not in WRITE_ONLY:
+            read = [args[1]] if func is _aten.copy_.default else _tensors(args, kwargs)
+            c.bytes = sum(t.numel() * t.element_size() for t in read)
         self.totals[self.phase].add(c)
         owner = self._owner() if self._dirs is not None else None
         if owner is not None:

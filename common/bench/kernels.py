@@ -15,7 +15,9 @@ phase, and its ops are also split by the nanwatch function that issued them.
 cadence. The small ones (at most 64 steps) are covered by windows of C consecutive steps, C their least
 common multiple; each larger one (e.g. ``exact_logit_every``) by one more window that holds one step it fires
 on, whose excess over the plain window is weighted by how often that step comes in the full cycle (the least
-common multiple of them all). The figure is a mean per step over the whole cycle.
+common multiple of them all). The figure is a mean per step over the whole cycle. Every window runs once
+uncounted first (a cadence's first firing allocates its slots: a cost once per run, not per cycle), then
+again one cycle later, counted.
 
 **Real shapes without the compute.** On ``--device meta`` (the default) the model is built on the meta device
 at the real width, so nothing is computed and nanwatch takes its accelerator branches. Layers are identical,
@@ -219,13 +221,18 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
         bare, flops = _steps(device, bare_mon, model, opt, ids, feed, (3,), attribute=False, flops=True)
         mon = nanwatch.attach(model, run_id="kernels", optimizer=opt, **(options or {}))
         try:
-            c = plan["window"]
-            _steps(device, mon, model, opt, ids, feed, range(1, c + 1), attribute=False)  # warm-up window
+            c, cycle = plan["window"], plan["cycle"]
+            # warm-up: a window of plain steps, then every window once (a cadence's first firing allocates its
+            # slots); then the same windows one cycle later, counted: the same step numbers modulo each cadence
+            _steps(device, mon, model, opt, ids, feed, range(1, c + 1), attribute=False)
+            for first, _, _ in plan["windows"]:
+                _steps(device, mon, model, opt, ids, feed, range(first, first + c), attribute=False)
             phases = {p: Counts() for p in PHASES}
             by_fn: dict[str, Counts] = {}
             cuda_syncs = None if bare.cuda_syncs is None else {p: 0.0 for p in PHASES}
             for first, weight, _ in plan["windows"]:
-                counter, _ = _steps(device, mon, model, opt, ids, feed, range(first, first + c), attribute=True)
+                counter, _ = _steps(device, mon, model, opt, ids, feed, range(first + cycle, first + cycle + c),
+                                    attribute=True)
                 for p in PHASES:
                     phases[p].add(counter.totals.get(p, Counts()), weight)
                 for k, v in counter.by_function.items():
@@ -277,7 +284,7 @@ def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", opt
 
 def _run(shapes, plan, *, device, dtype, options, log) -> dict:
     log(f"nanwatch bench kernels: {device}, {dtype}, options {options or 'none'}; cadences {plan['cadences']}: windows of {plan['window']} steps, "
-        f"cycle {plan['cycle']} steps ({len(plan['windows'])} counted windows + 1 warm-up)")
+        f"cycle {plan['cycle']} steps ({len(plan['windows'])} windows, each run once to warm up and once counted)")
     results = {"device": device, "dtype": str(dtype).removeprefix("torch."), "options": options or {},
                "torch": torch.__version__, "plan": {**plan, "windows": [list(w) for w in
                plan["windows"]]}, "shapes": {}}

@@ -156,19 +156,23 @@ def _cpu_flags() -> str:
         return ""
 
 
-def choose_dtype(device: str, *, cpu_flags: str | None = None) -> tuple[str, str]:
-    """``--dtype auto``: the dtype ``device`` runs natively, and why (one line). On CUDA bf16; on a CPU bf16
+def choose_dtype(device: str, *, cpu_flags: str | None = None, capability: str | None = None) -> tuple[str, str]:
+    """``--dtype auto``: the dtype ``device`` runs natively, and why (one line). On CUDA bf16. On a CPU bf16
     only where it has bf16 units (``avx512_bf16`` or ``amx_bf16`` among ``cpu_flags``, default the flags of
-    ``/proc/cpuinfo``), else fp32: without them bf16 is emulated (measured on an AVX2-only AMD EPYC: a bare
-    step of the bench model took 9.5 s in bf16 against 0.3 s in fp32, and a default run never finished)."""
+    ``/proc/cpuinfo``) and torch runs its AVX-512 kernels (``capability``, default
+    ``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2`` turns them off), else fp32:
+    without them bf16 is emulated (measured on an AVX2-only AMD EPYC: a bare step of the bench model took
+    9.5 s in bf16 against 0.3 s in fp32, and a default run never finished)."""
     if device == "cuda":
         return "bf16", "auto: bf16 on CUDA"
     flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
     units = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    if units:
-        return "bf16", f"auto: bf16, this CPU has bf16 units ({', '.join(units)})"
-    return "fp32", ("auto: fp32, this CPU has no bf16 units (no avx512_bf16 or amx_bf16 flag): bf16 would be "
-                    "emulated, ~30x slower a step; --dtype bf16 to run it anyway")
+    cap = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    if units and cap.upper().startswith("AVX512"):
+        return "bf16", f"auto: bf16, this CPU has bf16 units ({', '.join(units)}) and torch uses them ({cap})"
+    why = (f"its bf16 units ({', '.join(units)}) are unused by torch's {cap} kernels" if units
+           else "this CPU has no bf16 units (no avx512_bf16 or amx_bf16 flag)")
+    return "fp32", f"auto: fp32, {why}: bf16 would be emulated, ~30x slower a step; --dtype bf16 to run it anyway"
 
 
 @dataclass(slots=True)

@@ -88,7 +88,7 @@ SHAPES = {
 
 
 def cadence_plan(config=None) -> dict:
-    """The windows that cover every cadence of ``config`` (default: ``MonitorConfig()``'s defaults):
+    """The windows that cover every cadence of ``config`` (default: ``MonitorConfig``'s defaults):
     ``{"cadences", "window", "cycle", "windows": [(first_step, weight_per_step, label)]}``. The mean per step
     is ``sum(weight * window_total)`` over the windows (the plain window's weight makes the per-step mean of
     its C steps; each event window adds its excess over the plain one at its frequency in the cycle)."""
@@ -211,8 +211,9 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
     ``options``), by phase, nanwatch's ops by function, and the bare step's FLOPs."""
     import nanwatch
     from nanwatch.bench.step import rlhf_feed
+    from nanwatch.hooks.config import MonitorConfig
 
-    plan = plan or cadence_plan()
+    plan = plan or cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))
     with meta_seams(device):
         model, opt, ids = _build(shape, layers, device, dtype)
         feed = rlhf_feed(1, shape.seq, device, mask=True)
@@ -272,7 +273,9 @@ def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", opt
         log: Callable[[str], None] = print) -> dict:
     """Count every shape in ``shapes`` on ``device`` in ``dtype`` (bf16 or fp32), nanwatch attached with
     ``options`` (MonitorConfig fields) over its defaults; the results (see ``--json``)."""
-    plan = cadence_plan()
+    from nanwatch.hooks.config import MonitorConfig
+
+    plan = cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))  # the cadences of what is attached
     threads = torch.get_num_threads()
     if device != "cuda":
         torch.set_num_threads(1)  # counts do not depend on threads; on a shared CPU one thread is fastest

@@ -16,6 +16,8 @@ What counts as what (a model of a CUDA device, the same on every device this run
   logical elements; a fill or a factory like ``new_zeros(t)`` reads nothing (:data:`WRITE_ONLY`), and
   ``dst.copy_(src)`` reads ``src``). Writes are not counted: a reduction writes little, and an elementwise op's writes
   are about its reads;
+* beside a model on ``meta`` or CUDA, an op on CPU tensors alone is host work and is not counted (on the
+  ``cpu`` device the two cannot be told apart: everything counts);
 * a **host sync** is an op that makes the host wait for the device: ``_local_scalar_dense`` (``item()``,
   ``bool(t)``, ``tolist()`` of a device tensor), an op whose output shape depends on the data
   (:data:`DATA_DEPENDENT`), or a copy from the model's device to the CPU unless it is non-blocking into
@@ -229,6 +231,8 @@ class OpCounter(TorchDispatchMode):
             non_blocking = bool(kwargs.get("non_blocking", False))
         d2h = src.device.type != "cpu" and torch.device(dst_dev).type == "cpu"
         h2d = src.device.type == "cpu" and torch.device(dst_dev).type != "cpu"
+        if self.device.type != "cpu" and src.device.type == "cpu" and not h2d:
+            return func(*args, **kwargs)  # a host copy beside a device model: not device work
         if not d2h:
             self._count(func, args, kwargs, kernel=True, sync=False, h2d=h2d)
             return func(*args, **kwargs)

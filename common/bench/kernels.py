@@ -21,13 +21,14 @@ again one cycle later, counted.
 
 **Real shapes without the compute.** On ``--device meta`` (the default) the model is built on the meta device
 at the real width, so nothing is computed and nanwatch takes its accelerator branches. Layers are identical,
-so 2 and 4 layers are counted and every figure is extrapolated linearly to the real depth. Three seams make
-the meta device stand for a GPU; none changes nanwatch's code or what it launches:
-autocast is reported off for ``meta`` (torch has no autocast state for it); fused AdamW accepts ``meta``
-parameters; and the model's attention runs the flash kernel's meta implementation (a GPU's choice at these
-shapes; on meta, torch would take the math path with its fp32 upcast), which nanwatch's backend prediction is
-told too. ``--device cpu`` counts on real CPU tensors (small shapes only); ``--device cuda`` on real CUDA
-tensors, with ``torch.cuda.set_sync_debug_mode("warn")`` counting the syncs CUDA itself reports.
+so 2 and 4 layers are counted and every figure is extrapolated linearly to the real depth. The seams of
+:mod:`nanwatch.bench.kernel_seams` make the meta device stand for a GPU; none changes nanwatch's code or what
+it launches: autocast is reported off for ``meta`` (torch has no autocast state for it); fused AdamW accepts
+``meta`` parameters; and the model's attention runs the flash kernel's meta implementation (a GPU's choice at
+these shapes; on meta, torch would take the math path with its fp32 upcast), which nanwatch's backend
+prediction is told too. ``--device cpu`` counts on real CPU tensors (the tiny shape only); ``--device cuda``
+on real CUDA tensors, at the same counted depths (the 4-layer model of 8B width fits in about 25 GB), with
+``torch.cuda.set_sync_debug_mode("warn")`` counting the syncs CUDA itself reports beside the counter's.
 
 **Roofline (H100, bf16).** The bare step's time is its FLOPs (``torch.utils.flop_counter.FlopCounterMode``,
 which counts causal attention as full) at 45 % of 989 TFLOP/s; nanwatch's added time is its extra bytes at

@@ -196,3 +196,35 @@ def test_a_weight_sync_line_from_both_sources(tmp_path, capsys):
                                                      "1 mismatched, 0 dtype or shape differs, 0 lagging")
     assert _line(from_collector, "worker vllm-0:") == "worker vllm-0: mismatch, posted v1, verified v0"
     assert _line(from_file, "weight sync:").startswith("weight sync: latest published v1 (the trainer's record")
+
+
+def test_the_run_list_shows_rollout_and_replica_incidents(tmp_path, capsys):
+    """#36: `nanwatch status` listed a run whose replicas diverged, or whose rollout jumped, as if clean (no
+    non-finite value): the collector's run list names every kind of incident that pages; the local record
+    (which shows each run's detail) names them too."""
+    from nanwatch.hooks.report.transport import ReportSender
+    from nanwatch.wire import Incident, RolloutEvent
+
+    t = time.time()
+    records = [
+        StepReport(run_id="quietly-bad", incarnation="a", seq=0, step=5, time=t - 2,
+                   incident=Incident(cls="replica_divergence", step=5, ranks=[1], hosts=["gpu-7"], params=["w"])),
+        StepReport(run_id="quietly-bad", incarnation="a", seq=1, step=6, time=t - 1,
+                   rollout_events=[RolloutEvent(cause="jump", step=6, evidence="x", remedy="y")]),
+    ]
+    clean = StepReport(run_id="clean", incarnation="b", seq=0, step=6, time=t - 1)
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        sender = ReportSender(c.url)
+        for r in (*records, clean):
+            assert sender.submit(r)
+        assert sender.close(timeout_s=10) and sender.delivered == 3
+        assert main(["status", "--url", c.url]) == 0
+        listed = capsys.readouterr().out
+    line = _line(listed, "quietly-bad:")
+    assert "incidents 1 replica_divergence" in line and "rollout 1 jump" in line, line
+    assert "incidents" not in _line(listed, "clean:") and "rollout" not in _line(listed, "clean:")
+    _write(tmp_path / "quietly-bad.rank0.a.jsonl", *records)
+    assert main(["status", "--file", str(tmp_path / "quietly-bad.rank0.a.jsonl")]) == 0
+    detail = capsys.readouterr().out
+    assert "incident at step 5 on rank 0: class replica_divergence" in detail
+    assert "rollout mismatch at step 6 on rank 0: jump" in detail

@@ -288,11 +288,18 @@ def _headroom_line(by_kind: dict[str, float]) -> str:
 
 
 def render_summary(r: dict[str, Any]) -> str:
-    """One line for a run list."""
+    """One line for a run list: its state, and every kind of incident that pages (non-finite, by class, rollout
+    mismatches by cause, failed weight syncs), so a run that raised no NaN is not hidden among clean ones."""
     d = r.get("directive") or {}
-    return (f"{r['run_id']}: {lifecycle(r)}, {r['live_ranks']} live ranks, step {r['latest_step']}, "
+    line = (f"{r['run_id']}: {lifecycle(r)}, {r['live_ranks']} live ranks, step {r['latest_step']}, "
             f"{readable.visits(r['nonfinite_total'])}, {r.get('skipped_steps', 0):g} skipped steps, "
             f"directive v{d.get('version', 0)} {d.get('mode', 'none')}")
+    more = [f"incidents {', '.join(f'{n:g} {c}' for c, n in (r.get('incidents') or {}).items())}"
+            if r.get("incidents") else "",
+            f"rollout {', '.join(f'{n:g} {c}' for c, n in (r.get('rollout_events') or {}).items())}"
+            if r.get("rollout_events") else "",
+            f"{r['weight_sync_mismatches']:g} failed weight syncs" if r.get("weight_sync_mismatches") else ""]
+    return "; ".join([line, *(m for m in more if m)])
 
 
 def _rollout_lines(r: dict[str, Any]) -> list[str]:

@@ -209,6 +209,11 @@ class RunSummary(_Out):
     skipped_steps: float = Field(0, description="optimizer steps the weight guard skipped (the most any rank did)")
     directive: Directive
     first_offender: FirstOffender | None
+    incidents: dict[str, float] = Field(default_factory=dict, description="incidents by class (precision, "
+                                        "data_mask, not_reproducible, optimizer, replica_divergence, ...)")
+    rollout_events: dict[str, float] = Field(default_factory=dict, description="classified rollout mismatches "
+                                             "by cause (jump, drift, offset, outliers)")
+    weight_sync_mismatches: float = Field(0, description="weight syncs that failed verification")
 
 
 class RunList(_Out):

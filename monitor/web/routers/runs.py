@@ -63,7 +63,20 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         + run.counters.get((counters.JOB_SKIPPED.key, ()), 0.0),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
+        # what else pages: a run list that hid rollout and replica incidents sent the on-call to the wrong run
+        incidents=_by_label(run, counters.INCIDENT.key), rollout_events=_by_label(run, counters.ROLLOUT_EVENT.key),
+        weight_sync_mismatches=sum(v for (fam, _), v in run.counters.items()
+                                   if fam == counters.WEIGHT_SYNC_MISMATCHES.key),
     )
+
+
+def _by_label(run: RunState, family: str) -> dict[str, float]:
+    """A one-label counter family's run totals by label value (zeros left out)."""
+    out: dict[str, float] = {}
+    for (fam, labels), v in run.counters.items():
+        if fam == family and v and labels:
+            out[labels[0]] = out.get(labels[0], 0.0) + v
+    return dict(sorted(out.items()))
 
 
 @router.get("/v1/runs", response_model=RunList, response_class=ApiJSON, responses={**AUTH, **INVALID, **NOT_READY})

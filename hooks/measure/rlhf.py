@@ -82,6 +82,12 @@ def rlhf_probe(rec: Recorder, *, site: Callable[[str, str, torch.Tensor], None],
     return {**kept, "logprobs": logprobs, "rollout_logprobs": rollout, "mask": tensors.get("mask")}
 
 
+def _advantage_rows(rows: TokenRows, a: torch.Tensor, aok: torch.Tensor, one: torch.Tensor) -> None:
+    """Per-token advantages: their count, sum and sum of squares (a pooled std across ranks)."""
+    for name, value, times in (("adv_n", one, None), ("adv_sum", a, None), ("adv_sq", a, a)):
+        rows.sum(("rlhf", name), aok, value, times)
+
+
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                 old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None,
@@ -122,10 +128,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     rows.max(("rlhf", "neg_logprob_min"), ok, -lp)
     _policy_rows(rows, lp, ok, values, at, clip_eps=clip_eps, k3_ratio=kl_optimised == "k3_ratio")
     if "advantages" in at:
-        a = values[at["advantages"]]
-        aok = m & fin[at["advantages"]]
-        for name, value, times in (("adv_n", one, None), ("adv_sum", a, None), ("adv_sq", a, a)):
-            rows.sum(("rlhf", name), aok, value, times)
+        _advantage_rows(rows, values[at["advantages"]], m & fin[at["advantages"]], one)
     # compared only when aligned with the logprobs (``rlhf_probe`` drops one that is not), counted either way
     rollout = "rollout_logprobs" in at and given["rollout_logprobs"].shape == logprobs.shape
     if rollout:

@@ -137,9 +137,13 @@ def decode_rollout(get) -> RolloutStat | None:
     some = {k: (None if x[k] == -math.inf else x[k]) for k in _MAXES}
     n = v["n"]
     mean = (lambda key: v[key] / n) if n else (lambda key: None)  # noqa: E731
-    slope = None
+    slope = residual = None
     if n > 1 and (var_x := v["xx"] - v["x"] ** 2 / n) > 0:
-        slope = (v["xy"] - v["x"] * v["y"] / n) / var_x
+        cov = v["xy"] - v["x"] * v["y"] / n
+        slope = cov / var_x
+        # Σy² from the sums already kept: y = x − d, so Σy² = 2Σxy − Σx² + Σd²
+        var_y = 2 * v["xy"] - v["xx"] + v["sq"] - v["y"] ** 2 / n
+        residual = math.sqrt(max(0.0, var_y - cov * cov / var_x) / n)
 
     def ratio(log_ratio: float | None) -> float | None:
         return None if log_ratio is None else math.exp(min(log_ratio, 709.0))
@@ -153,4 +157,5 @@ def decode_rollout(get) -> RolloutStat | None:
         seq_ratio_min=ratio(None if some["neg_seq_min"] is None else -some["neg_seq_min"]),
         truncated_fraction=mean("trunc"),
         prob_correlation=_pearson(n, v["px"], v["py"], v["pxx"], v["pyy"], v["pxy"]) if n > 1 else None,
-        logprob_slope=slope, seq_abs_mean_max=some["seq_abs_max"], outlier_sequences=int(v["outliers"]))
+        logprob_slope=slope, fit_residual_rms=residual, seq_abs_mean_max=some["seq_abs_max"],
+        outlier_sequences=int(v["outliers"]))

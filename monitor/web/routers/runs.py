@@ -32,6 +32,8 @@ from nanwatch.monitor.web.schemas import (
     RunSummary,
     SdpaView,
     SpikeView,
+    WeightSyncView,
+    WorkerSyncView,
 )
 from nanwatch.run_status import run_status
 
@@ -61,7 +63,20 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         + run.counters.get((counters.JOB_SKIPPED.key, ()), 0.0),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
+        # what else pages: a run list that hid rollout and replica incidents sent the on-call to the wrong run
+        incidents=_by_label(run, counters.INCIDENT.key), rollout_events=_by_label(run, counters.ROLLOUT_EVENT.key),
+        weight_sync_mismatches=sum(v for (fam, _), v in run.counters.items()
+                                   if fam == counters.WEIGHT_SYNC_MISMATCHES.key),
     )
+
+
+def _by_label(run: RunState, family: str) -> dict[str, float]:
+    """A one-label counter family's run totals by label value (zeros left out)."""
+    out: dict[str, float] = {}
+    for (fam, labels), v in run.counters.items():
+        if fam == family and v and labels:
+            out[labels[0]] = out.get(labels[0], 0.0) + v
+    return dict(sorted(out.items()))
 
 
 @router.get("/v1/runs", response_model=RunList, response_class=ApiJSON, responses={**AUTH, **INVALID, **NOT_READY})
@@ -125,4 +140,14 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
                                            if fam == counters.SPIKE.key},
                              rollout=rollout_figures.latest(res.state, run, now),
                              rollout_nonfinite_total=run.counters.get((counters.ROLLOUT_NONFINITE.key, ()), 0),
-                             event_counts=dict(run.event_counts), events=events))
+                             weight_sync=_weight_sync(res, run), event_counts=dict(run.event_counts),
+                             events=events))
+
+
+def _weight_sync(res: Resources, run: RunState) -> WeightSyncView | None:
+    """The run's weight syncs: the latest published version, each worker's state and lag (in memory)."""
+    summary = res.ledger.weight_syncs.summary(run.run_id)
+    if summary is None:
+        return None
+    return WeightSyncView(latest_published=summary["latest_published"], workers={
+        k: WorkerSyncView(**w, lag=run.weight_lag.get(k, 0)) for k, w in summary["workers"].items()})

@@ -60,10 +60,12 @@ def test_the_counter_counts_kernels_bytes_and_syncs_as_documented():
 def test_the_plan_covers_every_cadence_of_the_defaults():
     plan = cadence_plan()
     defaults = MonitorConfig(run_id="x")
-    for name in ("exact_logit_every", "param_check_every"):
-        assert plan["cadences"][name] == getattr(defaults, name)
+    assert plan["cadences"]["exact_logit_every"] == defaults.exact_logit_every
+    assert "param_check_every" not in plan["cadences"]  # the sweep is off by default (#35)
+    # the optimizer check's cadence on an accelerator (None: resolved by the device; the bench models one)
+    assert plan["cadences"]["optimizer_check_every"] == 16 and defaults.optimizer_check_every is None
     c = plan["window"]
-    assert c % defaults.param_check_every == 0 and plan["cycle"] % defaults.exact_logit_every == 0
+    assert c % 16 == 0 and plan["cycle"] % defaults.exact_logit_every == 0
     starts = [w[0] for w in plan["windows"]]
     assert starts == sorted(starts) and starts[0] > c  # after a warm-up window, steps only go forward
     assert sum(w[1] for w in plan["windows"]) == pytest.approx(1 / c)  # a mean per step
@@ -95,12 +97,18 @@ def test_nanwatch_adds_no_host_sync_and_reads_each_site_about_once(cli_results):
 
 
 @pytest.mark.slow
-def test_the_meta_device_counts_what_the_cpu_counts_but_where_nanwatch_branches_on_the_device(cli_results):
-    # The CPU differs by design in two places: the differential rerun is on for a CPU model (it reads the
-    # step's flag: nonfinite_flag's kernels and one sync at the end; off here, as it is on meta, where the
-    # model is not on the CPU), and the optimizer check's largest-|x| runs one aminmax per tensor on the CPU
-    # and one foreach norm elsewhere. Everything else agrees, op for op.
-    cpu = count_shape(TINY, 2, device="cpu", dtype=torch.float32, options={**EVERY_SITE, "rerun": False})
+def test_the_meta_device_counts_what_the_cpu_counts_but_where_nanwatch_branches_on_the_device(cli_results,
+                                                                                            monkeypatch):
+    # The CPU differs by design in three places, made alike here: the differential rerun reads the step's
+    # flag at the step's end on a CPU model and defers it elsewhere (forced to defer here, as on meta); the
+    # optimizer check runs every step on the CPU and one step in 16 elsewhere (16 here too); and its
+    # largest-|x| runs one aminmax per tensor on the CPU and one foreach norm elsewhere. Everything else
+    # agrees, op for op.
+    from nanwatch.hooks.remedies import rerun as rerun_module
+
+    monkeypatch.setattr(rerun_module, "defers", lambda device: True)
+    cpu = count_shape(TINY, 2, device="cpu", dtype=torch.float32,
+                      options={**EVERY_SITE, "optimizer_check_every": 16})
     meta = cli_results["shapes"]["tiny"]  # the cli's run: meta, fp32, the same model and options
     for p in PHASES:
         cb, mb, ca, ma = cpu["bare"][p], meta["bare"][p], cpu["attached"][p], meta["attached"][p]

@@ -97,6 +97,10 @@ def cadence_plan(config=None) -> dict:
 
     config = config or MonitorConfig(run_id="kernels")
     cad = {f.name: getattr(config, f.name) for f in fields(config) if f.name.endswith("_every")}
+    if config.optimizer_check and config.optimizer_check_every is None:  # resolved by the device: the modelled
+        from nanwatch.hooks.remedies.step_remedies import ACCELERATOR_CHECK_EVERY  # accelerator's cadence
+
+        cad["optimizer_check_every"] = ACCELERATOR_CHECK_EVERY
     cad = {k: v for k, v in cad.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
     small = [v for v in cad.values() if v <= _LARGE]
     large = sorted({v for v in cad.values() if v > _LARGE})

@@ -90,8 +90,11 @@ class FlagsInFlight:
              unread_updates: bool, mode: str = "none") -> None:
         """Step ``step`` ends: its flag (a 0-d device tensor) starts for the host (device ops only)."""
         cuda = flag.device.type == "cuda"
-        host = self._pinned.pop() if self._pinned else torch.empty(1, dtype=torch.float32, pin_memory=cuda)
-        host.copy_(flag.reshape(1).to(torch.float32), non_blocking=cuda)
+        if flag.device.type == "meta":  # a model without values (nanwatch bench kernels): counted, never decided
+            host = torch.empty(1, dtype=torch.float32, device="meta")
+        else:
+            host = self._pinned.pop() if self._pinned else torch.empty(1, dtype=torch.float32, pin_memory=cuda)
+        host.copy_(flag.reshape(1).to(torch.float32), non_blocking=flag.device.type != "cpu")
         event = None
         if cuda:
             event = torch.cuda.Event()
@@ -111,6 +114,8 @@ class FlagsInFlight:
         the first flag still in flight (steps are decided in order). Never waits."""
         while self._flags and self.landed(self._flags[0]):
             flag = self._flags.popleft()
+            if flag.host.is_meta:
+                continue
             self._pinned.append(flag.host)
             if flag.host.tolist()[0] != 0:  # a host tensor whose copy landed: no sync
                 return flag

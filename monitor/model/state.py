@@ -374,6 +374,8 @@ class CollectorState:
         self.requests = RequestCounters()
         #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
         self.caps_hit: Counter[str] = Counter()
+        #: what /metrics renders left out or distrusted, by reason (``exporter.RENDER_ERRORS``; the renderer's)
+        self.render_errors: Counter[str] = Counter()
         #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
         #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
         self.exposed: set[tuple[str, str]] = set()

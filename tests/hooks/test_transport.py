@@ -242,7 +242,6 @@ def test_a_real_collector_holds_the_poll_so_the_poller_sends_one(tmp_path):
     """The collector's long-poll holds as documented (GET /v1/directives/{run}?wait=): the poller's first poll
     is still waiting there, and answered by the next directive at once."""
     import httpx
-
     from support import background_collector
 
     with background_collector(tmp_path) as srv:

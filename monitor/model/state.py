@@ -127,6 +127,8 @@ class Silent(NamedTuple):
 
     received: float
     seen: float
+    incarnation: str = ""
+    """The incarnation that went silent: only a final report of it ends the rank (#37 finding 6)."""
 
 
 #: event-key prefix of a rank's crash (``rank_crashed:<rank>:<incarnation>:<raised>``): read back at start-up
@@ -244,6 +246,19 @@ class RunState:
         self.silent.pop(rank, None)
         if self.job is not None and self.job.rank == rank:
             self.job = None
+
+    def incarnation_of(self, rank: int) -> str | None:
+        """The rank's current incarnation as the run knows it (held live or crashed, crashed after its view went,
+        hung), None for a rank it holds nothing of or that ended: only a final report carrying it may end the
+        rank (#37 finding 6: a blind final cleared a crash and muted NanwatchRunCrashed)."""
+        held = self.ranks.get(rank)
+        if held is not None:
+            return held.incarnation
+        crash = self.crashed.get(rank)
+        if crash is not None:
+            return crash.incarnation
+        silent = self.silent.get(rank)
+        return silent.incarnation or None if silent is not None else None
 
     def all_ended(self) -> bool:
         """Every rank the run holds ended normally: none held (live or not yet swept), hung or crashed."""
@@ -534,7 +549,7 @@ class CollectorState:
             for rank in expired:
                 st = run.ranks[rank]
                 if st.crashed is None and rank not in run.crashed:
-                    run.silent[rank] = Silent(st.received, st.seen)
+                    run.silent[rank] = Silent(st.received, st.seen, st.incarnation)
                 run.drop(rank)
             gone += len(expired)
             if run.silent:

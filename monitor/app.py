@@ -51,6 +51,8 @@ def _resources(settings: Settings) -> Resources:
     state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s,
+                           max_incarnations_per_namespace=settings.max_incarnations_per_namespace,
+                           max_events_per_namespace=settings.max_events_per_namespace,
                            hosts=HostCaps(per_run=settings.max_hosts_per_run,
                                           per_namespace=settings.max_hosts_per_namespace,
                                           namespace_of=tokens.namespace_of))

@@ -154,8 +154,9 @@ SERIES_DROPPED = MetricSpec(
     "Series not created because the run hit the per-run series cap.")
 CAPS_HIT = MetricSpec(
     "nanwatch_collector_caps_hit_total", "counter", ("cap",),
-    "Times a collector cap refused or dropped something: runs and incarnations (the request got "
-    "429), events and total_events (not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
+    "Times a collector cap refused or dropped something: runs, incarnations and "
+    "incarnations_per_namespace (the request got 429), events, events_per_namespace and total_events (not "
+    "recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
     "run, incarnation or rank got 429, or new series and events were not kept), hosts_per_run and "
     "hosts_per_namespace (a not-reproducible incident on a host beyond NANWATCH_MAX_HOSTS_* was not "
     "counted).")

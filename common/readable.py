@@ -88,17 +88,19 @@ def file_name(text: str, *, room: int = 196) -> str:
 
 #: the replay to run first, by incident class (``nanwatch replay CAPSULE ...`` options; the runbook's first step)
 REPLAY_TRY = {"precision": "--try same,fp32,math", "data_mask": "--try same,fp32",
-              "not_reproducible": "--device cuda --try same", "not_classified": "--try same,fp32,math",
+              "not_reproducible": "--try same", "not_classified": "--try same,fp32,math",
               "optimizer": "--try same"}
 
 
-def replay_command(inc: Mapping[str, Any]) -> str | None:
-    """The command that replays an incident's capsule (None without one); a not-reproducible incident's is
-    to be run on the host that saw it and on another (silent data corruption shows on one host only)."""
+def replay_command(inc: Mapping[str, Any], *, device: str | None = None) -> str | None:
+    """The command that replays an incident's capsule (None without one), on the kind of device the run used
+    (``device``: ``cuda`` adds ``--device cuda``; replay's default is the CPU); a not-reproducible incident's
+    is to be run on the host that saw it and on another (silent data corruption shows on one host only)."""
     capsule = inc.get("capsule")
     if not capsule:
         return None
-    return f"nanwatch replay {shlex.quote(printable(capsule))} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
+    on = f" --device {device}" if device and device != "cpu" else ""
+    return f"nanwatch replay {shlex.quote(printable(capsule))}{on} {REPLAY_TRY.get(inc.get('cls'), '--try same,fp32')}"
 
 
 def _divergence(inc: Mapping[str, Any]) -> list[str]:
@@ -136,7 +138,7 @@ def incident(inc: Mapping[str, Any]) -> str:
     note = inc.get("note")
     if note:
         parts.append(note)
-    command = replay_command(inc)
+    command = replay_command(inc, device=inc.get("device"))
     if command is not None:
         where = " on this host and on another" if inc.get("cls") == "not_reproducible" else ""
         parts.append(f"capsule {printable(inc['capsule'])}: replay with `{command}`{where}")

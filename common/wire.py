@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.12"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.13"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -68,7 +68,10 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.12"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                        1.10 Coverage.coarse_skipped (coarse sites one step in coarse_every)
 #                                        1.11 Coverage.coarse_skipped gone: every localising site is read every
 #                                             step (a rotation cost the module of birth for one-off faults)
-#                                        1.12 RolloutStat bounded (#37): finite figures, |dlogp| ones >= 0 and
+#                                        1.12 WeightFingerprints: dtypes and shapes (each side's), casts (the
+#                                             trainer's weights as a rollout loads them), incarnation (binds a
+#                                             trainer set to the run's reporting rank)
+#                                        1.13 RolloutStat bounded (#37): finite figures, |dlogp| ones >= 0 and
 #                                             <= MAX_ROLLOUT_FIGURE, fractions in [0, 1], the correlation in
 #                                             [-1, 1], counts <= MAX_ROLLOUT_COUNT (one rank's step)
 
@@ -262,7 +265,7 @@ class RolloutStat(_Wire):
     unmasked tokens where both are finite. Sums and maxima reduced exactly across ranks; ``abs_p99`` is read
     from a fixed log-spaced histogram (``nanwatch.hooks.measure.rollout``), within one bin (×1.33).
 
-    Every figure is computed over finite tokens, so it is finite (1.12): a non-finite, negative or out-of-range
+    Every figure is computed over finite tokens, so it is finite (1.13): a non-finite, negative or out-of-range
     figure is refused (422 naming the field), never combined with another rank's (#37, #36)."""
 
     tokens: _RolloutCount = Field(0, description="unmasked tokens where both logprobs are finite")
@@ -284,6 +287,10 @@ class RolloutStat(_Wire):
         None, description="Pearson correlation of the two token-probability vectors")
     logprob_slope: _Signed | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
                                           "1 when they agree, 1/T when the sampler alone divides by temperature T")
+    fit_residual_rms: _Magnitude | None = Field(None, description="root mean square of what the least-squares "
+                                                "line (logprob_slope) leaves of the rollout's logprobs: near 0 "
+                                                "when a temperature on one side explains the mismatch, near rms "
+                                                "when it does not")
     seq_abs_mean_max: _Magnitude | None = Field(None, description="the worst sequence's mean |Δlogp|")
     outlier_sequences: _RolloutCount = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the median "
                                              "sequence's in their batch (and 0.05)")
@@ -537,6 +544,10 @@ WEIGHT_FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
 #: The most tensors one side's weight fingerprints may name (a 671B MoE has ~92k; split a larger set by
 #: prefix into several workers' posts, or raise it here and on the collector together).
 MAX_WEIGHT_TENSORS = 131_072
+#: The dtypes a trainer set may carry casts to (``WeightFingerprints.casts``), and a shape's most dimensions.
+MAX_WEIGHT_CASTS = 4
+MAX_WEIGHT_DIMS = 16
+WeightFingerprint = Annotated[str, StringConstraints(pattern=WEIGHT_FINGERPRINT_PATTERN)]
 #: A tensor's name in a state dict: printable, bounded.
 TensorName = Annotated[str, StringConstraints(min_length=1, max_length=512,
                                               pattern=rf"^[^\x00-\x1f\x7f{_INVISIBLE}]+$")]
@@ -550,5 +561,17 @@ class WeightFingerprints(_Wire):
     side: Literal["trainer", "rollout"]
     worker: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)] = Field(
         "0", description="which rollout worker (its rank, host or name); the trainer's is ignored")
-    fingerprints: dict[TensorName, Annotated[str, StringConstraints(pattern=WEIGHT_FINGERPRINT_PATTERN)]] = Field(
+    fingerprints: dict[TensorName, WeightFingerprint] = Field(
         max_length=MAX_WEIGHT_TENSORS, description="tensor name -> its weight fingerprint")
+    dtypes: dict[TensorName, DtypeName] | None = Field(
+        None, max_length=MAX_WEIGHT_TENSORS, description="tensor name -> its dtype (1.12; ``nanwatch.fingerprint`` "
+        "carries them): lets the collector compare a bf16 copy with the trainer's bf16 cast, and name a dtype no "
+        "cast explains")
+    shapes: dict[TensorName, Annotated[list[Count], Field(max_length=MAX_WEIGHT_DIMS)]] | None = Field(
+        None, max_length=MAX_WEIGHT_TENSORS, description="tensor name -> its shape (1.12)")
+    casts: dict[DtypeName, dict[TensorName, WeightFingerprint]] | None = Field(
+        None, max_length=MAX_WEIGHT_CASTS, description="the trainer's only (1.12): dtype -> the fingerprints of its "
+        "floating tensors as cast to that dtype (``.to(dtype)``, round-to-nearest-even), as a rollout loads them")
+    incarnation: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")] | None = Field(
+        None, description="the trainer's only (1.12): the incarnation of the rank that posts the run's reports; "
+        "a trainer set without the run's is refused (a rollout worker cannot post side=trainer)")

@@ -12,7 +12,7 @@ import operator
 import sys
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -255,13 +255,16 @@ class Monitor(OldDirectivesName):
         return tensor
 
     def publish_weights(self, version: int, weights: torch.nn.Module | Mapping[str, Any] | None = None, *,
-                        gather: bool = False) -> dict[str, str] | None:
+                        gather: bool = False, dtypes: Sequence[str | torch.dtype] | None = None) -> dict[str, str] | None:
         """Post the weight fingerprints (``nanwatch.fingerprint``) of weight ``version`` as the trainer's, for
         the collector to compare with each rollout worker's; ``weights``: a module or state dict (default:
         the monitored model). One host read; a failure only warns. Under FSDP2 pass ``gather=True`` on
-        every rank (a collective); else rank 0 posts. Returns the fingerprints (None if none were made)."""
+        every rank (a collective); else rank 0 posts. ``dtypes``: the rollout copies' dtypes the set also carries
+        casts to (default ``MonitorConfig.rollout_dtype``), so a bf16 (fp16, fp8) copy verifies. Returns the
+        fingerprints (None if none were made)."""
         return publish_weights(self.config, self._model() if weights is None else weights, version, rank=self.rank,
-                               warn=self._warn_once, gather=gather)
+                               warn=self._warn_once, incarnation=self.incarnation, gather=gather, dtypes=dtypes,
+                               note=self._flow.published)
 
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
              old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,

@@ -36,6 +36,7 @@ from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.weight_compare import sweep_weights
 
 __all__ = ["create_app"]
 
@@ -61,7 +62,8 @@ def _resources(settings: Settings) -> Resources:
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
-                    max_events=settings.max_events)
+                    max_events=settings.max_events, weight_sync_wait_s=settings.weight_sync_wait_s,
+                    weight_sync_expire_s=settings.weight_sync_expire_s)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
                               on_left_out=lambda runs: _left_out_events(ledger, runs))
@@ -88,6 +90,7 @@ async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
         await asyncio.sleep(every_s)
         now = time.monotonic()
         res.ledger.sweep(now)
+        sweep_weights(res.ledger, time.time())
         await res.ledger.retire(now, retention_s)
 
 
@@ -128,7 +131,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         res = _resources(settings)
         app.state.resources = res
-        every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, 30.0))
+        every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, settings.weight_sync_wait_s / 4,
+                              30.0))
         sweeper = asyncio.create_task(_sweep(res, every, settings.run_retention_s))
         log.info("nanwatch collector ready: db=%s runs=%d", settings.db_path, len(res.state.runs))
         try:

@@ -78,6 +78,14 @@ class Settings(BaseSettings):
     """A rank silent past its TTL without a final report and without crashing (hung, or killed) keeps its
     last report time exported this long (``nanwatch_last_report_timestamp_seconds``), so the stale-rank
     alert keeps firing while it is hung; it goes at once if the rank reports again, and with the run."""
+    weight_sync_wait_s: Annotated[float, Field(gt=0)] = 120.0
+    """A rollout worker that posted nothing verified for a weight version this long after the trainer
+    published it lags (``nanwatch_weight_sync_lag_versions``, a ``weight_sync_lag`` event,
+    ``NanwatchWeightSyncLag``); two versions behind lags at once (docs/weight_sync.md)."""
+    weight_sync_expire_s: Annotated[float, Field(gt=0)] = 21_600.0
+    """A weight version is kept until every rollout worker the run knows compared with it (or moved past it),
+    at most this long (and 32 versions a run, those every worker is done with dropped first); one dropped
+    before a worker compared with it is a ``weight_sync_expired`` event naming the workers."""
     rank_late_s: Annotated[float, Field(gt=0)] = 90.0
     """Job mode: a rank known only through heartbeats has no per-rank series (a 65,536-rank job would
     otherwise export half a million); once it has been silent this long, its last report time is exported

@@ -45,7 +45,10 @@ def test_main_runs_every_variant_and_writes_json(tmp_path, capsys):
     assert floor["steps"] == 2 and floor["reads"] > 0 and floor["ms"] > 0
     assert results["nanwatch_added_vs_floor"] == pytest.approx(rows["nanwatch"]["paired_added_ms"] / floor["ms"])
     assert f"floor: one aminmax of each of the {floor['reads']} tensors" in printed
-    assert results["config"]["layers"] == 1 and results["config"]["dtype"] == "bf16"
+    # no --dtype: auto, the CPU's native choice, said up front
+    dtype, why = bench.choose_dtype("cpu")
+    assert results["config"]["layers"] == 1 and results["config"]["dtype"] == dtype
+    assert results["config"]["dtype_choice"] == why and printed.startswith(f"nanwatch bench: dtype {dtype} ({why})")
     assert "tiny Qwen3 (sdpa) 1 layers, hidden 32" in printed
     # the harness leaves nothing attached behind
     from nanwatch.hooks.instrument import patching
@@ -369,3 +372,28 @@ def test_profile_arm_subset_and_bad_options(tmp_path, capsys):
     assert profile.main([*tiny, "--arms", "nope"]) == 2
     assert profile.main([*tiny, "--layers", "0"]) == 2
     assert "nanwatch bench profile:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "capability", "device", "dtype"), [
+    ("fpu sse2 avx2 fma", "AVX2", "cpu", "fp32"),  # AVX2 only (the AMD EPYC where bf16 took 9.5 s a step)
+    ("fpu avx2 avx512f avx512_bf16", "AVX512", "cpu", "bf16"),
+    ("fpu avx2 amx_bf16 amx_tile", "AVX512", "cpu", "bf16"),
+    ("fpu avx2 avx512f avx512_bf16", "AVX2", "cpu", "fp32"),  # ATEN_CPU_CAPABILITY=avx2: the units go unused
+    ("fpu avx2 avx512_bf16x", "AVX512", "cpu", "fp32"),  # a whole flag, not a substring
+    ("", "DEFAULT", "cpu", "fp32"),  # no /proc/cpuinfo (not Linux): the safe choice
+    ("fpu avx2", "AVX2", "cuda", "bf16"),
+])
+def test_auto_dtype_is_bf16_only_where_the_device_runs_it_natively(flags, capability, device, dtype):
+    chosen, why = bench.choose_dtype(device, cpu_flags=flags, capability=capability)
+    assert chosen == dtype and why.startswith(f"auto: {dtype}")
+    if dtype == "fp32":
+        assert "bf16 would be emulated" in why and ("no bf16 units" in why) == (
+            not {"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def test_an_explicit_dtype_is_kept_and_auto_is_resolved_at_construction():
+    assert bench.BenchConfig(dtype="fp16").dtype == "fp16" and bench.BenchConfig(dtype="fp16").dtype_choice is None
+    auto = bench.BenchConfig()
+    assert auto.dtype in ("bf16", "fp32") and auto.dtype_choice.startswith("auto: ")
+    with pytest.raises(ValueError, match="or 'auto'"):
+        bench.BenchConfig(dtype="int8")

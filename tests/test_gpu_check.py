@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,14 @@ def test_the_table_has_one_row_per_run_with_its_ratios_or_why_not(tmp_path):
 def test_an_empty_manifest_still_writes_a_table(tmp_path):
     assert gpu_table.main([str(tmp_path / "missing.jsonl"), str(tmp_path / "out")]) == 0
     assert "(no bench runs)" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_it_counts_the_kernels_on_cuda_bounded_and_within_the_files_the_device_tool_returns():
+    text = SCRIPT.read_text()
+    (line,) = [ln for ln in text.splitlines() if "nanwatch.cli bench kernels --device cuda" in ln]
+    assert line.startswith("timeout ") and '--json "$OUT/kernels.json"' in line
+    assert '>"$OUT/kernels.txt"' in text
+    # its time counts against the benches' budget: it runs before the loop that checks GPU_CHECK_BUDGET_S
+    assert text.index("nanwatch.cli bench kernels --device cuda") < text.index('"$BUDGET_S"')
+    written = set(re.findall(r'\$OUT/([A-Za-z0-9_.-]+)', text)) | {"summary.txt", "summary.json"}  # gpu_table's
+    assert "kernels.txt" in written and len(written) <= 8, sorted(written)

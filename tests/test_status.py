@@ -160,3 +160,39 @@ def test_a_silent_rank_and_an_ended_one(tmp_path, capsys):
     assert "run quiet: live" in capsys.readouterr().out
     assert main(["status", "nope", "--file", str(tmp_path)]) == 1
     assert main(["status", "--file", str(tmp_path / "missing")]) == 2
+
+
+def test_a_weight_sync_line_from_both_sources(tmp_path, capsys):
+    """#36: the collector's view gives the latest published version and each rollout worker's outcome,
+    posted and verified versions and lag; the trainer's local record gives its side (the latest published)."""
+    import copy
+
+    from nanwatch.weight_sync import post_weights
+
+    model = tiny_qwen3("sdpa", vocab_size=64, hidden_size=32, intermediate_size=64, use_cache=False)
+    engine = copy.deepcopy(model).to(torch.bfloat16)  # a bf16 rollout copy, synced once
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanwatch.attach(model, run_id="synced", collector=c.url, optimizer=opt,
+                                 log_dir=str(tmp_path / "logs")) as mon:
+                for n in range(2):
+                    ids = token_ids(2, 16, seed=n, vocab=64)
+                    with mon.step(n):
+                        model(input_ids=ids, labels=ids).loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                    mon.last_report()
+                    if n == 0:
+                        engine.load_state_dict(model.state_dict())
+                    mon.publish_weights(n)
+                    post_weights(c.url, "synced", n, nanwatch.fingerprint(engine), worker="vllm-0")
+        assert main(["status", "synced", "--url", c.url]) == 0
+        from_collector = capsys.readouterr().out
+    assert main(["status", "--file", str(tmp_path / "logs")]) == 0
+    from_file = capsys.readouterr().out
+    assert _line(from_collector, "weight sync:") == ("weight sync: latest published v1; 1 rollout workers: 0 verified, "
+                                                     "1 mismatched, 0 dtype or shape differs, 0 lagging")
+    assert _line(from_collector, "worker vllm-0:") == "worker vllm-0: mismatch, posted v1, verified v0"
+    assert _line(from_file, "weight sync:").startswith("weight sync: latest published v1 (the trainer's record")

@@ -20,7 +20,10 @@
 * ``nanwatch bench replica [options]``: what the replica check costs a data-parallel step, per check and
   amortised at the default ``replica_check_every`` (:mod:`nanwatch.bench.replica`);
 * ``nanwatch bench profile [options]``: where nanwatch's added time per step goes, one arm per component
-  turned off, for bf16 and fp32 (:mod:`nanwatch.bench.profile`).
+  turned off, for bf16 and fp32 (:mod:`nanwatch.bench.profile`);
+* ``nanwatch bench kernels [options]``: what nanwatch adds to a step on the device, as counts (kernels
+  launched, bytes read, host syncs) by phase, at 1.7B- and 8B-shaped widths on the meta device, and what they
+  cost on an H100 by a roofline model (:mod:`nanwatch.bench.kernels`).
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
@@ -67,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import profile
 
         return profile.main(argv[1:])
+    if argv[:1] == ["kernels"]:
+        from nanwatch.bench import kernels
+
+        return kernels.main(argv[1:])
     if argv[:1] == ["replica"]:
         from nanwatch.bench import replica
 

@@ -4,9 +4,10 @@ of tensors costs, as a ratio to one AdamW step on the same tensors.
 The tensors are a transformer's shapes in fp32 (per layer: four ``[h, h]`` attention projections, three
 ``[4h, h]`` MLP matrices, two norms; plus an ``[8h, h]`` embedding), about ``--params`` elements in all.
 Arms, each timed once per round with the order rotating by round: ``fingerprint`` (every tensor, chunked,
-one host read at the end), ``adamw`` (torch's default AdamW implementation for the device, every tensor
+one host read at the end), ``publish`` (what ``Monitor.publish_weights`` computes before it posts: the
+fingerprint and the fingerprint of every tensor cast to bfloat16, the default ``rollout_dtype``), ``adamw`` (torch's default AdamW implementation for the device, every tensor
 with a gradient) and ``adamw_fused`` (``fused=True``). Reported: each arm's median and the fingerprint's
-ratio to each AdamW step from paired rounds (the median of each round's ratio). AdamW holds four copies
+ratio (and the publish's) to each AdamW step from paired rounds (the median of each round's ratio). AdamW holds four copies
 of the weights (weights, gradients, two moments: 16 bytes a parameter in fp32) plus its temporaries: size
 ``--params`` to the memory at hand (1e9 needs about 20 GB). The default is small (seconds).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 __all__ = ["ARMS", "main", "model_shapes", "run"]
 
-ARMS = ("fingerprint", "adamw", "adamw_fused")
+ARMS = ("fingerprint", "publish", "adamw", "adamw_fused")
 
 
 def model_shapes(params: int, hidden: int) -> list[tuple[int, ...]]:
@@ -43,7 +44,7 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     import torch
 
     import nanwatch
-    from nanwatch.hooks.measure.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS
+    from nanwatch.hooks.measure.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS, fingerprint_with_casts
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -55,6 +56,7 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     state = {f"w{i}": w for i, w in enumerate(weights)}
     opts = {"adamw": torch.optim.AdamW(weights, lr=1e-6), "adamw_fused": torch.optim.AdamW(weights, lr=1e-6, fused=True)}
     arms = {"fingerprint": lambda: nanwatch.fingerprint(state, chunk_elements=chunk),
+            "publish": lambda: fingerprint_with_casts(state, [torch.bfloat16], chunk_elements=chunk),
             "adamw": opts["adamw"].step, "adamw_fused": opts["adamw_fused"].step}
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     with torch.no_grad():
@@ -76,6 +78,10 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     for opt in ("adamw", "adamw_fused"):
         out[f"ratio_to_{opt}"] = statistics.median(
             f / a for f, a in zip(times["fingerprint"], times[opt], strict=True))
+        out[f"publish_ratio_to_{opt}"] = statistics.median(
+            f / a for f, a in zip(times["publish"], times[opt], strict=True))
+    out["publish_ratio_to_fingerprint"] = statistics.median(
+        p / f for p, f in zip(times["publish"], times["fingerprint"], strict=True))
     return out
 
 
@@ -86,6 +92,8 @@ def format_table(r: dict) -> str:
         lines.append(f"{name:<14} {r[f'{name}_s'] * 1e3:10.1f} ms")
     lines.append(f"fingerprint / adamw        x{r['ratio_to_adamw']:.3f} (paired by round)")
     lines.append(f"fingerprint / adamw_fused  x{r['ratio_to_adamw_fused']:.3f} (paired by round)")
+    lines.append(f"publish / adamw            x{r['publish_ratio_to_adamw']:.3f} (paired by round)")
+    lines.append(f"publish / fingerprint      x{r['publish_ratio_to_fingerprint']:.3f} (the bf16 casts' share)")
     return "\n".join(lines)
 
 

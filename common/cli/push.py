@@ -1,6 +1,12 @@
 """``nanwatch push --collector URL [DIR ...]``: send the reports a trainer could not deliver (kept on disk by
 its sender, ``nanwatch.hooks.report.spool``) to a collector, oldest first, and remove what it acknowledged
 (a file sent in part keeps only what is left; a file still being written by a running trainer is skipped).
+Never through a link, never unbounded (#37): the folders and files are opened as the spool's writer makes them
+(``nanwatch.hooks.report.spool.open_folder``, ``open_checked``: no link followed, a regular file of this user's,
+else skipped and named); a file over the writer's bound (``MAX_FILE_BYTES``, 64 MiB) is skipped and named
+unread, the others read line by line within it; the rest of a file sent in part goes to a new file push makes
+itself (``O_CREAT | O_EXCL``, in the same folder) that then replaces it (``os.replace``), so nothing planted
+beside it is ever written through.
 Light: no torch, no web stack. A second push (or a push of a copy) applies nothing twice: the collector
 recognises every report it already holds by ``(run, rank, incarnation, seq)`` and answers it as a duplicate.
 
@@ -13,12 +19,13 @@ Example usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 __all__ = ["PushResult", "add_parser", "push", "push_command"]
 
@@ -86,26 +93,29 @@ def push(paths: Iterable[str | os.PathLike], collector: str, *, token: str | Non
     http = KeepAliveHttp(collector, token, timeout_s)
     result = PushResult()
     try:
-        for path in spool_files(paths):
-            _push_file(http, path, result, out)
+        for found in spool_files(paths, refused=lambda why: result.problems.append(f"{why}; skipped")):
+            _push_file(http, found, result, out)
     finally:
         http.close()
     return result
 
 
-def _push_file(http, path: Path, result: PushResult, out: Callable[[str], object]) -> None:
-    from nanwatch.hooks.report.spool import lock_for_push
+def _push_file(http, found, result: PushResult, out: Callable[[str], object]) -> None:
+    from nanwatch.hooks.report.spool import Refused, lock_for_push, open_checked
 
+    path = found.path
     try:
-        f = open(path, "r+b")  # noqa: SIM115 - closed below
+        fd = open_checked(found.name, os.O_RDONLY, at=found.at, shown=str(path))
     except OSError as e:
-        result.problems.append(f"{path}: {e}")
+        result.problems.append(f"{e.strerror}; skipped" if isinstance(e, Refused) else f"{path}: {e.strerror or e}")
         return
-    with f:
+    with os.fdopen(fd, "rb") as f:  # the lock is held until the file is settled
         if not lock_for_push(f):
             result.problems.append(f"{path}: still being written by a running trainer; skipped")
             return
-        lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        lines = _lines(f, path, result)
+        if lines is None:
+            return
         sent, applied, dup, problem = _send_lines(http, lines)
         result.applied += applied
         result.duplicates += dup
@@ -115,17 +125,58 @@ def _push_file(http, path: Path, result: PushResult, out: Callable[[str], object
             result.problems.append(f"{path}: {problem}")
         out(f"{path}: {sent} of {len(lines)} sent ({applied} applied, {dup} already held)"
             + (f"; {len(left)} left: {problem}" if left else ""))
-        if not left:
-            path.unlink()
-            result.files_done += 1
-            try:
-                path.parent.rmdir()  # the run's folder, once empty
-            except OSError:
-                pass
-        elif sent:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(b"".join(ln + b"\n" for ln in left))
-            os.replace(tmp, path)
+        try:
+            if not left:
+                os.unlink(found.name, dir_fd=found.at)
+                result.files_done += 1
+            elif sent:
+                _replace(found.at, found.name, left)
+        except OSError as e:
+            result.problems.append(f"{path}: the {sent} lines sent could not be removed from it ({e}); a second "
+                                   "push sends them again, answered as duplicates")
+    if not left and found.parent is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(found.folder, dir_fd=found.parent)  # the run's folder, once empty
+
+
+def _lines(f, path, result: PushResult) -> list[bytes] | None:
+    """The file's non-blank lines, read one by one within the writer's bound; None (skipped, named) when the
+    file is over it: it is never read whole."""
+    from nanwatch.hooks.report.spool import MAX_FILE_BYTES
+
+    size = os.fstat(f.fileno()).st_size
+    over = (f"{path}: {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte bound ({MAX_FILE_BYTES >> 20} MiB) a spool "
+            "file has (not a trainer's); skipped, not read")
+    if size > MAX_FILE_BYTES:
+        result.problems.append(over)
+        return None
+    lines, budget = [], MAX_FILE_BYTES
+    while line := f.readline(budget + 1):
+        budget -= len(line)
+        if budget < 0:  # grew past the bound while read
+            result.problems.append(over)
+            return None
+        if line.strip():
+            lines.append(line.rstrip(b"\r\n"))
+    return lines
+
+
+def _replace(at: int, name: str, left: list[bytes]) -> None:
+    """``name`` (in the folder ``at``) holds only ``left`` afterwards: a new file that push itself makes (a
+    fresh name, ``O_EXCL``: never something planted) is written, synced, then renamed over it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # not *.jsonl: never taken for a spool file
+    fd = os.open(tmp, flags, 0o600, dir_fd=at)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(b"".join(ln + b"\n" for ln in left))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, name, src_dir_fd=at, dst_dir_fd=at)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=at)
+        raise
 
 
 def _send_lines(http, lines: list[bytes]) -> tuple[int, int, int, str | None]:

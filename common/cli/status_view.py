@@ -112,6 +112,7 @@ class _Run:
         self.ranks: dict[int, dict] = {}  # rank -> view of its latest incarnation
         self.ended: dict[tuple[int, str], float] = {}
         self.rollout_nonfinite = 0.0
+        self.latest_published: int | None = None
         self.spike_steps: dict[str, set[tuple[str, int]]] = {}  # site kind -> (stage, step): once per step
         self.latest_spikes: list[dict] = []
 
@@ -188,6 +189,12 @@ class _Run:
         if not self.latest_spikes or step >= self.latest_spikes[0]["step"]:
             self.latest_spikes = [dict(s, step=step, rank=rank) for s in r["spikes"][:8]]
 
+    def published(self, rec: dict) -> None:
+        """A ``weights_published`` record (``Monitor.publish_weights``): the trainer's side only."""
+        version = rec.get("version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            self.latest_published = max(self.latest_published if self.latest_published is not None else -1, version)
+
     def closed(self, rec: dict) -> None:
         self.ended[(int(rec.get("rank", 0)), str(rec.get("incarnation", "")))] = float(rec.get("time", 0.0))
 
@@ -217,7 +224,9 @@ class _Run:
             ranks=ranks, sdpa=[dict(backend=b, dtype=d, stage=s, calls=n) for (b, d, s), n in sorted(self.sdpa.items())],
             rollout=next((((v.get("rlhf") or {}).get("rollout")) for v in ranks if v["scope"] == "job"), None),
             rollout_nonfinite_total=self.rollout_nonfinite, event_counts={}, events=events,
-            spikes_total={k: len(v) for k, v in sorted(self.spike_steps.items())}, latest_spikes=self.latest_spikes)
+            spikes_total={k: len(v) for k, v in sorted(self.spike_steps.items())}, latest_spikes=self.latest_spikes,
+            weight_sync=None if self.latest_published is None else {"latest_published": self.latest_published,
+                                                                     "workers": None})
 
 
 def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
@@ -232,6 +241,8 @@ def fold(records: Iterable[dict[str, Any]], *, now: float | None = None,
         run = runs.get(run_id) or runs.setdefault(run_id, _Run(run_id))
         if rec.get("nanwatch_log") == "closed" or rec.get("final") is True:  # a final report: a normal end
             run.closed(rec)
+        elif rec.get("nanwatch_log") == "weights_published":
+            run.published(rec)
         elif "seq" in rec and "incarnation" in rec and str(rec.get("v", "1")).split(".")[0] == "1":
             run.report(rec)
     now = time.time() if now is None else now
@@ -301,6 +312,39 @@ def _rollout_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
+#: rollout workers ``nanwatch status`` lists by name (the lagging and failing ones first); the rest are counted
+_WORKERS_SHOWN = 8
+_WORKER_ORDER = {"mismatch": 0, "unverifiable": 1, "waiting": 2, "verified": 3}
+
+
+def _weight_sync_lines(r: dict[str, Any]) -> list[str]:
+    """The run's weight syncs (the collector's ``weight_sync``): the latest published version, and per rollout
+    worker its latest outcome, what it last posted and verified, and its lag."""
+    ws = r.get("weight_sync")
+    if not ws:
+        return []
+    latest = ws.get("latest_published")
+    if ws.get("workers") is None:  # a trainer's local record: its side alone
+        return [f"  weight sync: latest published v{latest} (the trainer's record: the rollout workers' verdicts "
+                "and lag are the collector's: `nanwatch status RUN --url URL`)"]
+    workers = ws["workers"]
+    counts = {k: sum(w["outcome"] == k for w in workers.values()) for k in _WORKER_ORDER}
+    lagging = sum(bool(w.get("lag")) for w in workers.values())
+    out = [f"  weight sync: latest published {'v' + str(latest) if latest is not None else 'none yet'}; "
+           f"{len(workers)} rollout workers: {counts['verified']} verified, {counts['mismatch']} mismatched, "
+           f"{counts['unverifiable']} dtype or shape differs, {lagging} lagging"]
+    order = sorted(workers.items(), key=lambda kv: (-(kv[1].get("lag") or 0), _WORKER_ORDER.get(kv[1]["outcome"], 4),
+                                                    kv[0]))
+    for name, w in order[:_WORKERS_SHOWN]:
+        word = {"unverifiable": "dtype or shape differs"}.get(w["outcome"], w["outcome"])
+        verified = f"v{w['latest_verified']}" if w.get("latest_verified") is not None else "none"
+        lag = f"; LAGS {w['lag']} versions" if w.get("lag") else ""
+        out.append(f"    worker {name}: {word}, posted v{w['latest_posted']}, verified {verified}{lag}")
+    if len(order) > _WORKERS_SHOWN:
+        out.append(f"    ... and {len(order) - _WORKERS_SHOWN} more workers")
+    return out
+
+
 def _spike_lines(r: dict[str, Any]) -> list[str]:
     """The run's spike steps by site kind and its latest spikes (wire 1.9): precursors, not incidents."""
     totals, latest = r.get("spikes_total") or {}, r.get("latest_spikes") or []
@@ -334,6 +378,7 @@ def render_detail(r: dict[str, Any], *, events: int = 20) -> list[str]:
         if e["kind"] == "incident":
             out.append(f"  incident at step {e['step']} on rank {e['rank']}: {readable.incident(e['detail'])}")
     out += _rollout_lines(r)
+    out += _weight_sync_lines(r)
     out += _spike_lines(r)
     out.append(f"  skipped steps: {r.get('skipped_steps', 0):g} (the weight guard kept them out of the weights)")
     stages = {"train": 0, "eval": 1, "generate": 2}

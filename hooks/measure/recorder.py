@@ -184,11 +184,16 @@ class Recorder:
         forwards.append(meta)
         return meta
 
-    def slot(self, key, value: torch.Tensor, *, how: str = "sum", many: bool = False) -> None:
+    def slot(self, key, value: torch.Tensor, *, how: str = "sum", many: bool = False,
+             at: torch.Tensor | None = None) -> None:
         """Add (``how="sum"``) or max (``"max"``) a 0-d device value into the slot ``key``: RLHF sums and
         counts, a forward's counts (``ForwardMeta.key``), the scaler's and the weight guard's flags. With
-        ``many``, ``key`` is a tuple of keys and ``value`` 1-D, one per key: consecutive slots, one device op."""
-        if many:
+        ``many``, ``key`` is a tuple of keys and ``value`` 1-D, one per key, in one device op: sums into slots
+        anywhere (``SlotBuffer.scatter_add``; with ``at``, ``value[i]`` into ``key[at[i]]``), maxima into
+        consecutive slots (``SlotBuffer.block``)."""
+        if many and how == "sum":
+            self.buf.scatter_add(key, _to(self.buf, value), at=None if at is None else _to(self.buf, at))
+        elif many:
             self.buf.block(how, key, _to(self.buf, value))
         elif how == "sum":
             self.buf.add(key, _to(self.buf, value))

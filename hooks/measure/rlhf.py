@@ -16,7 +16,16 @@ import torch
 
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.rollout import ROLLOUT_SLOTS, decode_rollout, record_rollout
+from nanwatch.hooks.measure.rollout import (
+    HIST_KEYS,
+    ROLLOUT_MAX_KEYS,
+    ROLLOUT_SLOTS,
+    decode_rollout,
+    histogram_bins,
+    rollout_rows,
+    rollout_sequences,
+)
+from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import RlhfStat
 
 __all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
@@ -26,6 +35,7 @@ RLHF_TENSORS = ("logprobs", "ref_logprobs", "old_logprobs", "advantages", "rollo
 _SUMS = ("tokens", "ratio_n", "clipped", "k1_sum", "k3_sum", "kl_n", "k3r_sum", "k3r_n", "adv_n", "adv_sum",
          "adv_sq")
 _MAXES = ("neg_logprob_min", "ratio_max", "k1_max", "k3_max")
+_MAX_KEYS = tuple(("rlhf", k) for k in _MAXES)
 #: Every slot ``decode_rlhf`` reads, as (kind, name): what a job report reduces across ranks (sums summed,
 #: maxima maxed) before decoding once, so its means are token-weighted and its std pooled exactly.
 RLHF_SLOTS: tuple[tuple[str, str], ...] = (
@@ -33,12 +43,9 @@ RLHF_SLOTS: tuple[tuple[str, str], ...] = (
     *(("max", k) for k in _MAXES), *ROLLOUT_SLOTS)
 
 
-def _count(rec: Recorder, name: str, x: torch.Tensor) -> None:
-    rec.slot(("rlhf", name), x.sum(dtype=rec.acc_dtype))
-
-
-def _where(ok: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
-    return torch.where(ok, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    # two kernels where ``torch.isfinite`` decomposes into four (== self, abs, != inf, and); NaN < inf is False
+    return x.abs() < math.inf
 
 
 #: ``record_rlhf``'s keyword arguments that ``Monitor.rlhf`` passes through.
@@ -75,6 +82,12 @@ def rlhf_probe(rec: Recorder, *, site: Callable[[str, str, torch.Tensor], None],
     return {**kept, "logprobs": logprobs, "rollout_logprobs": rollout, "mask": tensors.get("mask")}
 
 
+def _advantage_rows(rows: TokenRows, a: torch.Tensor, aok: torch.Tensor, one: torch.Tensor) -> None:
+    """Per-token advantages: their count, sum and sum of squares (a pooled std across ranks)."""
+    for name, value, times in (("adv_n", one, None), ("adv_sum", a, None), ("adv_sq", a, a)):
+        rows.sum(("rlhf", name), aok, value, times)
+
+
 def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                 old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None,
@@ -84,57 +97,128 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     GRPO default); it is reported as such, and ``k3_ratio`` is computed too. ``advantages`` may be per
     token (the mask's shape) or per sequence (``[B]``, as GRPO's are). ``rollout_logprobs``: the sampler's
     logprobs of the same tokens (``logprobs``' shape), compared by ``nanwatch.hooks.measure.rollout`` with
-    the truncation cap ``rollout_cap``."""
+    the truncation cap ``rollout_cap``.
+
+    Few kernels whatever was passed (``nanwatch.hooks.measure.token_rows``): the inputs stacked and checked
+    for finiteness at once, each figure a row, every sum row reduced by one ``sum`` and written by one
+    ``index_add_``, every maximum by one ``amax`` and one write; the rollout adds its elementwise ops, a pass
+    over its sequences and its histogram's ``index_add_``. 63 device ops with every argument, 18 for logprobs
+    and a mask (``tests/hooks/test_rlhf_kernels.py``; ~230 and 26 when each figure was its own reduction and
+    write). Only the slots of what was passed are written, as before: a non-finite count's slot existing is how
+    the decode knows the tensor was given."""
     if (advantages is not None and mask is not None and advantages.dim() == 1 and mask.dim() == 2
             and advantages.shape[0] == mask.shape[0]):
         advantages = advantages.unsqueeze(1).expand_as(mask)
     rec.mark_rlhf(kl_optimised)
-    lp = logprobs.detach().float()
-    m = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.detach().to(torch.bool)
-    tensors = {"logprobs": lp, "ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs,
-               "advantages": advantages, "rollout_logprobs": rollout_logprobs}
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        t = t.detach()
-        bad = ~torch.isfinite(t)
-        if t.shape == m.shape:
-            _count(rec, name, bad & m)
-            _count(rec, name + "_pad", bad & ~m)
-        else:
-            _count(rec, name, bad)
-    ok = m & torch.isfinite(lp)
-    _count(rec, "tokens", m)
-    if rollout_logprobs is not None and rollout_logprobs.shape == lp.shape:
-        record_rollout(rec, lp, rollout_logprobs, m, rollout_cap)
-    rec.slot(("rlhf", "neg_logprob_min"), _where(ok, -lp, -math.inf).amax(), how="max")
-    if old_logprobs is not None:
-        ratio = torch.exp(lp - old_logprobs.detach().float())
-        rok = ok & torch.isfinite(ratio)
-        _count(rec, "ratio_n", rok)
-        _count(rec, "clipped", rok & ((ratio - 1.0).abs() > clip_eps))
-        rec.slot(("rlhf", "ratio_max"), _where(rok, ratio, -math.inf).amax(), how="max")
-    if ref_logprobs is not None:
-        d = ref_logprobs.detach().float() - lp  # log(ref/policy)
-        k1 = -d
-        k3 = torch.exp(d) - d - 1.0
-        kok = ok & torch.isfinite(k3)
-        _count(rec, "kl_n", kok)
-        rec.slot(("rlhf", "k1_sum"), _where(kok, k1, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot(("rlhf", "k3_sum"), _where(kok, k3, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot(("rlhf", "k1_max"), _where(kok, k1, -math.inf).amax(), how="max")
-        rec.slot(("rlhf", "k3_max"), _where(kok, k3, -math.inf).amax(), how="max")
-        if kl_optimised == "k3_ratio":  # ratio 1 where there are no old logprobs (TRL: one iteration)
-            k3r = k3 if old_logprobs is None else k3 * ratio  # the ratio computed above
-            rok = kok & torch.isfinite(k3r)
-            _count(rec, "k3r_n", rok)
-            rec.slot(("rlhf", "k3r_sum"), _where(rok, k3r, 0.0).sum(dtype=rec.acc_dtype))
-    if advantages is not None:
-        a = advantages.detach().float()
-        aok = torch.isfinite(a) & (m if a.shape == m.shape else True)
-        _count(rec, "adv_n", aok)
-        rec.slot(("rlhf", "adv_sum"), _where(aok, a, 0.0).sum(dtype=rec.acc_dtype))
-        rec.slot(("rlhf", "adv_sq"), _where(aok, a * a, 0.0).sum(dtype=rec.acc_dtype))
+    acc = rec.acc_dtype
+    lp = logprobs.detach()
+    shape = lp.shape if mask is None else torch.broadcast_shapes(lp.shape, mask.shape)
+    rows = TokenRows(shape, lp.device)
+    m = rows.const(True) if mask is None else mask.detach().to(torch.bool).expand(shape)
+    # stacked in this order: old, policy and ref side by side, so both log-differences are one op (_policy_rows)
+    given = {name: t.detach() for name, t in (("old_logprobs", old_logprobs), ("logprobs", lp),
+                                              ("ref_logprobs", ref_logprobs), ("advantages", advantages),
+                                              ("rollout_logprobs", rollout_logprobs)) if t is not None}
+    apart = given.pop("advantages") if "advantages" in given and given["advantages"].shape != shape else None
+    values, fin, at = _inputs(rec, rows, given, m)
+    lp = values[at["logprobs"]]
+    ok = m & fin[at["logprobs"]]
+    one = rows.const(1, values.dtype)  # a count's value: every value row is float32, for one-copy stacks
+    rows.sum(("rlhf", "tokens"), m, one)
+    rows.max(("rlhf", "neg_logprob_min"), ok, -lp)
+    _policy_rows(rows, lp, ok, values, at, clip_eps=clip_eps, k3_ratio=kl_optimised == "k3_ratio")
+    if "advantages" in at:
+        _advantage_rows(rows, values[at["advantages"]], m & fin[at["advantages"]], one)
+    # compared only when aligned with the logprobs (``rlhf_probe`` drops one that is not), counted either way
+    rollout = "rollout_logprobs" in at and given["rollout_logprobs"].shape == logprobs.shape
+    if rollout:
+        both = ok & fin[at["rollout_logprobs"]]
+        rollout_rows(rows, lp, values[at["rollout_logprobs"]], both, acc=acc, cap=rollout_cap)
+        sequences = rollout_sequences(rows, rows.by_sequence(acc))
+        rec.slot(HIST_KEYS, rows.weighted(("rlhf", "ro_n")), many=True,
+                 at=histogram_bins(rows.weighted(("rlhf", "ro_abs"))))
+    keys, totals = rows.totals(acc)
+    rec.slot(keys, totals, many=True)
+    _, maxima = rows.maxima(acc)
+    rec.slot(_MAX_KEYS, maxima[: len(_MAX_KEYS)], how="max", many=True)
+    if rollout:  # the comparison's own block: its slots exist only once it was asked for
+        log_c = device_constant(math.log(rollout_cap), acc, lp.device).reshape(1)  # float64: the decode's cap
+        rec.slot(ROLLOUT_MAX_KEYS, torch.cat([maxima[len(_MAX_KEYS):], sequences, log_c]), how="max", many=True)
+    if apart is not None:
+        _advantages_apart(rec, apart)
+
+
+def _inputs(rec: Recorder, rows: TokenRows, given: dict[str, torch.Tensor], m: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """The per-token inputs stacked (one dtype, the widest given) and checked for finiteness at once, their
+    non-finite counts (inside the mask and in the padding) added as rows. Returns the stack as float32 (what
+    the figures read), its finiteness there, and each input's row."""
+    shape = rows.shape
+    at = {name: i for i, name in enumerate(given)}
+    stacked = torch.stack([t.expand(shape) for t in given.values()])
+    fin = _finite(stacked)
+    values = stacked.float()
+    bad = torch.logical_not(fin, out=torch.empty_like(values))  # float32 0/1, a value row
+    if values is not stacked:  # the figures read float32 (a float64 beyond its range is inf there)
+        fin = _finite(values)
+    not_m = ~m
+    for name, i in at.items():
+        if given[name].shape == shape:
+            rows.sum(("rlhf", name), m, bad[i])
+            rows.sum(("rlhf", name + "_pad"), not_m, bad[i])
+        else:  # broadcast to the tokens for the figures, counted over its own elements (no padding to tell)
+            rec.slot(("rlhf", name), (~_finite(given[name])).sum(dtype=rec.acc_dtype))
+    return values, fin, at
+
+
+def _policy_rows(rows: TokenRows, lp: torch.Tensor, ok: torch.Tensor, values: torch.Tensor, at: dict[str, int], *,
+                 clip_eps: float, k3_ratio: bool) -> None:
+    """The ratio's and the KL's rows. Their maxima always (a max row whose mask never holds writes -inf,
+    "unset", as an unwritten slot reads), so that the four are one block; their sums only when given."""
+    never, one = rows.const(False), rows.const(1, values.dtype)
+    i, old, ref = at["logprobs"], at.get("old_logprobs"), at.get("ref_logprobs")
+    if old is not None and ref is not None:  # stacked [old, policy, ref]: [lp − old, ref − lp], then both exps
+        diffs = values[i : i + 2] - values[i - 1 : i + 1]
+        (ratio, exp_d), d = torch.exp(diffs), diffs[1]
+    else:
+        ratio = None if old is None else torch.exp(lp - values[old])
+        d = None if ref is None else values[ref] - lp  # log(ref/policy)
+        exp_d = None if d is None else torch.exp(d)
+    # exp is >= 0 or NaN, so ``< inf`` is its finiteness in one op (``_finite`` takes two)
+    if ratio is not None:
+        rok = ok & (ratio < math.inf)
+        rows.sum(("rlhf", "ratio_n"), rok, one)
+        rows.sum(("rlhf", "clipped"), rok, torch.gt((ratio - 1.0).abs(), clip_eps, out=torch.empty_like(ratio)))
+        rows.max(("rlhf", "ratio_max"), rok, ratio)
+    else:
+        rows.max(("rlhf", "ratio_max"), never, lp)
+    if d is None:
+        rows.max(("rlhf", "k1_max"), never, lp)
+        rows.max(("rlhf", "k3_max"), never, lp)
+        return
+    k1 = -d
+    k3 = exp_d - d - 1.0
+    kok = ok & (k3 < math.inf)  # never -inf: exp(d) >= 0, and -d is -inf only where exp(d) is inf (NaN then)
+    for name, value in (("kl_n", one), ("k1_sum", k1), ("k3_sum", k3)):
+        rows.sum(("rlhf", name), kok, value)
+    rows.max(("rlhf", "k1_max"), kok, k1)
+    rows.max(("rlhf", "k3_max"), kok, k3)
+    if k3_ratio:  # ratio 1 where there are no old logprobs (TRL: one iteration)
+        k3r = k3 if ratio is None else k3 * ratio
+        rok = kok & _finite(k3r)
+        rows.sum(("rlhf", "k3r_n"), rok, one)
+        rows.sum(("rlhf", "k3r_sum"), rok, k3r)
+
+
+def _advantages_apart(rec: Recorder, a: torch.Tensor) -> None:
+    """Advantages that are not per token (per sequence with no 2-D mask to spread them over): counted and
+    summed over their own elements, unmasked."""
+    a = a.float()
+    aok = _finite(a)
+    rec.slot(("rlhf", "advantages"), (~aok).sum(dtype=rec.acc_dtype))
+    sums = torch.stack([aok, torch.where(aok, a, 0.0), torch.where(aok, a * a, 0.0)]).flatten(1)
+    rec.slot(tuple(("rlhf", k) for k in ("adv_n", "adv_sum", "adv_sq")), sums.sum(1, dtype=rec.acc_dtype),
+             many=True)
 
 
 def rlhf_slots(get) -> dict[tuple[str, str], float]:

@@ -5,13 +5,14 @@ compared on the device.
 are counted by ``record_rlhf``, never replaced). Everything is a sum or a maximum in the step's slot buffer, so
 several calls in a step accumulate and a job report reduces the slots exactly across ranks before decoding:
 
-* sums (one block, one device add): token and sequence counts; Σ Δ, Σ |Δ|, Σ Δ²; Σ k3 with
+* sums (rows of ``record_rlhf``'s, written with its other sums by one ``index_add_``): token and sequence
+  counts; Σ Δ, Σ |Δ|, Σ Δ²; Σ k3 with
   k3 = r − 1 − log r, r = exp(Δ) (the estimate of KL(rollout ‖ trainer) from tokens the rollout sampled, as
   verl's ``rollout_corr`` computes it); the truncated tokens (r outside [1/c, c]); the moments of the two
   token-probability vectors (for their Pearson correlation) and of the two logprob vectors (for the slope of
   rollout on trainer: 1/T when the sampler alone divides the logits by a temperature T); the outlier
-  sequences; and a histogram of |Δ| in :data:`EDGES` (for the 99th percentile);
-* maxima (one block): max |Δ|, the largest and smallest sequence log-ratio Σ Δ, the worst sequence's mean
+  sequences; and a histogram of |Δ| in :data:`EDGES` (for the 99th percentile; one ``index_add_`` by bin);
+* maxima (one block, one device op): max |Δ|, the largest and smallest sequence log-ratio Σ Δ, the worst sequence's mean
   |Δ|, and log c (so the decode knows the cap).
 
 The percentile is read from the histogram: 64 log-spaced bins from 1e-6 to 100, interpolated in log space
@@ -23,13 +24,15 @@ the maximum.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import MAX_ROLLOUT_COUNT, MAX_ROLLOUT_FIGURE, RolloutStat
 
-__all__ = ["EDGES", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_SLOTS", "decode_rollout", "record_rollout"]
+__all__ = ["EDGES", "HIST_KEYS", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_MAX_KEYS", "ROLLOUT_SLOTS",
+           "decode_rollout", "histogram_bins", "rollout_rows", "rollout_sequences"]
 
 #: |Δlogp| histogram edges: bin 0 is [0, 1e-6), bin i is [EDGES[i-1], EDGES[i]), the last bin [100, inf).
 _PER_DECADE = 8
@@ -45,50 +48,58 @@ _MAXES = ("abs_max", "seq_max", "neg_seq_min", "seq_abs_max", "log_cap")
 #: Every slot the comparison writes, as (kind, name), for ``RLHF_SLOTS`` (the job report's reduction).
 ROLLOUT_SLOTS: tuple[tuple[str, str], ...] = (*(("sum", "ro_" + k) for k in (*_SUMS, *_HIST)),
                                               *(("max", "ro_" + k) for k in _MAXES))
-_SUM_KEYS = tuple(("rlhf", "ro_" + k) for k in (*_SUMS, *_HIST))
-_MAX_KEYS = tuple(("rlhf", "ro_" + k) for k in _MAXES)
+#: The |Δ| histogram's slots, and the comparison's maxima (one block, in ``_MAXES`` order).
+HIST_KEYS = tuple(("rlhf", "ro_" + k) for k in _HIST)
+ROLLOUT_MAX_KEYS = tuple(("rlhf", "ro_" + k) for k in _MAXES)
 
 
-def record_rollout(rec: Recorder, lp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cap: float) -> None:
-    """Launch the comparison of ``lp`` (the trainer's logprobs, float32) with ``rollout`` over ``mask`` (bool,
-    ``lp``'s shape; ``[B, T]``: one row a sequence). Device ops only: two block writes into the slot buffer."""
-    if lp.dim() < 2:
-        lp, rollout, mask = lp.reshape(1, -1), rollout.reshape(1, -1), mask.reshape(1, -1)
-    acc = rec.acc_dtype
-    r = rollout.detach().to(lp.dtype)
-    ok = mask & torch.isfinite(lp) & torch.isfinite(r)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    x, y = torch.where(ok, lp, zero), torch.where(ok, r, zero)
-    d = x - y
+def rollout_rows(rows: TokenRows, lp: torch.Tensor, rollout: torch.Tensor, ok: torch.Tensor, *, acc: torch.dtype,
+                 cap: float) -> None:
+    """Add the comparison's token rows to ``rows`` (``record_rlhf``'s): ``lp`` the trainer's logprobs, ``rollout``
+    the sampler's (float32), ``ok`` the unmasked tokens where both are finite; every row is masked by ``ok``, so
+    the values need no masking of their own. Every row is float32, as the rows' stack must be one dtype to be one
+    copy on a GPU: Δ, |Δ| and the moments' factors as before (their products in the stack); k3 = expm1(Δ) − Δ is
+    taken in float64 (it cancels: in float32 it would lose the small Δ that matter), then rounded once."""
+    d = lp - rollout
     a = d.abs()
-    okf = ok.to(acc)
     d64 = d.to(acc)
-    k3 = torch.where(ok, torch.expm1(d64) - d64, 0.0)
-    log_c = math.log(cap)
-    px, py = torch.where(ok, torch.exp(x), zero), torch.where(ok, torch.exp(y), zero)
-    seq_n = okf.sum(1)
+    k3 = torch.sub(torch.expm1(d64), d64, out=torch.empty_like(d))
+    # |Δ| is exactly a float32, so it is compared with the float32 log c, as it always was
+    log_c = struct.unpack("f", struct.pack("f", math.log(cap)))[0]
+    trunc = torch.gt(a, log_c, out=torch.empty_like(d))
+    px, py = torch.exp(lp), torch.exp(rollout)
+    one = rows.const(1, d.dtype)
+    for name, value, times in (
+            ("n", one, None), ("d", d, None), ("abs", a, None), ("sq", d, d), ("k3", k3, None), ("trunc", trunc, None),
+            ("px", px, None), ("py", py, None), ("pxx", px, px), ("pyy", py, py), ("pxy", px, py),
+            ("x", lp, None), ("y", rollout, None), ("xx", lp, lp), ("xy", lp, rollout)):
+        rows.sum(("rlhf", "ro_" + name), ok, value, times)
+    rows.max(ROLLOUT_MAX_KEYS[0], ok, a)
+
+
+def rollout_sequences(rows: TokenRows, per_seq: torch.Tensor) -> torch.Tensor:
+    """The per-sequence figures, from ``per_seq`` (``rows.by_sequence``, float64): the sequence and outlier counts
+    as sequence sums (added up by ``rows.totals``); returns the sequence maxima in float64 (the largest and the
+    negated smallest log-ratio Σ Δ, which the decode exponentiates, then the worst sequence's mean |Δ|):
+    ``ROLLOUT_MAX_KEYS[1:4]``."""
+    seq_n, seq_d, seq_abs = (per_seq[rows.row(("rlhf", "ro_" + k))] for k in ("n", "d", "abs"))
     has = seq_n > 0
-    seq_d = d64.sum(1)
-    seq_abs = a.to(acc).sum(1) / seq_n.clamp(min=1.0)
-    typical = torch.where(has, seq_abs, math.nan).nanmedian()  # NaN when no sequence has a token: no outlier
-    outlier = has & (seq_abs > torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR))
-    # the bin by arithmetic, not searchsorted (10 ms for 400 values on a CPU): 8 bins a decade from 1e-6
-    index = ((torch.log10(a) + 6.0) * _PER_DECADE + 1.0).floor_().clamp_(0, len(EDGES)).long()
-    hist = torch.zeros(len(_HIST), dtype=acc, device=a.device).scatter_add_(0, index.reshape(-1), okf.reshape(-1))
+    seq_abs = seq_abs / seq_n  # NaN (0/0) for a sequence without tokens: left out of the median and the outliers
+    typical = seq_abs.nanmedian()  # NaN when no sequence has a token: no outlier
+    outlier = torch.gt(seq_abs, torch.clamp(OUTLIER_FACTOR * typical, min=OUTLIER_FLOOR), out=torch.empty_like(seq_n))
+    rows.sequence_sum(("rlhf", "ro_seqs"), torch.gt(seq_n, 0, out=torch.empty_like(seq_n)))
+    rows.sequence_sum(("rlhf", "ro_outliers"), outlier)
+    none = device_constant(-math.inf, seq_n.dtype, seq_n.device)
+    return torch.where(has, torch.stack([seq_d, -seq_d, seq_abs]), none).reshape(3, -1).amax(1)
 
-    def s(v: torch.Tensor) -> torch.Tensor:
-        return v.sum(dtype=acc)
 
-    sums = torch.stack([
-        okf.sum(), s(has), s(d64), s(a), s(d64 * d64), s(k3), s(ok & (a > log_c)), s(outlier),
-        s(px), s(py), s(px * px), s(py * py), s(px * py), s(x), s(y), s(x * x), s(x * y)])
-    none = torch.full((), -math.inf, dtype=acc, device=a.device)
-    maxes = torch.stack([
-        torch.where(ok, a.to(acc), none).amax(), torch.where(has, seq_d, none).amax(),
-        torch.where(has, -seq_d, none).amax(), torch.where(has, seq_abs, none).amax(),
-        torch.full((), log_c, dtype=acc, device=a.device)])
-    rec.slot(_SUM_KEYS, torch.cat([sums, hist]), many=True)
-    rec.slot(_MAX_KEYS, maxes, how="max", many=True)
+def histogram_bins(a: torch.Tensor) -> torch.Tensor:
+    """The |Δ| histogram bin of each token of ``a`` (|Δ| where counted, 0 elsewhere: bin 0, weight 0), 8 bins a
+    decade from 1e-6: by arithmetic, ``(log10 a + 6) · 8 + 1`` as one ``add``, not ``searchsorted`` (10 ms for
+    400 values on a loaded CPU, where it goes parallel)."""
+    # clamped first, so the cast's truncation is the floor (the values are >= 0); log10(0) = -inf gives bin 0
+    bins = torch.add(device_constant(1.0 + 6.0 * _PER_DECADE, a.dtype, a.device), torch.log10(a), alpha=_PER_DECADE)
+    return bins.clamp_(0, len(EDGES)).long()
 
 
 def _quantile(hist: list[float], n: float, abs_max: float | None, q: float = _QUANTILE) -> float | None:
@@ -126,9 +137,13 @@ def decode_rollout(get) -> RolloutStat | None:
     some = {k: (None if x[k] == -math.inf else x[k]) for k in _MAXES}
     n = v["n"]
     mean = (lambda key: v[key] / n) if n else (lambda key: None)  # noqa: E731
-    slope = None
+    slope = residual = None
     if n > 1 and (var_x := v["xx"] - v["x"] ** 2 / n) > 0:
-        slope = (v["xy"] - v["x"] * v["y"] / n) / var_x
+        cov = v["xy"] - v["x"] * v["y"] / n
+        slope = cov / var_x
+        # Σy² from the sums already kept: y = x − d, so Σy² = 2Σxy − Σx² + Σd²
+        var_y = 2 * v["xy"] - v["xx"] + v["sq"] - v["y"] ** 2 / n
+        residual = math.sqrt(max(0.0, var_y - cov * cov / var_x) / n)
 
     def ratio(log_ratio: float | None) -> float | None:
         return None if log_ratio is None else math.exp(min(log_ratio, 709.0))
@@ -143,12 +158,13 @@ def decode_rollout(get) -> RolloutStat | None:
         seq_ratio_min=ratio(None if some["neg_seq_min"] is None else -some["neg_seq_min"]),
         truncated_fraction=mean("trunc"),
         prob_correlation=_pearson(n, v["px"], v["py"], v["pxx"], v["pyy"], v["pxy"]) if n > 1 else None,
-        logprob_slope=_figure(slope, low=-MAX_ROLLOUT_FIGURE), seq_abs_mean_max=_figure(some["seq_abs_max"]),
+        logprob_slope=_figure(slope, low=-MAX_ROLLOUT_FIGURE), fit_residual_rms=_figure(residual),
+        seq_abs_mean_max=_figure(some["seq_abs_max"]),
         outlier_sequences=_count(v["outliers"]))
 
 
 def _figure(value: float | None, *, low: float = 0.0) -> float | None:
-    """A figure within the wire's bounds (1.12: finite, ``MAX_ROLLOUT_FIGURE`` at most): an overflowed k3 or a
+    """A figure within the wire's bounds (1.13: finite, ``MAX_ROLLOUT_FIGURE`` at most): an overflowed k3 or a
     slope over a vanishing variance is clamped, so that the step's report is never refused for it; a NaN (no
     finite token gave it) is no figure."""
     if value is None or value != value:

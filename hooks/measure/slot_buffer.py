@@ -40,6 +40,8 @@ class SlotBuffer:
         self._slots: dict[tuple[str, Hashable], int] = {}
         self._lock = threading.Lock()
         self._kinds: list[str] = []  # "sum" or "max", by slot index
+        #: ``scatter_add``'s device index of each key tuple it wrote, and its first slot when consecutive
+        self._indices: dict[tuple[Hashable, ...], tuple[torch.Tensor, int | None]] = {}
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -113,10 +115,10 @@ class SlotBuffer:
         torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
         return first
 
-    def block(self, kind: str, keys: tuple[Hashable, ...], values: torch.Tensor) -> None:
-        """Add (``kind="sum"``) or max (``"max"``) ``values`` (1-D, one per key) into the slots ``keys``, which
-        are allocated together, consecutively, on first use: one device op for many slots. A key written by
-        ``block`` is only ever written with the same ``keys``."""
+    def cells(self, kind: str, keys: tuple[Hashable, ...]) -> torch.Tensor:
+        """The cells of the slots ``keys``, allocated together, consecutively, on first use: a view to write into
+        with one device op. A key reached through ``cells`` is only ever reached with the same ``keys``. The
+        view is only good until the next slot is allocated (the buffer may grow)."""
         first = self._slots.get((kind, keys[0]))
         if first is None:
             with self._lock:
@@ -125,11 +127,41 @@ class SlotBuffer:
                     first = len(self._kinds)
                     for k in keys:
                         self._new_slot((kind, k), kind)
-        cells = self.data[first : first + len(keys)]
+        return self.data[first : first + len(keys)]
+
+    def block(self, kind: str, keys: tuple[Hashable, ...], values: torch.Tensor) -> None:
+        """Add (``kind="sum"``) or max (``"max"``) ``values`` (1-D, one per key) into ``cells(kind, keys)``: one
+        device op for many slots."""
+        cells = self.cells(kind, keys)
         if kind == "sum":
             cells.add_(values.reshape(len(keys)).to(self.dtype))
         else:
             torch.maximum(cells, values.reshape(len(keys)).to(self.dtype), out=cells)
+
+    def scatter_add(self, keys: tuple[Hashable, ...], values: torch.Tensor, *, at: torch.Tensor | None = None) -> None:
+        """Add ``values`` into the sum slots ``keys``, wherever they lie, in one ``index_add_``: one value a key
+        (``values`` 1-D), or, with ``at`` (a device index into ``keys``), ``values[i]`` into ``keys[at[i]]`` (a
+        histogram). Unlike ``block``, any keys, old or new, in any combination: a slot is allocated only when a
+        tuple naming it is first written, so which slots exist still says what was ever written. The device
+        index of a tuple is built the first time it is written (a host->device copy then, never after)."""
+        entry = self._indices.get(keys)
+        if entry is None:
+            with self._lock:  # new keys are allocated under one hold: consecutive, so ``at`` needs no gather
+                slots = [self._slots.get(("sum", k)) for k in keys]
+                for i, k in enumerate(keys):
+                    if slots[i] is None:
+                        slots[i] = self._new_slot(("sum", k), "sum")
+            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+            entry = (torch.tensor(slots, dtype=torch.long).to(self.device), slots[0] if consecutive else None)
+            self._indices[keys] = entry
+        index, first = entry
+        values = values.to(self.dtype)
+        if at is None:
+            self.data.index_add_(0, index, values.reshape(len(keys)))
+        elif first is not None:
+            self.data[first : first + len(keys)].index_add_(0, at.reshape(-1), values.reshape(-1))
+        else:
+            self.data.index_add_(0, index[at.reshape(-1)], values.reshape(-1))
 
     def index(self, kind: str, key: Hashable) -> int | None:
         """Slot index of an existing key, or None (host-only lookup, used when decoding)."""

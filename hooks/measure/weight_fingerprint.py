@@ -34,6 +34,12 @@ whatever the tensor's size), with one int32 multiply and one sum per word and la
 against one AdamW step in docs/benchmarks.md (``nanwatch bench``). The values are read to the host once
 per call (one sync): publishing weights to a rollout engine syncs anyway.
 
+Dtypes: the value is of the bits, so a bf16 copy of fp32 weights has other values than the fp32 ones. The
+returned ``Fingerprints`` is a ``dict`` that also carries each tensor's dtype and shape, which
+``post_weights`` sends; the trainer's ``publish_weights`` adds ``casts``: the fingerprints of its floating
+tensors as cast to each rollout dtype the way a loader casts (``.to(dtype)``, round-to-nearest-even), so
+the collector compares a bf16 copy with the trainer's bf16 cast (docs/weight_sync.md).
+
 Sharded parameters (DTensor, FSDP2): a shard is not the tensor, so by default a DTensor is refused (a
 ``ValueError`` naming it); ``gather=True`` fingerprints ``full_tensor()``, a collective that every rank
 must call, in the same order, and that materialises each full tensor in turn on every rank.
@@ -43,10 +49,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "fingerprint", "fingerprint_rows", "fingerprint_sums", "multipliers"]
+__all__ = ["BLOCK", "DEFAULT_CHUNK_ELEMENTS", "Fingerprints", "fingerprint", "fingerprint_casts", "fingerprint_rows",
+           "fingerprint_sums", "fingerprint_with_casts", "multipliers"]
 
 #: the 32-bit words of one block (one position multiplier each): part of the definition
 BLOCK = 1 << 16
@@ -171,21 +179,80 @@ def _local(name: str, t: torch.Tensor, gather: bool) -> torch.Tensor:
     return t
 
 
-def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = False,
-                chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict[str, str]:
-    """The weight fingerprint of every tensor of a module's ``state_dict()`` or of a state dict: name ->
-    32 hex digits (module docstring). Non-tensor entries are skipped. The sums are computed on each
-    tensor's device; the values are read to the host once, at the end (one sync per call). ``gather``:
-    fingerprint sharded parameters (DTensor) whole, a collective every rank must join."""
-    names, metas, by_device = [], [], {}
+class Fingerprints(dict[str, str]):
+    """``nanwatch.fingerprint``'s answer: name -> 32 hex digits, a plain ``dict`` to every reader, that also
+    carries each tensor's ``dtypes`` (torch's name: ``bfloat16``) and ``shapes``, so that the collector can
+    compare a tensor with the trainer's cast to the same dtype, and name a dtype or shape no cast explains."""
+
+    def __init__(self, values: dict[str, str], dtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
+        super().__init__(values)
+        self.dtypes, self.shapes = dtypes, shapes
+
+
+class _Entry(NamedTuple):
+    group: str
+    """``""``: the tensor itself; else the dtype it was cast to."""
+    name: str
+    meta: tuple[int, int]
+    sums: torch.Tensor
+
+
+def _entry(group: str, name: str, t: torch.Tensor, chunk_elements: int) -> _Entry:
+    return _Entry(group, name, _meta(t), fingerprint_sums(t, chunk_elements=chunk_elements))
+
+
+def _read(entries: list[_Entry]) -> dict[str, dict[str, str]]:
+    """The values by group and name; the host read happens once per device the sums are on."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, e in enumerate(entries):
+        by_device.setdefault(e.sums.device, []).append(i)
+    lanes: list[list[int]] = [[]] * len(entries)
+    for found in by_device.values():
+        for i, lane_sums in zip(found, torch.stack([entries[i].sums for i in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
+            lanes[i] = lane_sums
+    out: dict[str, dict[str, str]] = {}
+    for e, lane_sums in zip(entries, lanes, strict=True):
+        out.setdefault(e.group, {})[e.name] = "".join(f"{(s + m) & _M64:016x}" for s, m in
+                                                     zip(lane_sums, e.meta, strict=True))
+    return out
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def fingerprint_with_casts(obj: torch.nn.Module | Mapping[str, object], dtypes: Iterable[torch.dtype], *,
+                           gather: bool = False,
+                           chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[Fingerprints, dict[str, dict[str, str]]]:
+    """``fingerprint(obj)`` and, per dtype, the fingerprints of the floating tensors of another dtype as cast
+    to it the way a loader casts (``t.to(dtype)``, round-to-nearest-even; ``load_state_dict`` into a model of
+    that dtype copies the same bits): what a rollout copy in that dtype holds after a right sync. One pass over
+    the tensors (a sharded one is gathered once), one cast tensor alive at a time, one host read per device."""
+    wanted = list(dict.fromkeys(dtypes))
+    entries, dtype_of, shapes = [], {}, {}
     for name, t in _tensors(obj):
-        full = _local(name, t, gather)
-        names.append(name)
-        metas.append(_meta(full))
-        by_device.setdefault(full.device, []).append((len(names) - 1, fingerprint_sums(full, chunk_elements=chunk_elements)))
-    values: list[list[int]] = [[]] * len(names)
-    for found in by_device.values():  # the host read: once per device the tensors are on
-        for (i, _), lane_sums in zip(found, torch.stack([s for _, s in found]).tolist(), strict=True):  # sync-ok: the values are returned as strings; once per call and device, at publish time, never in a step
-            values[i] = lane_sums
-    return {name: "".join(f"{(s + m) & _M64:016x}" for s, m in zip(lane_sums, meta, strict=True))
-            for name, lane_sums, meta in zip(names, values, metas, strict=True)}
+        full = _local(name, t, gather).detach()
+        dtype_of[name], shapes[name] = _dtype(full), list(full.shape)
+        entries.append(_entry("", name, full, chunk_elements))
+        for d in wanted:
+            if full.is_floating_point() and full.dtype != d:
+                entries.append(_entry(str(d).removeprefix("torch."), name, full.to(d), chunk_elements))
+    values = _read(entries)
+    return (Fingerprints(values.get("", {}), dtype_of, shapes),
+            {str(d).removeprefix("torch."): values.get(str(d).removeprefix("torch."), {}) for d in wanted})
+
+
+def fingerprint(obj: torch.nn.Module | Mapping[str, object], *, gather: bool = False,
+                chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Fingerprints:
+    """The weight fingerprint of every tensor of a module's ``state_dict()`` or of a state dict: name ->
+    32 hex digits (module docstring), with each tensor's dtype and shape (``Fingerprints``). Non-tensor
+    entries are skipped. The sums are computed on each tensor's device; the values are read to the host
+    once, at the end (one sync per call). ``gather``: fingerprint sharded parameters (DTensor) whole, a
+    collective every rank must join."""
+    return fingerprint_with_casts(obj, (), gather=gather, chunk_elements=chunk_elements)[0]
+
+
+def fingerprint_casts(obj: torch.nn.Module | Mapping[str, object], dtypes: Iterable[torch.dtype], *,
+                      gather: bool = False, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict[str, dict[str, str]]:
+    """Per dtype, the casts' fingerprints alone (``fingerprint_with_casts``)."""
+    return fingerprint_with_casts(obj, dtypes, gather=gather, chunk_elements=chunk_elements)[1]

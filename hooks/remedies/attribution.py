@@ -32,7 +32,9 @@ worst sequences outside the step and lowers one module at a time:
      lowered), so this is the usual case: it names the module whose precision costs the most.
 
    ``lowered_abs_mean`` near ``observed_abs_mean`` says the precision explains what was observed; far below
-   it, something else does (a kernel, the sampler, a weight sync). Not found: one child lowered inside a
+   it, something else does (a kernel, the sampler, a weight sync). Below :data:`NAME_SHARE` of it the
+   attribution is **withheld** (``module`` None, the note leading with the share explained): stale weights
+   once got ``model.layers.0.self_attn`` named while lowering every module explained 2 % of the mismatch. Not found: one child lowered inside a
    block whose other children's lowering costs more (the block leads neither by match nor by share).
 
 **Outside the step, leaving nothing behind.** Under ``torch.no_grad`` (no autograd graph), autocast off,
@@ -54,6 +56,8 @@ run, and the attribution's note says which wrapper.
 Cost: with ``U`` top-level units (``L + 3`` for an HF LM of ``L`` blocks) and ``K`` children in the block
 named, ``U + K + 2`` forwards of ``max_sequences`` sequences without grad (one more over the batch when the
 trainer's logprobs were not kept), once per request; memory of one such forward, in fp32.
+:func:`attribution_cost` counts it from the model and the sequences' shape without running anything (what
+``nanwatch replay`` checks a capsule against before it redoes one: its ``--max-run-s`` and ``--max-bytes``).
 
 :class:`RolloutAttributor` is what the Monitor holds: the batch kept by reference at each ``rlhf()`` call,
 a request from the reporter thread on a drift or outlier event, and the run at the next ``rlhf()`` call that
@@ -69,14 +73,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from nanwatch.hooks.measure.collective import collective_forward
 from nanwatch.wire import ModuleShare, RolloutAttribution
 
-__all__ = ["NAME_SHARE", "RolloutAttributor", "attribute_mismatch", "units_of"]
+__all__ = ["NAME_SHARE", "AttributionCost", "RolloutAttributor", "attribute_mismatch", "attribution_cost", "units_of"]
 
 log = logging.getLogger("nanwatch")
 
@@ -107,6 +111,50 @@ def units_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _children_units(name: str, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(f"{name}.{n}", m) for n, m in module.named_children() if _holds_params(m)]
+
+
+class AttributionCost(NamedTuple):
+    """What :func:`attribute_mismatch` will cost, counted before it runs."""
+
+    forwards: int
+    """Forwards of all the sequences: the fp32 one, every unit lowered, each unit and each child of the
+    largest block alone (and one more without the trainer's logprobs)."""
+    flops: float
+    """All of them: 2 per parameter per token, and the attention's QK and AV products (4 × length² × heads ×
+    head_dim per sequence and layer, from the config)."""
+    activation_bytes: int
+    """One forward's float32 activations: a block's hidden and MLP states per token, the logits kept (three
+    copies: logits, scaled, log-softmax), and with eager attention one layer's length² scores."""
+
+
+def _sizes(model: torch.nn.Module) -> dict[str, int]:
+    """The config's sizes (an HF config's own names, through ``get_text_config``); 0 for what it lacks."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    out = {k: getattr(cfg, k, None) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size",
+                                              "intermediate_size", "vocab_size", "head_dim")}
+    out = {k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0 for k, v in out.items()}
+    out["head_dim"] = out["head_dim"] or out["hidden_size"] // max(1, out["num_attention_heads"])
+    out["eager"] = int(getattr(cfg, "_attn_implementation", None) == "eager")
+    return out
+
+
+def attribution_cost(model: torch.nn.Module, *, sequences: int, length: int, completion: int,
+                     trainer_logprobs: bool = True) -> AttributionCost:
+    """What :func:`attribute_mismatch` of ``sequences`` × ``length`` tokens (the last ``completion`` scored)
+    would cost, from the module tree and the config, without running anything. An estimate, not a timer:
+    an upper bound for a dense transformer, loose for a model whose config lacks the usual names."""
+    units = units_of(model)
+    forwards = len(units) + max((len(_children_units("", m)) for _, m in units), default=0) + 2 + (not trainer_logprobs)
+    z = _sizes(model)
+    params = sum(p.numel() for p in model.parameters())
+    tokens = sequences * length
+    attention = 4 * sequences * length * length * z["num_attention_heads"] * z["head_dim"] * z["num_hidden_layers"]
+    flops = float(forwards) * (2 * params * tokens + attention)
+    hidden = 4 * z["hidden_size"] + 2 * (z["intermediate_size"] or 4 * z["hidden_size"])
+    scores = z["eager"] * sequences * max(1, z["num_attention_heads"]) * length * length
+    nbytes = 4 * (tokens * hidden + 3 * sequences * (completion + 1) * z["vocab_size"] + scores)
+    return AttributionCost(forwards, flops, nbytes)
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -339,6 +387,12 @@ def _verdict(base: dict[str, Any], figures: dict[str, Any], *, sequences: int, o
                 if named else "no unit lowered alone reproduces half of the mismatch of every unit lowered: "
                 "the top ones are " + ", ".join(f"{n} ({share[n]:.2f})" for n in ranked[:3]))
     modules = [ModuleShare(module=n, abs_mean=units[n][0], share=share[n]) for n in ranked[:_MAX_SHARES]]
+    explains = every / observed if observed > 0 else 1.0
+    if explains < NAME_SHARE:  # precision is not what was observed: naming a module would send the user astray
+        note = (f"withheld: lowering every module to {base['rollout_dtype']} explains {explains:.0%} of the observed "
+                f"mismatch ({every:.3g} of mean |Δlogp| {observed:.3g}), so no module's precision is the cause; "
+                f"look at the weight sync (stale weights) and the sampler first. Had it been precision: {note}")
+        named = None
     return RolloutAttribution(**base, sequences=sequences, observed_abs_mean=_finite(observed),
                               lowered_abs_mean=_finite(every), module=named, modules=modules, seconds=seconds,
                               note=note)

@@ -261,6 +261,34 @@ class _Packer:
         return {**state, "layers": layers}
 
 
+#: the user hooks a capsule names at most (it never carries them: they are code)
+MAX_HOOKS = 16
+
+
+def _hook_name(fn: Any) -> str | None:
+    """A hook's printable name, or None when it is nanwatch's own (they measure; they never change a value)."""
+    inner = getattr(fn, "func", fn)  # functools.partial
+    owner = getattr(inner, "__self__", None)  # a bound method: its class's module
+    module = type(owner).__module__ if owner is not None else getattr(inner, "__module__", "") or ""
+    if module == "nanwatch" or module.startswith("nanwatch."):
+        return None
+    return f"{module}.{getattr(inner, '__qualname__', type(inner).__name__)}"[:200]
+
+
+def user_hooks(module: torch.nn.Module) -> list[str]:
+    """The forward hooks and pre-hooks on ``module`` and inside it that are not nanwatch's, as
+    ``"<submodule>: <pre-hook|hook> <name>"``: a capsule cannot carry them, and one that changes what the module
+    returns (a fault injector, a scaler) makes the replay finite where training was not."""
+    found = []
+    for sub, m in module.named_modules():
+        for kind, hooks in (("pre-hook", m._forward_pre_hooks), ("hook", m._forward_hooks)):
+            for fn in hooks.values():
+                name = _hook_name(fn)
+                if name is not None and len(found) < MAX_HOOKS:
+                    found.append(f"{sub or '.'}: {kind} {name}")
+    return found
+
+
 def _sdpa_flags() -> dict[str, bool]:
     b = torch.backends.cuda
     flags = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
@@ -382,7 +410,7 @@ class CapsuleWriter:
             "autocast": {"enabled": torch.is_autocast_enabled(dev_type) if dev_type in ("cpu", "cuda") else False,
                          "dtype": str(torch.get_autocast_dtype(dev_type)).removeprefix("torch.")
                          if dev_type in ("cpu", "cuda") else None, "device_type": dev_type},
-            "sdpa": _sdpa_flags(), "max_bytes": self.max_bytes, "capture": of,
+            "sdpa": _sdpa_flags(), "max_bytes": self.max_bytes, "capture": of, "hooks": user_hooks(module),
             "incident": incident.model_dump(mode="json"),
         }
         # the header's JSON (escaped once more as a metadata string) and its framing stay inside the limit
@@ -420,7 +448,8 @@ class CapsuleWriter:
             dropped = meta["dropped"]
             log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: %s", printable(path),
                         size, f"; {len(dropped)} not recorded: {'; '.join(dropped[:4])}{'; ...' if len(dropped) > 4 else ''}"
-                        if dropped else "", replay_command({"capsule": path, "cls": meta.get("incident", {}).get("cls")}))
+                        if dropped else "", replay_command({"capsule": path, "cls": meta.get("incident", {}).get("cls")},
+                                       device=torch.device(meta["device"]).type))
         except Exception as exc:  # noqa: BLE001 - the writer thread must not die loudly
             self._warn(f"capsule {path} not written: {type(exc).__name__}: {exc}")
 

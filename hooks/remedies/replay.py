@@ -53,11 +53,22 @@ _LAYERS = re.compile(r"(^|_)(layers?|n_layer|depth)$")  # config sizes that repe
 
 class Bounds(NamedTuple):
     """What a capsule may ask rebuilding for, checked before anything is allocated (``--max-params``,
-    ``--max-bytes``, ``--max-build-s``); ``fp32``: the fp32 setting's float32 copy is counted too."""
+    ``--max-bytes``, ``--max-build-s``); ``fp32``: the fp32 setting's float32 copy is counted too.
+    ``max_run_s`` (``--max-run-s``): what running it may take, counted before it runs for an attribution
+    capsule (its sequences' count × length, at :data:`ASSUMED_FLOPS`; one forward's activations against
+    ``max_bytes`` too), and a timer on every run."""
     max_params: int = 1 << 28
     max_bytes: int = 2 << 30
     max_build_s: float = 120.0
     fp32: bool = True
+    max_run_s: float = 300.0
+
+
+#: the rate an attribution's FLOPs are counted at against ``--max-run-s``. CPU: below what a 2-core AMD EPYC VM
+#: (torch 2.13 CPU) measured redoing the tiny Qwen3's attribution (3.3e9 to 5.5e9 FLOP/s at 8-32 sequences of
+#: 1,024-2,048 tokens: the lowered forwards run in bf16, slow on a CPU); CUDA: an assumption, not measured. A
+#: faster host, or a capsule worth the wait, raises ``--max-run-s``
+ASSUMED_FLOPS = {"cpu": 2e9, "cuda": 1e13}
 
 
 _BACKWARD = ("a backward birth is not replayed: this capsule's incident was first seen in backward, and nanwatch "
@@ -215,8 +226,9 @@ def _check_config(cfg: dict[str, Any], where: str = "config") -> None:
 def check_meta(meta: dict[str, Any], tensors: dict[str, Any]) -> None:
     """The metadata's shape, before any of it is used: CapsuleError (exit 2) naming the first thing wrong."""
     _check_build(meta.get("build"))
-    for field in ("params", "buffers", "dropped", "args"):
+    for field in ("params", "buffers", "dropped", "args", "hooks"):
         _need(isinstance(meta.get(field, []), list), f"'{field}' is not a list")
+    _need(all(isinstance(h, str) for h in meta.get("hooks", [])), "'hooks' holds something other than names")
     for key in (*meta.get("params", []), *meta.get("buffers", [])):
         _need(isinstance(key, str) and key.startswith(("param.", "buffer.")), f"{str(key)[:80]!r} is not a "
               "module tensor's name")
@@ -274,8 +286,8 @@ class _BuildTimeout(BaseException):
 
 
 @contextlib.contextmanager
-def _deadline(seconds: float) -> Iterator[None]:
-    """Abort the build after ``seconds`` of wall time (a SIGALRM timer: the main thread only, else unbounded)."""
+def _deadline(seconds: float, what: str = "building the module", flag: str = "--max-build-s") -> Iterator[None]:
+    """Abort ``what`` after ``seconds`` of wall time (a SIGALRM timer: the main thread only, else unbounded)."""
     if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -288,7 +300,7 @@ def _deadline(seconds: float) -> Iterator[None]:
     try:
         yield
     except _BuildTimeout:
-        raise CapsuleError(f"building the module took over {seconds:g} s (--max-build-s): refused") from None
+        raise CapsuleError(f"{what} took over {seconds:g} s ({flag}): stopped; raise {flag} to let it") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -577,8 +589,9 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
     call_inputs(meta, tensors, device)  # an input that cannot be rebuilt: exit 2 before anything runs
     if "same" not in settings:
         settings = ["same", *settings]
-    rows = [_run_setting(s, module, *call_inputs(meta, tensors, device, fp32=s == "fp32"), meta, tensors, device)
-            for s in settings]
+    with _deadline(bounds.max_run_s if bounds else Bounds().max_run_s, "running the settings", "--max-run-s"):
+        rows = [_run_setting(s, module, *call_inputs(meta, tensors, device, fp32=s == "fp32"), meta, tensors, device)
+                for s in settings]
     same = rows[[r["setting"] for r in rows].index("same")]
     if same["status"] not in ("finite", "nonfinite"):
         raise CapsuleError(f"the module could not run under its recorded settings: {same.get('note')}")
@@ -588,7 +601,8 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
             "recorded": {"host": meta.get("host"), "device": meta.get("device"),
                          "incident_cls": meta.get("incident", {}).get("cls"),
                          "birth_elements": meta.get("incident", {}).get("birth_elements")},
-            "dropped": meta.get("dropped", []), "rows": rows, "cls": cls, "exit": code}
+            "dropped": meta.get("dropped", []), "hooks": meta.get("hooks", []), "rows": rows, "cls": cls,
+            "exit": code}
 
 
 def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], device: str, bounds: Bounds
@@ -619,18 +633,45 @@ def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], 
         raise
     except Exception as e:  # noqa: BLE001 - a constructor that fails here: say so, exit 2
         raise CapsuleError(f"rebuilding {meta['build'].get('class')} failed: {type(e).__name__}: {e}") from None
+    _within_run(model, tensors[inputs["input_ids"]], tensors[inputs["rollout_logprobs"]],
+                "trainer_logprobs" in inputs, device, bounds)
     ins = {k: tensors[v].to(device) for k, v in inputs.items()}
-    redone = attribute_mismatch(
-        model, ins["input_ids"], ins["rollout_logprobs"], attention_mask=ins.get("attention_mask"),
-        completion_mask=ins.get("completion_mask"), trainer_logprobs=ins.get("trainer_logprobs"),
-        rollout_dtype=getattr(torch, meta["rollout_dtype"]), temperature=float(temperature),
-        cause=str(recorded.get("cause", "drift")), step=int(meta.get("step", 0)),
-        max_sequences=int(ins["input_ids"].shape[0]))
+    with _deadline(bounds.max_run_s, "redoing the attribution", "--max-run-s"):
+        redone = attribute_mismatch(
+            model, ins["input_ids"], ins["rollout_logprobs"], attention_mask=ins.get("attention_mask"),
+            completion_mask=ins.get("completion_mask"), trainer_logprobs=ins.get("trainer_logprobs"),
+            rollout_dtype=getattr(torch, meta["rollout_dtype"]), temperature=float(temperature),
+            cause=str(recorded.get("cause", "drift")), step=int(meta.get("step", 0)),
+            max_sequences=int(ins["input_ids"].shape[0]))
     same = redone.module == recorded.get("module")
     return {"kind": "attribution", "capsule": path, "device": device, "module": redone.module,
             "recorded_module": recorded.get("module"), "same": same, "attribution": redone.model_dump(mode="json"),
             "recorded": {"host": meta.get("host"), "device": meta.get("device"), "step": meta.get("step")},
             "exit": 0 if same else 1}
+
+
+def _within_run(model, ids, rollout, trainer_logprobs: bool, device: str, bounds: Bounds) -> None:
+    """The recorded sequences' count × length against ``--max-run-s`` (FLOPs at :data:`ASSUMED_FLOPS`) and one
+    forward's activations against ``--max-bytes``: CapsuleError (exit 2, one line) before anything runs."""
+    import torch
+
+    from nanwatch.hooks.remedies.attribution import attribution_cost
+
+    _need(ids.dim() == 2 and rollout.dim() == 2 and rollout.shape[0] == ids.shape[0]
+          and rollout.shape[1] <= ids.shape[1], "the recorded sequences' shapes do not match")
+    n, length = ids.shape
+    cost = attribution_cost(model, sequences=n, length=length, completion=rollout.shape[1],
+                            trainer_logprobs=trainer_logprobs)
+    dev = torch.device(device).type
+    rate = ASSUMED_FLOPS.get(dev, ASSUMED_FLOPS["cpu"])
+    what = f"redoing the attribution on {n:,} sequences x {length:,} tokens ({cost.forwards} forwards)"
+    if cost.flops > bounds.max_run_s * rate:
+        raise CapsuleError(f"{what} would take about {cost.flops / rate:,.0f} s ({cost.flops:.3g} FLOPs at "
+                           f"{rate:.0e} FLOP/s on {dev}), over --max-run-s {bounds.max_run_s:g}: refused before "
+                           "it runs; raise --max-run-s to run it")
+    if cost.activation_bytes > bounds.max_bytes:
+        raise CapsuleError(f"{what} would hold {cost.activation_bytes:,} bytes of activations in one forward, over "
+                           f"--max-bytes {bounds.max_bytes:,}: refused before it runs; raise --max-bytes to run it")
 
 
 def _attribution_table(result: dict[str, Any]) -> str:
@@ -708,6 +749,14 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"{r['setting']:<10} {rep:<11} {r['nonfinite']:>10} {mx:>15}  {note}")
         else:
             lines.append(f"{r['setting']:<10} {r['status']:<11} {'-':>10} {'-':>15}  {r.get('note', '')}")
+    hooks = result.get("hooks") or []
+    if hooks:
+        lines.append(f"hooks    the module had {len(hooks)} forward hook(s) in training that a capsule cannot carry "
+                     f"(code): {'; '.join(hooks[:4])}{'; ...' if len(hooks) > 4 else ''}")
+    if result["cls"] == "not_reproducible" and hooks:
+        lines.append("class    not_reproducible: finite here, but the module ran with the hooks above in training, "
+                     "and a hook that changes its output is not replayed: suspect a hook before the hardware")
+        return "\n".join(lines)
     lines.append(f"class    {result['cls']}: {_MEANING[result['cls']]}")
     if result["cls"] == "undecided":
         lines.append(f"         {result['undecided']}: add --try fp32 to decide it; the trainer recorded class "
@@ -731,6 +780,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    f"(and the fp32 setting's copy) take more bytes, counted before it is built (default {d.max_bytes:,})")
     p.add_argument("--max-build-s", type=float, default=d.max_build_s,
                    help=f"refuse a module that takes longer to build (default {d.max_build_s:g} s)")
+    p.add_argument("--max-run-s", type=float, default=d.max_run_s,
+                   help="stop a replay that runs longer; an attribution capsule whose sequences (count x length) "
+                        "would take longer, counted before it runs, is refused (default "
+                        f"{d.max_run_s:g} s)")
     a = p.parse_args(argv)
     offline()  # before anything imports transformers
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
@@ -738,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown settings {unknown}: choose from {','.join(SETTINGS)}")
     try:
-        bounds = Bounds(a.max_params, a.max_bytes, a.max_build_s, fp32="fp32" in settings)
+        bounds = Bounds(a.max_params, a.max_bytes, a.max_build_s, fp32="fp32" in settings, max_run_s=a.max_run_s)
         result = replay_capsule(a.capsule, device=a.device, settings=settings, bounds=bounds)
     except CapsuleError as e:
         print(f"nanwatch replay: {printable(' '.join(str(e).split()))}", file=sys.stderr)

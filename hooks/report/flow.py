@@ -112,6 +112,10 @@ class ReportFlow:
         (no measurements, never dropped, never reduced across ranks)."""
         self._reporter.post(step, ctx)
 
+    def published(self, version: int, dtypes: list[str]) -> None:
+        """Training thread: a weight version published (``Monitor.publish_weights``), for the local record."""
+        self._local.published(version, dtypes)
+
     def last_report(self, timeout: float | None) -> StepReport | None:
         return self._reporter.last_report(timeout)
 

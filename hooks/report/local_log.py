@@ -18,7 +18,9 @@ constants ``NaN``/``Infinity``, as on the wire). The end of a file says how its 
 normal close's last line is the final report (``"final": true``, as sent to the collector); any other close
 (a step raised, the interpreter went down on an exception) writes a closing record
 ``{"nanwatch_log": "closed", ...}`` instead, so that a reader tells a run that ended from one that went
-silent, and never finds both. One file per
+silent, and never finds both. ``Monitor.publish_weights`` adds ``{"nanwatch_log": "weights_published",
+"version": ..., "dtypes": [...]}`` lines (the training thread writes them, under the writer's lock), which
+``nanwatch status --file`` shows as the latest published weight version. One file per
 run, rank and incarnation, ``<log_dir>/<run_id>.rank<rank>.<incarnation>.jsonl``, size-rotated by the
 standard library's ``RotatingFileHandler`` (``.1`` is the newest backup). A folder that cannot be written
 is warned about once and the run carries on without the file.
@@ -30,6 +32,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from logging.handlers import RotatingFileHandler
 
@@ -158,8 +161,13 @@ class _Jsonl:
         self.path, self._max, self._backups, self._warn = path, max_bytes, backups, warn
         self._handler: RotatingFileHandler | None = None
         self._failed = False
+        self._lock = threading.Lock()  # the reporter thread writes reports, the training thread its publishes
 
     def write(self, line: str) -> None:
+        with self._lock:
+            self._write(line)
+
+    def _write(self, line: str) -> None:
         if self._failed:
             return
         if self._handler is None:
@@ -227,6 +235,17 @@ class LocalLog:
                 self._file.write(report.model_dump_json())
         except Exception:  # noqa: BLE001 - monitoring never breaks training
             log.exception("nanwatch: local log failed for step %s", report.step)
+
+    def published(self, version: int, dtypes: list[str]) -> None:
+        """Training thread: ``Monitor.publish_weights`` posted (or tried to post) weight ``version`` with casts
+        to ``dtypes``; ``nanwatch status`` reads it from the file (never raises)."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps({"nanwatch_log": "weights_published", **self._who, "time": time.time(),
+                                         "version": version, "dtypes": dtypes}))
+        except Exception:  # noqa: BLE001
+            log.exception("nanwatch: local log failed for weight version %s", version)
 
     def close(self) -> None:
         if self._file is None:

@@ -7,6 +7,11 @@ directive, since the trainer's attention is not where any of them comes from:
 * **jump**: mean |Δlogp| at least :data:`JUMP_FACTOR` times its median over the previous steps (and at least
   :data:`JUMP_FLOOR`): the rollout scored with other weights (a sync that did not happen, or from the wrong
   version: TRL #5312 went from 0.015 to 0.201). Reported once; again only after the mismatch came back down.
+  While it lasts, no drift or offset is declared on top of it: stale weights stay stale weights, however long
+  they last (they used to become a "drift" three steps later, and an attribution then named a module).
+  A rise that a temperature explains is not a jump: when the rollout's logprobs follow the trainer's on a
+  line of slope ≠ 1 that leaves little of the mismatch (``fit_residual_rms`` at most :data:`LINE_EXPLAINS` of
+  the rms), it is the offset below (a temperature switched on one side once paged as a weight-sync jump).
 * **offset**: the sampler's semantics differ from the trainer's: rollout logprobs are a near-linear function of
   the trainer's with slope ≠ 1 (a temperature applied on one side only: the slope is 1/T), or Δlogp has one
   sign for most tokens (top-p/top-k renormalising on one side).
@@ -32,6 +37,7 @@ JUMP_FACTOR, JUMP_FLOOR = 5.0, 0.01
 DRIFT_FLOOR = 1e-3
 OFFSET_SLOPE, OFFSET_SIGN = 0.1, 0.5  # |slope − 1| above this; |mean| above this fraction of the rms
 SUSTAIN = 3  # steps in a row before an offset or a drift is reported
+LINE_EXPLAINS = 0.5  # a line leaving at most this fraction of the rms explains the mismatch (a temperature)
 _BASELINE = 20  # steps of history the jump compares with
 _QUIET = 50  # an outlier event repeats at most this often, unless the worst sequence doubled
 _FIGURES = ("abs_mean", "abs_p99", "mean", "rms", "k3_mean", "truncated_fraction", "prob_correlation",
@@ -42,6 +48,14 @@ def _figures(r: RolloutStat, **extra: float) -> dict[str, float]:
     out = {k: v for k in _FIGURES if (v := getattr(r, k)) is not None}
     out.update({k: float(v) for k, v in extra.items()})
     return out
+
+
+def _a_temperature(r: RolloutStat) -> bool:
+    """The rollout's logprobs are a line of the trainer's with slope ≠ 1 that explains the mismatch: a
+    temperature applied by one side only (slope 1/T), not other weights (which scatter around the line)."""
+    slope, residual = r.logprob_slope, r.fit_residual_rms
+    return (slope is not None and abs(slope - 1.0) > OFFSET_SLOPE and residual is not None and bool(r.rms)
+            and residual <= LINE_EXPLAINS * r.rms)
 
 
 class MismatchClassifier:
@@ -64,10 +78,13 @@ class MismatchClassifier:
         """The events step ``step``'s figures raise (at most one per cause)."""
         if r.abs_mean is None or not r.tokens:
             return []
-        events = [e for e in (self._jump(step, r), self._offset(step, r), self._outliers(step, r)) if e]
-        drift = None if any(e.cause == "jump" for e in events) else self._drift(step, r)
-        if self._jumped_from is None:
-            self._history.append(r.abs_mean)
+        jump = self._jump(step, r)
+        if self._jumped_from is not None:  # in a jump: the elevated mismatch is the jump's, nothing else
+            self._offset_run = self._drift_run = 0
+            return [e for e in (jump, self._outliers(step, r)) if e]
+        events = [e for e in (self._offset(step, r), self._outliers(step, r)) if e]
+        drift = self._drift(step, r)
+        self._history.append(r.abs_mean)
         return [*events, *([drift] if drift else [])]
 
     def _jump(self, step: int, r: RolloutStat) -> RolloutEvent | None:
@@ -75,7 +92,7 @@ class MismatchClassifier:
             if r.abs_mean < 2 * max(self._jumped_from, DRIFT_FLOOR):
                 self._jumped_from = None  # back down: the next jump is news again
             return None
-        if len(self._history) < SUSTAIN:
+        if len(self._history) < SUSTAIN or _a_temperature(r):
             return None
         base = statistics.median(self._history)
         if r.abs_mean < max(JUMP_FACTOR * base, JUMP_FLOOR):

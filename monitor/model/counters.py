@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["ENDED_FAMILY", "FAMILIES", "INCIDENT", "JOB_SKIPPED", "LOSS_SCALE_OVERFLOW", "NONFINITE",
            "NOT_REPRODUCIBLE", "ROLLOUT_EVENT", "ROLLOUT_NONFINITE", "RUN_NONFINITE", "SDPA", "SITE", "SKIPPED", "SPIKE",
-           "UNMEASURED", "WEIGHT_SYNC_MISMATCHES", "WEIGHT_SYNCS_VERIFIED", "CounterFamily", "RequestCounters"]
+           "UNMEASURED", "WEIGHT_SYNC_MISMATCHES", "WEIGHT_SYNCS_UNVERIFIABLE", "WEIGHT_SYNCS_VERIFIED", "CounterFamily", "RequestCounters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,11 @@ WEIGHT_SYNC_MISMATCHES = CounterFamily(
     "Weight syncs that failed verification: a rollout worker's weight fingerprints of a weight version "
     "differ from the trainer's (a tensor differs, is missing or is extra); each is a weight_sync_mismatch "
     "event naming the version, the worker and the first differing tensors.")
+WEIGHT_SYNCS_UNVERIFIABLE = CounterFamily(
+    "weight_sync_unverifiable", "nanwatch_weight_syncs_unverifiable_total", (),
+    "Weight syncs that could not be verified: a rollout worker's tensors all agree with the trainer's except "
+    "dtypes or shapes that no cast the trainer published explains (e.g. an fp8 copy with no fp8 cast "
+    "published); each is a weight_sync_unverifiable event naming them. Not a failed sync.")
 
 ROLLOUT_NONFINITE = CounterFamily(
     "rollout_nonfinite", "nanwatch_rollout_nonfinite_values_total", (),
@@ -117,7 +122,8 @@ SPIKE = CounterFamily(
 #: every counter family, by its stored key
 FAMILIES: dict[str, CounterFamily] = {f.key: f for f in (
     NONFINITE, SITE, SDPA, SKIPPED, JOB_SKIPPED, INCIDENT, UNMEASURED, RUN_NONFINITE, LOSS_SCALE_OVERFLOW,
-    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES, SPIKE)}
+    NOT_REPRODUCIBLE, ROLLOUT_NONFINITE, ROLLOUT_EVENT, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES, SPIKE,
+    WEIGHT_SYNCS_UNVERIFIABLE)}
 
 #: a row of the counters table that is no counter: whether the run ended normally (1) or not (0). Rendered
 #: as the gauge ``nanwatch_run_ended`` from ``RunState.ended``, not from the row

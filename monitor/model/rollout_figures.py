@@ -13,7 +13,7 @@ figure is, so that the gauge means what the job report's would where it can:
 
 One rank cannot hide another's drift (#36), nor take a render down (#37):
 
-* the wire bounds every figure and count (1.12: finite, ``abs_*``/``rms``/``k3_mean`` >= 0, fractions in
+* the wire bounds every figure and count (1.13: finite, ``abs_*``/``rms``/``k3_mean`` >= 0, fractions in
   [0, 1]), so a NaN or a negative figure is refused at ingest;
 * a count that must be believed as a weight is not when the ranks' counts are more than ``TOKEN_SPREAD``
   times apart (the ranks of one data-parallel job score batches of one size; a made-up rank claiming 2^32

@@ -216,6 +216,9 @@ class RunState:
     silent: dict[int, Silent] = field(default_factory=dict)
     """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
     for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""
+    weight_lag: dict[str, int] = field(default_factory=dict)
+    """Each rollout worker's weight-sync lag in versions (0: none), written with the weight syncs
+    (``nanwatch.monitor.write.weight_compare``): ``nanwatch_weight_sync_lag_versions``. In memory."""
 
     def count_once(self, key: tuple) -> bool:
         """Whether ``key`` (a spike's or a replica divergence's step, and what it is of) is seen for the first

@@ -1,174 +1,269 @@
-"""Weight syncs, compared: each run's recent weight versions, the trainer's weight fingerprints of each, and
-each rollout worker's verdict (docs/weight_sync.md). Memory only: a collector restart forgets the versions
-waiting for their other side (the counters it added are stored); the ledger counts and logs what a
-comparison finds.
+"""Weight syncs, compared: each run's weight versions, the trainer's set of each, each rollout worker's
+verdicts, and how far each worker lags (docs/weight_sync.md). Memory only: a collector restart forgets the
+versions waiting for their other side (the counters it added are stored); the ledger counts and logs what a
+comparison finds (``nanwatch.monitor.write.weight_compare``).
 
-Whichever side of a version arrives second triggers the comparison: a rollout worker's set is compared at
-once if the trainer's is there, else kept until it comes. Bounded: ``max_versions`` versions per run (the
-oldest dropped, with whatever waited in it), ``max_waiting`` rollout sets waiting per version (beyond it a
-set is refused, 429); after its comparison a worker's set is forgotten, only its digest and verdict kept.
-The trainer's set of a version is written once: the same set again is a resend, another one a 409.
+* **Bound to the run's ranks.** A trainer set carries the incarnation of the rank that posts the run's
+  reports (``Monitor.publish_weights`` sends it). It is compared only once that incarnation is the run's
+  (rank 0's or the job poster's latest view, or the incarnation the run's latest set was bound to, while
+  its rank view has expired in a long phase without reports): until then it waits as a *candidate* (a
+  trainer that publishes before its first report reached the collector), at most ``MAX_CANDIDATES`` a version. A set without an
+  incarnation is refused (403): a rollout worker cannot post ``side=trainer``, and a made-up incarnation
+  never binds, so the real trainer's set is still taken.
+* **Whichever side arrives second compares** (a bound trainer set and a rollout set). Dtype-aware: the verdict
+  is ``nanwatch.monitor.model.weight_verdicts``'.
+* **Kept until compared.** A version stays while a worker the run knows has neither compared with it nor
+  moved past it, up to ``max_versions`` a run (versions every worker compared go first) and ``expire_s``;
+  one dropped before a worker compared with it is named by ``expired`` (an event), so a worker lagging
+  many publishes is still compared when its set comes, and a worker that stopped is said to have.
+* **Lag**, per worker: the published (bound) versions after its latest verified one (after its first post,
+  before any). Two or more, or one unposted past ``wait_s``, is a lag (``lag``): the exporter's gauge and
+  the ``weight_sync_lag`` event.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 from nanwatch.monitor.model.refusal import CapReached, Refused
+from nanwatch.monitor.model.weight_verdicts import SideSet, Verdict, compare
 
-__all__ = ["SHOWN", "Verdict", "WeightSyncMismatch", "WeightSyncs", "compare"]
+__all__ = ["MAX_CANDIDATES", "Expired", "WeightSyncs", "WorkerSync"]
 
-#: the differing (missing, extra) tensor names a verdict and its event show, sorted: the first few
-SHOWN = 5
-
-
-class WeightSyncMismatch(TypedDict):
-    """``weight_sync_mismatch``: a rollout worker's weight fingerprints of a version differ from the
-    trainer's. ``differing``/``missing``/``extra``: the first tensor names, sorted (``missing``: the trainer
-    has them, the worker not; ``extra``: the reverse); the ``*_count`` fields count them all."""
-
-    version: int
-    worker: str
-    tensors: int
-    differing: list[str]
-    differing_count: int
-    missing: list[str]
-    missing_count: int
-    extra: list[str]
-    extra_count: int
+#: unbound trainer sets a version holds (a restarted trainer's and a stray sender's, say); beyond it 429
+MAX_CANDIDATES = 4
+#: published versions remembered per run for the lag (version numbers and times only)
+_PUBLISHED = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """One rollout worker's set of one version, against the trainer's."""
+@dataclass(slots=True)
+class WorkerSync:
+    """What the run knows of one rollout worker (for the lag and ``nanwatch status``)."""
 
-    worker: str
-    differing: tuple[str, ...]
-    differing_count: int
-    missing: tuple[str, ...]
-    missing_count: int
-    extra: tuple[str, ...]
-    extra_count: int
-    tensors: int
-
-    @property
-    def verified(self) -> bool:
-        return not (self.differing_count or self.missing_count or self.extra_count)
-
-    def answer(self) -> dict[str, object]:
-        return {"worker": self.worker, "verified": self.verified, "differing": list(self.differing),
-                "differing_count": self.differing_count, "missing": list(self.missing),
-                "missing_count": self.missing_count, "extra": list(self.extra), "extra_count": self.extra_count}
-
-    def detail(self, version: int) -> WeightSyncMismatch:
-        return WeightSyncMismatch(version=version, worker=self.worker, tensors=self.tensors,
-                                  differing=list(self.differing), differing_count=self.differing_count,
-                                  missing=list(self.missing), missing_count=self.missing_count,
-                                  extra=list(self.extra), extra_count=self.extra_count)
-
-
-def compare(worker: str, trainer: dict[str, str], rollout: dict[str, str]) -> Verdict:
-    """The worker's set against the trainer's: which tensors differ, which are missing or extra (pure)."""
-    differing = sorted(n for n, fp in rollout.items() if n in trainer and trainer[n] != fp)
-    missing = sorted(trainer.keys() - rollout.keys())
-    extra = sorted(rollout.keys() - trainer.keys())
-    return Verdict(worker, tuple(differing[:SHOWN]), len(differing), tuple(missing[:SHOWN]), len(missing),
-                   tuple(extra[:SHOWN]), len(extra), len(trainer))
-
-
-def digest(fingerprints: dict[str, str]) -> bytes:
-    """One set's identity (order-independent), to tell a resend from a new set."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(fingerprints):
-        h.update(name.encode("utf-8", "surrogatepass") + b"\0" + fingerprints[name].encode() + b"\0")
-    return h.digest()
+    first_posted: int
+    latest_posted: int
+    latest_verified: int | None = None
+    outcome: str = "waiting"
+    """Its latest compared set's outcome (``verified``, ``mismatch``, ``unverifiable``), or ``waiting``."""
+    lagging: bool = False
+    """A ``weight_sync_lag`` event was logged and the worker has not caught up since."""
+    expired_told: bool = False
+    """A version it never compared with was dropped and said so, since its latest post."""
 
 
 @dataclass(slots=True)
 class _Version:
-    trainer: dict[str, str] | None = None
-    trainer_digest: bytes = b""
+    trainer: SideSet | None = None
+    #: unbound trainer sets, by incarnation
+    candidates: dict[str, SideSet] = field(default_factory=dict)
     #: rollout sets waiting for the trainer's, by worker
-    waiting: dict[str, dict[str, str]] = field(default_factory=dict)
+    waiting: dict[str, SideSet] = field(default_factory=dict)
     #: by worker: the digest of its last compared set and the verdict
     verdicts: dict[str, tuple[bytes, Verdict]] = field(default_factory=dict)
+    received: float = 0.0
+    published: float | None = None
+
+
+@dataclass(slots=True)
+class _Run:
+    versions: OrderedDict[int, _Version] = field(default_factory=OrderedDict)
+    workers: dict[str, WorkerSync] = field(default_factory=dict)
+    #: bound (published) versions and when they were bound, the newest last
+    published: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    #: the incarnation the latest set was bound to: still the run's trainer while its rank view has expired
+    #: (a long rollout phase without reports), until another incarnation's set binds
+    trainer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """A version dropped before the named workers compared with it (the trainer's set was there, or not)."""
+
+    version: int
+    workers: tuple[str, ...]
+    published: bool
 
 
 class WeightSyncs:
-    """Each run's recent versions (event-loop thread only; the ledger calls it inside its transaction)."""
+    """Each run's versions (event-loop thread only; the ledger calls it inside its transaction)."""
 
-    def __init__(self, *, max_versions: int = 8, max_waiting: int = 256) -> None:
-        self.max_versions, self.max_waiting = max_versions, max_waiting
-        self.runs: dict[str, OrderedDict[int, _Version]] = {}
+    def __init__(self, *, max_versions: int = 32, max_waiting: int = 256, wait_s: float = 120.0,
+                 expire_s: float = 6 * 3600.0) -> None:
+        self.max_versions, self.max_waiting, self.wait_s, self.expire_s = max_versions, max_waiting, wait_s, expire_s
+        self.runs: dict[str, _Run] = {}
 
-    def _slot(self, run_id: str, version: int) -> _Version:
-        versions = self.runs.setdefault(run_id, OrderedDict())
-        v = versions.get(version)
-        if v is None:
-            v = versions[version] = _Version()
-            while len(versions) > self.max_versions:  # the oldest version received goes first
-                versions.popitem(last=False)
-        return v
+    # ---- checks before a write ------------------------------------------------------------------------
 
-    def check(self, run_id: str, version: int, side: str, worker: str, fingerprints: dict[str, str]) -> None:
-        """Refuse, before anything changes, a second trainer set of a version that differs from its first
-        (409) and a rollout set beyond ``max_waiting`` waiting for the trainer's (429)."""
-        v = self.runs.get(run_id, {}).get(version)
+    def check(self, run_id: str, version: int, side: str, worker: str, incarnation: str | None, s: SideSet) -> None:
+        """Refuse, before anything changes: a trainer set without an incarnation (403), a second trainer set
+        of a bound version that differs from it (409), more candidates than ``MAX_CANDIDATES`` (429) and a
+        rollout set beyond ``max_waiting`` waiting for the trainer's (429)."""
+        if side == "trainer" and incarnation is None:
+            raise Refused("side=trainer needs the incarnation of the rank that posts the run's reports (Monitor."
+                          "publish_weights sends it): a rollout worker posts side=rollout", status=403,
+                          reason="unbound_trainer")
+        v = self.runs[run_id].versions.get(version) if run_id in self.runs else None
         if v is None:
             return
-        if side == "trainer" and v.trainer is not None and digest(fingerprints) != v.trainer_digest:
+        if side == "trainer" and v.trainer is not None and s.digest != v.trainer.digest:
             raise Refused(f"weight version {version} of run {run_id!r} already has the trainer's weight "
                           "fingerprints, and these differ: a version is published once (use a new version)",
                           status=409, reason="conflict")
+        if (side == "trainer" and v.trainer is None and incarnation not in v.candidates
+                and len(v.candidates) >= MAX_CANDIDATES):
+            raise CapReached(f"weight version {version} of run {run_id!r} already has {MAX_CANDIDATES} trainer "
+                             "sets from incarnations the run does not report from", reason="weight_sync")
         if (side == "rollout" and v.trainer is None and worker not in v.waiting
                 and len(v.waiting) >= self.max_waiting):
             raise CapReached(f"weight version {version} of run {run_id!r} already has {self.max_waiting} "
                              "rollout workers' sets waiting for the trainer's", reason="weight_sync")
 
-    def trainer(self, run_id: str, version: int, fingerprints: dict[str, str]) -> list[Verdict]:
-        """The trainer's set of ``version``: the verdicts of the workers that were waiting for it (new
-        ones only; a resend gives none)."""
-        v, d = self._slot(run_id, version), digest(fingerprints)
-        if v.trainer is not None:
-            return []  # a resend (``check`` refused another set)
-        v.trainer, v.trainer_digest = fingerprints, d
-        found = []
-        for worker, rollout in v.waiting.items():
-            verdict = compare(worker, fingerprints, rollout)
-            v.verdicts[worker] = (digest(rollout), verdict)
-            found.append(verdict)
-        v.waiting.clear()
+    # ---- the writes -------------------------------------------------------------------------------------
+
+    def trainer(self, run_id: str, version: int, incarnation: str, s: SideSet, now: float) -> None:
+        """A trainer set of ``version``: a candidate until ``bind`` finds its incarnation the run's."""
+        v = self._slot(run_id, version, now)
+        if v.trainer is None:
+            v.candidates[incarnation] = s
+
+    def bind(self, run_id: str, incarnations: set[str], now: float) -> list[tuple[int, Verdict]]:
+        """Bind each version's candidate of one of the run's ``incarnations`` (rank 0's, the job poster's) and
+        compare the workers waiting for it: the new (version, verdict)s."""
+        run, found = self.runs.get(run_id), []
+        for version, v in (run.versions.items() if run is not None else ()):
+            if v.trainer is not None or not v.candidates:
+                continue
+            inc = next((i for i in v.candidates if i in incarnations), None)  # the reporting one first
+            if inc is None and run.trainer in v.candidates:
+                inc = run.trainer
+            if inc is None:
+                continue
+            v.trainer, v.candidates, v.published, run.trainer = v.candidates[inc], {}, now, inc
+            run.published[version] = now
+            run.published.move_to_end(version)
+            while len(run.published) > _PUBLISHED:
+                run.published.popitem(last=False)
+            for worker, rollout in v.waiting.items():
+                found.append((version, self._verdict(run, version, v, worker, rollout)))
+            v.waiting.clear()
         return found
 
-    def rollout(self, run_id: str, version: int, worker: str,
-                fingerprints: dict[str, str]) -> tuple[Verdict | None, bool]:
-        """A worker's set of ``version``: (its verdict or None while the trainer's is not there, whether
-        the verdict is new, i.e. to be counted: a resend of the same set is not)."""
-        v, d = self._slot(run_id, version), digest(fingerprints)
+    def rollout(self, run_id: str, version: int, worker: str, s: SideSet, now: float) -> tuple[Verdict | None, bool]:
+        """A worker's set of ``version``: (its verdict or None while no trainer set is bound, whether the
+        verdict is new, i.e. to be counted: a resend of the same set is not)."""
+        v = self._slot(run_id, version, now)
+        run = self.runs[run_id]
+        w = run.workers.get(worker)
+        if w is None:
+            if len(run.workers) >= self.max_waiting:  # the longest silent worker goes
+                run.workers.pop(min(run.workers, key=lambda k: run.workers[k].latest_posted))
+            w = run.workers[worker] = WorkerSync(version, version)
+        w.latest_posted, w.expired_told = max(w.latest_posted, version), False
         if v.trainer is None:
-            v.waiting[worker] = fingerprints  # ``check`` bounded them
+            v.waiting[worker] = s  # ``check`` bounded them
             return None, False
         old = v.verdicts.get(worker)
-        if old is not None and old[0] == d:
+        if old is not None and old[0] == s.digest:
             return old[1], False
         if old is None and len(v.verdicts) >= self.max_waiting:
             v.verdicts.pop(next(iter(v.verdicts)))  # only a resend's answer is lost
-        verdict = compare(worker, v.trainer, fingerprints)
-        v.verdicts[worker] = (d, verdict)
-        return verdict, True
+        return self._verdict(run, version, v, worker, s), True
 
-    def save(self, run_id: str) -> OrderedDict[int, _Version] | None:
-        """A copy of the run's versions, to ``restore`` if the write they belong to fails."""
-        versions = self.runs.get(run_id)
-        if versions is None:
+    def _verdict(self, run: _Run, version: int, v: _Version, worker: str, s: SideSet) -> Verdict:
+        verdict = compare(worker, v.trainer, s)
+        v.verdicts[worker] = (s.digest, verdict)
+        w = run.workers.get(worker)
+        if w is not None:
+            w.outcome = verdict.outcome
+            if verdict.verified and (w.latest_verified is None or version > w.latest_verified):
+                w.latest_verified = version
+        return verdict
+
+    def _slot(self, run_id: str, version: int, now: float) -> _Version:
+        versions = self.runs.setdefault(run_id, _Run()).versions
+        v = versions.get(version)
+        if v is None:
+            v = versions[version] = _Version(received=now)
+        return v
+
+    # ---- what a write or the sweeper reads next ---------------------------------------------------------
+
+    def expire(self, run_id: str, now: float) -> list[Expired]:
+        """Drop versions past ``expire_s`` and, beyond ``max_versions``, those every worker is done with
+        first, then the oldest: the dropped ones some worker never compared with (said once per worker
+        until it posts again)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return []
+        out = []
+        for version in [k for k, v in run.versions.items() if now - v.received > self.expire_s]:
+            out += self._drop(run, version)
+        while len(run.versions) > self.max_versions:
+            done = next((k for k, v in run.versions.items() if not self._pending_workers(run, k, v)), None)
+            out += self._drop(run, done if done is not None else next(iter(run.versions)))
+        return out
+
+    def due(self, run_id: str, now: float) -> bool:
+        """Whether ``expire`` would drop a version now."""
+        run = self.runs.get(run_id)
+        return run is not None and (len(run.versions) > self.max_versions or any(
+            now - v.received > self.expire_s for v in run.versions.values()))
+
+    def _pending_workers(self, run: _Run, version: int, v: _Version) -> list[str]:
+        """Workers the run knows that neither compared with ``version`` nor moved past it."""
+        return sorted(k for k, w in run.workers.items()
+                      if k not in v.verdicts and w.latest_posted <= version and w.first_posted <= version)
+
+    def _drop(self, run: _Run, version: int) -> list[Expired]:
+        v = run.versions.pop(version)
+        workers = [k for k in self._pending_workers(run, version, v) if not run.workers[k].expired_told]
+        workers += [k for k in v.waiting if k not in workers]
+        for k in workers:
+            if k in run.workers:
+                run.workers[k].expired_told = True
+        return [Expired(version, tuple(sorted(workers)), v.trainer is not None)] if workers else []
+
+    def lag(self, run_id: str, now: float) -> dict[str, int]:
+        """Each known worker's lag in versions (module docstring): 0 when it is not lagging."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return {}
+        out = {}
+        for name, w in run.workers.items():
+            floor = w.latest_verified if w.latest_verified is not None else w.first_posted - 1
+            behind = [t for version, t in run.published.items() if version > floor]
+            late = len(behind) == 1 and now - behind[0] >= self.wait_s
+            out[name] = len(behind) if len(behind) >= 2 or late else 0
+        return out
+
+    def summary(self, run_id: str) -> dict[str, object] | None:
+        """What ``GET /v1/runs/{run_id}`` shows: the latest published version and each worker's state."""
+        run = self.runs.get(run_id)
+        if run is None:
             return None
-        return OrderedDict((k, _Version(v.trainer, v.trainer_digest, dict(v.waiting), dict(v.verdicts)))
-                           for k, v in versions.items())
+        return {"latest_published": max(run.published, default=None),
+                "workers": {k: {"latest_posted": w.latest_posted, "latest_verified": w.latest_verified,
+                                "outcome": w.outcome} for k, w in sorted(run.workers.items())}}
 
-    def restore(self, run_id: str, saved: OrderedDict[int, _Version] | None) -> None:
+    def workers(self, run_id: str) -> dict[str, WorkerSync]:
+        run = self.runs.get(run_id)
+        return run.workers if run is not None else {}
+
+    # ---- the transaction's undo, and forgetting ---------------------------------------------------------
+
+    def save(self, run_id: str) -> _Run | None:
+        """A copy of the run's state, to ``restore`` if the write it belongs to fails."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return None
+        return _Run(OrderedDict((k, _Version(v.trainer, dict(v.candidates), dict(v.waiting), dict(v.verdicts),
+                                             v.received, v.published)) for k, v in run.versions.items()),
+                    {k: WorkerSync(w.first_posted, w.latest_posted, w.latest_verified, w.outcome, w.lagging,
+                                   w.expired_told) for k, w in run.workers.items()},
+                    OrderedDict(run.published), run.trainer)
+
+    def restore(self, run_id: str, saved: _Run | None) -> None:
         if saved is None:
             self.runs.pop(run_id, None)
         else:

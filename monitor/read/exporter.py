@@ -113,6 +113,8 @@ class RunSnapshot:
     loss_scale: float | None = None
     namespace: str = "*"
     """The run-id namespace the run belongs to (``HostCaps.namespace_of``): the host series' label."""
+    weight_lag: tuple[tuple[str, int], ...] = ()
+    """Each rollout worker's weight-sync lag in versions (``RunState.weight_lag``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(state.hung(run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
-        min(scales, default=None), state.hosts.namespace_of(run_id))
+        min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())))
     return snap, until, bool(born) or bool(fresh)
 
 
@@ -232,7 +234,7 @@ class _Families(dict):
 _AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
     counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
     counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT, counters.WEIGHT_SYNCS_VERIFIED,
-    counters.WEIGHT_SYNC_MISMATCHES, counters.SPIKE)}
+    counters.WEIGHT_SYNC_MISMATCHES, counters.SPIKE, counters.WEIGHT_SYNCS_UNVERIFIABLE)}
 
 
 def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
@@ -284,6 +286,8 @@ def _run_gauges(f: _Families, run: RunSnapshot) -> None:
         f.add(m.LIVE_RANKS, [run_id], run.live_count)
     d = run.directive
     f.add(m.DIRECTIVE_INFO, [run_id, d.mode, str(d.version)], 1)
+    for worker, lag in run.weight_lag:
+        f.add(m.WEIGHT_SYNC_LAG, [run_id, worker], lag)
     if not run.ended:
         f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``CollectorState.world_size``
 

@@ -20,7 +20,7 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
            "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
            "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "SPIKES", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
-           "WEIGHT_SYNCS_VERIFIED", "WEIGHT_SYNC_MISMATCHES", "family"]
+           "WEIGHT_SYNCS_UNVERIFIABLE", "WEIGHT_SYNCS_VERIFIED", "WEIGHT_SYNC_LAG", "WEIGHT_SYNC_MISMATCHES", "family"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,13 @@ ROLLOUT_NONFINITE_VALUES = _counted(counters.ROLLOUT_NONFINITE)
 ROLLOUT_MISMATCH_EVENTS = _counted(counters.ROLLOUT_EVENT)
 WEIGHT_SYNCS_VERIFIED = _counted(counters.WEIGHT_SYNCS_VERIFIED)
 WEIGHT_SYNC_MISMATCHES = _counted(counters.WEIGHT_SYNC_MISMATCHES)
+# added for dtype-aware verification and lag (issue #36)
+WEIGHT_SYNCS_UNVERIFIABLE = _counted(counters.WEIGHT_SYNCS_UNVERIFIABLE)
+WEIGHT_SYNC_LAG = MetricSpec(
+    "nanwatch_weight_sync_lag_versions", "gauge", ("run_id", "worker"),
+    "Per rollout worker that posted weight fingerprints: the versions the trainer published after the worker's "
+    "latest verified one, when it lags (two or more, or one it posted nothing verified for past "
+    "NANWATCH_WEIGHT_SYNC_WAIT_S), else 0. In memory; exported while the run is live.")
 # added for spikes (wire 1.9 ``StepReport.spikes``; issue #29)
 SPIKES = _counted(counters.SPIKE)
 REPORTS_ACCEPTED = MetricSpec(
@@ -176,7 +183,7 @@ _SPECS = (
     RUN_NONFINITE_VALUES, RUN_WORLD_SIZE, RANK_CRASHED, LATEST_OFFENDER_INFO, MATH_FALLBACK_INFO,
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
-    SPIKES,
+    SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT, RENDER_ERRORS,
 )
 

@@ -20,7 +20,7 @@ from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
            "RankView", "RlhfView", "RolloutView", "RunDetail", "RunList", "RunSummary", "SdpaView", "ValidationProblem",
-           "WeightSyncResult", "WeightVerdict", "ApiJSON"]
+           "WeightSyncResult", "WeightSyncView", "WeightVerdict", "WorkerSyncView", "ApiJSON"]
 
 
 #: A float that may be non-finite: a JSON number, or one of three strings.
@@ -232,6 +232,8 @@ class RunDetail(RunSummary):
                                          "nanwatch_spikes_total")
     latest_spikes: list[SpikeView] = Field(default_factory=list, description="the spikes of the run's latest "
                                            "report with any (the first few, largest factor first; in memory)")
+    weight_sync: WeightSyncView | None = Field(None, description="the run's weight syncs, by rollout worker (None: "
+                                               "no weight fingerprints posted since the collector started)")
     event_counts: dict[str, int]
     events: list[EventView]
 
@@ -247,6 +249,15 @@ class WeightVerdict(_Out):
     missing_count: int
     extra: list[str] = Field(description="the first tensors the worker has and the trainer not, sorted")
     extra_count: int
+    outcome: Literal["verified", "mismatch", "unverifiable"] = Field(
+        description="mismatch: a tensor differs, is missing or extra (a failed sync); unverifiable: only dtypes or "
+        "shapes that no cast the trainer published explains (the sync cannot be checked); else verified")
+    dtype_differs: list[str] = Field(description="the first tensors whose dtype no published cast explains, as "
+                                     "'name: trainer float32, rollout float8_e4m3fn'")
+    dtype_differs_count: int
+    shape_differs: list[str] = Field(description="the first tensors whose shapes differ, as 'name: trainer [4, 8], "
+                                     "rollout [8, 4]'")
+    shape_differs_count: int
 
 
 class WeightSyncResult(_Out):
@@ -256,7 +267,29 @@ class WeightSyncResult(_Out):
     version: int
     side: Literal["trainer", "rollout"]
     worker: str
+    bound: bool = Field(True, description="a trainer set: whether it is the run's (its incarnation is the one that "
+                        "posts the run's reports); false: it waits for that incarnation's first report (compared "
+                        "then), or never binds (not the run's trainer)")
     compared: list[WeightVerdict]
+
+
+class WorkerSyncView(_Out):
+    """One rollout worker's weight syncs (in memory: a collector restart forgets them)."""
+
+    latest_posted: int = Field(description="the newest version it posted a set of")
+    latest_verified: int | None = Field(description="the newest version whose set verified (None: none yet)")
+    outcome: Literal["waiting", "verified", "mismatch", "unverifiable"] = Field(
+        description="its latest compared set's outcome (waiting: none compared yet)")
+    lag: int = Field(description="versions the trainer published after its latest verified one, when it lags (two "
+                     "or more, or one unposted past NANWATCH_WEIGHT_SYNC_WAIT_S), else 0: "
+                     "nanwatch_weight_sync_lag_versions")
+
+
+class WeightSyncView(_Out):
+    """The run's weight syncs (``PUT /v1/runs/{run_id}/weights/{version}``, docs/weight_sync.md)."""
+
+    latest_published: int | None = Field(description="the newest version with the run's trainer set")
+    workers: dict[str, WorkerSyncView]
 
 
 class ApiJSON(JSONResponse):

@@ -93,7 +93,8 @@ class Ledger:
     def __init__(self, *, store: Store, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
                  logit_tau: float, margin_steps: int,
                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
-                 memory_limit_bytes: int | None = None, max_events: int | None = None) -> None:
+                 memory_limit_bytes: int | None = None, max_events: int | None = None,
+                 weight_sync_wait_s: float = 120.0, weight_sync_expire_s: float = 21_600.0) -> None:
         self.store = store
         #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
         self.namespace_of = namespace_of
@@ -116,7 +117,7 @@ class Ledger:
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
         #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
-        self.weight_syncs = WeightSyncs()
+        self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s)
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
-"""A side's weight fingerprints of one weight version, applied through the ledger's transaction: compared
-with the other side's (``nanwatch.monitor.model.weight_syncs``), each new verdict counted
-(``nanwatch_weight_syncs_verified_total`` or ``nanwatch_weight_sync_mismatches_total``) and a mismatch
-logged as a ``weight_sync_mismatch`` event naming the version, the worker and the first differing tensors.
-All or nothing, like every write: a failed write leaves the counters, the events and the versions as they
-were (the client's resend is applied once).
+"""A side's weight fingerprints of one weight version, applied through the ledger's transaction: a trainer set
+bound to the run's incarnation, compared with the other side's (``nanwatch.monitor.model.weight_syncs``),
+each new verdict counted (``nanwatch_weight_syncs_verified_total``, ``nanwatch_weight_sync_mismatches_total``,
+``nanwatch_weight_syncs_unverifiable_total``) and a mismatch logged as a ``weight_sync_mismatch`` event naming
+the version, the worker and the first differing tensors (``weight_sync_unverifiable`` for dtypes or shapes no
+cast explains); then each worker's lag (``RunState.weight_lag``, a ``weight_sync_lag`` event at its onset)
+and the versions dropped before a worker compared with them (``weight_sync_expired``). The sweeper runs the
+same lag and expiry pass (``sweep_weights``): a worker that stops posting lags after ``wait_s`` with no
+request. All or nothing, like every write: a failed write leaves the counters, the events and the versions as
+they were (the client's resend is applied once).
 """
 
 from __future__ import annotations
@@ -11,14 +15,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nanwatch.monitor.model.counters import WEIGHT_SYNC_MISMATCHES, WEIGHT_SYNCS_VERIFIED, CounterFamily
+from nanwatch.monitor.model.counters import (
+    WEIGHT_SYNC_MISMATCHES,
+    WEIGHT_SYNCS_UNVERIFIABLE,
+    WEIGHT_SYNCS_VERIFIED,
+    CounterFamily,
+)
 from nanwatch.monitor.model.refusal import CapReached
 from nanwatch.monitor.model.state import RunState
 from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.model.weight_verdicts import Verdict, side_set
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.wire import WeightFingerprints
 
-__all__ = ["apply_weights"]
+__all__ = ["apply_weights", "sweep_weights"]
 
 
 def _count(ledger: Ledger, run: RunState, fam: CounterFamily, n: int) -> None:
@@ -33,6 +43,65 @@ def _count(ledger: Ledger, run: RunState, fam: CounterFamily, n: int) -> None:
     ledger.store.put_counters([(run.run_id, fam.key, (), value)])
 
 
+_COUNTED = {"verified": WEIGHT_SYNCS_VERIFIED, "mismatch": WEIGHT_SYNC_MISMATCHES,
+            "unverifiable": WEIGHT_SYNCS_UNVERIFIABLE}
+
+
+def _incarnations(run: RunState) -> set[str]:
+    """The incarnations a trainer set binds to: of rank 0 and of the rank that posts the job reports."""
+    views = (run.ranks.get(0), run.job, run.ended_views.get(0))
+    return {st.incarnation for st in views if st is not None}
+
+
+def _verdicts(ledger: Ledger, run: RunState, now: float, found: list[tuple[int, Verdict]]) -> None:
+    for version, v in found:
+        fam = _COUNTED[v.outcome]
+        _count(ledger, run, fam, 1)
+        if v.outcome != "verified":
+            n = run.counters.get((fam.key, ()), 0)
+            ledger.record_event(EventRow(run.run_id, now, f"weight_sync_{v.outcome}", f"weight_sync:{version}:{n}"
+                                         if v.outcome == "mismatch" else f"weight_sync_{v.outcome}:{version}:{n}",
+                                         detail=v.detail(version)))
+
+
+def _after(ledger: Ledger, run: RunState, now: float) -> None:
+    """Expiry and lag, inside the transaction: the events, and the lag the exporter shows."""
+    syncs = ledger.weight_syncs
+    for gone in syncs.expire(run.run_id, now):
+        ledger.record_event(EventRow(run.run_id, now, "weight_sync_expired", f"weight_sync_expired:{gone.version}",
+                                     detail={"version": gone.version, "workers": list(gone.workers[:50]),
+                                             "workers_count": len(gone.workers), "published": gone.published}))
+    lag, workers = syncs.lag(run.run_id, now), syncs.workers(run.run_id)
+    published = syncs.summary(run.run_id) or {}
+    for name, n in lag.items():
+        w = workers[name]
+        if n and not w.lagging:
+            w.lagging = True
+            ledger.record_event(EventRow(run.run_id, now, "weight_sync_lag", f"weight_sync_lag:{name}:{now:.6f}", detail={
+                "worker": name, "behind": n, "latest_published": published.get("latest_published"),
+                "latest_posted": w.latest_posted, "latest_verified": w.latest_verified,
+                "wait_s": syncs.wait_s}))
+        elif not n:
+            w.lagging = False
+    run.weight_lag = lag
+
+
+def sweep_weights(ledger: Ledger, now: float) -> None:
+    """The sweeper's pass over every run with weight versions: expiry and lag with no request (one
+    transaction per run that changed)."""
+    for run_id in list(ledger.weight_syncs.runs):
+        run = ledger.state.runs.get(run_id)
+        if run is None:
+            continue
+        if ledger.weight_syncs.lag(run_id, now) == run.weight_lag and not ledger.weight_syncs.due(run_id, now):
+            continue  # nothing to say
+        saved = ledger.weight_syncs.save(run_id)
+        try:
+            ledger.atomically({run_id}, set(), lambda run=run: _after(ledger, run, now))
+        except Exception:  # the store refused: the next sweep tries again
+            ledger.weight_syncs.restore(run_id, saved)
+
+
 def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints) -> dict[str, Any]:
     """Apply one side's set (``PUT /v1/runs/{run_id}/weights/{version}``) and return the answer: the new
     or resent verdicts. Raises ``CapReached`` (429: the run cap, the memory limit, a version's waiting
@@ -44,30 +113,29 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
         ledger.state.caps_hit["memory"] += 1
         raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
                          "fingerprints are kept until it is below", reason="memory")
-    syncs = ledger.weight_syncs
-    syncs.check(run_id, version, body.side, body.worker, body.fingerprints)
+    syncs, kept = ledger.weight_syncs, side_set(body)
+    syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
 
     def write() -> list[Any]:
         now = time.time()
         run = ledger.state.ensure_run(run_id)
         run.touched = time.monotonic()
-        for fam in (WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES):  # both series exist from the first set on
+        for fam in _COUNTED.values():  # the series exist from the first set on
             if (fam.key, ()) not in run.counters:
                 _count(ledger, run, fam, 0)
+        bound = syncs.bind(run_id, _incarnations(run), now)  # a trainer set that waited for its report
         if body.side == "trainer":
-            verdicts = counted = syncs.trainer(run_id, version, body.fingerprints)
+            syncs.trainer(run_id, version, body.incarnation, kept, now)
+            bound += syncs.bind(run_id, _incarnations(run), now)
+            answer, counted = [v for ver, v in bound if ver == version], bound
         else:
-            verdict, new = syncs.rollout(run_id, version, body.worker, body.fingerprints)
-            verdicts = [verdict] if verdict is not None else []
-            counted = verdicts if new else []
-        for v in counted:
-            _count(ledger, run, WEIGHT_SYNCS_VERIFIED if v.verified else WEIGHT_SYNC_MISMATCHES, 1)
-            if not v.verified:
-                n = run.counters.get((WEIGHT_SYNC_MISMATCHES.key, ()), 0)
-                ledger.record_event(EventRow(run_id, now, "weight_sync_mismatch", f"weight_sync:{version}:{n}",
-                                             detail=v.detail(version)))
+            verdict, new = syncs.rollout(run_id, version, body.worker, kept, now)
+            answer = [verdict] if verdict is not None else []
+            counted = bound + ([(version, verdict)] if new else [])
+        _verdicts(ledger, run, now, counted)
+        _after(ledger, run, now)
         ledger.store.touch({run_id}, now)
-        return verdicts
+        return answer
 
     saved = syncs.save(run_id)
     try:
@@ -75,5 +143,7 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
     except BaseException:
         syncs.restore(run_id, saved)
         raise
+    bound = syncs.runs[run_id].versions.get(version)
     return {"version": version, "side": body.side, "worker": body.worker,
+            "bound": body.side != "trainer" or bound is None or bound.trainer is not None,
             "compared": [v.answer() for v in verdicts]}

@@ -56,10 +56,16 @@ def _lowered(module: torch.nn.Module, dtype: torch.dtype) -> None:
     module.register_forward_hook(lambda m, args, out: out.float())
 
 
-def _rollout(trainer: torch.nn.Module, only: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rollout(trainer: torch.nn.Module, only: str | None, *, stale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequences ``[B, P + C]``, the sampler's logprobs of the completion ``[B, C]``) from a separate copy
-    of the trainer: entirely bf16 (``only=None``) or with module ``only`` in bf16."""
+    of the trainer: entirely bf16 (``only=None``) or with module ``only`` in bf16; ``stale``: its weights
+    moved by noise of that size (weights the trainer no longer holds: a sync that did not happen)."""
     engine = copy.deepcopy(trainer).eval()
+    if stale:
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(3)
+            for p in engine.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * stale)
     if only is None:
         engine.to(torch.bfloat16)
     else:
@@ -96,6 +102,17 @@ def test_b_only_lm_head_in_bf16_names_lm_head():
     # by size alone the first block would be named: the rollout's own Δlogp, token by token, names lm_head
     assert {m.module: m.share for m in a.modules}["lm_head"] < 0.5
     assert "token by token" in a.note
+
+
+def test_stale_weights_are_not_attributed_to_a_module():
+    """#36: with weights the trainer no longer holds, lowering every module explains a sliver of the mismatch;
+    the attribution is withheld, and its note leads with the share explained."""
+    trainer = _trainer()
+    ids, rollout = _rollout(trainer, None, stale=0.05)
+    a = attribute_mismatch(trainer, ids, rollout, rollout_dtype=torch.bfloat16, cause="drift", step=9)
+    assert a.lowered_abs_mean < 0.5 * a.observed_abs_mean, a
+    assert a.module is None and a.note.startswith("withheld: lowering every module to bfloat16 explains "), a.note
+    assert a.modules  # the shares are still there to read
 
 
 def _state(model: torch.nn.Module) -> dict:

@@ -147,10 +147,17 @@ def test_a_nan_from_a_hook_the_replay_does_not_run_is_not_reproducible(tmp_path)
     assert inc.site is not None and inc.site.startswith(site_fqn) and site_fqn.startswith("model.layers.0"), meta
     assert meta["capture"]["of"] == "first_offender" and meta["capture"]["micro_batches"] == 1, meta["capture"]
     assert torch.isfinite(x).all() and x.shape[:2] == (2, 32), x.shape  # the hidden states of the batch
+    # the user's hook cannot travel (it is code), but the capsule says it existed (nanwatch's own are not named)
+    assert [h for h in meta["hooks"] if "down_proj: hook" in h and "poison" in h] and not [
+        h for h in meta["hooks"] if "nanwatch" in h], meta["hooks"]
     # on "another host" (a fresh process that never saw the hook): the same call is finite
     code, result, err = _replay(inc.capsule, "--try", "same,fp32")
     assert code == 1, (code, err)
     assert result["cls"] == "not_reproducible" and _rows(result)["same"]["status"] == "finite", result
+    assert result["hooks"] == meta["hooks"]
+    table = subprocess.run([sys.executable, "-m", "nanwatch.cli", "replay", inc.capsule, "--try", "same"],
+                           capture_output=True, text=True, timeout=300).stdout
+    assert "suspect a hook before the hardware" in table and "silent data corruption" not in table, table
     assert result["recorded"]["incident_cls"] == "not_reproducible"
     # and the collector counts it against this host
     counted = sum(v for (name, _), v in scraped.items() if name == "nanwatch_not_reproducible_incidents_total")

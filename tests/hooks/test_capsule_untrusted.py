@@ -203,3 +203,39 @@ def test_a_malformed_capsule_exits_2_with_one_line(tmp_path, capsys, case):
     # finding 5: 10 of 12 malformed capsules crashed with a traceback and exit 1 ("not reproducible")
     line = _refused(capsys, _malformed(tmp_path, case))
     assert line.startswith("nanwatch replay: ")
+
+
+def _long_attribution_capsule(tmp_path: Path, *, sequences: int = 32, length: int = 8192) -> str:
+    """A genuine attribution capsule (the writer's own ``capture_model``) of a tiny Qwen3 over ``sequences`` x
+    ``length`` tokens, as #37's finding 8 made it (about 3 MiB): built in a blink, minutes to redo."""
+    from support import tiny_qwen3
+
+    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+
+    model = tiny_qwen3("sdpa", seed=0, max_position_embeddings=length)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (sequences, length), generator=g)
+    c = min(64, length - 1)
+    inputs = {"input_ids": ids, "rollout_logprobs": -torch.rand(sequences, c, generator=g),
+              "trainer_logprobs": -torch.rand(sequences, c, generator=g),
+              "completion_mask": torch.ones(sequences, c, dtype=torch.bool)}
+    writer = CapsuleWriter(run_id="long", rank=0, directory=str(tmp_path), max_count=1, max_bytes=64 << 20)
+    path = writer.capture_model(kind="attribution", step=3, model=model, inputs=inputs, extra={
+        "rollout_dtype": "bfloat16", "temperature": 1.0, "attribution": {"module": "lm_head", "cause": "drift"}})
+    writer.join()
+    assert path
+    return path
+
+
+@pytest.mark.parametrize(("flags", "over"), [((), "--max-run-s 300"),
+                                              (("--max-run-s", "1e9", "--max-bytes", "100000000"),
+                                               "--max-bytes 100,000,000")])
+def test_an_attribution_capsule_too_long_to_redo_is_refused_before_it_runs(tmp_path, capsys, flags, over):
+    """32 sequences x 8,192 tokens: counted before anything runs, against --max-run-s (default 300 s at the
+    assumed rate) and one forward's activations against --max-bytes; exit 2, one line naming what was over
+    and which flag raises it (#37, finding 8). No time is measured here: today's code ran it for minutes."""
+    path = _long_attribution_capsule(tmp_path)
+    assert os.path.getsize(path) > 2 << 20  # about 3 MiB: the recorded token ids, mostly
+    line = _refused(capsys, path, *flags)
+    assert "32 sequences x 8,192 tokens" in line and over in line, line
+    assert "refused before it runs" in line and f"raise {over.split()[0]}" in line, line

@@ -25,10 +25,11 @@ def _capsules_in_tmp(tmp_path, monkeypatch):
 
 
 def _run(engine: RolloutEngine, policy: torch.nn.Module, steps: int, *, sync_until: int | None = None,
-         lr: float = 1e-4, agree: list | None = None):
+         lr: float = 1e-4, agree: list | None = None, temperature_from: tuple[int, float] | None = None):
     """Train ``steps`` GRPO-shaped steps on the engine's samples; the weights are synced before every step
     below ``sync_until`` (None: always); ``agree`` gets, per step, whether the engine's weight fingerprints
-    equal the trainer's when it samples. Returns the reports."""
+    equal the trainer's when it samples; ``temperature_from`` (step, T): the engine's sampler alone switches
+    to temperature T from that step. Returns the reports."""
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     reports = []
     with warnings.catch_warnings():
@@ -40,6 +41,8 @@ def _run(engine: RolloutEngine, policy: torch.nn.Module, steps: int, *, sync_unt
                 engine.sync(policy)
             if agree is not None:
                 agree.append(nanwatch.fingerprint(engine.model) == nanwatch.fingerprint(policy))
+            if temperature_from is not None and step == temperature_from[0]:
+                engine.temperature = temperature_from[1]
             sequences, rollout = engine.sample(step)
             with mon.step(step):
                 logits = policy(sequences).logits[:, -NEW - 1:-1].float()
@@ -95,14 +98,28 @@ def test_only_lm_head_in_bf16_names_lm_head():
     assert _attribution(reports).module == "lm_head"
 
 
-def test_weights_no_longer_synced_from_step_k_is_a_jump_at_k_plus_1():
-    policy, k = rollout_policy(), 6
+@pytest.mark.parametrize("lr", [1e-3, 3e-3])
+def test_weights_no_longer_synced_from_step_k_is_a_jump_at_k_plus_1_and_never_a_drift_or_offset(lr):
+    """#36: stale weights became a drift three steps after the jump (1e-3), or an offset (3e-3), and the drift
+    got a module attributed: the rising mismatch of stale weights stays the jump's, however long it lasts."""
+    policy, k, steps = rollout_policy(), 6, 16
     agree: list[bool] = []
-    reports = _run(RolloutEngine(policy), policy, 10, sync_until=k + 1, lr=1e-3, agree=agree)
+    reports = _run(RolloutEngine(policy), policy, steps, sync_until=k + 1, lr=lr, agree=agree)
     assert _events(reports) == [(k + 1, "jump")]
     jump = reports[k + 1].rollout_events[0]
     assert jump.figures["factor"] > 100 and "weight sync" in jump.remedy
-    assert agree == [True] * (k + 1) + [False] * (10 - k - 1)  # the weight fingerprints say why
+    assert all(r.rollout_attribution is None for r in reports)
+    assert agree == [True] * (k + 1) + [False] * (steps - k - 1)  # the weight fingerprints say why
+
+
+def test_a_temperature_switched_on_by_the_sampler_mid_run_is_an_offset_never_a_jump():
+    """#36: the rollout switches to T=0.7 at step 6 while the trainer keeps 1.0: it paged as a weight-sync jump
+    at step 6, and the right offset came two steps later. A line of slope 1/T explains it: an offset only."""
+    policy = rollout_policy()
+    reports = _run(RolloutEngine(policy), policy, 10, temperature_from=(6, 0.7))
+    assert _events(reports) == [(8, "offset")]
+    offset = reports[8].rollout_events[0]
+    assert offset.figures["logprob_slope"] > 1.1 and "temperature" in offset.evidence, offset.evidence
 
 
 def test_a_temperature_applied_by_the_sampler_alone_is_an_offset():

@@ -269,3 +269,120 @@ def test_collector_killed_and_restarted_holds_every_report_or_push_does(tmp_path
         assert _sdpa_calls(c.url, "undelivered-1") == 2 * steps  # every step, once
     finally:
         c.stop()
+
+
+# ---- never through a link, never read unbounded (#37, findings 4, 5, 7) ---------------------------------
+
+def _kept_file(folder: Path, name: str, run_id: str, seqs: range) -> Path:
+    """A spool file as the writer leaves it: one StepReport a line."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / name
+    path.write_bytes(b"".join(step_report(run_id=run_id, seq=i, incarnation="inc1").model_dump_json().encode()
+                              + b"\n" for i in seqs))
+    return path
+
+
+def test_push_never_writes_through_a_planted_tmp_link_nor_reads_a_planted_file(tmp_path):
+    """A file sent in part (64 lines acknowledged, then a line that is no report): the rest is rewritten through
+    a file push made itself, never through the ``<file>.tmp`` link someone planted beside it (finding 4); a
+    ``*.jsonl`` link in the folder is named and skipped, its target neither read nor removed."""
+    from nanwatch.cli.push import push
+
+    folder = tmp_path / "undelivered" / run_folder_name("linked")
+    path = _kept_file(folder, "rank0-inc1.jsonl", "linked", range(70))
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([*lines[:64], b"not a report", *lines[64:]]) + b"\n")
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (folder / "rank0-inc1.jsonl.tmp").symlink_to(victim)
+    (folder / "rank1-inc1.jsonl").symlink_to(victim)
+    out: list[str] = []
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        result = push([tmp_path / "undelivered"], c.url, token=None, out=out.append)
+    assert victim.read_text() == "precious\n"  # neither written through nor removed
+    assert (folder / "rank0-inc1.jsonl.tmp").is_symlink() and (folder / "rank1-inc1.jsonl").is_symlink()
+    assert (result.applied, result.left) == (64, 7), (result, out)
+    assert path.read_bytes().splitlines() == [b"not a report", *lines[64:]]  # what is left, in order
+    assert not path.is_symlink() and (path.stat().st_mode & 0o777) == 0o600
+    linked = [p for p in result.problems if "rank1-inc1.jsonl" in p]
+    assert len(linked) == 1 and "symbolic link" in linked[0] and "skipped" in linked[0], result.problems
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]  # nothing left over
+
+
+def _another_users(path: Path, monkeypatch) -> None:
+    """``path`` belongs to someone else: chown'd to nobody when root, else this process claims another uid."""
+    if os.getuid() == 0:
+        os.chown(path, 65534, 65534)
+    else:
+        uid = os.getuid() + 1
+        monkeypatch.setattr(os, "getuid", lambda: uid)
+
+
+@pytest.mark.parametrize("planted", ["run_link", "root_link", "run_not_mine"])
+def test_the_writer_refuses_a_planted_run_folder_says_so_once_and_counts_the_reports_lost(
+        tmp_path, caplog, monkeypatch, planted):
+    """A shared ``log_dir`` where someone planted the run folder (or ``undelivered``) as a link to another folder,
+    or made it theirs: nothing is written there, one warning says why, every report is counted lost (finding 5)."""
+    root = tmp_path / "logs" / "undelivered"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "root_link":
+        root.parent.mkdir()
+        root.symlink_to(elsewhere, target_is_directory=True)
+    else:
+        root.mkdir(parents=True)
+        run = root / run_folder_name("planted")
+        if planted == "run_link":
+            run.symlink_to(elsewhere, target_is_directory=True)
+        else:
+            run.mkdir()
+            _another_users(run, monkeypatch)
+    spool = Spool(root, run_id="planted", rank=0, incarnation="inc1")
+    with caplog.at_level(logging.INFO, logger="nanwatch"), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        sender = ReportSender(f"http://127.0.0.1:{free_port()}", spool=spool, backoff_base_s=0.05)
+        for i in range(12):
+            sender.submit(step_report(run_id="planted", seq=i, incarnation="inc1"))
+        assert spool.keep([step_report(run_id="planted", seq=99, incarnation="inc1")]) == 0  # a second try
+        sender.close(timeout_s=0.5)
+    assert not list(elsewhere.iterdir())  # nothing written where the link points
+    if planted != "root_link":
+        assert not list(root.rglob("*.jsonl"))
+    acc = _account(caplog)
+    assert (acc["submitted"], acc["kept"], acc["lost"]) == (12, 0, 12), acc["line"]
+    why = "owned by uid" if planted == "run_not_mine" else "symbolic link"
+    assert why in acc["line"] and "refused" in acc["line"], acc["line"]
+    said = [r.getMessage() for r in caplog.records if "undelivered reports not kept" in r.getMessage()]
+    assert len(said) == 1 and why in said[0], said
+    assert len([w for w in warned if "undelivered reports not kept" in str(w.message)]) == 1
+
+
+def _push_bounded(url: str, *paths) -> subprocess.CompletedProcess:
+    """``nanwatch push`` in a process whose address space is capped at 2 GiB: a file read whole past that is
+    a MemoryError, never a machine out of memory."""
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "from nanwatch.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
+    return subprocess.run([sys.executable, "-c", code, "push", "--collector", url, *map(str, paths)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_push_skips_an_oversize_sparse_file_names_it_and_sends_the_next(tmp_path):
+    """A sparse 6 GiB ``.jsonl`` (no disk used) between two genuine spool files: skipped unread and named, and
+    the genuine file after it is still sent (finding 7)."""
+    folder = tmp_path / "undelivered" / run_folder_name("sparse")
+    first = _kept_file(folder, "rank0-a.jsonl", "sparse", range(3))
+    big = folder / "rank0-b.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(6 << 30)
+    last = _kept_file(folder, "rank0-c.jsonl", "sparse", range(3, 7))
+    with CollectorProcess(db_path=tmp_path / "c.db") as c:
+        p = _push_bounded(c.url, tmp_path / "undelivered")
+    assert p.returncode == 1, p.stdout + p.stderr  # something is left: the oversize file
+    assert "Traceback" not in p.stderr and "MemoryError" not in p.stderr, p.stderr
+    assert "7 applied" in p.stdout, p.stdout + p.stderr
+    named = [ln for ln in p.stderr.splitlines() if "rank0-b.jsonl" in ln]
+    assert len(named) == 1 and "6,442,450,944 bytes" in named[0] and "skipped" in named[0], p.stderr
+    assert not first.exists() and not last.exists() and big.stat().st_size == 6 << 30

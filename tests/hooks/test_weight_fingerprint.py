@@ -159,3 +159,36 @@ def test_cuda_and_cpu_give_the_same_value(dtype):
     t = (torch.randn(3 * BLOCK + 11, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
     sd = {"t": t, "small": t[:7].clone(), "matrix": t[: 64 * 33].reshape(64, 33).clone()}
     assert fingerprint({k: v.cuda() for k, v in sd.items()}) == fingerprint(sd)
+
+
+def test_the_answer_carries_dtypes_and_shapes_and_the_casts_are_the_cast_tensors_values():
+    """#36: ``nanwatch.fingerprint`` is still a plain mapping to its readers, and also says each tensor's dtype
+    and shape; ``fingerprint_casts`` gives what a copy cast with ``.to(dtype)`` (or loaded into a model of that
+    dtype) fingerprints to, for the floating tensors of another dtype only."""
+    from nanwatch.hooks.measure.weight_fingerprint import fingerprint_casts
+
+    g = torch.Generator().manual_seed(6)
+    sd = {"w": torch.randn(8, 5, generator=g), "h": torch.randn(7, generator=g).half(), "n": torch.arange(6)}
+    fps = fingerprint(sd)
+    assert dict(fps) == fps and json.loads(json.dumps(fps)) == dict(fps)
+    assert fps.dtypes == {"w": "float32", "h": "float16", "n": "int64"}
+    assert fps.shapes == {"w": [8, 5], "h": [7], "n": [6]}
+    casts = fingerprint_casts(sd, [torch.bfloat16, torch.float16])
+    assert set(casts) == {"bfloat16", "float16"}
+    assert casts["bfloat16"] == fingerprint({"w": sd["w"].to(torch.bfloat16), "h": sd["h"].to(torch.bfloat16)})
+    assert casts["float16"] == fingerprint({"w": sd["w"].to(torch.float16)})  # "h" is float16 already
+    copy = torch.empty(8, 5, dtype=torch.bfloat16)
+    copy.copy_(sd["w"])  # what load_state_dict does into a bf16 model
+    assert fingerprint({"w": copy})["w"] == casts["bfloat16"]["w"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_a_cast_on_cuda_fingerprints_as_on_the_cpu(dtype):
+    """Not run here (no GPU lent to this work): a trainer on CUDA publishes the casts a CPU (or other GPU)
+    loader makes, bit for bit, or a right sync would read as a mismatch."""
+    from nanwatch.hooks.measure.weight_fingerprint import fingerprint_casts
+
+    t = torch.randn(3 * BLOCK + 11, generator=torch.Generator().manual_seed(5)) * 300  # fp8's range exceeded too
+    assert fingerprint_casts({"t": t.cuda()}, [dtype]) == fingerprint_casts({"t": t}, [dtype])

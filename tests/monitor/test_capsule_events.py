@@ -135,4 +135,4 @@ def test_status_from_a_local_record_shows_the_same_capsule_line_as_the_collector
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  incident at step 4")]
     assert len(lines) == 2 and lines[0] == lines[1], lines
     assert ("capsule s3://bucket/caps/both-4.nwcap: replay with `nanwatch replay s3://bucket/caps/both-4.nwcap "
-            "--device cuda --try same` on this host and on another") in lines[0]
+            "--try same` on this host and on another") in lines[0]

@@ -51,8 +51,10 @@ def test_a_synced_rollout_copy_is_verified_and_a_stale_one_is_named(collector):
         rollout.load_state_dict(trainer.state_dict())  # the weight sync of version 3
         published = mon.publish_weights(3)
         answer = post_weights(url, run_id, 3, nanwatch.fingerprint(rollout), worker="vllm-0", token=collector.token)
-        assert answer["compared"] == [{"worker": "vllm-0", "verified": True, "differing": [], "differing_count": 0,
-                                       "missing": [], "missing_count": 0, "extra": [], "extra_count": 0}]
+        assert answer["compared"] == [{"worker": "vllm-0", "verified": True, "outcome": "verified", "differing": [],
+                                       "differing_count": 0, "missing": [], "missing_count": 0, "extra": [],
+                                       "extra_count": 0, "dtype_differs": [], "dtype_differs_count": 0,
+                                       "shape_differs": [], "shape_differs_count": 0}]
         m = scrape(url)
         assert sample(m, VERIFIED, run_id=run_id) == 1 and sample(m, MISMATCHES, run_id=run_id) == 0
         # the trainer steps and publishes version 4; the rollout copy misses the update
@@ -82,16 +84,16 @@ def test_whichever_side_arrives_second_compares_and_names_missing_tensors(collec
     partial = dict(list(fps.items())[1:])
     assert post_weights(url, run_id, 7, fps, worker="a", token=tok)["compared"] == []
     assert post_weights(url, run_id, 7, partial, worker="b", token=tok)["compared"] == []
-    answer = post_weights(url, run_id, 7, fps, side="trainer", token=tok)
+    answer = post_weights(url, run_id, 7, fps, side="trainer", token=tok, incarnation="inc0")
     by_worker = {v["worker"]: v for v in answer["compared"]}
     assert by_worker["a"]["verified"] and not by_worker["b"]["verified"]
     assert by_worker["b"]["missing"] == [next(iter(fps))] and by_worker["b"]["missing_count"] == 1
     m = scrape(url)
     assert sample(m, VERIFIED, run_id=run_id) == 1 and sample(m, MISMATCHES, run_id=run_id) == 1
     # the trainer's set of a version is written once: the same again is a resend, another one a conflict
-    assert post_weights(url, run_id, 7, fps, side="trainer", token=tok)["compared"] == []
+    assert post_weights(url, run_id, 7, fps, side="trainer", token=tok, incarnation="inc0")["compared"] == []
     with pytest.raises(WeightSyncRefused) as refused:
-        post_weights(url, run_id, 7, partial, side="trainer", token=tok)
+        post_weights(url, run_id, 7, partial, side="trainer", token=tok, incarnation="inc0")
     assert refused.value.status == 409
 
 
@@ -155,16 +157,24 @@ def test_the_client_refuses_a_bad_run_id_or_version_before_sending():
     assert weights_path("run", 2) == "/v1/runs/run/weights/2"
 
 
+def _kept(fps: dict[str, str]):
+    from nanwatch.monitor.model.weight_verdicts import side_set
+    from nanwatch.wire import WeightFingerprints
+
+    return side_set(WeightFingerprints(side="rollout", fingerprints=fps))
+
+
 def test_versions_and_waiting_sets_are_bounded():
     syncs = WeightSyncs(max_versions=3, max_waiting=2)
-    fps = {"w": GOOD}
+    fps = _kept({"w": GOOD})
     for version in range(5):
-        syncs.trainer("r", version, fps)
-    assert list(syncs.runs["r"]) == [2, 3, 4]  # the oldest dropped
-    assert syncs.rollout("r", 0, "w0", fps) == (None, False)  # version 0 is gone: it waits (a new version)
-    assert list(syncs.runs["r"]) == [3, 4, 0]
-    syncs.rollout("r", 9, "a", fps)
-    syncs.rollout("r", 9, "b", fps)
-    syncs.check("r", 9, "rollout", "a", fps)  # a worker already waiting may send again
+        syncs.trainer("r", version, "inc", fps, 0.0)
+        syncs.bind("r", {"inc"}, 0.0)
+        syncs.expire("r", 0.0)
+    assert list(syncs.runs["r"].versions) == [2, 3, 4]  # the oldest dropped (no worker waits for them)
+    assert syncs.rollout("r", 0, "w0", fps, 0.0) == (None, False)  # version 0 is gone: it waits (a new version)
+    syncs.rollout("r", 9, "a", fps, 0.0)
+    syncs.rollout("r", 9, "b", fps, 0.0)
+    syncs.check("r", 9, "rollout", "a", None, fps)  # a worker already waiting may send again
     with pytest.raises(CapReached):
-        syncs.check("r", 9, "rollout", "c", fps)
+        syncs.check("r", 9, "rollout", "c", None, fps)

@@ -28,10 +28,11 @@ SCHEMA_MODELS = (WeightFingerprints,)
     openapi_extra={"requestBody": _BODY},
     responses={400: {"model": Problem, "description": "malformed JSON"}, **BODY,
                409: {"model": Problem, "description": "the version already has another trainer set"},
+               403: {"model": Problem, "description": "a valid token of the wrong kind, a run outside the token's "
+                     "namespace, or side=trainer without an incarnation (nothing was applied)"},
                429: {"model": Problem, "description": "a cap was reached (runs, memory, a version's waiting "
                      "rollout sets)"},
-               **AUTH, 403: {"model": Problem, "description": "a valid token of the wrong kind, or a run outside "
-                             "the token's namespace (nothing was applied)"},
+               **AUTH,
                **INVALID, **NOT_READY},
 )
 async def put_weights(run_id: RunIdPath, version: Annotated[int, Path(ge=0, le=MAX_INT)], request: Request,
@@ -39,8 +40,12 @@ async def put_weights(run_id: RunIdPath, version: Annotated[int, Path(ge=0, le=M
     """Record the trainer's or a rollout worker's weight fingerprints of weight ``version`` and compare them
     with the other side's, when it is there: each rollout worker's set is compared with the trainer's; equal
     counts ``nanwatch_weight_syncs_verified_total``, different counts ``nanwatch_weight_sync_mismatches_total``
-    and logs a ``weight_sync_mismatch`` event (version, worker, first differing tensors). A resend of the same
-    set is answered again and counted once. An ingest token writes its namespace's runs only (403)."""
+    and logs a ``weight_sync_mismatch`` event (version, worker, first differing tensors). Dtype-aware: a rollout
+    tensor verifies against the trainer's native fingerprint or its cast to the rollout's dtype; a dtype or
+    shape no published cast explains is ``unverifiable`` (``weight_sync_unverifiable``), never a mismatch. A
+    trainer set must carry the incarnation of the rank that posts the run's reports (403 without): it is
+    compared once that incarnation reports (``bound``). A resend of the same set is answered again and
+    counted once. An ingest token writes its namespace's runs only (403)."""
     if not token.owns(run_id):
         raise Refused(f"token {token.name!r} owns the runs matching {token.runs!r}, not {run_id!r}: nothing was "
                       "applied", status=403, reason="foreign_run")

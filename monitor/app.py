@@ -63,7 +63,9 @@ def _resources(settings: Settings) -> Resources:
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
                     max_events=settings.max_events, weight_sync_wait_s=settings.weight_sync_wait_s,
-                    weight_sync_expire_s=settings.weight_sync_expire_s)
+                    weight_sync_expire_s=settings.weight_sync_expire_s,
+                    weight_bytes_per_namespace=settings.max_weight_mib_per_namespace << 20,
+                    weight_versions_per_namespace=settings.max_weight_versions_per_namespace)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
                               on_left_out=lambda runs: _left_out_events(ledger, runs))

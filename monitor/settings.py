@@ -82,6 +82,15 @@ class Settings(BaseSettings):
     """A rollout worker that posted nothing verified for a weight version this long after the trainer
     published it lags (``nanwatch_weight_sync_lag_versions``, a ``weight_sync_lag`` event,
     ``NanwatchWeightSyncLag``); two versions behind lags at once (docs/weight_sync.md)."""
+    max_weight_mib_per_namespace: Annotated[int, Field(ge=1)] = 256
+    """Weight-sync sets (trainer sets, and rollout sets waiting for theirs) the runs of one run-id namespace
+    may hold together, in MiB of the collector's memory (estimated from their entries); a set beyond it gets
+    429 (counted as ``cap="weight_bytes_per_namespace"``): one team's sets never fill the memory budget every
+    team shares (#37: 67 rollout-only sets of ~1 MB got another team's new runs refused). An eighth of the
+    default memory limit; raise both together for models of ~100k tensors with many rollout workers."""
+    max_weight_versions_per_namespace: Annotated[int, Field(ge=1)] = 1_024
+    """Weight versions the runs of one run-id namespace hold together while they wait to be compared; a set
+    of a new version beyond it gets 429 (``cap="weight_versions_per_namespace"``)."""
     weight_sync_expire_s: Annotated[float, Field(gt=0)] = 21_600.0
     """A weight version is kept until every rollout worker the run knows compared with it (or moved past it),
     at most this long (and 32 versions a run, those every worker is done with dropped first); one dropped

@@ -162,8 +162,9 @@ SERIES_DROPPED = MetricSpec(
 CAPS_HIT = MetricSpec(
     "nanwatch_collector_caps_hit_total", "counter", ("cap",),
     "Times a collector cap refused or dropped something: runs, incarnations and "
-    "incarnations_per_namespace (the request got 429), events, events_per_namespace and total_events (not "
-    "recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
+    "incarnations_per_namespace (the request got 429), weight_sync, weight_bytes_per_namespace and "
+    "weight_versions_per_namespace (a weight-sync set got 429), events, events_per_namespace and total_events "
+    "(not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
     "run, incarnation or rank got 429, or new series and events were not kept), hosts_per_run and "
     "hosts_per_namespace (a not-reproducible incident on a host beyond NANWATCH_MAX_HOSTS_* was not "
     "counted).")

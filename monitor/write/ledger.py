@@ -94,7 +94,8 @@ class Ledger:
                  logit_tau: float, margin_steps: int,
                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
                  memory_limit_bytes: int | None = None, max_events: int | None = None,
-                 weight_sync_wait_s: float = 120.0, weight_sync_expire_s: float = 21_600.0) -> None:
+                 weight_sync_wait_s: float = 120.0, weight_sync_expire_s: float = 21_600.0,
+                 weight_bytes_per_namespace: int = 256 << 20, weight_versions_per_namespace: int = 1024) -> None:
         self.store = store
         #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
         self.namespace_of = namespace_of
@@ -117,7 +118,9 @@ class Ledger:
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
         #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
-        self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s)
+        self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s,
+                                        max_bytes_per_namespace=weight_bytes_per_namespace,
+                                        max_versions_per_namespace=weight_versions_per_namespace)
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 

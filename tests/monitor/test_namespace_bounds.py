@@ -18,6 +18,8 @@ A_H = {"Authorization": f"Bearer {TEAM_A}", **JSON}
 B_H = {"Authorization": f"Bearer {TEAM_B}", **JSON}
 SITE = "model.layers.1.self_attn"
 PAIRS, EVENTS = 32, 10
+#: weight-sync bounds: 1 MiB of sets and 6 versions a namespace
+WEIGHT_MIB, WEIGHT_VERSIONS = 1, 6
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,9 @@ def teams(tmp_path_factory):
     tokens = {"team-a": {"token": TEAM_A, "runs": "team-a-*"}, "team-b": {"token": TEAM_B, "runs": "team-b-*"}}
     env = {"NANWATCH_TOKENS": json.dumps(tokens), "NANWATCH_ADMIN_TOKENS": json.dumps({"alice": ADMIN}),
            "NANWATCH_METRICS_TOKEN": READER, "NANWATCH_MAX_INCARNATIONS_PER_NAMESPACE": str(PAIRS),
-           "NANWATCH_MAX_EVENTS_PER_NAMESPACE": str(EVENTS)}
+           "NANWATCH_MAX_EVENTS_PER_NAMESPACE": str(EVENTS),
+           "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE": str(WEIGHT_MIB),
+           "NANWATCH_MAX_WEIGHT_VERSIONS_PER_NAMESPACE": str(WEIGHT_VERSIONS)}
     with CollectorProcess(db_path=tmp_path_factory.mktemp("nsb") / "c.db", env=env) as c:
         yield c
 
@@ -84,3 +88,36 @@ def test_one_teams_events_fill_its_own_namespace_only(teams):
     assert kept <= EVENTS
     assert _caps(url)["events_per_namespace"] >= before + 3
     _victim_counts(url, "team-b-after-events")
+
+
+def _rollout_set(tensors: int) -> dict:
+    """A rollout worker's set with no trainer side (it waits for one): ~240 KB held for 1,100 tensors."""
+    return {"side": "rollout", "worker": "w0",
+            "fingerprints": {f"model.layers.{i}.mlp.down_proj.weight": f"{i:032x}" for i in range(tensors)}}
+
+
+def _put(url: str, headers: dict, run_id: str, version: int, body: dict) -> httpx.Response:
+    return httpx.put(f"{url}/v1/runs/{run_id}/weights/{version}", json=body, headers=headers)
+
+
+def test_one_teams_weight_sync_sets_fill_its_own_namespace_only(teams):
+    """Finding 3 as it was found: team A's rollout-only sets (no trainer side) filled the collector until team
+    B's new runs got 429 memory and its NaN counter stayed 0, with cap="memory" at 0. Now team A's sets and
+    versions are bounded in its namespace (429, counted), and team B is untouched."""
+    url, run = teams.url, "team-a-weights"
+    caps = _caps(url)
+    for version in range(1, 5):  # four sets of ~240 KB fit in 1 MiB
+        resp = _put(url, A_H, run, version, _rollout_set(1100))
+        assert resp.status_code == 200, resp.text
+    resp = _put(url, A_H, run, 5, _rollout_set(1100))
+    assert resp.status_code == 429 and "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE" in resp.text, resp.text
+    for version in (5, 6):  # small sets still fit, up to the versions bound
+        assert _put(url, A_H, run, version, _rollout_set(2)).status_code == 200
+    assert _put(url, A_H, "team-a-weights-2", 7, _rollout_set(2)).status_code == 429  # a seventh version
+    after = _caps(url)
+    assert after["weight_bytes_per_namespace"] == caps.get("weight_bytes_per_namespace", 0) + 1
+    assert after["weight_versions_per_namespace"] == caps.get("weight_versions_per_namespace", 0) + 1
+    # team B: new runs, its NaN counted, and its own weight sets taken
+    assert _post(url, B_H, *[step_report(run_id=f"team-b-w-{i}") for i in range(5)]).status_code == 200
+    _victim_counts(url, "team-b-after-weights")
+    assert _put(url, B_H, "team-b-after-weights", 1, _rollout_set(1100)).status_code == 200

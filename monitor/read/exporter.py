@@ -400,12 +400,12 @@ class _SnapshotMetrics(Collector):
         f = _Families()
         self.notes, self.left_out = Counter(), {}
         for run in self._snap.runs:
-            marks = {name: len(fam.samples) for name, fam in f.items()}
             try:
                 _run_series(f, run, self.notes)
             except Exception as e:  # noqa: BLE001 - one run's figures never take the page down
-                for name, n in marks.items():
-                    del f[name].samples[n:]
+                for fam in f.values():  # its samples are the last ones, each labelled with its run_id
+                    while fam.samples and fam.samples[-1].labels.get("run_id") == run.run_id:
+                        fam.samples.pop()
                 self.left_out[run.run_id] = type(e).__name__
                 self.notes["run_left_out"] += 1
         _collector_own(f, self._snap, self.notes)

@@ -121,3 +121,19 @@ def test_one_teams_weight_sync_sets_fill_its_own_namespace_only(teams):
     assert _post(url, B_H, *[step_report(run_id=f"team-b-w-{i}") for i in range(5)]).status_code == 200
     _victim_counts(url, "team-b-after-weights")
     assert _put(url, B_H, "team-b-after-weights", 1, _rollout_set(1100)).status_code == 200
+
+
+def test_every_memory_refusal_is_counted(tmp_path):
+    """Finding 3 saw cap="memory" stay 0 while reports and weight sets got 429 memory: above the memory limit a
+    new run and a weight set are refused, and each refusal is counted."""
+    from support import background_collector
+
+    with background_collector(tmp_path, memory_limit_mib=1, metrics_min_interval_s=0) as srv:
+        runs = httpx.post(f"{srv.url}/v1/reports", content=ReportBatch(reports=[step_report(run_id="mem")]).model_dump_json(),
+                          headers=JSON)
+        weights = _put(srv.url, JSON, "mem-w", 1, _rollout_set(2))
+        assert runs.status_code == weights.status_code == 429
+        assert "memory" in runs.text and "memory" in weights.text
+        s = scrape(srv.url, "")
+        assert sample(s, "nanwatch_collector_caps_hit_total", cap="memory") == 2
+        assert sample(s, "nanwatch_collector_requests_rejected_total", reason="memory") == 2

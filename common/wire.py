@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.13"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.14"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -73,7 +73,10 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.13"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                             trainer set to the run's reporting rank)
 #                                        1.13 RolloutStat bounded (#37): finite figures, |dlogp| ones >= 0 and
 #                                             <= MAX_ROLLOUT_FIGURE, fractions in [0, 1], the correlation in
-#                                             [-1, 1], counts <= MAX_ROLLOUT_COUNT (one rank's step)
+#                                             [-1, 1], counts <= MAX_ROLLOUT_COUNT (one rank's step);
+#                                             RolloutStat.fit_residual_rms (a temperature's line, told from
+#                                             other weights' scatter)
+#                                        1.14 Incident.device (the replay hint's --device)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -391,6 +394,8 @@ class Incident(_Wire):
         default_factory=list, description="the coarse sites (blocks and their children) and the output head "
         "the non-finite value reached next, in order")
     host: Annotated[str, StringConstraints(max_length=255)] = ""
+    device: Annotated[str, StringConstraints(max_length=32, pattern=r"^[a-z0-9_]*$")] = Field(
+        "", description="the kind of device the run computed on (cpu, cuda, ...): where `nanwatch replay` runs it")
     capsule: Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = Field(
         None, description="where this incident's capsule was written (a local path, or an object-store URL): "
         "`nanwatch replay CAPSULE` reproduces the birth anywhere")

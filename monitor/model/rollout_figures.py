@@ -9,7 +9,8 @@ figure is, so that the gauge means what the job report's would where it can:
 * exact extremes: ``abs_max``, ``seq_ratio_max``, ``seq_abs_mean_max`` (max), ``seq_ratio_min`` (min);
 * bounds, where ranks' figures cannot be merged without their data: ``abs_p99`` is the largest rank's (the
   99th percentile of a union is never above its parts' largest), ``prob_correlation`` the smallest rank's
-  (the worst agreement), ``logprob_slope`` the rank's farthest from 1 (the worst, on either side).
+  (the worst agreement), ``logprob_slope`` the rank's farthest from 1 (the worst, on either side),
+  ``fit_residual_rms`` the largest rank's (what the line leaves: the least temperature-like).
 
 One rank cannot hide another's drift (#36), nor take a render down (#37):
 
@@ -57,6 +58,7 @@ _EXTREME: dict[str, Callable[[list[float]], float]] = {
     "abs_max": _nan_first(max), "seq_ratio_max": _nan_first(max), "seq_abs_mean_max": _nan_first(max),
     "abs_p99": _nan_first(max), "seq_ratio_min": _nan_first(min), "prob_correlation": _nan_first(min),
     "logprob_slope": _nan_first(lambda vs: max(vs, key=lambda v: abs(v - 1.0))),
+    "fit_residual_rms": _nan_first(max),
 }
 #: the worst rank's figure, where the counts are not believed as weights
 _WORST: dict[str, Callable[[list[float]], float]] = {

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 __all__ = [
     "HALF_DTYPES",
     "MAX_INT",
+    "MAX_ROLLOUT_COUNT",
+    "MAX_ROLLOUT_FIGURE",
     "MODES",
     "RUN_ID_PATTERN",
     "RunId",
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.12"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.14"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -69,6 +71,12 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.12"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                        1.12 WeightFingerprints: dtypes and shapes (each side's), casts (the
 #                                             trainer's weights as a rollout loads them), incarnation (binds a
 #                                             trainer set to the run's reporting rank)
+#                                        1.13 RolloutStat bounded (#37): finite figures, |dlogp| ones >= 0 and
+#                                             <= MAX_ROLLOUT_FIGURE, fractions in [0, 1], the correlation in
+#                                             [-1, 1], counts <= MAX_ROLLOUT_COUNT (one rank's step);
+#                                             RolloutStat.fit_residual_rms (a temperature's line, told from
+#                                             other weights' scatter)
+#                                        1.14 Incident.device (the replay hint's --device)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -132,6 +140,21 @@ ShortText = Annotated[str, StringConstraints(max_length=1024,
 MAX_INT = 2**53 - 1
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Field(ge=1, le=MAX_INT)]
+#: The most tokens (or sequences) one report's rollout comparison may count: 2^32, beyond the positions of any
+#: step's batch on one rank (or one job: 4,096 sequences of a million tokens). Bounded so that the collector's
+#: sums over every live rank stay exact integers far below ``MAX_INT`` (#37: 2^53-1 + 1 broke a render).
+MAX_ROLLOUT_COUNT = 2**32
+#: The largest |Δlogp| figure (nats) a report may carry: beyond any real mismatch (a healthy run's mean is
+#: 0.015) and small enough that token-weighted sums and squares over every rank's every token stay finite in
+#: float64 (#37: 1e308 on two ranks overflowed the combination and took /metrics down).
+MAX_ROLLOUT_FIGURE = 1e38
+_RolloutCount = Annotated[int, Field(ge=0, le=MAX_ROLLOUT_COUNT)]
+#: a |Δlogp| figure: finite, >= 0, at most MAX_ROLLOUT_FIGURE
+_Magnitude = Annotated[float, Field(ge=0, le=MAX_ROLLOUT_FIGURE, allow_inf_nan=False)]
+_Signed = Annotated[float, Field(ge=-MAX_ROLLOUT_FIGURE, le=MAX_ROLLOUT_FIGURE, allow_inf_nan=False)]
+_Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+#: a sequence ratio exp(Σ Δlogp): finite and >= 0 (the trainer clamps the exponent at 709)
+_Ratio = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 #: Half-precision floating dtypes, by torch's name for them (``str(dtype)`` without ``torch.``).
 HALF_DTYPES: frozenset[str] = frozenset({"float16", "bfloat16"})
@@ -243,33 +266,37 @@ class Spike(_Wire):
 class RolloutStat(_Wire):
     """The rollout (sampler) and the trainer scoring the same tokens: Δlogp = trainer − rollout, over the
     unmasked tokens where both are finite. Sums and maxima reduced exactly across ranks; ``abs_p99`` is read
-    from a fixed log-spaced histogram (``nanwatch.hooks.measure.rollout``), within one bin (×1.33)."""
+    from a fixed log-spaced histogram (``nanwatch.hooks.measure.rollout``), within one bin (×1.33).
 
-    tokens: Count = Field(0, description="unmasked tokens where both logprobs are finite")
-    sequences: Count = Field(0, description="sequences with at least one such token")
-    cap: Annotated[float, Field(gt=1)] = Field(2.0, description="the truncation cap c: a token's ratio "
-                                               "exp(Δlogp) outside [1/c, c] counts as truncated")
-    abs_mean: float | None = Field(None, description="mean |Δlogp|")
-    abs_max: float | None = Field(None, description="max |Δlogp|")
-    abs_p99: float | None = Field(None, description="99th percentile of |Δlogp| (histogram estimate)")
-    mean: float | None = Field(None, description="mean Δlogp (signed): far from 0 next to abs_mean, one side "
-                               "scores every token higher")
-    rms: float | None = Field(None, description="root mean square of Δlogp")
-    k3_mean: float | None = Field(None, description="k3 estimate of KL(rollout || trainer): mean of "
-                                  "r − 1 − log r, r = exp(Δlogp), over tokens the rollout sampled")
-    seq_ratio_max: float | None = Field(None, description="largest sequence ratio exp(Σ Δlogp)")
-    seq_ratio_min: float | None = Field(None, description="smallest sequence ratio exp(Σ Δlogp)")
-    truncated_fraction: float | None = Field(None, description="fraction of tokens whose ratio leaves [1/c, c]")
-    prob_correlation: float | None = Field(None, description="Pearson correlation of the two token-probability "
-                                           "vectors")
-    logprob_slope: float | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
-                                        "1 when they agree, 1/T when the sampler alone divides by temperature T")
-    fit_residual_rms: float | None = Field(None, description="root mean square of what the least-squares line "
-                                           "(logprob_slope) leaves of the rollout's logprobs: near 0 when a "
-                                           "temperature on one side explains the mismatch, near rms when it does not")
-    seq_abs_mean_max: float | None = Field(None, description="the worst sequence's mean |Δlogp|")
-    outlier_sequences: Count = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the median "
-                                     "sequence's in their batch (and 0.05)")
+    Every figure is computed over finite tokens, so it is finite (1.13): a non-finite, negative or out-of-range
+    figure is refused (422 naming the field), never combined with another rank's (#37, #36)."""
+
+    tokens: _RolloutCount = Field(0, description="unmasked tokens where both logprobs are finite")
+    sequences: _RolloutCount = Field(0, description="sequences with at least one such token")
+    cap: Annotated[float, Field(gt=1, le=MAX_ROLLOUT_FIGURE, allow_inf_nan=False)] = Field(
+        2.0, description="the truncation cap c: a token's ratio exp(Δlogp) outside [1/c, c] counts as truncated")
+    abs_mean: _Magnitude | None = Field(None, description="mean |Δlogp|")
+    abs_max: _Magnitude | None = Field(None, description="max |Δlogp|")
+    abs_p99: _Magnitude | None = Field(None, description="99th percentile of |Δlogp| (histogram estimate)")
+    mean: _Signed | None = Field(None, description="mean Δlogp (signed): far from 0 next to abs_mean, one side "
+                                 "scores every token higher")
+    rms: _Magnitude | None = Field(None, description="root mean square of Δlogp")
+    k3_mean: _Magnitude | None = Field(None, description="k3 estimate of KL(rollout || trainer): mean of "
+                                       "r − 1 − log r, r = exp(Δlogp), over tokens the rollout sampled")
+    seq_ratio_max: _Ratio | None = Field(None, description="largest sequence ratio exp(Σ Δlogp)")
+    seq_ratio_min: _Ratio | None = Field(None, description="smallest sequence ratio exp(Σ Δlogp)")
+    truncated_fraction: _Fraction | None = Field(None, description="fraction of tokens whose ratio leaves [1/c, c]")
+    prob_correlation: Annotated[float, Field(ge=-1, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="Pearson correlation of the two token-probability vectors")
+    logprob_slope: _Signed | None = Field(None, description="least-squares slope of rollout on trainer logprobs: "
+                                          "1 when they agree, 1/T when the sampler alone divides by temperature T")
+    fit_residual_rms: _Magnitude | None = Field(None, description="root mean square of what the least-squares "
+                                                "line (logprob_slope) leaves of the rollout's logprobs: near 0 "
+                                                "when a temperature on one side explains the mismatch, near rms "
+                                                "when it does not")
+    seq_abs_mean_max: _Magnitude | None = Field(None, description="the worst sequence's mean |Δlogp|")
+    outlier_sequences: _RolloutCount = Field(0, description="sequences whose mean |Δlogp| exceeds 8× the median "
+                                             "sequence's in their batch (and 0.05)")
 
 
 MismatchCause = Literal["jump", "drift", "offset", "outliers"]
@@ -367,6 +394,8 @@ class Incident(_Wire):
         default_factory=list, description="the coarse sites (blocks and their children) and the output head "
         "the non-finite value reached next, in order")
     host: Annotated[str, StringConstraints(max_length=255)] = ""
+    device: Annotated[str, StringConstraints(max_length=32, pattern=r"^[a-z0-9_]*$")] = Field(
+        "", description="the kind of device the run computed on (cpu, cuda, ...): where `nanwatch replay` runs it")
     capsule: Annotated[str, StringConstraints(max_length=1024, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = Field(
         None, description="where this incident's capsule was written (a local path, or an object-store URL): "
         "`nanwatch replay CAPSULE` reproduces the birth anywhere")

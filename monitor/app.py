@@ -25,8 +25,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from nanwatch.monitor.model.auth import TokenTable
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.long_poll import LongPoll
+from nanwatch.monitor.model.refusal import Refused
 from nanwatch.monitor.model.state import CollectorState, HostCaps
-from nanwatch.monitor.model.store import Store
+from nanwatch.monitor.model.store import EventRow, Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
@@ -51,6 +52,8 @@ def _resources(settings: Settings) -> Resources:
     state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s,
+                           max_incarnations_per_namespace=settings.max_incarnations_per_namespace,
+                           max_events_per_namespace=settings.max_events_per_namespace,
                            hosts=HostCaps(per_run=settings.max_hosts_per_run,
                                           per_namespace=settings.max_hosts_per_namespace,
                                           namespace_of=tokens.namespace_of))
@@ -60,11 +63,28 @@ def _resources(settings: Settings) -> Resources:
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
                     max_events=settings.max_events, weight_sync_wait_s=settings.weight_sync_wait_s,
-                    weight_sync_expire_s=settings.weight_sync_expire_s)
+                    weight_sync_expire_s=settings.weight_sync_expire_s,
+                    weight_bytes_per_namespace=settings.max_weight_mib_per_namespace << 20,
+                    weight_versions_per_namespace=settings.max_weight_versions_per_namespace)
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
-                              min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s)
+                              min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
+                              on_left_out=lambda runs: _left_out_events(ledger, runs))
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,
                      metrics=metrics, tokens=tokens)
+
+
+def _left_out_events(ledger: Ledger, runs: dict[str, str]) -> None:
+    """An event in each run a /metrics render left out (``render_left_out``, once per run and exception type):
+    its owner reads why its series are missing in ``GET /v1/runs/{id}`` (#37)."""
+    now = time.time()
+    for run_id, error in runs.items():
+        if run_id not in ledger.state.runs:
+            continue
+        ev = EventRow(run_id, now, "render_left_out", f"render_left_out:{error}", detail={"error": error})
+        try:
+            ledger.atomically({run_id}, set(), lambda ev=ev: ledger.record_event(ev))
+        except Refused:  # the store is unavailable, or the run is being deleted: the next render tries again
+            pass
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:

@@ -82,6 +82,15 @@ class Settings(BaseSettings):
     """A rollout worker that posted nothing verified for a weight version this long after the trainer
     published it lags (``nanwatch_weight_sync_lag_versions``, a ``weight_sync_lag`` event,
     ``NanwatchWeightSyncLag``); two versions behind lags at once (docs/weight_sync.md)."""
+    max_weight_mib_per_namespace: Annotated[int, Field(ge=1)] = 256
+    """Weight-sync sets (trainer sets, and rollout sets waiting for theirs) the runs of one run-id namespace
+    may hold together, in MiB of the collector's memory (estimated from their entries); a set beyond it gets
+    429 (counted as ``cap="weight_bytes_per_namespace"``): one team's sets never fill the memory budget every
+    team shares (#37: 67 rollout-only sets of ~1 MB got another team's new runs refused). An eighth of the
+    default memory limit; raise both together for models of ~100k tensors with many rollout workers."""
+    max_weight_versions_per_namespace: Annotated[int, Field(ge=1)] = 1_024
+    """Weight versions the runs of one run-id namespace hold together while they wait to be compared; a set
+    of a new version beyond it gets 429 (``cap="weight_versions_per_namespace"``)."""
     weight_sync_expire_s: Annotated[float, Field(gt=0)] = 21_600.0
     """A weight version is kept until every rollout worker the run knows compared with it (or moved past it),
     at most this long (and 32 versions a run, those every worker is done with dropped first); one dropped
@@ -119,12 +128,20 @@ class Settings(BaseSettings):
     max_incarnations_per_run: Annotated[int, Field(ge=1)] = 65_536
     """(rank, incarnation) pairs a run may have (each is an idempotency high-water mark); new ones beyond
     this get 429 (counted)."""
+    max_incarnations_per_namespace: Annotated[int, Field(ge=1)] = 262_144
+    """(rank, incarnation) pairs and held ranks the runs of one run-id namespace may have together (each is a
+    high-water mark, or a rank's view in memory); new ones beyond this get 429 (counted as
+    ``cap="incarnations_per_namespace"``): one team's made-up ranks fill its own namespace only (#37)."""
     max_events_per_run: Annotated[int, Field(ge=10)] = 10_000
     """Events a run's log keeps; further distinct events are not recorded (counted)."""
     max_events: Annotated[int, Field(ge=100)] = 1_000_000
     """Events the collector keeps over all runs (each is about 735 B of SQLite: about 700 MiB at this
     default); further events are not recorded (counted as ``cap="total_events"``), except directive changes,
     the audit trail."""
+    max_events_per_namespace: Annotated[int, Field(ge=10)] = 250_000
+    """Events the runs of one run-id namespace keep together (a quarter of ``max_events``); further events of
+    that namespace are not recorded (counted as ``cap="events_per_namespace"``), except directive changes, so
+    one team's events never use up another's share of the total (#37)."""
     memory_limit_mib: Annotated[int, Field(ge=1)] | None = None
     """Soft limit on the collector's resident memory, checked at most once a second (the OpenTelemetry
     Collector's memory_limiter): above it, a new run, (rank, incarnation) or held rank gets 429 (reason

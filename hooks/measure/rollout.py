@@ -29,7 +29,7 @@ import struct
 import torch
 
 from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
-from nanwatch.wire import RolloutStat
+from nanwatch.wire import MAX_ROLLOUT_COUNT, MAX_ROLLOUT_FIGURE, RolloutStat
 
 __all__ = ["EDGES", "HIST_KEYS", "OUTLIER_FACTOR", "OUTLIER_FLOOR", "ROLLOUT_MAX_KEYS", "ROLLOUT_SLOTS",
            "decode_rollout", "histogram_bins", "rollout_rows", "rollout_sequences"]
@@ -149,13 +149,28 @@ def decode_rollout(get) -> RolloutStat | None:
         return None if log_ratio is None else math.exp(min(log_ratio, 709.0))
 
     return RolloutStat(
-        tokens=int(n), sequences=int(v["seqs"]), cap=math.exp(cap),
-        abs_mean=mean("abs"), abs_max=some["abs_max"],
-        abs_p99=_quantile([get("sum", ("rlhf", "ro_" + h), 0.0) for h in _HIST], n, some["abs_max"]),
-        mean=mean("d"), rms=math.sqrt(max(0.0, v["sq"] / n)) if n else None, k3_mean=mean("k3"),
+        tokens=_count(n), sequences=_count(v["seqs"]), cap=_figure(math.exp(cap), low=1.0 + 1e-9),
+        abs_mean=_figure(mean("abs")), abs_max=_figure(some["abs_max"]),
+        abs_p99=_figure(_quantile([get("sum", ("rlhf", "ro_" + h), 0.0) for h in _HIST], n, some["abs_max"])),
+        mean=_figure(mean("d"), low=-MAX_ROLLOUT_FIGURE), rms=_figure(math.sqrt(max(0.0, v["sq"] / n)) if n else None),
+        k3_mean=_figure(mean("k3")),
         seq_ratio_max=ratio(some["seq_max"]),
         seq_ratio_min=ratio(None if some["neg_seq_min"] is None else -some["neg_seq_min"]),
         truncated_fraction=mean("trunc"),
         prob_correlation=_pearson(n, v["px"], v["py"], v["pxx"], v["pyy"], v["pxy"]) if n > 1 else None,
-        logprob_slope=slope, fit_residual_rms=residual, seq_abs_mean_max=some["seq_abs_max"],
-        outlier_sequences=int(v["outliers"]))
+        logprob_slope=_figure(slope, low=-MAX_ROLLOUT_FIGURE), fit_residual_rms=_figure(residual),
+        seq_abs_mean_max=_figure(some["seq_abs_max"]),
+        outlier_sequences=_count(v["outliers"]))
+
+
+def _figure(value: float | None, *, low: float = 0.0) -> float | None:
+    """A figure within the wire's bounds (1.13: finite, ``MAX_ROLLOUT_FIGURE`` at most): an overflowed k3 or a
+    slope over a vanishing variance is clamped, so that the step's report is never refused for it; a NaN (no
+    finite token gave it) is no figure."""
+    if value is None or value != value:
+        return None
+    return min(max(value, low), MAX_ROLLOUT_FIGURE)
+
+
+def _count(value: float) -> int:
+    return min(int(value), MAX_ROLLOUT_COUNT)

@@ -39,7 +39,7 @@ from nanwatch.wire import Directive, ReportBatch, StepReport
 if TYPE_CHECKING:
     from nanwatch.hooks.report.spool import Spool
 
-__all__ = ["KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender"]
+__all__ = ["POLL_FLOOR_S", "KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender"]
 
 log = logging.getLogger("nanwatch.transport")
 
@@ -433,12 +433,20 @@ class ReportSender:
             self._closing.wait(delay) if not self._closing.is_set() else time.sleep(delay)
 
 
+#: The least pause after a directive poll answered at once with nothing new, with jitter up to half again;
+#: it doubles while answers keep coming back at once, up to the poll's own wait: a collector (or a proxy)
+#: that does not hold the long-poll costs a poll a second at first and one a wait later, never twenty a
+#: second (#37 finding 9). A poll that was held, or that brought a new version, is followed at once.
+POLL_FLOOR_S = 1.0
+
+
 class DirectivePoller:
     """Long-polls ``GET {url}/v1/directives/{run_id}`` and keeps the newest directive in ``latest``.
 
     ``on_directive(d)`` runs on the poller thread for every new version; its exceptions are logged,
-    never raised. Errors back off with jitter (honouring Retry-After). If the collector answers with a
-    lower version than we hold (its database was replaced), the poller resynchronises to it.
+    never raised. Errors back off with jitter (honouring Retry-After), and so do answers that come back at
+    once with nothing new (``POLL_FLOOR_S``). If the collector answers with a lower version than we hold
+    (its database was replaced), the poller resynchronises to it.
     """
 
     def __init__(self, url: str, run_id: str, *, token: str | None = None, wait_s: float = 30.0,
@@ -449,6 +457,8 @@ class DirectivePoller:
         self._wait_s = wait_s
         self._on_directive = on_directive
         self._backoff = _Backoff(backoff_base_s, backoff_max_s)
+        #: answers in a row that came back at once with nothing new (``POLL_FLOOR_S``)
+        self._quick = 0
         self._warn = _Warn()
         self._stop = threading.Event()
         self.latest: Directive | None = None
@@ -467,11 +477,19 @@ class DirectivePoller:
         while not self._stop.is_set():
             retry_after = None
             try:
+                started = time.monotonic()
                 status, data, retry_after = self._http.request(
                     "GET", f"{self._path}?index={self._index}&wait={self._wait_s:g}")
                 if status == 200:
                     self._backoff.reset()
-                    self._take(Directive.model_validate_json(data))
+                    news = self._take(Directive.model_validate_json(data))
+                    if news or 0 < self._wait_s / 2 <= time.monotonic() - started:  # news, or held
+                        self._quick = 0
+                    else:
+                        self._warn("quick", "the collector answered a directive poll at once (it should hold "
+                                   "it up to %gs): polling again after a pause", self._wait_s)
+                        self._quick += 1
+                        self._stop.wait(self._quick_pause())
                     continue
                 self._warn(f"http{status}", "directive poll got HTTP %d: %s", status,
                            data[:300].decode("utf-8", "replace"))
@@ -481,14 +499,20 @@ class DirectivePoller:
                 self._warn("error", "directive poll failed: %r", e)
             self._stop.wait(self._backoff.next(_retry_after(retry_after)))
 
-    def _take(self, d: Directive) -> None:
+    def _quick_pause(self) -> float:
+        """The pause after the ``_quick``-th answer in a row that came back at once with nothing new."""
+        ceiling = max(self._wait_s, POLL_FLOOR_S)
+        return min(ceiling, POLL_FLOOR_S * 2 ** min(self._quick - 1, 20)) * random.uniform(1.0, 1.5)
+
+    def _take(self, d: Directive) -> bool:
+        """Keep ``d`` if it is news; whether it was (a new version)."""
         if d.version < self._index:
             self._warn("resync", "collector's directive version went back from %d to %d; following it",
                        self._index, d.version)
             self._index = d.version
-            return
+            return False
         if d.version == self._index:
-            return
+            return False
         self._index = d.version
         self.latest = d
         if self._on_directive is not None:
@@ -496,3 +520,4 @@ class DirectivePoller:
                 self._on_directive(d)
             except Exception as e:
                 self._warn("callback", "on_directive raised %r (ignored)", e)
+        return True

@@ -23,6 +23,9 @@ class Caps:
         self._namespace_runs: dict[str, set[str]] | None = None
         #: runs at their incarnation cap with no pair to forget, as they were then (``stale``)
         self._no_room: dict[str, tuple[int, ...]] = {}
+        #: pairs and held ranks each namespace's runs hold, as last counted plus what was let in since (an upper
+        #: bound: recounted only when it seems full, so a request costs O(its keys))
+        self._namespace_pairs: dict[str, int] = {}
 
     def over(self, state: CollectorState, keys: set[tuple[str, int, str]], run_ids: set[str],
              heartbeats: set[tuple[str, int, str]] = frozenset(), *,
@@ -48,6 +51,7 @@ class Caps:
             run = state.runs.get(run_id)
             if run is None or rank not in run.ranks:
                 held[run_id] += 1
+        adding: Counter[str] = Counter()
         for run_id, n in (*fresh.items(), *held.items()):
             run = state.runs.get(run_id)
             now_held = 0 if run is None else run.incarnations if run_id in fresh else len(run.ranks)
@@ -55,7 +59,41 @@ class Caps:
                 state.caps_hit["incarnations"] += 1
                 return (f"run {run_id!r} has reached {state.max_incarnations} (rank, incarnation) pairs "
                         "(NANWATCH_MAX_INCARNATIONS_PER_RUN): use a new run id for a new job")
+            adding[namespace_of(run_id)] += n
+        full = self._full_of_pairs(state, adding, namespace_of) if adding else None
+        if full is not None:
+            state.caps_hit["incarnations_per_namespace"] += 1
+            return (f"the namespace {full!r} holds at most {state.max_incarnations_per_namespace} (rank, "
+                    "incarnation) pairs and ranks over its runs (NANWATCH_MAX_INCARNATIONS_PER_NAMESPACE): "
+                    "finished runs are forgotten after NANWATCH_RUN_RETENTION_S, or an admin deletes them")
         return None
+
+    def _full_of_pairs(self, state: CollectorState, adding: Counter[str],
+                       namespace_of: Callable[[str], str]) -> str | None:
+        """The namespace that ``adding`` (new pairs or held ranks by namespace) would take past
+        ``max_incarnations_per_namespace``, else None (and they are counted in). A namespace's count is an upper
+        bound (pairs forgotten, ranks swept and runs deleted are not subtracted as they go) recounted over its
+        runs when it seems full: a namespace at its bound costs one pass over its runs per refusal (#37)."""
+        cap = state.max_incarnations_per_namespace
+        for ns, n in adding.items():
+            held = self._namespace_pairs.get(ns)
+            if held is None or held + n > cap:
+                members = self._members(state, namespace_of).get(ns, ())
+                held = self._namespace_pairs[ns] = sum(
+                    max(run.incarnations, len(run.ranks)) for r in members if (run := state.runs.get(r)) is not None)
+                if held + n > cap:
+                    return ns
+        for ns, n in adding.items():
+            self._namespace_pairs[ns] += n
+        return None
+
+    def _members(self, state: CollectorState, namespace_of: Callable[[str], str]) -> dict[str, set[str]]:
+        """Each namespace's run ids (a superset: forgotten ones are pruned when a namespace seems full)."""
+        if self._namespace_runs is None:
+            self._namespace_runs = {}
+            for run_id in state.runs:
+                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
+        return self._namespace_runs
 
     def stale(self, state: CollectorState, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
         """The high-water marks to forget so that ``keys`` (a request's new (run, rank, incarnation) pairs)
@@ -97,19 +135,16 @@ class Caps:
         Each namespace's run ids are kept in a set that may hold ids no longer in ``runs`` (forgotten, or
         whose write was refused after this check): it is pruned to the live ones only when it seems full, so
         a request costs O(its new runs), and a refusal at most one pass over its namespace's runs."""
-        if self._namespace_runs is None:
-            self._namespace_runs = {}
-            for run_id in state.runs:
-                self._namespace_runs.setdefault(namespace_of(run_id), set()).add(run_id)
+        namespace_runs = self._members(state, namespace_of)
         adding: dict[str, set[str]] = {}
         for run_id in new_runs:
             adding.setdefault(namespace_of(run_id), set()).add(run_id)
         for ns, fresh in adding.items():
-            members = self._namespace_runs.setdefault(ns, set())
+            members = namespace_runs.setdefault(ns, set())
             if len(members) + len(fresh - members) > state.max_runs:
                 members -= {r for r in members if r not in state.runs}
                 if len(members) + len(fresh - members) > state.max_runs:
                     return ns
         for ns, fresh in adding.items():
-            self._namespace_runs[ns] |= fresh
+            namespace_runs[ns] |= fresh
         return None

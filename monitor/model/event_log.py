@@ -74,12 +74,16 @@ class EventLog:
         if sum(run.event_counts.values()) >= state.max_events and ev.kind not in AUDIT_KINDS:
             state.caps_hit["events"] += 1  # keys may hold client-chosen values: bounded (the audit trail is not)
             return False
+        if ev.kind not in AUDIT_KINDS and state.namespace_events.full(state.runs, ev.run_id):
+            state.caps_hit["events_per_namespace"] += 1  # one team's events leave the others' share alone
+            return False
         return True
 
     def add(self, ev: EventRow, *, stored: bool) -> None:
         """``ev`` was admitted; ``stored``: whether the store inserted it (else it already held the key)."""
         run = self._state.ensure_run(ev.run_id)
         if stored:
+            self._state.namespace_events.stored(ev.run_id)
             if not run.event_counts[ev.kind]:  # a kind new to the run: its events_total series is born at 0
                 run.newborn.add(("events", (ev.kind,)))
             run.event_counts[ev.kind] += 1

@@ -28,7 +28,7 @@ from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
 __all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
-           "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "RankState", "RunState", "Silent",
+           "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "NamespaceEvents", "RankState", "RunState", "Silent",
            "crash_key", "world_size"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
@@ -127,6 +127,8 @@ class Silent(NamedTuple):
 
     received: float
     seen: float
+    incarnation: str = ""
+    """The incarnation that went silent: only a final report of it ends the rank (#37 finding 6)."""
 
 
 #: event-key prefix of a rank's crash (``rank_crashed:<rank>:<incarnation>:<raised>``): read back at start-up
@@ -248,6 +250,19 @@ class RunState:
         if self.job is not None and self.job.rank == rank:
             self.job = None
 
+    def incarnation_of(self, rank: int) -> str | None:
+        """The rank's current incarnation as the run knows it (held live or crashed, crashed after its view went,
+        hung), None for a rank it holds nothing of or that ended: only a final report carrying it may end the
+        rank (#37 finding 6: a blind final cleared a crash and muted NanwatchRunCrashed)."""
+        held = self.ranks.get(rank)
+        if held is not None:
+            return held.incarnation
+        crash = self.crashed.get(rank)
+        if crash is not None:
+            return crash.incarnation
+        silent = self.silent.get(rank)
+        return silent.incarnation or None if silent is not None else None
+
     def all_ended(self) -> bool:
         """Every rank the run holds ended normally: none held (live or not yet swept), hung or crashed."""
         return bool(self.ended_ranks) and not self.ranks and not self.silent and not self.crashed
@@ -358,12 +373,40 @@ class HostCaps:
         return True
 
 
+class NamespaceEvents:
+    """The events each run-id namespace's runs hold, against a cap (#37: one team's events never use up the
+    collector's total for the others). Counted from the runs' own counts when first asked and after runs went
+    (``recount``), then kept by ``stored``."""
+
+    def __init__(self, *, cap: int, namespace_of: Callable[[str], str]) -> None:
+        self.cap, self.namespace_of = cap, namespace_of
+        self._counted: Counter[str] | None = None
+
+    def full(self, runs: dict[str, RunState], run_id: str) -> bool:
+        """Whether the namespace of ``run_id`` holds ``cap`` events."""
+        if self._counted is None:
+            counted: Counter[str] = Counter()
+            for other, run in runs.items():
+                counted[self.namespace_of(other)] += sum(run.event_counts.values())
+            self._counted = counted
+        return self._counted[self.namespace_of(run_id)] >= self.cap
+
+    def stored(self, run_id: str) -> None:
+        """One more event is kept for ``run_id``."""
+        if self._counted is not None:
+            self._counted[self.namespace_of(run_id)] += 1
+
+    def recount(self) -> None:
+        self._counted = None
+
+
 class CollectorState:
     """Runs by id plus the collector's own counters; ``seen`` times are monotonic, ``received`` wall."""
 
     def __init__(self, *, ttl_s: float, series_cap: int, loaded: Loaded | None = None, max_runs: int = 10_000,
                  max_incarnations: int = 65_536, max_events: int = 10_000, silent_keep_s: float = 86_400.0,
-                 hosts: HostCaps | None = None) -> None:
+                 hosts: HostCaps | None = None, max_incarnations_per_namespace: int = 262_144,
+                 max_events_per_namespace: int = 250_000) -> None:
         self.ttl_s = ttl_s
         self.silent_keep_s = silent_keep_s
         self.series_cap = series_cap
@@ -371,17 +414,22 @@ class CollectorState:
         self.max_runs = max_runs
         self.max_incarnations = max_incarnations
         self.max_events = max_events
+        self.max_incarnations_per_namespace = max_incarnations_per_namespace
         self.runs: dict[str, RunState] = {}
         self.hwm: dict[tuple[str, int, str], int] = {}
         #: reports applied and requests refused (written by the ledger and the refusal handler alone)
         self.requests = RequestCounters()
         #: caps that were hit, by cap (runs, incarnations, events): what was refused or not recorded
         self.caps_hit: Counter[str] = Counter()
+        #: what /metrics renders left out or distrusted, by reason (``exporter.RENDER_ERRORS``; the renderer's)
+        self.render_errors: Counter[str] = Counter()
         #: collector-level counter series already rendered (("rejected", reason), ("caps", cap),
         #: ("series_dropped", run_id)): one not in here is shown at 0 in its first render (born at zero)
         self.exposed: set[tuple[str, str]] = set()
         #: the host-label caps and each run's namespace (``HostCaps``)
         self.hosts = hosts if hosts is not None else HostCaps()
+        #: events each namespace's runs hold, against ``max_events_per_namespace``
+        self.namespace_events = NamespaceEvents(cap=max_events_per_namespace, namespace_of=self.hosts.namespace_of)
         self._writes = 0
         if loaded is not None:
             _restore(self, loaded)
@@ -394,6 +442,7 @@ class CollectorState:
         is looked for, a walk over all of memory's marks)."""
         for run_id in touched:
             self.runs.pop(run_id, None)
+        self.namespace_events.recount()
         if marks is None:
             self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in touched}
         else:  # the touched runs' other marks are the store's, and ``loaded`` puts them back as stored
@@ -535,7 +584,7 @@ class CollectorState:
             for rank in expired:
                 st = run.ranks[rank]
                 if st.crashed is None and rank not in run.crashed:
-                    run.silent[rank] = Silent(st.received, st.seen)
+                    run.silent[rank] = Silent(st.received, st.seen, st.incarnation)
                 run.drop(rank)
             gone += len(expired)
             if run.silent:
@@ -561,6 +610,7 @@ class CollectorState:
         gone = set(run_ids)
         for run_id in run_ids:
             self.runs.pop(run_id, None)
+        self.namespace_events.recount()
         self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
         self.exposed -= {("series_dropped", run_id) for run_id in run_ids}
         self.wrote()

@@ -16,6 +16,10 @@ comparison finds (``nanwatch.monitor.write.weight_compare``).
   moved past it, up to ``max_versions`` a run (versions every worker compared go first) and ``expire_s``;
   one dropped before a worker compared with it is named by ``expired`` (an event), so a worker lagging
   many publishes is still compared when its set comes, and a worker that stopped is said to have.
+* **Bounded per namespace** (#37 finding 3: 67 rollout-only sets of ~1 MB filled a collector, and another team's
+  new runs were refused for memory): the sets a namespace's runs hold (trainer sets, candidates, waiting
+  rollout sets; ``held_bytes`` estimates their memory) and the versions they hold are checked before a write
+  (``check_namespace``: 429, counted), so one team at its bound never fills the memory every team shares.
 * **Lag**, per worker: the published (bound) versions after its latest verified one (after its first post,
   before any). Two or more, or one unposted past ``wait_s``, is a lag (``lag``): the exporter's gauge and
   the ``weight_sync_lag`` event.
@@ -24,17 +28,30 @@ comparison finds (``nanwatch.monitor.write.weight_compare``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanwatch.monitor.model.refusal import CapReached, Refused
 from nanwatch.monitor.model.weight_verdicts import SideSet, Verdict, compare
 
-__all__ = ["MAX_CANDIDATES", "Expired", "WeightSyncs", "WorkerSync"]
+__all__ = ["MAX_CANDIDATES", "Expired", "WeightSyncs", "WorkerSync", "held_bytes"]
 
 #: unbound trainer sets a version holds (a restarted trainer's and a stray sender's, say); beyond it 429
 MAX_CANDIDATES = 4
 #: published versions remembered per run for the lag (version numbers and times only)
 _PUBLISHED = 1024
+
+
+#: what one kept entry (a tensor's fingerprint, dtype or shape) costs beyond its characters: the key and value
+#: objects and the dict slot. An upper bound: 20,000 fingerprints of 38-character names held 189 B an entry
+#: (tracemalloc, CPython 3.11), estimated 220
+_ENTRY_BYTES = 150
+
+
+def held_bytes(s: SideSet) -> int:
+    """About how much memory a kept set holds (its entries' characters plus ``_ENTRY_BYTES`` each)."""
+    maps = (s.fingerprints, s.dtypes, s.shapes, *s.casts.values())
+    return sum(len(k) + len(str(v)) + _ENTRY_BYTES for m in maps for k, v in m.items())
 
 
 @dataclass(slots=True)
@@ -89,9 +106,13 @@ class WeightSyncs:
     """Each run's versions (event-loop thread only; the ledger calls it inside its transaction)."""
 
     def __init__(self, *, max_versions: int = 32, max_waiting: int = 256, wait_s: float = 120.0,
-                 expire_s: float = 6 * 3600.0) -> None:
+                 expire_s: float = 6 * 3600.0, max_bytes_per_namespace: int = 256 << 20,
+                 max_versions_per_namespace: int = 1024) -> None:
         self.max_versions, self.max_waiting, self.wait_s, self.expire_s = max_versions, max_waiting, wait_s, expire_s
+        self.max_bytes_per_namespace, self.max_versions_per_namespace = max_bytes_per_namespace, max_versions_per_namespace
         self.runs: dict[str, _Run] = {}
+        #: (versions, bytes) each run holds, counted when asked and forgotten when the run changes
+        self._held: dict[str, tuple[int, int]] = {}
 
     # ---- checks before a write ------------------------------------------------------------------------
 
@@ -119,6 +140,33 @@ class WeightSyncs:
             raise CapReached(f"weight version {version} of run {run_id!r} already has {self.max_waiting} "
                              "rollout workers' sets waiting for the trainer's", reason="weight_sync")
 
+    def check_namespace(self, run_id: str, version: int, s: SideSet,
+                        namespace_of: Callable[[str], str]) -> str | None:
+        """The namespace bound (``"weight_bytes_per_namespace"`` or ``"weight_versions_per_namespace"``) that
+        keeping ``s`` for ``version`` of ``run_id`` would pass, else None. Costs one pass over the runs holding
+        weight versions (each run's own count is kept until it changes)."""
+        ns = namespace_of(run_id)
+        versions = held = 0
+        for other in self.runs:
+            if namespace_of(other) == ns:
+                n, b = self._held_by(other)
+                versions, held = versions + n, held + b
+        run = self.runs.get(run_id)
+        if (run is None or version not in run.versions) and versions + 1 > self.max_versions_per_namespace:
+            return "weight_versions_per_namespace"
+        if held + held_bytes(s) > self.max_bytes_per_namespace:
+            return "weight_bytes_per_namespace"
+        return None
+
+    def _held_by(self, run_id: str) -> tuple[int, int]:
+        held = self._held.get(run_id)
+        if held is None:
+            versions = self.runs[run_id].versions.values()
+            held = self._held[run_id] = (len(versions), sum(
+                held_bytes(x) for v in versions
+                for x in (*([v.trainer] if v.trainer is not None else ()), *v.candidates.values(), *v.waiting.values())))
+        return held
+
     # ---- the writes -------------------------------------------------------------------------------------
 
     def trainer(self, run_id: str, version: int, incarnation: str, s: SideSet, now: float) -> None:
@@ -126,11 +174,13 @@ class WeightSyncs:
         v = self._slot(run_id, version, now)
         if v.trainer is None:
             v.candidates[incarnation] = s
+            self._held.pop(run_id, None)
 
     def bind(self, run_id: str, incarnations: set[str], now: float) -> list[tuple[int, Verdict]]:
         """Bind each version's candidate of one of the run's ``incarnations`` (rank 0's, the job poster's) and
         compare the workers waiting for it: the new (version, verdict)s."""
         run, found = self.runs.get(run_id), []
+        self._held.pop(run_id, None)
         for version, v in (run.versions.items() if run is not None else ()):
             if v.trainer is not None or not v.candidates:
                 continue
@@ -162,6 +212,7 @@ class WeightSyncs:
         w.latest_posted, w.expired_told = max(w.latest_posted, version), False
         if v.trainer is None:
             v.waiting[worker] = s  # ``check`` bounded them
+            self._held.pop(run_id, None)
             return None, False
         old = v.verdicts.get(worker)
         if old is not None and old[0] == s.digest:
@@ -185,6 +236,7 @@ class WeightSyncs:
         v = versions.get(version)
         if v is None:
             v = versions[version] = _Version(received=now)
+            self._held.pop(run_id, None)
         return v
 
     # ---- what a write or the sweeper reads next ---------------------------------------------------------
@@ -196,6 +248,7 @@ class WeightSyncs:
         run = self.runs.get(run_id)
         if run is None:
             return []
+        self._held.pop(run_id, None)
         out = []
         for version in [k for k, v in run.versions.items() if now - v.received > self.expire_s]:
             out += self._drop(run, version)
@@ -264,6 +317,7 @@ class WeightSyncs:
                     OrderedDict(run.published), run.trainer)
 
     def restore(self, run_id: str, saved: _Run | None) -> None:
+        self._held.pop(run_id, None)
         if saved is None:
             self.runs.pop(run_id, None)
         else:
@@ -272,3 +326,4 @@ class WeightSyncs:
     def forget(self, run_ids: list[str]) -> None:
         for run_id in run_ids:
             self.runs.pop(run_id, None)
+            self._held.pop(run_id, None)

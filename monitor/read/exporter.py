@@ -5,6 +5,12 @@ however fast, neither stall ingest nor multiply the work.
 
 Per-layer and per-site series are aggregated over ranks here (max or sum): never a rank x layer series.
 
+No accepted input can take a render down for anyone (#37): figures are combined with arithmetic that cannot
+raise (plain float sums and means, never ``math.fsum``/``statistics.fmean``), and a run whose series still
+cannot be built is left out of that render (its partial series removed), counted in
+``nanwatch_collector_render_errors_total{reason="run_left_out"}`` and recorded as an event of the run
+(``MetricsRenderer``'s ``on_left_out``), while every other run and the collector's own health are rendered.
+
 Job mode (wire 1.4): the run-level gauges come from the job report (and per-rank reports, never detail
 ones); a rank known only through heartbeats has no per-rank series, so that a 65,536-rank job exports what
 a few ranks do, except what a person must see by rank: its last report time once it is late
@@ -17,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import math
-import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,21 +40,37 @@ from nanwatch.monitor.model import counters
 from nanwatch.monitor.model.directive_log import DirectiveLog
 from nanwatch.monitor.model.event_log import first_nonfinite
 from nanwatch.monitor.model.rollout_figures import STATS as ROLLOUT_STATS
-from nanwatch.monitor.model.rollout_figures import combine as combine_rollout
+from nanwatch.monitor.model.rollout_figures import combined as combine_rollout
 from nanwatch.monitor.model.rollout_figures import measured_views
 from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
-from nanwatch.wire import Directive, RolloutStat
+from nanwatch.wire import Directive
 
-__all__ = ["FORMATS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render", "snapshot", "snapshot_runs"]
+__all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
+           "snapshot", "snapshot_runs"]
+
+log = logging.getLogger("nanwatch.monitor")
 
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
-#: RLHF figures and how they combine over ranks (each rank's latest step)
+
+
+def _mean(values: list[float]) -> float:
+    """The plain mean: an overflow is inf and inf - inf is NaN, never an exception (``statistics.fmean``
+    raised on 1e308 + 1e308 and on inf + -inf, and took every render with it: #37)."""
+    return sum(values) / len(values)
+
+
+#: RLHF figures and how they combine over ranks (each rank's latest step); NaN and Inf are the data here
 _RLHF = {"ratio_max": max, "kl_k1_max": max, "kl_k3_max": max, "logprob_min": min,
-         "clip_fraction": statistics.fmean, "kl_k1_mean": statistics.fmean, "kl_k3_mean": statistics.fmean,
-         "kl_k3_ratio_mean": statistics.fmean, "advantage_std": statistics.fmean}
+         "clip_fraction": _mean, "kl_k1_mean": _mean, "kl_k3_mean": _mean, "kl_k3_ratio_mean": _mean,
+         "advantage_std": _mean}
+#: ``nanwatch_collector_render_errors_total`` reasons, a fixed set (each shown from the first render, at 0):
+#: ``run_left_out`` a run whose series could not be built was left out of a render; ``rollout_distrusted`` a
+#: run's ranks' rollout token counts were more than ``TOKEN_SPREAD`` apart (its token means are the worst
+#: rank's); ``count_clamped`` a run's summed rollout counts were cut to the wire's integer bound
+RENDER_ERRORS = ("run_left_out", "rollout_distrusted", "count_clamped")
 
 
 def _max(values: Iterable[float]) -> float:
@@ -104,6 +127,8 @@ class Snapshot:
     caps_hit: dict[str, int]
     until: float = math.inf
     """Monotonic time at which the next heartbeat-only rank turns late: the render is stale then."""
+    render_errors: dict[str, int] | None = None
+    """``nanwatch_collector_render_errors_total`` by reason before this render (``CollectorState.render_errors``)."""
 
 
 class _Runs(NamedTuple):
@@ -191,7 +216,8 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
                 consumed = True
     if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
         state.wrote()
-    return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until)
+    return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until,
+                    dict(state.render_errors))
 
 
 class _Families(dict):
@@ -292,7 +318,7 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
             f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
 
 
-def _measured(f: _Families, run: RunSnapshot) -> None:
+def _measured(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
     """The latest step's figures over the measured views (ranks' own, and the job's): logit bounds and
     headroom (max, a NaN wins), RLHF health (each figure combined its own way)."""
     run_id, job = run.run_id, run.job
@@ -312,16 +338,13 @@ def _measured(f: _Families, run: RunSnapshot) -> None:
         values = [v for st in measured if st.rlhf is not None and (v := getattr(st.rlhf, stat)) is not None]
         if values:
             f.add(m.RLHF_STAT, [run_id, stat], combine(values))
-    rollout = _rollout(run)
+    rollout, distrusted, clamped = combine_rollout(measured_views(run.live, run.job))
+    notes["rollout_distrusted"] += distrusted
+    notes["count_clamped"] += clamped
     for stat in ROLLOUT_STATS if rollout is not None else ():
         value = getattr(rollout, stat)
         if value is not None:
             f.add(m.ROLLOUT_MISMATCH, [run_id, stat], value)
-
-
-def _rollout(run: RunSnapshot) -> RolloutStat | None:
-    """The run's latest rollout mismatch: the job's, or its ranks' combined (``nanwatch.monitor.model.rollout_figures``)."""
-    return combine_rollout(measured_views(run.live, run.job))
 
 
 def _run_counters(f: _Families, run: RunSnapshot) -> None:
@@ -342,8 +365,12 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
             f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
 
 
-def _collector_own(f: _Families, snap: Snapshot) -> None:
-    """The collector's own figures: its rules' tau, the reports it applied and ignored, what it refused."""
+def _collector_own(f: _Families, snap: Snapshot, notes: Counter[str]) -> None:
+    """The collector's own figures: its rules' tau, the reports it applied and ignored, what it refused, what
+    its renders had to leave out or distrust (those before, and this render's)."""
+    before = snap.render_errors or {}
+    for reason in RENDER_ERRORS:
+        f.add(m.RENDER_ERRORS, [reason], before.get(reason, 0) + notes[reason])
     f.add(m.COLLECTOR_LOGIT_TAU, [], snap.tau)
     f.add(m.REPORTS_ACCEPTED, [], snap.accepted)
     f.add(m.REPORTS_DUPLICATE, [], snap.duplicates)
@@ -355,10 +382,14 @@ def _collector_own(f: _Families, snap: Snapshot) -> None:
 
 class _SnapshotMetrics(Collector):
     """One scrape's metric families, built fresh from a ``Snapshot`` (prometheus_client's ``Collector``
-    protocol: ``describe`` and ``collect``, registered in a registry made for this render)."""
+    protocol: ``describe`` and ``collect``, registered in a registry made for this render). A run whose
+    series cannot be built is left out, its partial series removed, and named in ``left_out``."""
 
     def __init__(self, snap: Snapshot) -> None:
         self._snap = snap
+        #: this render's notes (``RENDER_ERRORS``), and the runs it left out with the exception's type
+        self.notes: Counter[str] = Counter()
+        self.left_out: dict[str, str] = {}
 
     def describe(self) -> Iterator[Metric]:
         # Families are dynamic; describing them empty keeps registration from calling collect().
@@ -367,17 +398,30 @@ class _SnapshotMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         f = _Families()
+        self.notes, self.left_out = Counter(), {}
         for run in self._snap.runs:
-            _lifecycle(f, run)
-            if run.live is None:  # no live rank: only the run's totals
-                continue
-            _where(f, run)
-            _run_gauges(f, run)
-            _per_rank(f, run)
-            _measured(f, run)
-            _run_counters(f, run)
-        _collector_own(f, self._snap)
+            try:
+                _run_series(f, run, self.notes)
+            except Exception as e:  # noqa: BLE001 - one run's figures never take the page down
+                for fam in f.values():  # its samples are the last ones, each labelled with its run_id
+                    while fam.samples and fam.samples[-1].labels.get("run_id") == run.run_id:
+                        fam.samples.pop()
+                self.left_out[run.run_id] = type(e).__name__
+                self.notes["run_left_out"] += 1
+        _collector_own(f, self._snap, self.notes)
         yield from f.values()
+
+
+def _run_series(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
+    """Every series of one run."""
+    _lifecycle(f, run)
+    if run.live is None:  # no live rank: only the run's totals
+        return
+    _where(f, run)
+    _run_gauges(f, run)
+    _per_rank(f, run)
+    _measured(f, run, notes)
+    _run_counters(f, run)
 
 
 #: prometheus_client's process and platform collectors (``process_resident_memory_bytes``,
@@ -400,21 +444,36 @@ def negotiate(accept: str) -> str:
     return "openmetrics" if choose_encoder(accept)[1].startswith("application/openmetrics-text") else "text"
 
 
-def render(snap: Snapshot, fmt: str) -> tuple[bytes, str]:
-    """The exposition of ``snap`` in format ``fmt`` (prometheus_client's encoders), and its content type."""
+def render(snap: Snapshot, fmt: str, *, into: _SnapshotMetrics | None = None) -> tuple[bytes, str]:
+    """The exposition of ``snap`` in format ``fmt`` (prometheus_client's encoders), and its content type.
+    ``into``: the snapshot's collector, to read what the render left out afterwards."""
     encoder, content_type = FORMATS[fmt]
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_SnapshotMetrics(snap))
+    registry.register(into if into is not None else _SnapshotMetrics(snap))
     for own in _PROCESS:  # the collector's own health: memory and fds against its pod's limits, CPU
         registry.register(own)
     return encoder(registry), content_type
 
 
-def _render_all(snap: Snapshot, wanted: frozenset[tuple[str, bool]]) -> dict[tuple[str, bool], tuple[bytes, str]]:
-    """Every (format, gzipped) in ``wanted`` from one snapshot: each format encoded once, gzip on top."""
-    plain = {fmt: render(snap, fmt) for fmt in {fmt for fmt, _ in wanted}}
-    return {(fmt, gz): (gzip.compress(plain[fmt][0]) if gz else plain[fmt][0], plain[fmt][1])
-            for fmt, gz in wanted}
+class _Output(NamedTuple):
+    """One render's bodies by (format, gzipped), its notes (``RENDER_ERRORS``) and the runs it left out."""
+
+    bodies: dict[tuple[str, bool], tuple[bytes, str]]
+    notes: Counter[str]
+    left_out: dict[str, str]
+
+
+def _render_all(snap: Snapshot, wanted: frozenset[tuple[str, bool]]) -> _Output:
+    """Every (format, gzipped) in ``wanted`` from one snapshot: each format encoded once, gzip on top (the
+    notes are one encoding's: each format builds the same families)."""
+    plain, notes, left_out = {}, Counter(), {}
+    for fmt in {fmt for fmt, _ in wanted}:
+        metrics = _SnapshotMetrics(snap)
+        plain[fmt] = render(snap, fmt, into=metrics)
+        notes, left_out = metrics.notes, metrics.left_out
+    bodies = {(fmt, gz): (gzip.compress(plain[fmt][0]) if gz else plain[fmt][0], plain[fmt][1])
+              for fmt, gz in wanted}
+    return _Output(bodies, notes, left_out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,8 +504,11 @@ class MetricsRenderer:
     a second)."""
 
     def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
-                 min_interval_s: float = 3.0, late_s: float = 90.0) -> None:
+                 min_interval_s: float = 3.0, late_s: float = 90.0,
+                 on_left_out: Callable[[dict[str, str]], object] | None = None) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
+        #: called on the event loop with {run_id: exception type} after a render left runs out (an event each)
+        self._on_left_out = on_left_out
         self._min_interval_s = min_interval_s
         self._lock = asyncio.Lock()
         self._next: _Round | None = None
@@ -479,8 +541,20 @@ class MetricsRenderer:
                                 runs=runs)
                 self._last_start = started
                 out = await asyncio.to_thread(_render_all, snap, frozenset(rnd.wanted))
-                for key, (body, content_type) in out.items():
+                for key, (body, content_type) in out.bodies.items():
                     self._last[key] = _Rendered(version, body, content_type, snap.until)
-                rnd.done.set_result(out)
+                self._state.render_errors.update(out.notes)
+                rnd.done.set_result(out.bodies)
+                if out.left_out:
+                    self._left_out(out.left_out)
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
                 rnd.done.set_exception(e)
+
+    def _left_out(self, runs: dict[str, str]) -> None:
+        log.warning("nanwatch collector: %d runs left out of /metrics, their figures could not be rendered: %s",
+                    len(runs), ", ".join(f"{r} ({e})" for r, e in list(runs.items())[:8]))
+        if self._on_left_out is not None:
+            try:
+                self._on_left_out(runs)
+            except Exception:  # noqa: BLE001 - the render was served; its event is best effort
+                log.exception("nanwatch collector: could not record the left-out runs' events")

@@ -16,7 +16,7 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "EVENTS", "FIRST_OFFENDER_INFO", "INCIDENTS", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
            "METRICS", "MetricSpec", "NONFINITE_VALUES", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
-           "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
+           "RENDER_ERRORS", "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
            "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
            "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "SPIKES", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
@@ -161,11 +161,20 @@ SERIES_DROPPED = MetricSpec(
     "Series not created because the run hit the per-run series cap.")
 CAPS_HIT = MetricSpec(
     "nanwatch_collector_caps_hit_total", "counter", ("cap",),
-    "Times a collector cap refused or dropped something: runs and incarnations (the request got "
-    "429), events and total_events (not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
+    "Times a collector cap refused or dropped something: runs, incarnations and "
+    "incarnations_per_namespace (the request got 429), weight_sync, weight_bytes_per_namespace and "
+    "weight_versions_per_namespace (a weight-sync set got 429), events, events_per_namespace and total_events "
+    "(not recorded), memory (above NANWATCH_MEMORY_LIMIT_MIB: a new "
     "run, incarnation or rank got 429, or new series and events were not kept), hosts_per_run and "
     "hosts_per_namespace (a not-reproducible incident on a host beyond NANWATCH_MAX_HOSTS_* was not "
     "counted).")
+RENDER_ERRORS = MetricSpec(
+    "nanwatch_collector_render_errors_total", "counter", ("reason",),
+    "What /metrics renders had to leave out or distrust, by reason (one count per render): run_left_out (a "
+    "run whose series could not be built was left out of the render, and an event recorded in its log; "
+    "every other run was rendered), rollout_distrusted (a run's ranks' rollout token counts were more than "
+    "8x apart: its token-weighted rollout figures are the worst rank's), count_clamped (a run's summed "
+    "rollout counts were cut to 2^53-1).")
 
 #: in the order they are exposed (the original public set first)
 _SPECS = (
@@ -176,7 +185,7 @@ _SPECS = (
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
     SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,
-    REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT,
+    REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT, RENDER_ERRORS,
 )
 
 METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}

@@ -94,7 +94,8 @@ class Ledger:
                  logit_tau: float, margin_steps: int,
                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
                  memory_limit_bytes: int | None = None, max_events: int | None = None,
-                 weight_sync_wait_s: float = 120.0, weight_sync_expire_s: float = 21_600.0) -> None:
+                 weight_sync_wait_s: float = 120.0, weight_sync_expire_s: float = 21_600.0,
+                 weight_bytes_per_namespace: int = 256 << 20, weight_versions_per_namespace: int = 1024) -> None:
         self.store = store
         #: the run-id namespace a run's caps count in (``TokenTable.namespace_of``)
         self.namespace_of = namespace_of
@@ -117,7 +118,9 @@ class Ledger:
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
         #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
-        self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s)
+        self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s,
+                                        max_bytes_per_namespace=weight_bytes_per_namespace,
+                                        max_versions_per_namespace=weight_versions_per_namespace)
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class Ledger:
         runs = {r.run_id for r in batch.reports}
         keys = {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope != "heartbeat"}
         self._check_job_posters(batch)
+        _refuse_blind_finals(self.state, batch)
         self._make_room(keys)
         self._check_caps(keys, runs, {(r.run_id, r.rank, r.incarnation) for r in batch.reports if r.scope == "heartbeat"})
         marks = {(r.run_id, r.rank, r.incarnation) for r in batch.reports}
@@ -394,3 +398,23 @@ class Ledger:
         self.state.reload(loaded, touched=runs, marks=marks)
         self._unsynced, self._unsynced_marks = None, set()
         self.state.wrote()
+
+
+def _refuse_blind_finals(state: CollectorState, batch: ReportBatch) -> None:
+    """A final report ends only what its sender proves it owns: it must carry the incarnation the run holds
+    for its rank (live, crashed or hung; a rank it holds nothing of, or that ended, has none to prove). Any
+    other refuses the whole batch (409, nothing applied): a blind final from a made-up incarnation cleared a
+    rank's crash and ended the run, muting NanwatchRunCrashed (#37 finding 6). A resent final is acknowledged
+    as before; the batch's own earlier reports (a restart, then its end) count."""
+    current: dict[tuple[str, int], str | None] = {}
+    for r in batch.reports:
+        key = (r.run_id, r.rank)
+        if r.final and r.seq > state.hwm.get((r.run_id, r.rank, r.incarnation), -1):
+            if key not in current:
+                run = state.runs.get(r.run_id)
+                current[key] = run.incarnation_of(r.rank) if run is not None else None
+            if current[key] is not None and current[key] != r.incarnation:
+                raise Refused(f"run {r.run_id!r} rank {r.rank} is held under another incarnation than "
+                              f"{r.incarnation!r}: a final report ends only its own incarnation; nothing was "
+                              "applied", status=409, reason="final_incarnation")
+        current[key] = r.incarnation

@@ -114,7 +114,18 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
         raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
                          "fingerprints are kept until it is below", reason="memory")
     syncs, kept = ledger.weight_syncs, side_set(body)
-    syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
+    try:
+        syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
+    except CapReached:
+        ledger.state.caps_hit["weight_sync"] += 1  # every refusal is counted (#37)
+        raise
+    full = syncs.check_namespace(run_id, version, kept, ledger.namespace_of)
+    if full is not None:  # one team's sets never fill the memory every team shares (#37 finding 3)
+        ledger.state.caps_hit[full] += 1
+        raise CapReached(f"the namespace {ledger.namespace_of(run_id)!r} holds as many weight-sync sets as it may "
+                         f"({syncs.max_bytes_per_namespace >> 20} MiB, {syncs.max_versions_per_namespace} versions: "
+                         "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE, NANWATCH_MAX_WEIGHT_VERSIONS_PER_NAMESPACE): "
+                         "versions leave once compared or after NANWATCH_WEIGHT_SYNC_EXPIRE_S", reason="weight_sync")
 
     def write() -> list[Any]:
         now = time.time()

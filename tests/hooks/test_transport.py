@@ -202,3 +202,58 @@ def test_an_endless_answer_is_read_no_further_than_the_bound():
             http_.request("POST", "/v1/reports", b"{}")
     finally:
         server.shutdown()
+
+
+class _Instant(http.server.BaseHTTPRequestHandler):
+    """A collector (or a proxy) that answers every directive long-poll at once, counting them."""
+
+    polls = 0
+
+    def do_GET(self):  # noqa: N802
+        type(self).polls += 1
+        payload = b'{"run_id": "quick", "version": 0, "mode": "none", "apply_at_step": 0}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_poller_backs_off_from_a_collector_that_answers_every_poll_at_once():
+    """#37 finding 9: facing a collector that did not hold the long-poll, the poller looped with no pause
+    (~22 requests a second). Now a floor between answers that bring nothing new, doubling with jitter: over
+    3 s it polls at most 1 + 1 (after >= 1 s) + 1 (after >= 2 more) times, not hundreds."""
+    _Instant.polls = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Instant)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        poller = DirectivePoller(f"http://127.0.0.1:{server.server_address[1]}", "quick", wait_s=30)
+        time.sleep(3.0)
+        poller.close()
+        assert 1 <= _Instant.polls <= 3, _Instant.polls
+    finally:
+        server.shutdown()
+
+
+def test_a_real_collector_holds_the_poll_so_the_poller_sends_one(tmp_path):
+    """The collector's long-poll holds as documented (GET /v1/directives/{run}?wait=): the poller's first poll
+    is still waiting there, and answered by the next directive at once."""
+    import httpx
+    from support import background_collector
+
+    with background_collector(tmp_path) as srv:
+        polls = srv.app.state.resources.polls
+        poller = DirectivePoller(srv.url, "held", wait_s=30)
+        deadline = time.monotonic() + 10
+        while polls.waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)
+        assert polls.waiting() == 1 and poller.latest is None  # held, not answered and re-sent
+        httpx.put(f"{srv.url}/v1/directives/held", json={"mode": "fp32"})
+        while poller.latest is None and time.monotonic() < deadline + 10:
+            time.sleep(0.02)
+        assert poller.latest is not None and poller.latest.mode == "fp32"
+        poller.close()

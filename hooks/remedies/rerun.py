@@ -251,11 +251,11 @@ class _Verdict:
     captured (``call``: at most one, ``(FQN, module, args, kwargs, CPU RNG, what it is of)``)."""
 
     def __init__(self, *, step: int, site: str | None, phase: str | None, masked_rows: int, rank: int,
-                 capsules: Any) -> None:
+                 capsules: Any, device: str) -> None:
         self.start = time.perf_counter()
         self.base: dict[str, Any] = {"step": step, "site": site, "phase": phase,
                                      "fully_masked_rows": masked_rows,
-                                     "host": f"{socket.gethostname()} rank {rank}"}
+                                     "host": f"{socket.gethostname()} rank {rank}", "device": device}
         self.capsules = capsules
         self.call: list[tuple] = []
 
@@ -371,7 +371,7 @@ def rerun(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveS
     (``nanwatch.hooks.remedies.incident_tensors``): a parameter non-finite after an optimizer update the
     optimizer check did not read (``unread_updates``) is an ``optimizer`` birth, no rerun needed."""
     verdict = _Verdict(step=step, site=site, phase=phase, masked_rows=masked_rows, rank=rank,
-                       capsules=capsules)
+                       capsules=capsules, device=next((p.device.type for p in model.parameters()), "cpu"))
     why_not = stale or _why_not(model, phase=phase, kept=kept, weight_guard_on=weight_guard_on, compiled=compiled)
     if why_not:
         return verdict.done("not_classified", why_not)

@@ -127,6 +127,7 @@ def test_a_capsule_path_with_a_control_character_is_refused_by_the_wire(tmp_path
 def test_status_from_a_local_record_shows_the_same_capsule_line_as_the_collector(tmp_path, capsys):
     """The trainer's JSONL record (``nanwatch status --file``) and the collector say the same words."""
     r = _incident("both", 4, "not_reproducible", "gpu-5 rank 2", "s3://bucket/caps/both-4.nwcap", rank=2)
+    r = r.model_copy(update={"incident": r.incident.model_copy(update={"device": "cuda"})})
     (tmp_path / "both.rank2.a.jsonl").write_text(r.model_dump_json() + "\n")
     assert main(["status", "both", "--file", str(tmp_path / "both.rank2.a.jsonl")]) == 0
     with background_collector(tmp_path) as srv:
@@ -135,7 +136,7 @@ def test_status_from_a_local_record_shows_the_same_capsule_line_as_the_collector
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  incident at step 4")]
     assert len(lines) == 2 and lines[0] == lines[1], lines
     assert ("capsule s3://bucket/caps/both-4.nwcap: replay with `nanwatch replay s3://bucket/caps/both-4.nwcap "
-            "--try same` on this host and on another") in lines[0]
+            "--device cuda --try same` on this host and on another") in lines[0]
 
 
 def test_an_incident_decided_a_step_later_keeps_its_own_step(tmp_path, capsys):

@@ -92,7 +92,7 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
 def _logit_at_recompute(probes: Probes, site: str, out: torch.Tensor) -> None:
     lse = lse_at_recompute(out)
     if lse is not None:
-        probes.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
+        probes.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]), dim=(0, 2))
 
 
 def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
@@ -116,8 +116,8 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
         rec.tensor(site + QUERY_SUFFIX, "attention", "forward", q, stage)
     probes.site(site, "attention", out)
     lse = lse_of(out)
-    if lse is not None:
-        rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
+    if lse is not None:  # the per-head bound: one reduction, straight into its row
+        rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]), dim=(0, 2))
     if probes.sampled:
         rec.logit_heads(site, "exact", exact_max_logit(
             q, k, attn_mask=mask, is_causal=is_causal, scale=scale, chunk_elems=probes.exact_chunk_elems))
@@ -132,8 +132,7 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
 
 
 def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> None:
-    rows = dead_rows(mask)
-    probes.rec.slot(fwd.key("masked_rows"), rows.sum(dtype=probes.rec.acc_dtype), how="max")
+    probes.rec.max_count(fwd.key("masked_rows"), dead_rows(mask))
 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
@@ -142,9 +141,11 @@ def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
         return  # read in the first forward already (or a rerun, which measures nothing)
     rec = probes.rec
     s = scores.detach()
-    rowmax = s.amax(dim=-1)
-    rec.logit_heads(frame.site, "scores", rowmax.amax(dim=(0, 2)))
+    rowmax = s.amax(dim=-1)  # [B, H, Q]
+    rec.logit_heads(frame.site, "scores", rowmax, dim=(0, 2))
     fwd = rec.current_forward()
     if fwd is not None and s.is_floating_point():
-        dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
-        rec.slot(fwd.key("masked_rows"), dead.sum(dtype=rec.acc_dtype), how="max")
+        # a row dead in every head: its max over the heads is (a NaN row is not dead, as with ``all``); the
+        # max over heads reads the row maxima once, where ``(rowmax <= c).all(dim=1)`` wrote and read a mask
+        dead = rowmax.amax(dim=1) <= torch.finfo(s.dtype).min / 2
+        rec.max_count(fwd.key("masked_rows"), dead)

@@ -60,13 +60,9 @@ class ObservationLog:
         cells = self._cells[key] = list(zip(buf[:, 0].unbind(), buf[:, 1].unbind(), strict=True))
         return cells
 
-    def any_nonfinite(self) -> torch.Tensor | None:
-        """A 0-d bool device tensor, true when a row so far holds NaN or Inf (None before any row). Device
-        ops only: reading it on the host is the caller's sync."""
-        flags = [(~torch.isfinite(self._bufs[k][:n])).any() for k, n in self._used.items() if n]
-        if not flags:
-            return None
-        return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+    def used(self) -> list[torch.Tensor]:
+        """The used rows of every buffer, flattened (views: no device op), for the weight guard's flag."""
+        return [self._bufs[k][:n].reshape(-1) for k, n in self._used.items() if n]
 
     def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
         """The used rows of every buffer, flattened to float64 on ``device`` (device ops, no sync), and

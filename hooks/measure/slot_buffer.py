@@ -40,6 +40,9 @@ class SlotBuffer:
         self._slots: dict[tuple[str, Hashable], int] = {}
         self._lock = threading.Lock()
         self._kinds: list[str] = []  # "sum" or "max", by slot index
+        #: a fresh step's values, chosen by ``_max_mask`` (``reset``: one ``where`` into the slots)
+        self._unset = torch.full((), -math.inf, dtype=self.dtype, device=self.device)
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -136,7 +139,8 @@ class SlotBuffer:
         return self._slots.get((kind, key))
 
     def reset(self) -> None:
-        """Zero the sums and set the maxes to -inf for a new step (two device ops, no sync)."""
+        """Zero the sums and set the maxes to -inf for a new step: one device op (a ``where`` that reads the
+        kinds' mask and writes every slot once), no sync."""
         n = self.size
-        self.data[:n].zero_()
-        self.data[:n].masked_fill_(self._max_mask[:n], -math.inf)
+        if n:
+            torch.where(self._max_mask[:n], self._unset, self._zero, out=self.data[:n])

@@ -1,0 +1,71 @@
+"""Per-call rows of the figures whose step value is a max over calls: a layer's per-head logit figure (the
+log-sum-exp bound, the eager scores' max, the exact max) and a forward's fully masked rows.
+
+Each call gets a fresh row of a preallocated buffer and writes it with the one op that computes it
+(``torch.amax(lse, dim=..., out=row)``); the max over the step's calls is taken on the host, at decode, since
+the rows are copied anyway. Maxing into slots of the SlotBuffer instead cost three launches per attention
+call (the reduction, a conversion to the slot dtype, ``torch.maximum(out=)``) where this costs one, and at
+step end one conversion per buffer (``segments``), not per call. The rows add ``heads`` values per call to
+the step's host copy (a few hundred bytes per layer), never a read of an activation.
+
+Buffers are per (device, dtype): an ``out=`` reduction writes in its input's dtype, which holds the value
+exactly (as the slot's float64 did). They double when full (a device copy, no sync).
+
+Example usage::
+
+    rows = MaxRows()
+    key, off, row = rows.take(4, torch.float32, lse.device)
+    torch.amax(lse, dim=(0, 2), out=row)       # one launch; the decode maxes the rows of a key
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MaxRows"]
+
+BufKey = tuple[torch.device, torch.dtype]
+
+
+class MaxRows:
+    def __init__(self, *, capacity: int = 512) -> None:
+        self._capacity = capacity
+        self._bufs: dict[BufKey, torch.Tensor] = {}
+        self._used: dict[BufKey, int] = {}
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[BufKey, int, torch.Tensor]:
+        """The next ``n`` cells of the (device, dtype) buffer: (its key, the row's offset, the row as a 1-D
+        view to write with ``out=``). Host bookkeeping and a view: no device op unless the buffer grows."""
+        key = (device, dtype)
+        i = self._used.get(key, 0)
+        buf = self._bufs.get(key)
+        if buf is None or i + n > buf.numel():
+            buf = self._grow(key, i + n)
+        self._used[key] = i + n
+        return key, i, buf[i : i + n]
+
+    def _grow(self, key: BufKey, need: int) -> torch.Tensor:
+        old = self._bufs.get(key)
+        size = self._capacity if old is None else 2 * old.numel()
+        while size < need:
+            size *= 2
+        buf = torch.empty(size, dtype=key[1], device=key[0])
+        if old is not None:
+            buf[: old.numel()].copy_(old)
+        self._bufs[key] = buf
+        return buf
+
+    def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
+        """The used cells of every buffer, as float64 on ``device`` (one conversion per buffer; none for a
+        float64 buffer already there), and their layout (buffer key, cells) for decoding a host copy."""
+        parts, layout = [], []
+        for key, n in self._used.items():
+            if n:
+                part = self._bufs[key][:n]
+                parts.append(part.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda"))
+                layout.append((key, n))
+        return parts, layout
+
+    def reset(self) -> None:
+        """A new step: cells are reused from the start (overwritten before they are read)."""
+        self._used = dict.fromkeys(self._used, 0)

@@ -117,6 +117,8 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
     """The stats of the step ``state`` records, from ``values``, the host copy of its ``Recorder.flat()``.
     ``slots``: the slot buffer the step wrote into (default ``state.slots``, set by ``Recorder.swap``; the
     open step's is the recorder's own)."""
+    if state.flat_order:  # the copy holds its parts grouped by dtype: read them back in order
+        values = [v for start, n in state.flat_order for v in values[start : start + n]]
     rows = sum(2 * n for _, _, n in state.layout)
     maxed = _MaxReader(state, values, rows)
     off = rows + sum(n for _, n in state.max_layout)

@@ -5,7 +5,7 @@ Each call gets a fresh row of a preallocated buffer and writes it with the one o
 (``torch.amax(lse, dim=..., out=row)``); the max over the step's calls is taken on the host, at decode, since
 the rows are copied anyway. Maxing into slots of the SlotBuffer instead cost three launches per attention
 call (the reduction, a conversion to the slot dtype, ``torch.maximum(out=)``) where this costs one, and at
-step end one conversion per buffer (``segments``), not per call. The rows add ``heads`` values per call to
+step end they join the copy's conversion of their dtype (``Recorder.flat``), nothing per call. The rows add ``heads`` values per call to
 the step's host copy (a few hundred bytes per layer), never a read of an activation.
 
 Buffers are per (device, dtype): an ``out=`` reduction writes in its input's dtype, which holds the value
@@ -55,16 +55,11 @@ class MaxRows:
         self._bufs[key] = buf
         return buf
 
-    def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
-        """The used cells of every buffer, as float64 on ``device`` (one conversion per buffer; none for a
-        float64 buffer already there), and their layout (buffer key, cells) for decoding a host copy."""
-        parts, layout = [], []
-        for key, n in self._used.items():
-            if n:
-                part = self._bufs[key][:n]
-                parts.append(part.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda"))
-                layout.append((key, n))
-        return parts, layout
+    def segments(self) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
+        """The used cells of every buffer, in their own dtype and device (views: no device op), and their
+        layout (buffer key, cells) for decoding a host copy (``Recorder.flat`` converts them)."""
+        keys = [(key, n) for key, n in self._used.items() if n]
+        return [self._bufs[key][:n] for key, n in keys], keys
 
     def reset(self) -> None:
         """A new step: cells are reused from the start (overwritten before they are read)."""

@@ -64,17 +64,11 @@ class ObservationLog:
         """The used rows of every buffer, flattened (views: no device op), for the weight guard's flag."""
         return [self._bufs[k][:n].reshape(-1) for k, n in self._used.items() if n]
 
-    def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
-        """The used rows of every buffer, flattened to float64 on ``device`` (device ops, no sync), and
-        their layout (buffer key, rows) for decoding a host copy."""
-        parts, layout = [], []
-        for key, n in self._used.items():
-            if n:
-                part = self._bufs[key][:n].reshape(-1)
-                part = part.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda")
-                parts.append(part)
-                layout.append((key, n))
-        return parts, layout
+    def segments(self) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
+        """The used rows of every buffer, flattened, in their own dtype and device (views: no device op), and
+        their layout (buffer key, rows) for decoding a host copy (``Recorder.flat`` converts them)."""
+        keys = [(key, n) for key, n in self._used.items() if n]
+        return [self._bufs[key][:n].reshape(-1) for key, n in keys], keys
 
     def reset(self) -> None:
         """A new step: rows are reused from the start (their values are overwritten, never read stale)."""

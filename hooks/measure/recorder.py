@@ -117,6 +117,9 @@ class StepState:
     batches: list[ParamBatch] = field(default_factory=list)
     #: how many of ``batches`` the last ``flat()`` holds (its layout, like ``layout``)
     flat_batches: int = 0
+    #: where each part of the last ``flat()`` (rows, max rows, batches, slots, in that order) starts in it, and
+    #: its length: the copy groups the parts by dtype (empty: in order, as a hand-written copy is)
+    flat_order: list[tuple[int, int]] = field(default_factory=list)
     #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
     #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
     loss_scaling: bool = False
@@ -350,18 +353,25 @@ class Recorder:
     # ---- step boundary ---------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:
         """Everything the step measured, as one float64 device tensor (device ops only): the used rows of
-        every observation buffer, then the max rows, then the parameter batches, then the slots. Its layout goes into the step state for the decode."""
+        every observation buffer, then the max rows, then the parameter batches, then the slots, in that
+        order for the decode (``StepState.layout``, ``max_layout``, ``flat_batches``, ``flat_order``).
+
+        The parts of one dtype are concatenated before they are converted, one conversion per (device, dtype)
+        rather than per part, so the device tensor holds them grouped by dtype; ``StepState.flat_order`` says
+        where each part landed, and the decode reads them back in order (``decode_step``)."""
         parts, layout = [], []
         for name, log in self.obs.items():
-            segs, lay = log.segments(self.buf.device)
+            segs, lay = log.segments()
             parts += segs
             layout += [(name, k, n) for k, n in lay]
         self.state.layout = layout
-        segs, self.state.max_layout = self.maxes.segments(self.buf.device)
+        segs, self.state.max_layout = self.maxes.segments()
         parts += segs
         self.state.flat_batches = len(self.state.batches)
-        parts += [b.values.to(torch.float64) for b in self.state.batches]
-        return torch.cat([*parts, self.buf.data[: self.buf.size].to(torch.float64)])
+        parts += [b.values.reshape(-1) for b in self.state.batches]
+        parts.append(self.buf.data[: self.buf.size])
+        flat, self.state.flat_order = _gathered(parts, self.buf.device)
+        return flat
 
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""
@@ -373,6 +383,26 @@ class Recorder:
         self.maxes.reset()
         self.buf.reset()
         return state
+
+
+def _gathered(parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``parts`` (1-D, any dtype and device) in one new float64 tensor on ``device``, and where each landed.
+    Parts of one (device, dtype) are concatenated, then converted: one conversion per dtype, not per part
+    (float64 parts already on ``device`` go straight into the final ``cat``)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(parts):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    chunks, order, at = [], [(0, 0)] * len(parts), 0
+    for (dev, dtype), idx in groups.items():
+        if dev == device and dtype == torch.float64:
+            chunks += [parts[i] for i in idx]
+        else:
+            chunk = parts[idx[0]] if len(idx) == 1 else torch.cat([parts[i] for i in idx])
+            chunks.append(chunk.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda"))
+        for i in idx:
+            order[i] = (at, parts[i].numel())
+            at += parts[i].numel()
+    return torch.cat(chunks), order
 
 
 def _kept_dim(x: torch.Tensor, dim: tuple[int, ...]) -> int:

@@ -5,8 +5,9 @@ Each call gets a fresh row of a preallocated buffer and writes it with the one o
 (``torch.amax(lse, dim=..., out=row)``); the max over the step's calls is taken on the host, at decode, since
 the rows are copied anyway. Maxing into slots of the SlotBuffer instead cost three launches per attention
 call (the reduction, a conversion to the slot dtype, ``torch.maximum(out=)``) where this costs one, and at
-step end they join the copy's conversion of their dtype (``Recorder.flat``), nothing per call. The rows add ``heads`` values per call to
-the step's host copy (a few hundred bytes per layer), never a read of an activation.
+step end they join the copy's conversion of their dtype (``Recorder.flat``), nothing per call. The rows add
+``heads`` values per call to the step's host copy (a few hundred bytes per layer), never a read of an
+activation.
 
 Buffers are per (device, dtype): an ``out=`` reduction writes in its input's dtype, which holds the value
 exactly (as the slot's float64 did). They double when full (a device copy, no sync).

@@ -4,9 +4,10 @@ The hot path only launches device ops and appends to host lists: a measured tens
 into the observation log (``nanwatch.hooks.measure.observations``); a per-call figure whose step value is a max
 over calls (a layer's per-head logit figure, a forward's fully masked rows) costs the one op that computes it,
 written into a row of ``nanwatch.hooks.measure.max_rows``; fingerprint counts and RLHF sums go to named slots
-of the SlotBuffer. At step end all three are flattened into one device tensor for one asynchronous copy, and ``swap()`` hands the step's site table (a :class:`StepState`) over. The recorder only
-writes: ``nanwatch.hooks.measure.decode`` turns the host copy and the site table into a ``StepStats`` value on
-the reporter thread, never in a hook.
+of the SlotBuffer. At step end all three are flattened into one device tensor for one asynchronous copy,
+and ``swap()`` hands the step's site table (a :class:`StepState`) over. The recorder only writes:
+``nanwatch.hooks.measure.decode`` turns the host copy and the site table into a ``StepStats`` value on the
+reporter thread, never in a hook.
 """
 
 from __future__ import annotations

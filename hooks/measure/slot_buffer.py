@@ -1,9 +1,11 @@
 """The device-side slot buffer: one preallocated tensor that hooks write into without ever syncing with
 the host.
 
-Every scalar nanwatch measures has a named slot, either a *sum* slot (counts, sums) or a *max* slot
-(amax, logit bounds; a minimum is stored as the max of its negation). Hooks only launch small device
-ops that add into or max into a slot; the host reads the whole buffer once per step, asynchronously.
+A scalar that is not a site read has a named slot, either a *sum* slot (counts, sums) or a *max* slot
+(flags, maxima; a minimum is stored as the max of its negation). Hooks only launch small device ops that
+add into or max into a slot; the host reads the whole buffer once per step, asynchronously. A figure
+written once per call and maxed over the step (a layer's per-head logit figure) does not come here: it
+costs one op into a row of ``nanwatch.hooks.measure.max_rows``, where maxing into slots cost three.
 """
 
 from __future__ import annotations
@@ -99,22 +101,6 @@ class SlotBuffer:
         slot, so that a step that never wrote it reads -inf (unset) after ``reset``."""
         i = self.slot("max", key)
         self.data[i : i + 1].copy_(value.reshape(1))
-
-    def maximize_many(self, key: Hashable, values: torch.Tensor) -> int:
-        """Max ``values`` (1-D) into ``len(values)`` consecutive slots, allocated together on first use;
-        returns the first index."""
-        n = values.numel()
-        first = self._slots.get(("max", (key, 0)))
-        if first is None:
-            with self._lock:
-                first = self._slots.get(("max", (key, 0)))
-                if first is None:
-                    first = len(self._kinds)
-                    for j in range(n):
-                        self._new_slot(("max", (key, j)), "max")
-        cells = self.data[first : first + n]
-        torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
-        return first
 
     def block(self, kind: str, keys: tuple[Hashable, ...], values: torch.Tensor) -> None:
         """Add (``kind="sum"``) or max (``"max"``) ``values`` (1-D, one per key) into the slots ``keys``, which

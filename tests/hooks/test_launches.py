@@ -59,7 +59,7 @@ class Launches(TorchDispatchMode):
             self.syncs += 1
         elif not func.is_view and name not in _NO_LAUNCH:
             self.by["step"] += 1
-            for part in set(getattr(self._parts, "stack", ())):  # inclusive: a site read inside an SDPA call counts for both
+            for part in set(getattr(self._parts, "stack", ())):  # a site read inside an SDPA call: both
                 self.by[part] += 1
         return out
 

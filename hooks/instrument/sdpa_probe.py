@@ -16,7 +16,7 @@ from nanwatch.hooks.instrument.probes import Frame, Probes, recomputing
 from nanwatch.hooks.measure.dtypes import HALF
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.logit import exact_max_logit
-from nanwatch.hooks.measure.recorder import ForwardMeta
+from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.hooks.measure.sdpa_backend import confirmed_backend, lse_at_recompute, lse_of, predict
 from nanwatch.policy import QUERY_SUFFIX
 from nanwatch.wire import dtype_name
@@ -132,7 +132,14 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
 
 
 def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> None:
-    probes.rec.max_count(fwd.key("masked_rows"), dead_rows(mask))
+    _count_max(probes.rec, fwd.key("masked_rows"), dead_rows(mask))
+
+
+def _count_max(rec: Recorder, key, flags: torch.Tensor) -> None:
+    """One call's count of the true elements of ``flags`` for the figure ``key`` (a forward's fully masked rows,
+    the max over its layers): one ``sum`` into a fresh row of ``rec.maxes``, in the accumulation dtype."""
+    row = rec.maxes.row(key, 1, rec.acc_dtype, flags.device)
+    torch.sum(flags, dim=tuple(range(flags.dim())), dtype=rec.acc_dtype, out=row.reshape(()))
 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
@@ -148,4 +155,4 @@ def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
         # a row dead in every head: its max over the heads is (a NaN row is not dead, as with ``all``); the
         # max over heads reads the row maxima once, where ``(rowmax <= c).all(dim=1)`` wrote and read a mask
         dead = rowmax.amax(dim=1) <= torch.finfo(s.dtype).min / 2
-        rec.max_count(fwd.key("masked_rows"), dead)
+        _count_max(rec, fwd.key("masked_rows"), dead)

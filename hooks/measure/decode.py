@@ -239,7 +239,7 @@ def _batch_sites(state: StepState, batches: tuple[BatchSeen, ...]) -> list[SiteS
 
 
 class _MaxReader:
-    """The max figures of a host copy (``Recorder.max_row``): a key's value is the max of its per-call rows,
+    """The max figures of a host copy (``MaxRows.row``): a key's value is the max of its per-call rows,
     cell by cell, NaN winning as it did in ``torch.maximum``; None when no call wrote it."""
 
     def __init__(self, state: StepState, values: Sequence[float], base: int) -> None:

@@ -15,11 +15,13 @@ exactly (as the slot's float64 did). They double when full (a device copy, no sy
 Example usage::
 
     rows = MaxRows()
-    key, off, row = rows.take(4, torch.float32, lse.device)
+    row = rows.row(("lse", "model.layers.0.self_attn", 4), 4, torch.float32, lse.device)
     torch.amax(lse, dim=(0, 2), out=row)       # one launch; the decode maxes the rows of a key
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 
@@ -33,17 +35,21 @@ class MaxRows:
         self._capacity = capacity
         self._bufs: dict[BufKey, torch.Tensor] = {}
         self._used: dict[BufKey, int] = {}
+        #: this step's rows of each figure, by key: (buffer, offset); ``Recorder.flat`` hands it to the step's
+        #: record (``StepState.maxes``) and ``reset`` starts a new one
+        self.figures: dict[Hashable, list[tuple[BufKey, int]]] = {}
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[BufKey, int, torch.Tensor]:
-        """The next ``n`` cells of the (device, dtype) buffer: (its key, the row's offset, the row as a 1-D
-        view to write with ``out=``). Host bookkeeping and a view: no device op unless the buffer grows."""
-        key = (device, dtype)
-        i = self._used.get(key, 0)
-        buf = self._bufs.get(key)
+    def row(self, key: Hashable, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh row of ``n`` cells for one call's value of the figure ``key``, as a 1-D view for the caller
+        to write with one ``out=`` op. Host bookkeeping and a view: no device op unless the buffer grows."""
+        bufkey = (device, dtype)
+        i = self._used.get(bufkey, 0)
+        buf = self._bufs.get(bufkey)
         if buf is None or i + n > buf.numel():
-            buf = self._grow(key, i + n)
-        self._used[key] = i + n
-        return key, i, buf[i : i + n]
+            buf = self._grow(bufkey, i + n)
+        self._used[bufkey] = i + n
+        self.figures.setdefault(key, []).append((bufkey, i))
+        return buf[i : i + n]
 
     def _grow(self, key: BufKey, need: int) -> torch.Tensor:
         old = self._bufs.get(key)
@@ -65,3 +71,4 @@ class MaxRows:
     def reset(self) -> None:
         """A new step: cells are reused from the start (overwritten before they are read)."""
         self._used = dict.fromkeys(self._used, 0)
+        self.figures = {}

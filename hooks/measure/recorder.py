@@ -92,7 +92,7 @@ class StepState:
     layout: list[tuple[str, BufKey, int]] = field(default_factory=list)
     #: the max rows' part of the layout: (buffer, cells) per segment
     max_layout: list[tuple[BufKey, int]] = field(default_factory=list)
-    #: each max figure's rows (``Recorder.max_row``), by key: (buffer, offset); the step's value is their max
+    #: each max figure's rows (``MaxRows.row``), by key: (buffer, offset); the step's value is their max
     maxes: dict[Hashable, list[tuple[BufKey, int]]] = field(default_factory=dict)
     sites: dict[SiteKey, SiteMeta] = field(default_factory=dict)
     sdpa: dict[tuple, int] = field(default_factory=dict)
@@ -145,7 +145,8 @@ class Recorder:
         self._reduction = FlagReduction(group) if reduce else None
         #: training calls apart from the rest (eval, generate): the weight guard's flag is one log's rows
         self.obs = {"train": ObservationLog(), "other": ObservationLog()}
-        #: per-call rows of the figures maxed over calls (logit figures, masked rows)
+        #: per-call rows of the figures maxed over calls (logit figures, a forward's fully masked rows): a
+        #: caller writes ``maxes.row(key, ...)`` with one ``out=`` op
         self.maxes = MaxRows()
         self.state = StepState()
         #: the last tensor read, its version and row: a tensor read twice in a row, unchanged, is read once
@@ -182,31 +183,17 @@ class Recorder:
         key = (site, backend, predicted, confirmed, dtype_name(dtype), shape, reason, stage)
         self.state.sdpa[key] = self.state.sdpa.get(key, 0) + calls
 
-    def max_row(self, key: Hashable, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A fresh row of ``n`` cells for one call's value of the max figure ``key``, to be written by the
-        caller with one ``out=`` op; the step's value is the max of its rows, taken at decode
-        (``nanwatch.hooks.measure.max_rows``)."""
-        bufkey, off, row = self.maxes.take(n, dtype, device)
-        self.state.maxes.setdefault(key, []).append((bufkey, off))
-        return row
-
     def logit_heads(self, layer: str, source: str, x: torch.Tensor, dim: tuple[int, ...] | None = None) -> None:
         """A per-head logit figure of one call: the max of ``x`` over ``dim`` (the remaining dimension is the
         heads), or ``x`` itself (1-D, per head) when ``dim`` is None; one device op either way."""
         n = x.numel() if dim is None else x.shape[_kept_dim(x, dim)]
         prev = self.state.logits.get((layer, source))
         self.state.logits[(layer, source)] = (source, n) if prev is None or prev[1] == n else prev
-        row = self.max_row((source, layer, n), n, x.dtype, x.device)
+        row = self.maxes.row((source, layer, n), n, x.dtype, x.device)
         if dim is None:
             row.copy_(x.reshape(n))
         else:
             torch.amax(x, dim=dim, out=row)
-
-    def max_count(self, key: Hashable, flags: torch.Tensor) -> None:
-        """One call's count of the true elements of ``flags`` for the max figure ``key`` (a forward's fully
-        masked rows, max over its layers): one ``sum`` into a fresh row, in the accumulation dtype."""
-        row = self.max_row(key, 1, self.acc_dtype, flags.device)
-        torch.sum(flags, dim=tuple(range(flags.dim())), dtype=self.acc_dtype, out=row.reshape(()))
 
     def forward_begin(self, position_ids: str, mask: str) -> ForwardMeta:
         forwards = self.state.forwards
@@ -367,6 +354,7 @@ class Recorder:
             layout += [(name, k, n) for k, n in lay]
         self.state.layout = layout
         segs, self.state.max_layout = self.maxes.segments()
+        self.state.maxes = self.maxes.figures
         parts += segs
         self.state.flat_batches = len(self.state.batches)
         parts += [b.values.reshape(-1) for b in self.state.batches]

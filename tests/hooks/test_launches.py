@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import threading
 
@@ -28,7 +27,6 @@ from support import tiny_qwen3, token_ids
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanwatch
-from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.instrument import patching, sdpa_probe
 from nanwatch.hooks.measure.recorder import Recorder
 
@@ -38,8 +36,6 @@ pytest.importorskip("transformers")
 _NO_LAUNCH = frozenset({"detach", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
                         "lift_fresh", "set_", "resize_", "is_pinned", "_fused_sdp_choice"})
 _SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "item"})
-#: every site read every step: the defaults once the coarse rotation is gone (it is where it still exists)
-_EVERY_STEP = {"coarse_every": 1} if "coarse_every" in {f.name for f in dataclasses.fields(MonitorConfig)} else {}
 
 
 class Launches(TorchDispatchMode):
@@ -95,7 +91,7 @@ def _counted_step(monkeypatch, impl: str, layers: int, *, attached: bool = True)
     ids = token_ids(2, 16)
     # rerun=False: on a CPU the differential rerun's default reads the step's flag on the host (free there);
     # on a GPU, where syncs cost, it is off by default
-    mon = nanwatch.attach(model, run_id="launches", optimizer=opt, rerun=False, **_EVERY_STEP) if attached else None
+    mon = nanwatch.attach(model, run_id="launches", optimizer=opt, rerun=False) if attached else None
     try:
         for step in range(3):
             counter.calls.clear()

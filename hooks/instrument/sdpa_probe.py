@@ -16,7 +16,7 @@ from nanwatch.hooks.instrument.probes import Frame, Probes, recomputing
 from nanwatch.hooks.measure.dtypes import HALF
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.logit import exact_max_logit
-from nanwatch.hooks.measure.recorder import ForwardMeta
+from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.hooks.measure.sdpa_backend import confirmed_backend, lse_at_recompute, lse_of, predict
 from nanwatch.policy import QUERY_SUFFIX
 from nanwatch.wire import dtype_name
@@ -92,7 +92,7 @@ def sdpa_call(probes: Probes, frame: Frame, orig, q, k, v, mask, dropout, is_cau
 def _logit_at_recompute(probes: Probes, site: str, out: torch.Tensor) -> None:
     lse = lse_at_recompute(out)
     if lse is not None:
-        probes.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
+        probes.rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]), dim=(0, 2))
 
 
 def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predicted, reason) -> None:
@@ -116,8 +116,8 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
         rec.tensor(site + QUERY_SUFFIX, "attention", "forward", q, stage)
     probes.site(site, "attention", out)
     lse = lse_of(out)
-    if lse is not None:
-        rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]).amax(dim=(0, 2)))
+    if lse is not None:  # the per-head bound: one reduction, straight into its row
+        rec.logit_heads(site, "lse", lse.reshape(-1, *lse.shape[-2:]), dim=(0, 2))
     if probes.sampled:
         rec.logit_heads(site, "exact", exact_max_logit(
             q, k, attn_mask=mask, is_causal=is_causal, scale=scale, chunk_elems=probes.exact_chunk_elems))
@@ -132,8 +132,14 @@ def _after_sdpa(probes: Probes, site, out, q, k, mask, is_causal, scale, predict
 
 
 def _count_masked_rows(probes: Probes, fwd: ForwardMeta, mask: torch.Tensor) -> None:
-    rows = dead_rows(mask)
-    probes.rec.slot(fwd.key("masked_rows"), rows.sum(dtype=probes.rec.acc_dtype), how="max")
+    _count_max(probes.rec, fwd.key("masked_rows"), dead_rows(mask))
+
+
+def _count_max(rec: Recorder, key, flags: torch.Tensor) -> None:
+    """One call's count of the true elements of ``flags`` for the figure ``key`` (a forward's fully masked rows,
+    the max over its layers): one ``sum`` into a fresh row of ``rec.maxes``, in the accumulation dtype."""
+    row = rec.maxes.row(key, 1, rec.acc_dtype, flags.device)
+    torch.sum(flags, dim=tuple(range(flags.dim())), dtype=rec.acc_dtype, out=row.reshape(()))
 
 
 def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
@@ -142,9 +148,11 @@ def scores_probe(probes: Probes, frame: Frame, scores: torch.Tensor) -> None:
         return  # read in the first forward already (or a rerun, which measures nothing)
     rec = probes.rec
     s = scores.detach()
-    rowmax = s.amax(dim=-1)
-    rec.logit_heads(frame.site, "scores", rowmax.amax(dim=(0, 2)))
+    rowmax = s.amax(dim=-1)  # [B, H, Q]
+    rec.logit_heads(frame.site, "scores", rowmax, dim=(0, 2))
     fwd = rec.current_forward()
     if fwd is not None and s.is_floating_point():
-        dead = (rowmax <= torch.finfo(s.dtype).min / 2).all(dim=1)
-        rec.slot(fwd.key("masked_rows"), dead.sum(dtype=rec.acc_dtype), how="max")
+        # a row dead in every head: its max over the heads is (a NaN row is not dead, as with ``all``); the
+        # max over heads reads the row maxima once, where ``(rowmax <= c).all(dim=1)`` wrote and read a mask
+        dead = rowmax.amax(dim=1) <= torch.finfo(s.dtype).min / 2
+        _count_max(rec, fwd.key("masked_rows"), dead)

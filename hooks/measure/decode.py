@@ -117,9 +117,13 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
     """The stats of the step ``state`` records, from ``values``, the host copy of its ``Recorder.flat()``.
     ``slots``: the slot buffer the step wrote into (default ``state.slots``, set by ``Recorder.swap``; the
     open step's is the recorder's own)."""
+    if state.flat_order:  # the copy holds its parts grouped by dtype: read them back in order
+        values = [v for start, n in state.flat_order for v in values[start : start + n]]
     rows = sum(2 * n for _, _, n in state.layout)
-    batches = _read_batches(state, values, rows)
-    get = SlotReader(values, rows + sum(len(b.batch.names) for b in batches),
+    maxed = _MaxReader(state, values, rows)
+    off = rows + sum(n for _, n in state.max_layout)
+    batches = _read_batches(state, values, off)
+    get = SlotReader(values, off + sum(len(b.batch.names) for b in batches),
                      slots if slots is not None else state.slots)
     per_site, first = _read_rows(state, values, batches)
     routers = {key[0]: seen.top for key, seen in per_site.items()  # an MoE router's largest logit
@@ -131,7 +135,7 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
         sites=(*_site_stats(state, per_site), *_batch_sites(state, batches)),
         sdpa=tuple(SdpaCall(site=k[0], backend=k[1], predicted=k[2], confirmed=k[3], dtype=k[4], shape=k[5],
                             reason=k[6], stage=k[7], calls=n) for k, n in state.sdpa.items()),
-        logits=_logits(state, get, routers), fingerprints=_fingerprints(state, get),
+        logits=_logits(state, maxed, routers), fingerprints=_fingerprints(state, get, maxed),
         first_offender=Offender(*first) if first is not None else None, batches=batches,
         step_skipped=None if skipped == -math.inf else skipped > 0,
         nonfinite_rank=int(-lowest) if math.isfinite(lowest) else None,
@@ -240,12 +244,37 @@ def _batch_sites(state: StepState, batches: tuple[BatchSeen, ...]) -> list[SiteS
     return sites
 
 
-def _logits(state: StepState, get: SlotReader, routers: dict[str, float]) -> tuple[LogitStat, ...]:
+class _MaxReader:
+    """The max figures of a host copy (``MaxRows.row``): a key's value is the max of its per-call rows,
+    cell by cell, NaN winning as it did in ``torch.maximum``; None when no call wrote it."""
+
+    def __init__(self, state: StepState, values: Sequence[float], base: int) -> None:
+        self._state, self._values = state, values
+        self._offsets: dict = {}
+        for key, n in state.max_layout:
+            self._offsets[key] = base
+            base += n
+
+    def __call__(self, key: Hashable, n: int) -> list[float] | None:
+        best = None
+        for bufkey, off in self._state.maxes.get(key, ()):
+            base = self._offsets.get(bufkey)
+            if base is None:  # a row taken after the copy was made (cannot happen within a step)
+                continue
+            row = self._values[base + off : base + off + n]
+            best = list(row) if best is None else [_nanmax(a, b) for a, b in zip(best, row, strict=True)]
+        return best
+
+
+def _nanmax(a: float, b: float) -> float:
+    return a if a != a else b if b != b else max(a, b)
+
+
+def _logits(state: StepState, maxed: _MaxReader, routers: dict[str, float]) -> tuple[LogitStat, ...]:
     out = [LogitStat(layer=layer, bound=top, source="router") for layer, top in routers.items()]
     by_layer: dict[str, dict[str, list[float]]] = {}
     for (layer, source), (_, n) in state.logits.items():
-        by_layer.setdefault(layer, {})[source] = [get("max", ((source, layer, n), j), -math.inf)
-                                                  for j in range(n)]
+        by_layer.setdefault(layer, {})[source] = maxed((source, layer, n), n) or [-math.inf] * n
     for layer, srcs in by_layer.items():
         exact = srcs.get("exact") or srcs.get("scores")
         heads = srcs.get("lse") or exact
@@ -255,13 +284,13 @@ def _logits(state: StepState, get: SlotReader, routers: dict[str, float]) -> tup
     return tuple(out)
 
 
-def _fingerprints(state: StepState, get: SlotReader) -> tuple[Fingerprint, ...]:
+def _fingerprints(state: StepState, get: SlotReader, maxed: _MaxReader) -> tuple[Fingerprint, ...]:
     prints = []
     for f in state.forwards:
         resets = get("sum", f.key("resets"))
         packed = f.packed_checked and resets > 0
         mask = "packed_block" if packed and f.mask_4d_seen and f.mask in ("none", "4d") else f.mask
-        rows = get("max", f.key("masked_rows"), 0.0)  # -inf: no mask seen this forward
+        rows = (maxed(f.key("masked_rows"), 1) or [0.0])[0]  # no row: no mask seen this forward
         prints.append(Fingerprint(
             forward=f.index, position_ids=f.position_ids, mask=mask,
             fully_masked_rows=int(rows) if math.isfinite(rows) and rows > 0 else 0,

@@ -60,25 +60,15 @@ class ObservationLog:
         cells = self._cells[key] = list(zip(buf[:, 0].unbind(), buf[:, 1].unbind(), strict=True))
         return cells
 
-    def any_nonfinite(self) -> torch.Tensor | None:
-        """A 0-d bool device tensor, true when a row so far holds NaN or Inf (None before any row). Device
-        ops only: reading it on the host is the caller's sync."""
-        flags = [(~torch.isfinite(self._bufs[k][:n])).any() for k, n in self._used.items() if n]
-        if not flags:
-            return None
-        return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
+    def used(self) -> list[torch.Tensor]:
+        """The used rows of every buffer, flattened (views: no device op), for the weight guard's flag."""
+        return [self._bufs[k][:n].reshape(-1) for k, n in self._used.items() if n]
 
-    def segments(self, device: torch.device) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
-        """The used rows of every buffer, flattened to float64 on ``device`` (device ops, no sync), and
-        their layout (buffer key, rows) for decoding a host copy."""
-        parts, layout = [], []
-        for key, n in self._used.items():
-            if n:
-                part = self._bufs[key][:n].reshape(-1)
-                part = part.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda")
-                parts.append(part)
-                layout.append((key, n))
-        return parts, layout
+    def segments(self) -> tuple[list[torch.Tensor], list[tuple[BufKey, int]]]:
+        """The used rows of every buffer, flattened, in their own dtype and device (views: no device op), and
+        their layout (buffer key, rows) for decoding a host copy (``Recorder.flat`` converts them)."""
+        keys = [(key, n) for key, n in self._used.items() if n]
+        return [self._bufs[key][:n].reshape(-1) for key, n in keys], keys
 
     def reset(self) -> None:
         """A new step: rows are reused from the start (their values are overwritten, never read stale)."""

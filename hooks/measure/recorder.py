@@ -1,21 +1,25 @@
 """One step's measurements: host-side bookkeeping (names, order, shapes) plus device-side values.
 
 The hot path only launches device ops and appends to host lists: a measured tensor costs one ``aminmax``
-into the observation log (``nanwatch.hooks.measure.observations``); logit figures, fingerprint counts and RLHF sums
-go to named slots of the SlotBuffer. At step end both are flattened into one device tensor for one
-asynchronous copy, and ``swap()`` hands the step's site table (a :class:`StepState`) over. The recorder only
-writes: ``nanwatch.hooks.measure.decode`` turns the host copy and the site table into a ``StepStats`` value on
-the reporter thread, never in a hook.
+into the observation log (``nanwatch.hooks.measure.observations``); a per-call figure whose step value is a max
+over calls (a layer's per-head logit figure, a forward's fully masked rows) costs the one op that computes it,
+written into a row of ``nanwatch.hooks.measure.max_rows``; fingerprint counts and RLHF sums go to named slots
+of the SlotBuffer. At step end all three are flattened into one device tensor for one asynchronous copy,
+and ``swap()`` hands the step's site table (a :class:`StepState`) over. The recorder only writes:
+``nanwatch.hooks.measure.decode`` turns the host copy and the site table into a ``StepStats`` value on the
+reporter thread, never in a hook.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from nanwatch.hooks.measure.collective import FlagReduction, reduction_active
+from nanwatch.hooks.measure.max_rows import MaxRows
 from nanwatch.hooks.measure.observations import BufKey, ObservationLog
 from nanwatch.hooks.measure.optimizer_check import ParamBatch
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
@@ -84,8 +88,12 @@ class StepState:
     order: list[SiteKey] = field(default_factory=list)
     #: one per measured call, in execution order: (site, log, buffer, row)
     rows: list[tuple[SiteKey, str, BufKey, int]] = field(default_factory=list)
-    #: the flattened copy's layout: (log, buffer, rows) per segment, then the slots
+    #: the flattened copy's layout: (log, buffer, rows) per segment, then the max rows, then the slots
     layout: list[tuple[str, BufKey, int]] = field(default_factory=list)
+    #: the max rows' part of the layout: (buffer, cells) per segment
+    max_layout: list[tuple[BufKey, int]] = field(default_factory=list)
+    #: each max figure's rows (``MaxRows.row``), by key: (buffer, offset); the step's value is their max
+    maxes: dict[Hashable, list[tuple[BufKey, int]]] = field(default_factory=dict)
     sites: dict[SiteKey, SiteMeta] = field(default_factory=dict)
     sdpa: dict[tuple, int] = field(default_factory=dict)
     logits: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -110,6 +118,9 @@ class StepState:
     batches: list[ParamBatch] = field(default_factory=list)
     #: how many of ``batches`` the last ``flat()`` holds (its layout, like ``layout``)
     flat_batches: int = 0
+    #: where each part of the last ``flat()`` (rows, max rows, batches, slots, in that order) starts in it, and
+    #: its length: the copy groups the parts by dtype (empty: in order, as a hand-written copy is)
+    flat_order: list[tuple[int, int]] = field(default_factory=list)
     #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
     #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
     loss_scaling: bool = False
@@ -134,12 +145,15 @@ class Recorder:
         self._reduction = FlagReduction(group) if reduce else None
         #: training calls apart from the rest (eval, generate): the weight guard's flag is one log's rows
         self.obs = {"train": ObservationLog(), "other": ObservationLog()}
+        #: per-call rows of the figures maxed over calls (logit figures, a forward's fully masked rows): a
+        #: caller writes ``maxes.row(key, ...)`` with one ``out=`` op
+        self.maxes = MaxRows()
         self.state = StepState()
         #: the last tensor read, its version and row: a tensor read twice in a row, unchanged, is read once
         #: (in backward the same gradient flows into a block's output and its MLP's, through the residual)
         self._last: tuple[weakref.ref, int, str, BufKey, int] | None = None
         #: an evaluation's own record and buffers, kept for reuse between windows (``enter_eval``)
-        self._eval_set: tuple[StepState, dict[str, ObservationLog], SlotBuffer] | None = None
+        self._eval_set: tuple[StepState, dict[str, ObservationLog], SlotBuffer, MaxRows] | None = None
         #: while an eval window is open: the training record it put aside (state, logs, buffer, last read)
         self._aside: tuple | None = None
 
@@ -169,12 +183,17 @@ class Recorder:
         key = (site, backend, predicted, confirmed, dtype_name(dtype), shape, reason, stage)
         self.state.sdpa[key] = self.state.sdpa.get(key, 0) + calls
 
-    def logit_heads(self, layer: str, source: str, per_head: torch.Tensor) -> None:
-        """Max a per-head logit figure (bound or exact) into the layer's slots."""
-        n = per_head.numel()
+    def logit_heads(self, layer: str, source: str, x: torch.Tensor, dim: tuple[int, ...] | None = None) -> None:
+        """A per-head logit figure of one call: the max of ``x`` over ``dim`` (the remaining dimension is the
+        heads), or ``x`` itself (1-D, per head) when ``dim`` is None; one device op either way."""
+        n = x.numel() if dim is None else x.shape[_kept_dim(x, dim)]
         prev = self.state.logits.get((layer, source))
         self.state.logits[(layer, source)] = (source, n) if prev is None or prev[1] == n else prev
-        self.buf.maximize_many((source, layer, n), _to(self.buf, per_head))
+        row = self.maxes.row((source, layer, n), n, x.dtype, x.device)
+        if dim is None:
+            row.copy_(x.reshape(n))
+        else:
+            torch.amax(x, dim=dim, out=row)
 
     def forward_begin(self, position_ids: str, mask: str) -> ForwardMeta:
         forwards = self.state.forwards
@@ -271,15 +290,19 @@ class Recorder:
 
         ``spiked``: this rank's step spiked and ``spike_action="skip"`` asks to skip it: the flag is set (the
         reduction then skips the step on every rank), but this rank is not named as a non-finite one."""
-        flag = self.obs["train"].any_nonfinite()
-        batches = self.state.batches
-        if batches:  # parameters an optimizer step wrote, or this step started from
-            values = batches[0].values if len(batches) == 1 else torch.cat([b.values for b in batches])
-            bad = ~torch.isfinite(values).all()
-            flag = bad if flag is None else flag.to(bad.device) | bad
-        if flag is None:
+        # The training rows, and the parameters an optimizer step wrote or this step started from, grouped by
+        # (device, dtype): one ``cat`` per group of several (a single kernel where the dtypes agree), then
+        # ``(x * 0).any()``: a finite value times 0 is 0, NaN and Inf times 0 are NaN, which ``any`` counts as
+        # true, and nothing overflows. ``~isfinite(x).any()`` said the same in six kernels per tensor
+        # (``isfinite`` alone is four: ``x == x``, ``abs``, ``!= inf``, ``*``, on every backend).
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for x in [*self.obs["train"].used(), *(b.values for b in self.state.batches)]:
+            groups.setdefault((x.device, x.dtype), []).append(x)
+        parts = [(g[0] if len(g) == 1 else torch.cat(g)).mul(0).any() for g in groups.values()]
+        if not parts:
             flag = torch.zeros((), dtype=torch.float32, device=self.buf.device)
         else:
+            flag = parts[0] if len(parts) == 1 else torch.stack([p.to(parts[0].device) for p in parts]).any()
             flag = _to(self.buf, flag).to(torch.float32)
         if spiked:
             flag = torch.ones_like(flag)
@@ -305,9 +328,9 @@ class Recorder:
             return
         if self._eval_set is None:
             self._eval_set = (StepState(), {"train": ObservationLog(), "other": ObservationLog()},
-                              SlotBuffer(self.buf.device))
-        self._aside = (self.state, self.obs, self.buf, self._last)
-        self.state, self.obs, self.buf = self._eval_set
+                              SlotBuffer(self.buf.device), MaxRows())
+        self._aside = (self.state, self.obs, self.buf, self.maxes, self._last)
+        self.state, self.obs, self.buf, self.maxes = self._eval_set
         self.state.stage = "eval"
         self._last = None
 
@@ -316,23 +339,33 @@ class Recorder:
         evaluation's record over)."""
         if self._aside is None:
             return
-        self._eval_set = (self.state, self.obs, self.buf)
-        self.state, self.obs, self.buf, self._last = self._aside
+        self._eval_set = (self.state, self.obs, self.buf, self.maxes)
+        self.state, self.obs, self.buf, self.maxes, self._last = self._aside
         self._aside = None
 
     # ---- step boundary ---------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:
         """Everything the step measured, as one float64 device tensor (device ops only): the used rows of
-        every observation buffer, then the slots. Its layout goes into the step state for the decode."""
+        every observation buffer, then the max rows, then the parameter batches, then the slots, in that
+        order for the decode (``StepState.layout``, ``max_layout``, ``flat_batches``, ``flat_order``).
+
+        The parts of one dtype are concatenated before they are converted, one conversion per (device, dtype)
+        rather than per part, so the device tensor holds them grouped by dtype; ``StepState.flat_order`` says
+        where each part landed, and the decode reads them back in order (``decode_step``)."""
         parts, layout = [], []
         for name, log in self.obs.items():
-            segs, lay = log.segments(self.buf.device)
+            segs, lay = log.segments()
             parts += segs
             layout += [(name, k, n) for k, n in lay]
         self.state.layout = layout
+        segs, self.state.max_layout = self.maxes.segments()
+        self.state.maxes = self.maxes.figures
+        parts += segs
         self.state.flat_batches = len(self.state.batches)
-        parts += [b.values.to(torch.float64) for b in self.state.batches]
-        return torch.cat([*parts, self.buf.data[: self.buf.size].to(torch.float64)])
+        parts += [b.values.reshape(-1) for b in self.state.batches]
+        parts.append(self.buf.data[: self.buf.size])
+        flat, self.state.flat_order = _gathered(parts, self.buf.device)
+        return flat
 
     def swap(self) -> StepState:
         """Hand the finished step over and start the next (the buffers are reused from the start)."""
@@ -341,8 +374,36 @@ class Recorder:
         self._last = None  # rows are reused from the start: never alias across steps
         for log in self.obs.values():
             log.reset()
+        self.maxes.reset()
         self.buf.reset()
         return state
+
+
+def _gathered(parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``parts`` (1-D, any dtype and device) in one new float64 tensor on ``device``, and where each landed.
+    Parts of one (device, dtype) are concatenated, then converted: one conversion per dtype, not per part
+    (float64 parts already on ``device`` go straight into the final ``cat``)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(parts):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    chunks, order, at = [], [(0, 0)] * len(parts), 0
+    for (dev, dtype), idx in groups.items():
+        if dev == device and dtype == torch.float64:
+            chunks += [parts[i] for i in idx]
+        else:
+            chunk = parts[idx[0]] if len(idx) == 1 else torch.cat([parts[i] for i in idx])
+            chunks.append(chunk.to(device=device, dtype=torch.float64, non_blocking=device.type == "cuda"))
+        for i in idx:
+            order[i] = (at, parts[i].numel())
+            at += parts[i].numel()
+    return torch.cat(chunks), order
+
+
+def _kept_dim(x: torch.Tensor, dim: tuple[int, ...]) -> int:
+    """The one dimension of ``x`` a reduction over ``dim`` keeps (the heads)."""
+    reduced = {d % x.dim() for d in dim}
+    (kept,) = (d for d in range(x.dim()) if d not in reduced)
+    return kept
 
 
 def _to(buf: SlotBuffer, x: torch.Tensor) -> torch.Tensor:

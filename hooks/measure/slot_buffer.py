@@ -1,9 +1,11 @@
 """The device-side slot buffer: one preallocated tensor that hooks write into without ever syncing with
 the host.
 
-Every scalar nanwatch measures has a named slot, either a *sum* slot (counts, sums) or a *max* slot
-(amax, logit bounds; a minimum is stored as the max of its negation). Hooks only launch small device
-ops that add into or max into a slot; the host reads the whole buffer once per step, asynchronously.
+A scalar that is not a site read has a named slot, either a *sum* slot (counts, sums) or a *max* slot
+(flags, maxima; a minimum is stored as the max of its negation). Hooks only launch small device ops that
+add into or max into a slot; the host reads the whole buffer once per step, asynchronously. A figure
+written once per call and maxed over the step (a layer's per-head logit figure) does not come here: it
+costs one op into a row of ``nanwatch.hooks.measure.max_rows``, where maxing into slots cost three.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class SlotBuffer:
         self._kinds: list[str] = []  # "sum" or "max", by slot index
         #: ``scatter_add``'s device index of each key tuple it wrote, and its first slot when consecutive
         self._indices: dict[tuple[Hashable, ...], tuple[torch.Tensor, int | None]] = {}
+        #: a fresh step's values, chosen by ``_max_mask`` (``reset``: one ``where`` into the slots)
+        self._unset = torch.full((), -math.inf, dtype=self.dtype, device=self.device)
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -99,22 +104,6 @@ class SlotBuffer:
         i = self.slot("max", key)
         self.data[i : i + 1].copy_(value.reshape(1))
 
-    def maximize_many(self, key: Hashable, values: torch.Tensor) -> int:
-        """Max ``values`` (1-D) into ``len(values)`` consecutive slots, allocated together on first use;
-        returns the first index."""
-        n = values.numel()
-        first = self._slots.get(("max", (key, 0)))
-        if first is None:
-            with self._lock:
-                first = self._slots.get(("max", (key, 0)))
-                if first is None:
-                    first = len(self._kinds)
-                    for j in range(n):
-                        self._new_slot(("max", (key, j)), "max")
-        cells = self.data[first : first + n]
-        torch.maximum(cells, values.reshape(n).to(self.dtype), out=cells)
-        return first
-
     def cells(self, kind: str, keys: tuple[Hashable, ...]) -> torch.Tensor:
         """The cells of the slots ``keys``, allocated together, consecutively, on first use: a view to write into
         with one device op. A key reached through ``cells`` is only ever reached with the same ``keys``. The
@@ -168,7 +157,8 @@ class SlotBuffer:
         return self._slots.get((kind, key))
 
     def reset(self) -> None:
-        """Zero the sums and set the maxes to -inf for a new step (two device ops, no sync)."""
+        """Zero the sums and set the maxes to -inf for a new step: one device op (a ``where`` that reads the
+        kinds' mask and writes every slot once), no sync."""
         n = self.size
-        self.data[:n].zero_()
-        self.data[:n].masked_fill_(self._max_mask[:n], -math.inf)
+        if n:
+            torch.where(self._max_mask[:n], self._unset, self._zero, out=self.data[:n])

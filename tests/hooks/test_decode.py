@@ -19,8 +19,9 @@ LAYER = "model.layers.0.self_attn"
 
 
 def _step() -> tuple[StepState, list[float], SlotBuffer]:
-    """Three sites (one eval-stage) in one observation buffer, one optimizer batch, and slots for the guard,
-    the reduction, a forward's counts, a layer's two heads, an RLHF sum and a slot only a higher module knows."""
+    """Three sites (one eval-stage) in one observation buffer; max rows in two buffers: a layer's two heads
+    from two calls, a forward's fully masked rows; one optimizer batch; slots for the guard, the reduction,
+    a forward's count, an RLHF sum and a slot only a higher module knows."""
     fwd = ForwardMeta(0, position_ids="2d", mask="none", packed_checked=True, plain_causal=True)
     batch = ParamBatch(pos=3, phase="optimizer", owner="AdamW", names=["w", "b"], dtypes=["float32", "float32"],
                        numels=[6, 2], values=torch.zeros(2))
@@ -32,17 +33,20 @@ def _step() -> tuple[StepState, list[float], SlotBuffer]:
                ATTN: SiteMeta("attention", torch.float16, calls=2, numel=10),
                HEAD: SiteMeta("logits", torch.bfloat16, calls=1, numel=12)},
         sdpa={(LAYER, "flash", "flash", True, "float16", "1x2x4x8", None, "train"): 3},
-        logits={(LAYER, "lse"): ("lse", 2)}, forwards=[fwd], rlhf="k3", batches=[batch], flat_batches=1)
+        logits={(LAYER, "lse"): ("lse", 2)}, forwards=[fwd], rlhf="k3", batches=[batch], flat_batches=1,
+        max_layout=[("f32", 4), ("f64", 1)],
+        maxes={("lse", LAYER, 2): [("f32", 2), ("f32", 0)], fwd.key("masked_rows"): [("f64", 0)]})
     buf = SlotBuffer("cpu")
     slots = {("max", GUARD_SKIPPED): 1.0, ("max", NONFINITE_RANK): -3.0, ("sum", fwd.key("resets")): 2.0,
-             ("max", fwd.key("masked_rows")): 4.0, ("max", (("lse", LAYER, 2), 0)): 5.0,
-             ("max", (("lse", LAYER, 2), 1)): 7.0, ("sum", ("rlhf", "tokens")): 11.0,
+             ("sum", ("rlhf", "tokens")): 11.0,
              ("max", ("scaler", "scale")): 1024.0}
     for kind, key in slots:
         buf.slot(kind, key)
     values = [-2.0, 3.0,  # row 0 (attention): finite
               math.nan, 1.0,  # row 1 (head): NaN
               -math.inf, 0.5,  # row 2 (the eval-stage site): Inf
+              5.0, 1.0, 2.0, 7.0,  # the layer's heads, one call a row: the max is [5, 7]
+              4.0,  # the forward's fully masked rows
               1.0, math.inf]  # the batch: "b" is Inf
     values += [slots[(kind, key)] for kind, key in _by_index(buf, slots)]
     state.slots = buf
@@ -77,6 +81,16 @@ def test_each_field_is_decoded_from_its_own_slot_and_row():
     assert stats.rlhf_slots == {("sum", "tokens"): 11.0}
     assert stats.rlhf is not None and stats.rlhf.kl_optimised == "k3"
     assert stats.slot("max", ("scaler", "scale"), -1.0) == 1024.0
+
+
+def test_a_max_figure_is_the_max_of_its_rows_and_a_nan_row_wins():
+    state, values, _ = _step()
+    values[7] = math.nan  # the second head of the second call's row
+    (logit,) = decode_step(state, values).logits
+    assert logit.per_head[0] == 5.0 and math.isnan(logit.per_head[1])
+    state.maxes.pop(("lse", LAYER, 2))  # no call wrote the figure: unset, as an unwritten slot read
+    (logit,) = decode_step(state, values).logits
+    assert logit.per_head == [-math.inf, -math.inf]
 
 
 def test_a_slot_missing_from_the_copy_reads_as_its_default():

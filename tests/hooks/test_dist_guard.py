@@ -35,7 +35,11 @@ K, LAYER, TIMEOUT_S = 2, "model.layers.0.mlp", 300
 
 def _run_job(out: Path) -> str | None:
     """Run the job into ``out``; None, or why it failed (its output's tail)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # DeepSpeed JIT-compiles its shared-memory op into torch's extensions folder under a lock file; a process
+    # killed mid-build (anywhere on this machine, earlier) leaves the lock, and every later job waits on it
+    # forever (seen here: zero1 and zero2 hung at init_distributed). The session's own folder: ~30 s a build.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               TORCH_EXTENSIONS_DIR=str(out / "torch_extensions"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "--master_addr=127.0.0.1", str(WORKER), str(out), *WRAPPERS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

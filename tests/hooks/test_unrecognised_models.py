@@ -18,6 +18,24 @@ def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
+def _train(model, opt, now: dict, *, then=lambda: None) -> list:
+    """Three monitored steps of the MLP on random inputs (``now["step"]`` set before each); ``then()`` runs
+    once attached. Returns the reports."""
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.attach(model, run_id="mlp", optimizer=opt) as mon:
+            then()
+            for n in range(3):
+                now["step"] = n
+                with mon.step(n):
+                    model(torch.randn(4, 8)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                reports.append(mon.last_report())
+    return reports
+
+
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
 def test_a_plain_mlp_with_an_inf_input_is_caught_named_and_its_step_skipped(opt_cls, tmp_path):
     model = _mlp()
@@ -59,18 +77,8 @@ def test_a_gradient_turned_non_finite_inside_a_plain_mlp_is_named_at_its_part():
         if now["step"] == 1:
             out.register_hook(lambda g: g * math.nan)
 
-    reports = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="mlp-grad", optimizer=opt) as mon:
-            model[1].register_forward_hook(poison)  # after nanwatch's: it reads the gradient before the poison
-            for n in range(3):
-                now["step"] = n
-                with mon.step(n):
-                    model(torch.randn(4, 8)).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-                reports.append(mon.last_report())
+    # registered after nanwatch's hooks: nanwatch reads the gradient before the poison
+    reports = _train(model, opt, now, then=lambda: model[1].register_forward_hook(poison))
     r = reports[1]
     assert r.step_skipped and (r.first_offender, r.first_offender_phase) == ("0", "backward"), r.first_offender
     assert not any(s.nan + s.inf for s in r.sites if s.phase == "forward")
@@ -84,17 +92,7 @@ def test_a_value_born_in_a_weight_gradient_is_caught_at_that_parameter():
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     now = {"step": None}
     model[0].weight.register_hook(lambda g: g * math.nan if now["step"] == 1 else None)  # runs before nanwatch's
-    reports = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with nanwatch.attach(model, run_id="mlp-wgrad", optimizer=opt) as mon:
-            for n in range(3):
-                now["step"] = n
-                with mon.step(n):
-                    model(torch.randn(4, 8)).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-                reports.append(mon.last_report())
+    reports = _train(model, opt, now)
     r = reports[1]
     assert r.step_skipped and (r.first_offender, r.first_offender_phase) == ("0.weight", "backward"), r.first_offender
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -41,6 +41,7 @@ only, so there is no faulting call to capture; ``nanwatch replay`` refuses such 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -48,6 +49,7 @@ import logging
 import os
 import platform
 import re
+import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -310,6 +312,25 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _write_new(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file this call creates itself (``O_EXCL | O_NOFOLLOW``, a
+    random name, mode 0600), then an atomic rename: in a shared capsule folder a planted link at a predictable
+    temporary name would have had the trainer write through it into any file its user can write; and readers
+    never see half a capsule."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 class CapsuleWriter:
     """Writes up to ``max_count`` capsules per run, one per incident class, each on a background thread."""
 
@@ -431,20 +452,16 @@ class CapsuleWriter:
 
     def _write(self, path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         try:
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
-            tmp = f"{path}.{os.getpid()}.tmp"
             meta["digests"] = {k: digest(t) for k, t in tensors.items()}  # checked before a replay uses them
-            save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, default=str)})
-            size = os.path.getsize(tmp)
-            with open(tmp, "rb") as f:
-                header = int.from_bytes(f.read(8), "little")
+            data = save(tensors, metadata={META_KEY: json.dumps(meta, default=str)})
+            size, header = len(data), int.from_bytes(data[:8], "little")
             if size > self.max_bytes or header > MAX_HEADER_BYTES:  # never leave a file beyond a limit
-                os.remove(tmp)
                 raise RuntimeError(f"{size} bytes would exceed capsule_max_bytes {self.max_bytes}"
                                    if size > self.max_bytes else f"its header ({header} bytes) would exceed "
                                    f"the {MAX_HEADER_BYTES}-byte limit nanwatch replay reads")
-            os.replace(tmp, path)  # readers never see half a capsule
+            _write_new(path, data)
             dropped = meta["dropped"]
             log.warning("nanwatch: incident capsule written: %s (%d bytes%s); replay it: %s", printable(path),
                         size, f"; {len(dropped)} not recorded: {'; '.join(dropped[:4])}{'; ...' if len(dropped) > 4 else ''}"

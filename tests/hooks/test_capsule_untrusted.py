@@ -239,3 +239,22 @@ def test_an_attribution_capsule_too_long_to_redo_is_refused_before_it_runs(tmp_p
     line = _refused(capsys, path, *flags)
     assert "32 sequences x 8,192 tokens" in line and over in line, line
     assert "refused before it runs" in line and f"raise {over.split()[0]}" in line, line
+
+
+def test_a_capsule_is_never_written_through_a_planted_link(tmp_path):
+    """A shared capsule folder: a link planted at the capsule's name, or at the predictable temporary name the
+    writer once used (``<path>.<pid>.tmp``), is never followed; the victim keeps its bytes."""
+    import os
+
+    from nanwatch.hooks.remedies.capsule import _write_new
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    path = tmp_path / "caps" / "run-r0-s3-precision.capsule"
+    path.parent.mkdir()
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    os.symlink(victim, path)
+    _write_new(str(path), b"capsule bytes")
+    assert victim.read_bytes() == b"keep me"
+    assert not path.is_symlink() and path.read_bytes() == b"capsule bytes"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)

@@ -7,7 +7,6 @@ device type; and the CLI end to end."""
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 
 import pytest
 import torch
@@ -22,14 +21,12 @@ pytest.importorskip("transformers")
 #: the tests' model: TINY_QWEN3 (2 layers, hidden 64, 4/2 heads x 16, vocab 128), 64 tokens, fp32
 TINY = Shape("tiny", 2, 64, 128, 4, 2, 16, 128, 64, False, counted=(2,))
 #: every site read every step: the defaults once the coarse rotation is gone (set while the field exists)
-EVERY_SITE = {"coarse_every": 1} if "coarse_every" in {f.name for f in fields(MonitorConfig)} else {}
 
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels") / "k.json"
     argv = ["kernels", "--shapes", "tiny", "--dtype", "fp32", "--json", str(out)]
-    argv += [f"--config={k}={v}" for k, v in EVERY_SITE.items()]
     from nanwatch.bench import main
 
     assert main(argv) == 0
@@ -108,7 +105,7 @@ def test_the_meta_device_counts_what_the_cpu_counts_but_where_nanwatch_branches_
 
     monkeypatch.setattr(rerun_module, "defers", lambda device: True)
     cpu = count_shape(TINY, 2, device="cpu", dtype=torch.float32,
-                      options={**EVERY_SITE, "optimizer_check_every": 16})
+                      options={"optimizer_check_every": 16})
     meta = cli_results["shapes"]["tiny"]  # the cli's run: meta, fp32, the same model and options
     for p in PHASES:
         cb, mb, ca, ma = cpu["bare"][p], meta["bare"][p], cpu["attached"][p], meta["attached"][p]

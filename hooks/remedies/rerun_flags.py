@@ -117,7 +117,7 @@ class FlagsInFlight:
             if flag.host.is_meta:
                 continue
             self._pinned.append(flag.host)
-            if flag.host.tolist()[0] != 0:  # a host tensor whose copy landed: no sync
+            if flag.host.tolist()[0] != 0:  # sync-ok: a pinned host tensor whose copy's event has completed
                 return flag
         return None
 

@@ -14,7 +14,6 @@ from nanwatch.monitor.model.refusal import Refused
 from nanwatch.monitor.web.body import parse_strict
 from nanwatch.monitor.web.deps import (
     IngestToken,
-    ReaderToken,
     Resources,
     ResourcesDep,
     RunIdPath,
@@ -77,11 +76,12 @@ def weight_sync_view(res: Resources, run_id: str) -> WeightSyncView | None:
 @router.get("/v1/runs/{run_id}/weights", response_model=WeightSyncView, response_class=ApiJSON,
             responses={404: {"model": Problem, "description": "the run posted no weight set (or is not there)"},
                        **AUTH, **INVALID, **NOT_READY})
-async def get_weights(run_id: RunIdPath, res: ResourcesDep, token: ReaderToken) -> ApiJSON:
+async def get_weights(run_id: RunIdPath, res: ResourcesDep, token: IngestToken) -> ApiJSON:
     """Where the run's weight syncs stand: the latest version the trainer published, and each rollout worker's
     latest posted and verified version, its latest comparison's outcome and its lag. The trainer asks before
-    it classifies a rollout mismatch (stale weights, not a drift). A scoped ingest token reads its namespace's
-    runs only (404 for others)."""
+    it classifies a rollout mismatch (stale weights, not a drift), with the token it reports with, as it polls
+    directives: ingest role (open where ingest is). A scoped ingest token reads its namespace's runs only (404
+    for others)."""
     require_owned(token, run_id)
     view = weight_sync_view(res, run_id)
     if view is None:

@@ -31,7 +31,7 @@ import pytest
 import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from support import AUTH, TOKEN, RolloutEngine, require_tool, rollout_policy, run_view, step_report
+from support import AUTH, TOKEN, RolloutEngine, grpo_step, require_tool, rollout_policy, run_view, step_report
 
 import nanwatch
 from nanwatch.weight_sync import WeightSyncRefused, post_weights
@@ -42,7 +42,6 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "nanwatch.yml"
-NEW, BATCH = RolloutEngine.NEW, RolloutEngine.BATCH
 MINUTES_PER_STEP = 3  # a GRPO step of a real run takes minutes; the 30-minute drift ticket needs ten such steps
 
 
@@ -87,15 +86,7 @@ def _grpo(url: str, run_id: str, *, steps: int, stale_from: int | None = None, s
             if temperature_from is not None and n == temperature_from[0]:
                 engine.temperature = temperature_from[1]
             sequences, rollout = engine.sample(n)
-            with mon.step(n):
-                logits = policy(sequences).logits[:, -NEW - 1:-1].float()
-                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -NEW:, None]).squeeze(-1)
-                rewards = torch.randn(BATCH, generator=torch.Generator().manual_seed(n))
-                advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
-                (-(advantages[:, None] * logprobs).mean()).backward()
-                opt.step()
-                opt.zero_grad()
+            grpo_step(mon, policy, opt, n, sequences, rollout)
             out["reports"].append(mon.last_report())
             _until(lambda n=n: run_view(url, run_id)["latest_step"] >= n, f"step {n} at the collector")
             out["scrapes"].append(_metrics(url))

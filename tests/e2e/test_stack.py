@@ -43,6 +43,7 @@ from support import (
     CollectorProcess,
     RolloutEngine,
     free_port,
+    grpo_step,
     load_script,
     require_tool,
     rollout_policy,
@@ -258,7 +259,6 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
     engine = RolloutEngine(policy)
     engine.nan_at = nan_at
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    new = RolloutEngine.NEW
     marks["rollout_events"] = []
     with nanwatch.attach(policy, run_id="e2e-rollout", collector=collector, optimizer=opt) as mon:
         for n in range(steps):
@@ -267,14 +267,7 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
             mon.publish_weights(n)
             post_weights(collector, "e2e-rollout", n, nanwatch.fingerprint(engine.model), worker="rollout-0")
             sequences, rollout = engine.sample(n)
-            with mon.step(n):
-                logits = policy(sequences).logits[:, -new - 1:-1].float()
-                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -new:, None]).squeeze(-1)
-                advantages = torch.randn(sequences.shape[0], generator=torch.Generator().manual_seed(n))
-                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
-                (-(advantages[:, None] * logprobs).mean()).backward()
-                opt.step()
-                opt.zero_grad()
+            grpo_step(mon, policy, opt, n, sequences, rollout)
             marks["rollout_events"] += [(n, e.cause) for e in mon.last_report().rollout_events]
             if n == nan_at:
                 marks["rollout_reported"] = time.monotonic()

@@ -139,14 +139,11 @@ def test_the_wire_imports_pydantic_alone():
 
 
 def test_the_root_package_imports_nothing_at_import_time():
-    """Only the old-path finder, which needs the standard library alone."""
     tree = ast.parse(MODULES["nanwatch"].read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert {(n.module, a.name) for n in top if isinstance(n, ast.ImportFrom) for a in n.names} <= {
-        ("__future__", "annotations"), ("typing", "TYPE_CHECKING"), ("typing", "Any"), ("nanwatch._aliases", "install")}
+        ("__future__", "annotations"), ("typing", "TYPE_CHECKING"), ("typing", "Any")}
     assert not [n for n in top if isinstance(n, ast.Import)]
-    assert _reach("nanwatch._aliases") == ({"nanwatch._aliases"}, {"__future__", "importlib", "sys", "warnings",
-                                                                     "types"})
 
 
 # ---- the layout shows the flow: groups by concern, none importing back up -----------------------------------
@@ -161,7 +158,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
-    "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
+    "common": [("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
                                          "nanwatch.run_status"),
                ("nanwatch.weight_sync",),
                ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
@@ -275,14 +272,10 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the test above can fail
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-#: deprecated re-exports kept for users of the old import path: they share the real modules' names on purpose
-ALIASES = ("nanwatch.hooks.integrations.",)
-
-
 def test_no_two_shipped_files_share_a_name():
     names = defaultdict(list)
     for name, path in MODULES.items():
-        if path.stem != "__init__" and not name.startswith(ALIASES):
+        if path.stem != "__init__":
             names[path.name].append(name)
     assert {n: m for n, m in names.items() if len(m) > 1} == {}
 
@@ -493,12 +486,9 @@ def _readme_table(heading: str, text: str = README) -> list[list[str]]:
 
 
 def _definitions() -> dict[str, list[tuple[str, ast.AST]]]:
-    """Top-level classes, functions and assigned names of every shipped module (the deprecated aliases
-    aside), by name."""
+    """Top-level classes, functions and assigned names of every shipped module, by name."""
     out: dict[str, list[tuple[str, ast.AST]]] = defaultdict(list)
     for mod, path in MODULES.items():
-        if mod.startswith(ALIASES):
-            continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 out[node.name].append((mod, node))
@@ -571,14 +561,13 @@ def _identifiers(tree: ast.AST) -> set[str]:
 
 #: a glossary word -> (modules where it may name anything, the other names that may contain it). "guard" is
 #: the weight guard alone (``weight_guard`` anywhere; the bare word in the names listed, each the weight
-#: guard's: its option, its reduction, its slot; ``guarded``/``replay`` are deprecated keyword/function
-#: names kept for old callers); "replay" a capsule's replay alone (the differential re-run is "rerun", an
+#: guard's: its option, its reduction, its slot); "replay" a capsule's replay alone (the differential re-run is "rerun", an
 #: HTTP retry a "resend"); a heartbeat is never a "beat".
 WORD_PLACES: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "guard": (("nanwatch.hooks.remedies.weight_guard", "nanwatch.bench.guard"),
-              {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped", "guarded"}),
+              {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped"}),
     "replay": (("nanwatch.hooks.remedies.replay", "nanwatch.hooks.remedies.capsule", "nanwatch.cli"),
-               {"REPLAY_TRY", "replay_command", "ReplayOutcome", "replay", "_replay_warned"}),
+               {"REPLAY_TRY", "replay_command"}),
     "beat": ((), set()),
 }
 

@@ -258,25 +258,6 @@ def test_a_crashing_steps_report_reaches_the_collector(tmp_path):
     assert run["nonfinite_total"] > 0
 
 
-def test_the_old_import_path_still_works_and_says_it_moved():
-    """``nanwatch.integrations.*`` (and every old flat module path) imports the module at its new home, the
-    same object, warning once per path (``nanwatch._aliases``)."""
-    import importlib
-    import sys
-
-    from nanwatch.hooks.integrations import trl as new_trl
-
-    for name in ("nanwatch.integrations", "nanwatch.integrations.transformers", "nanwatch.integrations.trl"):
-        sys.modules.pop(name, None)
-    with pytest.warns(DeprecationWarning, match="nanwatch.integrations.transformers moved to "
-                                                "nanwatch.hooks.integrations.transformers"):
-        old = importlib.import_module("nanwatch.integrations.transformers")
-    with pytest.warns(DeprecationWarning, match="nanwatch.integrations.trl"):
-        old_trl = importlib.import_module("nanwatch.integrations.trl")
-    assert old.NanwatchCallback is NanwatchCallback and old_trl.instrument is new_trl.instrument
-    assert old.__name__ == "nanwatch.hooks.integrations.transformers"  # one module, its own name kept
-
-
 def test_the_monitor_stays_readable_after_train(faulted_run):
     _, _, trainer, reports = faulted_run
     (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]

@@ -340,11 +340,11 @@ def test_a_nan_at_hf_step_k_is_reported_at_step_k(tmp_path):
 def test_an_eval_only_nan_is_the_evaluations_and_asks_for_no_remedy(tmp_path, stage):
     """bf16 attention turns NaN in every eval forward: the evaluations' reports (after step 2, and the final
     one) name it, no training report has a first offender, and the local rules ask for no fp32. The control
-    (``train``: the same NaN in training step 2, replay off) does get fp32: the stage is what decides."""
+    (``train``: the same NaN in training step 2, rerun off) does get fp32: the stage is what decides."""
     model, now, reports = _model(), _StepOf(), []
 
     _poison_values(model, (lambda m: not m.training) if stage == "eval" else (lambda m: m.training and now.step == 1))
-    trainer = _trainer(tmp_path, model, reports, callbacks=[now], options={"replay": False}, max_steps=4,
+    trainer = _trainer(tmp_path, model, reports, callbacks=[now], options={"rerun": False}, max_steps=4,
                        eval_strategy="steps", eval_steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

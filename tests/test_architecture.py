@@ -414,6 +414,26 @@ def test_the_leaves_that_promise_no_torch_or_web_stack_keep_it():
         assert own_dependencies(f"nanwatch.monitor.{write_path}") == set(), write_path
 
 
+#: the commands a trainer's machine runs: they never reach the collector or its web stack, at any depth
+TRAINER_COMMANDS = ("nanwatch.cli.status", "nanwatch.cli.directive", "nanwatch.cli.push",
+                    "nanwatch.cli.replay_verdict")
+
+
+def test_the_cli_only_dispatches_and_its_trainer_commands_keep_off_the_web_stack():
+    """``nanwatch.cli`` imports no command at import time (each is imported when it runs or the parser is
+    built), every command module imports nothing third-party at import time, and the trainer-side commands
+    never reach ``nanwatch.monitor`` or the web stack, lazily either."""
+    commands = [m for m in MODULES if m.startswith("nanwatch.cli.") and m != "nanwatch.cli.__main__"]
+    assert set(TRAINER_COMMANDS) <= set(commands), commands
+    assert not {m for m in IMPORT_TIME["nanwatch.cli"] if m.startswith("nanwatch")}, IMPORT_TIME["nanwatch.cli"]
+    for mod in ["nanwatch.cli", *commands]:
+        assert own_dependencies(mod) == set(), mod
+    for mod in TRAINER_COMMANDS:
+        reached, external = _reach(mod)
+        assert not [r for r in reached if r.startswith("nanwatch.monitor")], mod
+        assert not external & WEB_STACK, mod
+
+
 # ---- collaborators talk through methods, not through each other's privates --------------------------------
 def _private_names_by_class() -> dict[str, set[str]]:
     """For each private name (``_x``, not dunder) the project's classes define -- methods, class attributes

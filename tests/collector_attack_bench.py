@@ -25,7 +25,8 @@ import os
 import secrets
 import statistics
 
-from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, Attacker, Target, plan_attack, prime_runs
+from collector_attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, Attacker, Target, plan_attack, prime_runs
+
 from nanwatch.bench.load import against_collector, describe_load, new_phase, parser, phase_lines, quantiles
 
 __all__ = ["main"]

@@ -201,8 +201,7 @@ def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
     """Each new attack kind (#19) runs against a real collector that wants a token, beside the ranks, and
     reports what it did; the ranks' p99 ratio and their refused requests are printed."""
     from collector_attack_bench import main
-
-    from nanwatch.bench.attacks import ATTACKS, HELD
+    from collector_attacks import ATTACKS, HELD
 
     assert main(["--ranks", "2", "--sites", "4", "--duration", "2", "--warmup", "0.5",
                  "--attack", "all", "--attackers", "1", "--rounds", "1", "--settle", "0", "--connections", "4"]) == 0
@@ -220,8 +219,7 @@ def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
 
 def test_attack_plans_cover_every_kind_and_fit_the_file_limit():
     from collector_attack_bench import _parser
-
-    from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, plan_attack
+    from collector_attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, plan_attack
 
     args = _parser().parse_args(["--attack", "each", "--connections", "100"])
     plan = plan_attack(args, nofile=1000)

@@ -52,7 +52,8 @@ these are the internal seams, the only ones: a change to one of them changes its
 * ``step``: an ``nn.Module``'s ``_forward_hooks`` dicts (``DebugUnderflowOverflow`` keeps no handle);
 * ``load``: ``monitor.server.raise_fd_limit``. ``load`` is itself a seam: ``against_collector``'s
   ``attacker`` (``AttackerSeam``) and its renderers are what the project's hostile client
-  (``tests/collector_attack_bench.py``, not shipped) runs through.
+  (``tests/collector_attack_bench.py``, not shipped) runs through, and ``http1`` the raw HTTP/1.1 client
+  it reuses (``tests/collector_attacks.py``).
 """
 
 from __future__ import annotations

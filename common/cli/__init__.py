@@ -1,11 +1,12 @@
-"""The ``nanwatch`` command. This module only dispatches: each command is a module of its own
-(``nanwatch.cli.<command>``), imported when the parser is built or the command runs, and imports nothing
+"""The ``nanwatch`` command. This module only dispatches: each command is a module of its own (the two
+tables below name them), imported when the parser is built or the command runs, and imports nothing
 heavy at import time: torch, fastapi and uvicorn are imported inside the command that needs them, so
 ``nanwatch status`` starts fast anywhere and the trainer-side commands never load the web stack.
 
 Two kinds of command. ``serve``, ``status``, ``directive`` and ``push`` are read by this parser: their
 module's ``add_parser(sub)`` adds them. ``demo``, ``bench`` and ``replay`` own their parser: their module's
-``main(argv)`` gets the arguments after the command's name, ``--help`` included.
+``main(argv)`` gets the arguments after the command's name, ``--help`` included. Which commands exist is
+declared in ``nanwatch.public_api`` (tests/test_public_api.py holds ``nanwatch --help`` to it).
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["main"]
 
 #: commands read by this parser: each module's ``add_parser(sub)`` adds its command
-_PARSED = {"serve": "nanwatch.cli.serve_collector", "status": "nanwatch.cli.status", "directive": "nanwatch.cli.directive",
-           "push": "nanwatch.cli.push"}
+_PARSED = {"serve": "nanwatch.cli.serve_collector", "status": "nanwatch.cli.status",
+           "directive": "nanwatch.cli.directive", "push": "nanwatch.cli.push"}
 
 #: commands that own their parser: ``main(argv)`` gets the arguments after the command's name
 _DELEGATES = {"demo": ("nanwatch.cli.demo", "train a tiny model into a NaN and back through a directive"),
               "bench": ("nanwatch.bench", "measure the hooks' overhead, or load a collector ('bench collector')"),
               "replay": ("nanwatch.cli.replay_verdict", "re-run an incident capsule's birth module under several "
                          "settings: does the NaN reproduce here, and is it precision or data")}
-
-#: every command, in the order ``nanwatch --help`` lists them
-COMMANDS = (*_PARSED, *_DELEGATES)
 
 
 def _delegate(name: str, argv: list[str]) -> int:

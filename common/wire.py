@@ -110,8 +110,6 @@ IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer
                         "not_classified"]
 #: How a rerun path ended: non-finite at the first offender or the output, finite, or not run.
 RerunOutcome = Literal["nonfinite", "finite", "skipped"]
-#: The old name of ``RerunOutcome`` ("replay" now means only replaying a capsule).
-ReplayOutcome = RerunOutcome
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
 #: decoder block's output (the residual stream); ``mlp``, ``norm``, ``router`` (an MoE gate's logits),
 #: ``expert`` and ``module`` are its parts; ``param`` a parameter or optimizer-state tensor found

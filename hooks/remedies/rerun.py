@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import ForensicsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
@@ -434,9 +434,9 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     return incident
 
 
-def open_capsules(config: MonitorConfig, rank: int) -> CapsuleWriter | None:
+def open_capsules(config: ForensicsConfig, *, run_id: str, rank: int) -> CapsuleWriter | None:
     """The capsule writer a rerun fills, from the Monitor's options and ``NANWATCH_CAPSULE_*``; None when
-    capsules are off. The options were checked by MonitorConfig; a bad variable turns capsules off, warned."""
+    capsules are off. The options were checked by ForensicsConfig; a bad variable turns capsules off, warned."""
     try:
         on, count, folder, limit = capsule_settings(config.capsule, config.capsule_max, config.capsule_dir,
                                                     config.capsule_max_bytes)
@@ -445,7 +445,7 @@ def open_capsules(config: MonitorConfig, rank: int) -> CapsuleWriter | None:
         return None
     if not on:
         return None
-    return CapsuleWriter(run_id=config.run_id, rank=rank, directory=folder, max_count=count, max_bytes=limit)
+    return CapsuleWriter(run_id=run_id, rank=rank, directory=folder, max_count=count, max_bytes=limit)
 
 
 def defers(device: torch.device) -> bool:
@@ -468,7 +468,7 @@ class DifferentialRerun:
 
     Example usage::
 
-        rerun = DifferentialRerun(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
+        rerun = DifferentialRerun(cfg.forensics, run_id="r1", rank=0, device=device, rec=rec, model=model_ref, probes=probes,
                                   directive_state=state, optimizers=hooks.optimizers)
         rerun.at_step_start()             # an earlier step's flag landed set: classified now
         ...                               # the step; its forwards kept while a weight guard is effective
@@ -478,18 +478,18 @@ class DifferentialRerun:
         rerun.close(timeout=10.0)         # a capsule still being written is finished (bounded)
     """
 
-    def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
+    def __init__(self, config: ForensicsConfig, *, run_id: str, rank: int, device: torch.device, rec: Recorder,
                  model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState,
                  optimizers: Callable[[], list[torch.optim.Optimizer]] = list,
                  unread_updates: Callable[[], bool] = bool) -> None:
-        #: rerun mode: ``MonitorConfig.rerun`` (None: on), effective while a weight guard is
+        #: rerun mode: ``MonitorConfig.forensics.rerun`` (None: on), effective while a weight guard is
         self.on = config.rerun is not False
         #: decide a step later, from its flag copied without a host read (an accelerator), rather than at its end
         self.defer = defers(device)
         #: the steps' flags on their way to the host (``defer``)
         self.flags = FlagsInFlight(landed=rerun_flags.landed)
         #: the capsule writer (None: capsules off)
-        self.capsules = open_capsules(config, rank)
+        self.capsules = open_capsules(config, run_id=run_id, rank=rank)
         self._rank, self._rec, self._model = rank, rec, model
         self._probes, self._directive_state = probes, directive_state
         self._optimizers, self._unread_updates = optimizers, unread_updates

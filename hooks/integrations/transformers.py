@@ -21,7 +21,7 @@ length then) are all reported, and none is charged to a training step. ``generat
 labelled with their stage.
 
 Each micro-batch's loss (what ``training_step`` returns) is watched as the site ``loss``: a loss spike
-(``MonitorConfig.spike_factor``× over its recent steps) is reported.
+(``MonitorConfig.spikes.factor``× over its recent steps) is reported.
 
 A step that raises is reported with ``raised`` (the exception's type): ``training_step`` is wrapped while
 training, so the callback sees the exception, reports the step and detaches before it propagates; anything

@@ -1,5 +1,5 @@
 """The replica check: the parameters (and the covered optimizers' state) that must be bit-identical across
-data-parallel replicas, compared every ``MonitorConfig.replica_check_every`` optimizer steps; a
+data-parallel replicas, compared every ``MonitorConfig.weights.replica_check_every`` optimizer steps; a
 disagreement is an incident of class ``replica_divergence`` (docs/distributed.md, "Replicas that must
 agree").
 
@@ -22,7 +22,7 @@ decision, so skipped everywhere):
   16 differing tensors, whether a majority exists) goes into the step's slot buffer, which the reporter
   thread decodes from the step's one copy (:func:`replica_incident`). No host read.
 
-Which replicas: DDP and ZeRO-1/2 compare over ``MonitorConfig.process_group`` (the default group when
+Which replicas: DDP and ZeRO-1/2 compare over ``MonitorConfig.weights.process_group`` (the default group when
 None); FSDP2 HSDP (``fully_shard`` on a 2-D mesh, replicate x shard) over the mesh's replicate dimension,
 each rank's local shards against the same shards of the other replicas. Plain FSDP2 (shard only) has one
 replica of each shard: nothing to compare, said once. ZeRO-style optimizers (``ZeroRedundancyOptimizer``,

@@ -26,7 +26,7 @@ faulting call (its arguments, parameters, RNG and settings) is what an incident 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
 forward, no more), once per run, plus, to decide when to run it, the step's non-finite flag on the host
-(``MonitorConfig.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
+(``MonitorConfig.forensics.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
 accelerator copied without a host read and decided a step later (``nanwatch.hooks.remedies.rerun_flags``).
 First, every parameter and optimizer-state tensor is read once (``nanwatch.hooks.remedies.incident_tensors``):
 a parameter an unchecked optimizer update wrote non-finite is class ``optimizer``, with no rerun. It does
@@ -456,7 +456,7 @@ def defers(device: torch.device) -> bool:
 
 
 class DifferentialRerun:
-    """Rerun mode for one Monitor (``MonitorConfig.rerun``; on whenever a weight guard is effective): the
+    """Rerun mode for one Monitor (``MonitorConfig.forensics.rerun``; on whenever a weight guard is effective): the
     first time a step's non-finite flag is set (a loss-scale overflow the scaler handled excepted), classify
     that step by a rerun before its weights move. Holds the capsule writer the rerun fills. Training thread.
 

@@ -1,6 +1,6 @@
 """Reports the collector did not take, kept on disk for ``nanwatch push`` (no torch: the CLI imports this).
 
-Where: ``<log_dir>/undelivered`` when ``MonitorConfig.log_dir`` (``NANWATCH_LOG_DIR``) is set, else
+Where: ``<log_dir>/undelivered`` when ``MonitorConfig.log.dir`` (``NANWATCH_LOG_DIR``) is set, else
 ``$XDG_STATE_HOME/nanwatch/undelivered``, else ``~/.local/state/nanwatch/undelivered``; under it one folder
 per run (:func:`run_folder_name`: ``run-`` and the run id, percent-encoded, so that no run id reaches
 outside the folder and no two run ids share one) and one file per rank and incarnation,

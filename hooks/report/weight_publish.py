@@ -5,7 +5,7 @@ compares them (docs/weight_sync.md).
 
 Dtypes: a rollout copy usually holds the weights in another dtype (bf16 from an fp32 trainer), and a
 fingerprint is of the bits; so the set also carries ``casts``, the floating tensors' fingerprints as cast to
-each rollout dtype (``MonitorConfig.rollout_dtype`` by default, or ``dtypes=``) the way a loader casts
+each rollout dtype (``MonitorConfig.rollout.dtype`` by default, or ``dtypes=``) the way a loader casts
 (``.to(dtype)``): the collector compares each rollout tensor with the trainer's value for its dtype. That is
 one more fingerprint pass (and one cast tensor alive at a time) per dtype, per publish. The set carries the
 Monitor's incarnation too: the collector takes a trainer set only from the incarnation that posts the run's

@@ -482,13 +482,28 @@ class MonitorConfig:
     """Number of ranks; default: torch.distributed's world size, else ``$WORLD_SIZE``, else 1."""
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """What is read in the forward and backward passes (the probes)."""
+
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """The weight guard, and the checks of the weights and optimizer state around the optimizer step."""
+
     forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    """The differential rerun of the first non-finite step, and its incident capsules."""
+
     spikes: SpikesConfig = field(default_factory=SpikesConfig)
+    """A value jumping k× over its recent past."""
+
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """RLHF: the rollout engine against the trainer."""
+
     directives: DirectivesConfig = field(default_factory=DirectivesConfig)
+    """Who issues directives, and how the ranks agree on them."""
+
     reports: ReportsConfig = field(default_factory=ReportsConfig)
+    """The reporter thread, the job scope and heartbeats, the close."""
+
     log: LocalLogConfig = field(default_factory=LocalLogConfig)
+    """The local record: log lines and a JSONL file."""
 
     def __post_init__(self) -> None:
         """Validation only (each section validated itself): no environment, no file."""

@@ -21,7 +21,7 @@ given: it is the user's own choice. POSIX only (``dir_fd`` and ``O_NOFOLLOW``).
 
 Example usage::
 
-    spool = Spool(undelivered_root(config.log_dir), run_id="r1", rank=0, incarnation="ab12")
+    spool = Spool(undelivered_root(config.log.dir), run_id="r1", rank=0, incarnation="ab12")
     spool.keep([report])          # -> 1 (kept), on the sender's thread or at close
     spool.close()
     [f.path for f in spool_files([undelivered_root(None)])]   # what nanwatch push would send

@@ -24,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from nanwatch.addresses import collector_urls, pick_collector
 from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
-from nanwatch.wire import RunId, StepReport
+from nanwatch.wire import RoutingReplay, RunId, StepReport
 
 __all__ = ["DirectiveSource", "GuardChoice", "MonitorConfig", "ReportScopeChoice", "SpikeAction",
            "default_is_attention", "resolve_config"]
@@ -256,6 +256,13 @@ class MonitorConfig:
     outside the step to name the module whose precision explains the mismatch. Once per run and cause; never a
     collective (a sharded model is refused, with a note)."""
 
+    # routing
+    routing_replay: RoutingReplay = "off"
+    """MoE routing replay (R3): ``off``; ``verify``: the trainer replays the rollout's routes itself
+    (``Monitor.routes(R)`` or ``rlhf(rollout_routes=R)`` says which), and any token whose experts' input
+    differs is a ``routing_replay_not_applied`` event (a critical page); ``apply``: nanwatch makes each
+    router's selected experts the rollout's, keeping the trainer's probabilities renormalised over them."""
+
     # ---- directives --------------------------------------------------------------------------------
     directive_source: DirectiveSource = "auto"
     """Who issues directives: ``collector`` (its rules), ``local`` (the same default rules, run in the trainer
@@ -389,6 +396,8 @@ def _check_measuring(c: MonitorConfig) -> None:
 
 
 def _check_rollout(c: MonitorConfig) -> None:
+    if c.routing_replay not in ("off", "verify", "apply"):
+        raise ValueError(f"routing_replay must be 'off', 'verify' or 'apply', got {c.routing_replay!r}")
     if not (isinstance(c.rollout_cap, (int, float)) and c.rollout_cap > 1 and math.isfinite(c.rollout_cap)):
         raise ValueError(f"rollout_cap must be a finite number > 1, got {c.rollout_cap!r}")
     if not isinstance(getattr(torch, c.rollout_dtype, None), torch.dtype) or c.rollout_dtype.startswith("int"):

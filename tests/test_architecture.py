@@ -156,7 +156,7 @@ def test_the_root_package_imports_nothing_at_import_time():
 LAYERS: dict[str, list[tuple[str, ...]]] = {
     "hooks": [("nanwatch.hooks.failsafe",), ("nanwatch.hooks.config",), ("nanwatch.hooks.measure",),
               ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
-              ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
+              ("nanwatch.hooks.moe",), ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
     "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),

@@ -20,7 +20,7 @@ import math
 
 from nanwatch.wire import MAX_ROLLOUT_FIGURE, MoeStat, RolloutEvent, RouterStat, RoutingEvent
 
-__all__ = ["DISAGREEMENT_EVENT", "RoutingTeller", "explained", "moe_stat"]
+__all__ = ["DISAGREEMENT_EVENT", "RoutingTeller", "explained", "moe_layout", "moe_stat", "moe_vectors", "read_moe"]
 
 #: The per-router disagreement above which (without replay) a ``routing_disagreement`` event is told; the alert
 #: ``NanwatchRoutingDisagreement`` uses the same figure, sustained.
@@ -111,3 +111,50 @@ def explained(events: list[RolloutEvent], moe: MoeStat | None) -> list[RolloutEv
                             f"({moe.tokens_rerouted} of {moe.tokens_compared} tokens rerouted)"})
         out.append(e)
     return out
+
+
+# ---- job reports: the layout of a step's MoE figures in the job's SUM and MAX vectors ---------------------------
+_STEP_SUMS = ("tokens_compared", "tokens_rerouted", "rerouted_abs_dlogp", "rerouted_scored", "agreeing_abs_dlogp",
+              "agreeing_scored")
+
+
+def moe_layout(moe: MoeStat | None) -> tuple[tuple[str, int, int], ...]:
+    """``(router, experts, top_k)`` per router the step measured: the MoE part of a job's table."""
+    return tuple((r.router, r.experts, r.top_k) for r in moe.routers) if moe is not None else ()
+
+
+def moe_vectors(moe: MoeStat | None, layout: tuple[tuple[str, int, int], ...]) -> tuple[list[float], list[float]]:
+    """This rank's MoE figures laid out by the job's ``layout``: (SUM part, MAX part); zeros and "none" for a
+    router this rank did not measure."""
+    mine = {r.router: r for r in moe.routers} if moe is not None else {}
+    sums: list[float] = [1.0 if moe is not None else 0.0]
+    maxes: list[float] = []
+    for name, experts, _ in layout:
+        r = mine.get(name)
+        ok = r is not None and r.experts == experts
+        sums += [*(r.load if ok else [0] * experts), r.compared if ok else 0, r.differing if ok else 0]
+        maxes.append(r.logit_max if ok and r.logit_max is not None else -math.inf)
+    sums += [getattr(moe, k) if moe is not None else 0.0 for k in _STEP_SUMS]
+    return sums, maxes
+
+
+def read_moe(layout: tuple[tuple[str, int, int], ...], take_sums, take_maxes, *,
+             poster: MoeStat | None) -> MoeStat | None:
+    """The job's :class:`MoeStat` from the reduced vectors (``take_sums(n)``/``take_maxes(n)`` read them in the
+    order :func:`moe_vectors` wrote); the poster's replay mode and events (told from its own view)."""
+    (present,) = take_sums(1)
+    routers = []
+    for name, experts, top_k in layout:
+        *load, compared, differing = (int(x) for x in take_sums(experts + 2))
+        (top,) = take_maxes(1)
+        routers.append(RouterStat(router=name, top_k=top_k, load=load, compared=compared, differing=differing,
+                                  logit_max=top if math.isfinite(top) else None))
+    step = dict(zip(_STEP_SUMS, take_sums(len(_STEP_SUMS)), strict=True))
+    if not present:
+        return None
+    for k in ("tokens_compared", "tokens_rerouted", "rerouted_scored", "agreeing_scored"):
+        step[k] = int(step[k])
+    for k in ("rerouted_abs_dlogp", "agreeing_abs_dlogp"):
+        step[k] = min(step[k], MAX_ROLLOUT_FIGURE)
+    return MoeStat(replay=poster.replay if poster is not None else "off", routers=routers,
+                   events=poster.events if poster is not None else [], **step)

@@ -253,3 +253,27 @@ def test_routes_for_a_model_without_routers_are_a_warning():
         warnings.simplefilter("always")
         report = one_step(model, torch.randint(0, VOCAB, (2, 8)), routes=torch.zeros(2, 8, 1, 2, dtype=torch.long))
     assert any("no MoE router" in str(w.message) for w in caught) and report.moe is None
+
+
+def test_a_job_report_reduces_the_ranks_moe_figures_exactly():
+    from nanwatch.hooks.report.job_stats import contribution, merge_tables, reduce_job
+    from nanwatch.wire import MoeStat
+    ranks = []
+    for rank in (0, 1):  # two ranks' steps: other batches, one compares routes, one has a collapsed router
+        model = tiny_moe(0)
+        if rank:
+            with torch.no_grad():
+                model.model.layers[0].mlp.gate.weight.zero_()
+        ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(20 + rank))
+        R = _random_routes(2, 9, seed=30) if rank == 0 else None
+        report = one_step(model, ids, rollout_routes=R)
+        ranks.append(report.model_copy(update={"rank": rank, "world_size": 2}))
+    parts = [contribution(r, None, rank=r.rank) for r in ranks]
+    table = merge_tables([p.table for p in parts])
+    (s0, m0), (s1, m1) = (p.vectors(table, world=2) for p in parts)
+    job = reduce_job(ranks[0], table, [a + b for a, b in zip(s0, s1, strict=True)],
+                     [max(a, b) for a, b in zip(m0, m1, strict=True)], world=2)
+    want = MoeStat.merged([r.moe for r in ranks])
+    assert job.report.moe.model_dump(exclude={"events"}) == want.model_dump(exclude={"events"})
+    assert [r.load_max for r in job.report.moe.routers] == [r.load_max for r in want.routers]
+    assert job.report.moe.routers[0].load[:] != ranks[0].moe.routers[0].load  # summed, not the poster's

@@ -277,3 +277,46 @@ def test_a_job_report_reduces_the_ranks_moe_figures_exactly():
     assert job.report.moe.model_dump(exclude={"events"}) == want.model_dump(exclude={"events"})
     assert [r.load_max for r in job.report.moe.routers] == [r.load_max for r in want.routers]
     assert job.report.moe.routers[0].load[:] != ranks[0].moe.routers[0].load  # summed, not the poster's
+
+
+_BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+FAMILIES = {  # every MoE family transformers ships that a small config builds here: (config, model, options)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=E,
+                       num_experts_per_tok=K)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=E, num_experts_per_tok=K, head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=E, num_experts_per_tok=K)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=16, n_routed_experts=E, num_experts_per_tok=K, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=E, num_experts_per_tok=K, head_dim=8)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_s_routers_are_found_measured_and_replayed(family):
+    config_cls, model_cls, options = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**_BASE, **options}))
+    from nanwatch.hooks.moe.routers import find_routers
+    routers = find_routers(model)
+    dense = 1 if family == "deepseek_v3" else 0  # DeepSeek-V3's first layer is dense (first_k_dense_replace)
+    assert len(routers) == 2 - dense and all(r.experts == E and r.top_k == K for r in routers)
+    assert all(r.experts_module is not None for r in routers)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(11))
+    n = len(routers)
+    R = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i))[:K]
+                     for i in range(2 * 10 * n)]).view(2, 10, n, K)
+    seen: list[torch.Tensor] = []
+    handles = [r.experts_module.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+               for r in routers]
+    report = one_step(model, ids, routes=R, routing_replay="apply")
+    for h in handles:
+        h.remove()
+    assert [r.router for r in report.moe.routers] == [r.name for r in routers]
+    assert all(sum(r.load) == 2 * 10 * K and r.logit_max is not None for r in report.moe.routers)
+    assert all(torch.equal(s.view(2, 10, K).long(), R[:, :, i]) for i, s in enumerate(seen))
+    assert report.moe.tokens_compared == 20 and report.moe.tokens_rerouted == 0
+    assert report.first_offender is None

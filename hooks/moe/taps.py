@@ -71,6 +71,8 @@ class MoeTaps:
         self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._load_keys = {r.index: tuple(("moe", r.name, "load", e) for e in range(r.experts)) for r in self.routers}
         self._broken: set[int] = set()  # routers that broke the contract at run time (warned once)
+        self._compare_keys = (*(("moe", r.name, "compared") for r in self.routers),
+                              *(("moe", r.name, "differing") for r in self.routers))
         #: reporter thread only: the routing events' memory (``nanwatch.hooks.moe.report.RoutingTeller``)
         self.teller = None
 
@@ -192,14 +194,14 @@ class MoeTaps:
                 rec.warn(f"the mask {tuple(given.mask.shape)} does not line up with the forward: not compared")
                 return
             ok = ok & mask[:, off : off + S]
-        anyd = torch.zeros_like(ok)
-        for r in self.routers:
-            own = kept[r.index].reshape(B, s_fwd, -1)[:, off : off + S].sort(dim=-1).values
-            differ = (own != R[:, :, r.index].sort(dim=-1).values).any(dim=-1) & ok
-            anyd |= differ
-            rec.slot((("moe", r.name, "compared"), ("moe", r.name, "differing")),
-                     torch.stack([ok.sum(), differ.sum()]), how="sum", many=True)
-        counts = [ok.sum(), anyd.sum()]
+        # every router at once: [B, S, n_routers, top_k], sorted along top-k (order-insensitive), one compare
+        own = torch.stack([kept[r.index].reshape(B, s_fwd, -1)[:, off : off + S].long() for r in self.routers], dim=2)
+        differ = (own.sort(dim=-1).values != R.sort(dim=-1).values).any(dim=-1) & ok[..., None]  # [B, S, n]
+        anyd = differ.any(dim=-1)
+        n = ok.sum()
+        rec.slot(self._compare_keys, torch.cat([n.expand(len(self.routers)), differ.sum(dim=(0, 1))]),
+                 how="sum", many=True)
+        counts = [n, anyd.sum()]
         if given.abs_dlogp is not None:
             dl = spread(given.abs_dlogp.to(R.device), s_fwd, float("nan"))
             if dl is not None:

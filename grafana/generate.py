@@ -386,7 +386,7 @@ def rollout_panels() -> list[Any]:
 def moe_panels() -> list[Any]:
     """MoE routing (#39): each router's disagreement with the rollout's routes, the tokens rerouted in any
     router, each router's expert load and logit max, and whether a claimed replay was applied."""
-    per_layer = "max by (layer) ({metric}{{%s}})" % RUN
+    per_layer = "max by (layer) ({metric}{{" + RUN + "}})"
     return [
         ts_panel("Router disagreement with the rollout", "Per MoE router, the fraction of unmasked tokens whose "
                  "expert set differs from the rollout's routes (rlhf(rollout_routes=)). Megatron-LM #4168 measured "

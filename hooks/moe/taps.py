@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanwatch.hooks.failsafe import contained
+from nanwatch.hooks.failsafe import contained, probe_failed
 from nanwatch.hooks.instrument.probes import Probes, recomputing
 from nanwatch.hooks.moe.routers import Router, experts_input, find_routers
 from nanwatch.hooks.moe.routes import check_routes, offset, spread
@@ -83,8 +83,8 @@ class MoeTaps:
         handles = []
         try:
             for r in self.routers:
-                handles.append(r.module.register_forward_hook(
-                    lambda m, args, out, r=r: self._router_post(r, out), always_call=True))
+                # not always_call: a router whose forward raised has no routes to measure or replace
+                handles.append(r.module.register_forward_hook(lambda m, args, out, r=r: self._router_post(r, out)))
                 if r.experts_module is not None:
                     handles.append(r.experts_module.register_forward_pre_hook(
                         lambda m, args, kwargs, r=r: contained(self._routed, r, experts_input(args, kwargs)),
@@ -113,6 +113,15 @@ class MoeTaps:
 
     # ---- hot path ------------------------------------------------------------------------------------
     def _router_post(self, r: Router, out):
+        """The router's output: its logits measured, its routes replaced under ``apply``. Contained: a failure
+        is a warning and the router's own output stands."""
+        try:
+            return self._router_output(r, out)
+        except Exception as exc:
+            probe_failed(exc)
+            return None
+
+    def _router_output(self, r: Router, out):
         p = self._p
         if not p.active or _is_compiling() or r.index in self._broken:
             return None

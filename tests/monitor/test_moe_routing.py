@@ -5,9 +5,13 @@ a replay claimed and not applied sets ``nanwatch_moe_replay_not_applied`` and it
 
 from __future__ import annotations
 
-import pytest
-from support import post_reports, sample, scrape, step_report
+import contextlib
+import io
 
+import pytest
+from support import TOKEN, post_reports, sample, scrape, step_report
+
+from nanwatch.cli import main
 from nanwatch.wire import MoeStat, RouterStat, RoutingEvent
 
 GATE0, GATE1 = "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"
@@ -50,6 +54,11 @@ def test_a_replay_not_applied_sets_its_gauge_and_event(collector):
     s = scrape(collector.url)
     assert sample(s, "nanwatch_moe_replay_not_applied", run_id=run) == 1.0
     assert sample(s, "nanwatch_events_total", run_id=run, kind="routing_replay_not_applied") == 1
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["status", run, "--url", collector.url, "--token", TOKEN]) == 0
+    assert ("routing replay not applied at step 0 on rank 0: routing_replay=verify: 25.0% of 8 tokens reached "
+            "experts other than the rollout's") in buf.getvalue()
     good = bad.model_copy(update={"routers": [bad.routers[0].model_copy(update={"differing": 0})],
                                   "tokens_rerouted": 0, "events": []})
     post_reports(collector.url, step_report(run_id=run, seq=1).model_copy(update={"moe": good}))

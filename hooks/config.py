@@ -71,6 +71,7 @@ class MonitorConfig:
       ``spike_window``, ``spike_warmup``, ``spike_action``;
     * **the rollout** (RLHF: the sampler against the trainer): ``rollout_cap``, ``rollout_dtype``,
       ``rollout_attribution``;
+    * **routing** (MoE: the rollout's expert routes, #39): ``routing_replay``;
     * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
       ``logit_tau``;
     * **reports** (step reports, job reports, heartbeats): ``max_pending_reports``, ``on_report``,

@@ -105,6 +105,9 @@ class MoeTaps:
         if r is None:
             self._warn(f"{source} ignored: {why}")
             return
+        if mask is None and isinstance(logprobs, torch.Tensor) and logprobs.dim() == 2:
+            # rlhf without a mask: its tokens are the logprobs' columns, not every position R covers (a prompt)
+            mask = torch.ones(logprobs.shape, dtype=torch.bool, device=logprobs.device)
         dl = None
         if (isinstance(logprobs, torch.Tensor) and isinstance(rollout_logprobs, torch.Tensor)
                 and logprobs.shape == rollout_logprobs.shape and logprobs.dim() == 2):

@@ -320,3 +320,23 @@ def test_every_family_s_routers_are_found_measured_and_replayed(family):
     assert all(torch.equal(s.view(2, 10, K).long(), R[:, :, i]) for i, s in enumerate(seen))
     assert report.moe.tokens_compared == 20 and report.moe.tokens_rerouted == 0
     assert report.first_offender is None
+
+
+def test_routes_of_every_position_compare_only_the_logprobs_tokens():
+    """R of the whole sequence (prompt included, as vLLM returns it) against logprobs of the completion only:
+    the logprobs' columns are the tokens compared, the prompt's routes never are."""
+    model = tiny_moe(0)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(12))
+    rollout = copy.deepcopy(model)
+    with torch.no_grad(), record_routes(rollout) as rec:
+        rollout(input_ids=ids)
+    R = rec.routes()
+    R[:, :6] = (R[:, :6] + 1) % E  # the prompt's routes all differ: never counted
+    reports: list = []
+    with nanwatch.attach(model, run_id="moe-window", on_report=step_reports(reports)) as mon:
+        with mon.step(0):
+            lp = logprobs_of(model(input_ids=ids), ids)[:, -5:]  # the completion: tokens 7..11
+            mon.rlhf(logprobs=lp, rollout_routes=R)
+            lp.sum().backward()
+    moe = reports[0].moe
+    assert (moe.tokens_compared, moe.tokens_rerouted) == (2 * 5, 0)

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.15"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.16"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -82,7 +82,9 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.15"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                             RolloutStat.fit_residual_rms (a temperature's line, told from
 #                                             other weights' scatter)
 #                                        1.14 Incident.device (the replay hint's --device)
-#                                        1.15 StepReport.moe (#39): MoE routers' load, logit max, and their
+#                                        1.15 MismatchCause stale_weights and shift (#36: the weight
+#                                             sync's verdicts classify a mismatch)
+#                                        1.16 StepReport.moe (#39): MoE routers' load, logit max, and their
 #                                             disagreement with the rollout's routes; routing events
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
@@ -115,8 +117,6 @@ IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer
                         "not_classified"]
 #: How a rerun path ended: non-finite at the first offender or the output, finite, or not run.
 RerunOutcome = Literal["nonfinite", "finite", "skipped"]
-#: The old name of ``RerunOutcome`` ("replay" now means only replaying a capsule).
-ReplayOutcome = RerunOutcome
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
 #: decoder block's output (the residual stream); ``mlp``, ``norm``, ``router`` (an MoE gate's logits),
 #: ``expert`` and ``module`` are its parts; ``param`` a parameter or optimizer-state tensor found
@@ -306,7 +306,7 @@ class RolloutStat(_Wire):
                                              "sequence's in their batch (and 0.05)")
 
 
-MismatchCause = Literal["jump", "drift", "offset", "outliers"]
+MismatchCause = Literal["jump", "drift", "offset", "outliers", "stale_weights", "shift"]
 
 
 class RolloutEvent(_Wire):
@@ -408,7 +408,7 @@ class MoeStat(_Wire):
     """The MoE routers of one step (``StepReport.moe``), in model order. Every figure is a count or a max, so
     :meth:`merged` reduces ranks exactly (a job report, the collector's per-layer series)."""
 
-    replay: RoutingReplay = "off"
+    routing_replay: RoutingReplay = "off"
     routers: Annotated[list[RouterStat], Field(max_length=MAX_ROUTERS, fail_fast=True)] = Field(
         default_factory=list)
     tokens_compared: Count = Field(0, description="unmasked tokens compared with the rollout's routes")
@@ -457,7 +457,7 @@ class MoeStat(_Wire):
             "agreeing_scored")}
         sums["rerouted_abs_dlogp"] = min(sums["rerouted_abs_dlogp"], MAX_ROLLOUT_FIGURE)
         sums["agreeing_abs_dlogp"] = min(sums["agreeing_abs_dlogp"], MAX_ROLLOUT_FIGURE)
-        return cls(replay=parts[0].replay, routers=list(routers.values()), **sums)
+        return cls(routing_replay=parts[0].routing_replay, routers=list(routers.values()), **sums)
 
 
 class Fingerprint(_Wire):

@@ -44,7 +44,7 @@ def moe_stat(record, slot, logits, step: int) -> MoeStat | None:
                                   logit_max=top if top is not None and math.isfinite(top) else None,
                                   compared=int(slot("sum", ("moe", r.name, "compared"))),
                                   differing=int(slot("sum", ("moe", r.name, "differing")))))
-    stat = MoeStat(replay=taps.replay, routers=routers,
+    stat = MoeStat(routing_replay=taps.routing_replay, routers=routers,
                    tokens_compared=int(slot("sum", ("moe", "tokens_compared"))),
                    tokens_rerouted=int(slot("sum", ("moe", "tokens_rerouted"))),
                    rerouted_abs_dlogp=min(slot("sum", ("moe", "rerouted_dlogp")), MAX_ROLLOUT_FIGURE),
@@ -71,7 +71,7 @@ class RoutingTeller:
         fraction = stat.rerouted_fraction or 0.0
         names = ", ".join(f"{r.router} {r.disagreement:.1%}" for r in worst[:4])
         more = f" and {len(worst) - 4} more" if len(worst) > 4 else ""
-        if stat.replay != "off":
+        if stat.routing_replay != "off":
             if not worst:
                 self._not_applied = False
                 return []
@@ -81,7 +81,7 @@ class RoutingTeller:
             return [RoutingEvent(
                 kind="routing_replay_not_applied", step=step, routers=[r.router for r in worst[:16]],
                 fraction=fraction,
-                evidence=f"routing_replay={stat.replay}: {fraction:.1%} of {stat.tokens_compared} tokens reached "
+                evidence=f"routing_replay={stat.routing_replay}: {fraction:.1%} of {stat.tokens_compared} tokens reached "
                          f"experts other than the rollout's: {names}{more}")]
         top = worst[0].disagreement if worst else 0.0
         if not top or top <= DISAGREEMENT_EVENT:
@@ -156,5 +156,5 @@ def read_moe(layout: tuple[tuple[str, int, int], ...], take_sums, take_maxes, *,
         step[k] = int(step[k])
     for k in ("rerouted_abs_dlogp", "agreeing_abs_dlogp"):
         step[k] = min(step[k], MAX_ROLLOUT_FIGURE)
-    return MoeStat(replay=poster.replay if poster is not None else "off", routers=routers,
+    return MoeStat(routing_replay=poster.routing_replay if poster is not None else "off", routers=routers,
                    events=poster.events if poster is not None else [], **step)

@@ -54,16 +54,16 @@ class MoeTaps:
 
     Example usage::
 
-        taps = MoeTaps(model, probes, replay="verify", warn=warn)
+        taps = MoeTaps(model, probes, routing_replay="verify", warn=warn)
         handles = taps.install()
         taps.give(R)                          # Monitor.routes(R), or rlhf(rollout_routes=R)
         ...                                   # forwards
         taps.step_end()                       # the comparison, into the step's slots
     """
 
-    def __init__(self, model: torch.nn.Module, probes: Probes, *, replay: str, warn) -> None:
+    def __init__(self, model: torch.nn.Module, probes: Probes, *, routing_replay: str, warn) -> None:
         self.routers = find_routers(model)
-        self.replay = replay
+        self.routing_replay = routing_replay
         self._p, self._warn = probes, warn
         self._device = next((r.module.weight.device for r in self.routers), torch.device("cpu"))
         self._given: _Given | None = None
@@ -137,7 +137,7 @@ class MoeTaps:
         stage = p.stage()
         if p.measuring and id(r.module) not in p.coarse_ids:
             contained(p.site, r.name, "router", logits)
-        if self.replay == "apply" and self._given is not None and stage != "generate":
+        if self.routing_replay == "apply" and self._given is not None and stage != "generate":
             replaced = _apply(r, self._given.routes, logits, weights, idx)
             if replaced is None:
                 p.rec.warn(f"routing_replay=apply: the routes given ({tuple(self._given.routes.shape[:2])}) do not "
@@ -177,12 +177,12 @@ class MoeTaps:
         given, kept, self._given, self._kept = self._given, self._kept, None, {}
         rec = self._p.rec
         if given is None:
-            if self.replay != "off" and kept:
-                rec.warn(f"routing_replay={self.replay}, but no rollout routes were given this step "
+            if self.routing_replay != "off" and kept:
+                rec.warn(f"routing_replay={self.routing_replay}, but no rollout routes were given this step "
                          "(Monitor.routes(R) or rlhf(rollout_routes=R)): nothing was verified")
             return
         if len(kept) != len(self.routers):
-            if kept or self.replay != "off":
+            if kept or self.routing_replay != "off":
                 rec.warn("rollout routes were given, but not every router ran in a training forward this step: "
                          "not compared")
             return

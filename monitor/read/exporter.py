@@ -363,7 +363,7 @@ def _moe(f: _Families, run_id: str, views: list) -> None:
             f.add(m.MOE_ROUTING_DISAGREEMENT, [run_id, r.router], r.disagreement)
     if moe.rerouted_fraction is not None:
         f.add(m.MOE_TOKENS_REROUTED, [run_id], moe.rerouted_fraction)
-        if moe.replay != "off":
+        if moe.routing_replay != "off":
             f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
 
 

@@ -29,9 +29,9 @@ import pytest
 import torch
 from support import tiny_qwen3
 
+from nanwatch.cli.replay_verdict import main as replay_main
 from nanwatch.hooks.remedies.attribution import RolloutAttributor, attribute_mismatch, units_of
 from nanwatch.hooks.remedies.capsule import CapsuleWriter
-from nanwatch.hooks.remedies.replay import main as replay_main
 
 pytest.importorskip("transformers")
 

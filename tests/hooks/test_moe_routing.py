@@ -147,12 +147,12 @@ def test_a_drift_says_how_much_of_the_mismatch_the_routing_explains():
 
 def _user_replay(model, R: torch.Tensor) -> list:
     """A trainer's own R3: each router returns the rollout's experts (renormalised probabilities over them)."""
-    def replay(i, module, args, out):
+    def replayed(i, module, args, out):
         logits, weights, idx = out
         routes = R[:, :, i].reshape(-1, K)
         w = logits.float().softmax(-1).gather(1, routes)
         return logits, (w / w.sum(-1, keepdim=True)).to(weights.dtype), routes
-    return [g.register_forward_hook(lambda m, a, o, i=i: replay(i, m, a, o)) for i, g in enumerate(gates(model))]
+    return [g.register_forward_hook(lambda m, a, o, i=i: replayed(i, m, a, o)) for i, g in enumerate(gates(model))]
 
 
 def _random_routes(b: int, s: int, seed: int) -> torch.Tensor:
@@ -175,7 +175,7 @@ def test_verify_raises_its_event_only_when_the_trainer_does_not_replay():
     (event,) = not_replayed.moe.events
     assert event.kind == "routing_replay_not_applied" and event.fraction > 0.5
     assert set(event.routers) == {f"model.layers.{i}.mlp.gate" for i in range(L)}
-    assert not_replayed.moe.replay == "verify"
+    assert not_replayed.moe.routing_replay == "verify"
 
 
 def test_apply_makes_the_experts_inputs_follow_the_rollouts_routes():

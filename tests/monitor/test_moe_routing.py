@@ -17,8 +17,8 @@ from nanwatch.wire import MoeStat, RouterStat, RoutingEvent
 GATE0, GATE1 = "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"
 
 
-def _moe(*routers: RouterStat, replay: str = "off", **figures) -> MoeStat:
-    return MoeStat(replay=replay, routers=list(routers), **figures)
+def _moe(*routers: RouterStat, routing_replay: str = "off", **figures) -> MoeStat:
+    return MoeStat(routing_replay=routing_replay, routers=list(routers), **figures)
 
 
 def test_two_ranks_merge_exactly_and_a_hot_expert_shows_in_the_load_gauge(collector):
@@ -48,7 +48,8 @@ def test_a_replay_not_applied_sets_its_gauge_and_event(collector):
     run = "moe-r3"
     event = RoutingEvent(kind="routing_replay_not_applied", step=0, routers=[GATE1], fraction=0.25,
                          evidence="routing_replay=verify: 25.0% of 8 tokens reached experts other than the rollout's")
-    bad = _moe(RouterStat(router=GATE1, top_k=2, load=[4, 4, 4, 4], compared=8, differing=2), replay="verify",
+    bad = _moe(RouterStat(router=GATE1, top_k=2, load=[4, 4, 4, 4], compared=8, differing=2),
+               routing_replay="verify",
                tokens_compared=8, tokens_rerouted=2, events=[event])
     assert post_reports(collector.url, step_report(run_id=run, seq=0).model_copy(update={"moe": bad}))["accepted"] == 1
     s = scrape(collector.url)

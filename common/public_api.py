@@ -18,6 +18,7 @@ NAMES: tuple[str, ...] = (
     "nanwatch.hooks.Monitor",
     "nanwatch.hooks.MonitorConfig",
     "nanwatch.hooks.rollout_logprobs",
+    "nanwatch.hooks.record_routes",
     "nanwatch.hooks.integrations.transformers.NanwatchCallback",
     "nanwatch.hooks.integrations.lightning.NanwatchCallback",
     "nanwatch.weight_sync.post_weights",

@@ -39,6 +39,11 @@ __all__ = [
     "ReportScope",
     "MismatchCause",
     "ModuleShare",
+    "MoeStat",
+    "RouterStat",
+    "RoutingEvent",
+    "RoutingEventKind",
+    "RoutingReplay",
     "RlhfStat",
     "Spike",
     "RolloutAttribution",
@@ -58,7 +63,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.15"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.16"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -79,6 +84,8 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.15"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                        1.14 Incident.device (the replay hint's --device)
 #                                        1.15 MismatchCause stale_weights and shift (#36: the weight
 #                                             sync's verdicts classify a mismatch)
+#                                        1.16 StepReport.moe (#39): MoE routers' load, logit max, and their
+#                                             disagreement with the rollout's routes; routing events
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -340,6 +347,119 @@ class RolloutAttribution(_Wire):
     note: ShortText = ""
 
 
+# ---- MoE routing (#39) ----------------------------------------------------------------------------------
+#: The routing replay (R3) a trainer runs under (``MonitorConfig.routing_replay``): ``off``, ``verify`` (the
+#: trainer replays the rollout's routes itself; nanwatch checks the experts' input), ``apply`` (nanwatch does).
+RoutingReplay = Literal["off", "verify", "apply"]
+#: ``routing_replay_not_applied``: under verify/apply, the experts received other routes than the rollout's
+#: (a critical page); ``routing_disagreement``: without replay, the routers disagree with the rollout's.
+RoutingEventKind = Literal["routing_replay_not_applied", "routing_disagreement"]
+#: The most experts one router may count, and routers one report may carry.
+MAX_EXPERTS, MAX_ROUTERS = 4096, 1024
+
+
+class RouterStat(_Wire):
+    """One MoE router in one step: the routed token slots each expert received (the experts' input, after
+    any replay), its largest logit, and how many unmasked tokens it sent to another expert set than the
+    rollout did. Counts, so that ranks (and a job report) reduce exactly: sum ``load``, ``compared`` and
+    ``differing``, max ``logit_max``."""
+
+    router: SiteName
+    top_k: Positive
+    load: Annotated[list[Count], Field(min_length=1, max_length=MAX_EXPERTS)] = Field(
+        description="routed token slots per expert, in the router's expert order (tokens × top_k in all)")
+    logit_max: float | None = Field(None, description="the router's largest logit (None: none finite)")
+    compared: Count = Field(0, description="unmasked tokens whose expert set was compared with the rollout's")
+    differing: Count = Field(0, description="of those, tokens whose expert set differs (order-insensitive)")
+
+    @property
+    def experts(self) -> int:
+        return len(self.load)
+
+    @property
+    def load_max(self) -> float | None:
+        """The largest expert's share of the routed slots × the number of experts: 1 when balanced, ``experts``
+        when one expert took every slot; None when nothing was routed."""
+        slots = sum(self.load)
+        return max(self.load) * len(self.load) / slots if slots else None
+
+    @property
+    def experts_idle(self) -> int:
+        """Experts that received no token this step."""
+        return sum(1 for n in self.load if n == 0)
+
+    @property
+    def disagreement(self) -> float | None:
+        """The fraction of compared tokens whose expert set differs from the rollout's (None: none compared)."""
+        return self.differing / self.compared if self.compared else None
+
+
+class RoutingEvent(_Wire):
+    """Routing disagreement worth telling: named routers (worst first) and the step's rerouted fraction."""
+
+    kind: RoutingEventKind
+    step: Count
+    routers: Annotated[list[SiteName], Field(max_length=16)] = Field(default_factory=list)
+    fraction: _Fraction = Field(description="fraction of compared tokens with at least one router differing")
+    evidence: ShortText = ""
+
+
+class MoeStat(_Wire):
+    """The MoE routers of one step (``StepReport.moe``), in model order. Every figure is a count or a max, so
+    :meth:`merged` reduces ranks exactly (a job report, the collector's per-layer series)."""
+
+    routing_replay: RoutingReplay = "off"
+    routers: Annotated[list[RouterStat], Field(max_length=MAX_ROUTERS, fail_fast=True)] = Field(
+        default_factory=list)
+    tokens_compared: Count = Field(0, description="unmasked tokens compared with the rollout's routes")
+    tokens_rerouted: Count = Field(0, description="of those, tokens with at least one router differing")
+    rerouted_abs_dlogp: _Magnitude = Field(0.0, description="sum of |Δlogp| over rerouted tokens (with "
+                                           "rollout_logprobs): what the attribution compares")
+    rerouted_scored: Count = Field(0, description="rerouted tokens with a finite Δlogp")
+    agreeing_abs_dlogp: _Magnitude = Field(0.0, description="sum of |Δlogp| over tokens routed alike")
+    agreeing_scored: Count = Field(0, description="tokens routed alike with a finite Δlogp")
+    events: Annotated[list[RoutingEvent], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
+
+    @property
+    def rerouted_fraction(self) -> float | None:
+        return self.tokens_rerouted / self.tokens_compared if self.tokens_compared else None
+
+    @property
+    def routing_explains(self) -> float | None:
+        """The share of the rollout mismatch (sum |Δlogp|) that the rerouted tokens carry above what the same
+        tokens would carry at the agreeing tokens' mean: 0 when rerouted tokens are no worse, 1 when the
+        agreeing tokens carry none. None without both kinds of token scored."""
+        total = self.rerouted_abs_dlogp + self.agreeing_abs_dlogp
+        if not (self.rerouted_scored and self.agreeing_scored and total > 0):
+            return None
+        excess = self.rerouted_abs_dlogp - self.rerouted_scored * self.agreeing_abs_dlogp / self.agreeing_scored
+        return min(max(excess / total, 0.0), 1.0)
+
+    @classmethod
+    def merged(cls, parts: list[MoeStat]) -> MoeStat | None:
+        """Ranks' stats of one step reduced exactly: counts summed, maxima maxed, routers matched by name (in
+        first-seen order); no events (they are told from the merged figures)."""
+        if not parts:
+            return None
+        routers: dict[str, RouterStat] = {}
+        for part in parts:
+            for r in part.routers:
+                got = routers.get(r.router)
+                if got is None or len(got.load) != len(r.load):
+                    routers[r.router] = r if got is None else got
+                    continue
+                tops = [v for v in (got.logit_max, r.logit_max) if v is not None]
+                routers[r.router] = got.model_copy(update={
+                    "load": [a + b for a, b in zip(got.load, r.load, strict=True)], "compared": got.compared + r.compared,
+                    "differing": got.differing + r.differing, "logit_max": max(tops) if tops else None})
+        sums = {k: sum(getattr(p, k) for p in parts) for k in (
+            "tokens_compared", "tokens_rerouted", "rerouted_abs_dlogp", "rerouted_scored", "agreeing_abs_dlogp",
+            "agreeing_scored")}
+        sums["rerouted_abs_dlogp"] = min(sums["rerouted_abs_dlogp"], MAX_ROLLOUT_FIGURE)
+        sums["agreeing_abs_dlogp"] = min(sums["agreeing_abs_dlogp"], MAX_ROLLOUT_FIGURE)
+        return cls(routing_replay=parts[0].routing_replay, routers=list(routers.values()), **sums)
+
+
 class Fingerprint(_Wire):
     """What one forward was fed: the first things a user checks after a NaN."""
 
@@ -444,6 +564,8 @@ class StepReport(_Wire):
     rollout_events: Annotated[list[RolloutEvent], Field(max_length=8, fail_fast=True)] = Field(
         default_factory=list, description="rollout mismatches classified at this step (job or rank report)")
     rollout_attribution: RolloutAttribution | None = None
+    moe: MoeStat | None = Field(None, description="MoE routers: load, logit max, disagreement with the rollout's "
+                                "routes, routing events (None: no router ran, or a pre-1.15 sender)")
     spikes: Annotated[list[Spike], Field(max_length=64, fail_fast=True)] = Field(
         default_factory=list, description="sites whose value jumped k× over their running baseline this step "
         "(at most 64, largest factor first)")
@@ -502,7 +624,7 @@ class StepReport(_Wire):
             raise ValueError(f"ranks_reporting {self.ranks_reporting} exceeds world_size {self.world_size}")
         if self.scope == "heartbeat" and (self.sites or self.sdpa or self.logits or self.rlhf or self.fingerprints
                                           or self.incident or self.rollout_events or self.rollout_attribution
-                                          or self.spikes):
+                                          or self.spikes or self.moe):
             raise ValueError("a heartbeat carries no measurements (sites, sdpa, logits, rlhf, fingerprints, "
                              "incident): send them as a rank, job or detail report")
         return self

@@ -383,6 +383,35 @@ def rollout_panels() -> list[Any]:
     ]
 
 
+def moe_panels() -> list[Any]:
+    """MoE routing (#39): each router's disagreement with the rollout's routes, the tokens rerouted in any
+    router, each router's expert load and logit max, and whether a claimed replay was applied."""
+    per_layer = "max by (layer) ({metric}{{" + RUN + "}})"
+    return [
+        ts_panel("Router disagreement with the rollout", "Per MoE router, the fraction of unmasked tokens whose "
+                 "expert set differs from the rollout's routes (rlhf(rollout_routes=)). Megatron-LM #4168 measured "
+                 "about 10 % without replay; NanwatchRoutingDisagreement tickets above 5 % for 15 minutes.",
+                 query(per_layer.format(metric="nanwatch_moe_routing_disagreement"), "{{layer}}"),
+                 unit="percentunit", w=8)
+        .thresholds(thresholds((None, GREEN), (0.05, ORANGE)))
+        .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)),
+        ts_panel("Tokens rerouted, and replay not applied", "The fraction of unmasked tokens with at least one "
+                 "router differing from the rollout's, and (under routing_replay verify/apply) 1 when a token "
+                 "reached other experts than the rollout's: NanwatchRoutingReplayNotApplied pages.",
+                 query(f"max by (run_id) (nanwatch_moe_tokens_rerouted{{{RUN}}})", "rerouted", ref="A"),
+                 query(f"max by (run_id) (nanwatch_moe_replay_not_applied{{{RUN}}})", "replay not applied", ref="B"),
+                 unit="percentunit", w=8)
+        .override_by_name("replay not applied", [fixed_color(RED)]),
+        ts_panel("Expert load imbalance", "Per MoE router, the largest expert's share of the routed token slots "
+                 "times the number of experts: 1 is balanced, the number of experts is one expert taking every "
+                 "token (a collapsed router).",
+                 query(per_layer.format(metric="nanwatch_moe_expert_load_max"), "{{layer}}"), w=8),
+        ts_panel("Router logit max", "Per MoE router, its largest logit in the latest step (max over ranks): "
+                 "large logits make bf16 rounding flip near-ties between rollout and trainer.",
+                 query(per_layer.format(metric="nanwatch_moe_router_logit_max"), "{{layer}}"), w=8),
+    ]
+
+
 def mode_panels() -> list[Any]:
     modes = (timeline_panel("Attention mode per rank", "The attention path each selected rank applies (none, "
                             "fp32, fused, eager_to_sdpa, skip_step).",
@@ -463,12 +492,13 @@ def reporting_panels() -> list[Any]:
 def run_health() -> db.Dashboard:
     d = base_dashboard(RUN_HEALTH_UID, "nanwatch run health",
                        "Numerical health of one training run: non-finite values, SDPA backends, attention "
-                       "logits, headroom, RLHF statistics, the rollout against the trainer, attention modes and "
+                       "logits, headroom, RLHF statistics, the rollout against the trainer, MoE routing, attention modes "
+                       "and "
                        "reporting.")
     d = run_health_annotations(run_health_variables(d))
     sections = [("Overview", overview_panels()), ("Non-finite values", nonfinite_panels()),
                 ("Attention and headroom", attention_panels()), ("RLHF", rlhf_panels()),
-                ("Rollout vs trainer", rollout_panels()),
+                ("Rollout vs trainer", rollout_panels()), ("MoE routing", moe_panels()),
                 ("Attention mode and directive", mode_panels()), ("Weight guard", guard_panels()),
                 ("Reporting and coverage", reporting_panels())]
     for title, panels in sections:

@@ -2,7 +2,8 @@
 
 ``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
 ``rollout_logprobs(generate_output)``: the rollout logprobs of a plain HF ``generate()``, for
-``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.measure.generated``).
+``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.measure.generated``). ``record_routes(model)``: the MoE
+routes a plain HF rollout took, for ``Monitor.rlhf(rollout_routes=...)`` (``nanwatch.hooks.moe.routes``).
 
 The names below are imported lazily (module ``__getattr__``, as in the root package), so that importing a
 leaf such as ``nanwatch.hooks.report.transport`` runs this file without pulling in torch: each leaf costs only its
@@ -14,18 +15,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Monitor", "MonitorConfig", "attach", "fingerprint", "rollout_logprobs"]
+__all__ = ["Monitor", "MonitorConfig", "attach", "fingerprint", "record_routes", "rollout_logprobs"]
 
 #: public name -> the module that defines it
 _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
           "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated",
-          "fingerprint": "nanwatch.hooks.measure.weight_fingerprint"}
+          "fingerprint": "nanwatch.hooks.measure.weight_fingerprint", "record_routes": "nanwatch.hooks.moe.routes"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
     from nanwatch.hooks.measure.generated import rollout_logprobs
     from nanwatch.hooks.measure.weight_fingerprint import fingerprint
+    from nanwatch.hooks.moe.routes import record_routes
 
 
 def __getattr__(name: str) -> Any:

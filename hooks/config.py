@@ -62,7 +62,7 @@ from pydantic import TypeAdapter, ValidationError
 from nanwatch.addresses import collector_urls, pick_collector
 from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
-from nanwatch.wire import RunId, StepReport
+from nanwatch.wire import RoutingReplay, RunId, StepReport
 
 __all__ = ["FLAT_OPTIONS", "SECTIONS", "DirectiveSource", "DirectivesConfig", "ForensicsConfig", "GuardChoice",
            "LocalLogConfig", "MeasureConfig", "MonitorConfig", "ReportScopeChoice", "ReportsConfig",
@@ -299,8 +299,9 @@ class SpikesConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
-    """RLHF: the rollout engine's logprobs against the trainer's (``Monitor.rlhf(rollout_logprobs=)``), and
-    the weights it was given (``Monitor.publish_weights``)."""
+    """RLHF: the rollout engine's logprobs against the trainer's (``Monitor.rlhf(rollout_logprobs=)``), the
+    weights it was given (``Monitor.publish_weights``), and, for MoE, the experts it routed to
+    (``rlhf(rollout_routes=)``, ``routing_replay``)."""
 
     cap: float = 2.0
     """The truncation cap c of ``Monitor.rlhf(rollout_logprobs=)``: a token whose ratio exp(Δlogp) leaves
@@ -316,7 +317,16 @@ class RolloutConfig:
     outside the step to name the module whose precision explains the mismatch. Once per run and cause; never a
     collective (a sharded model is refused, with a note)."""
 
+    routing_replay: RoutingReplay = "off"
+    """MoE routing replay (R3, docs/moe.md): ``off``; ``verify``: the trainer replays the rollout's routes itself
+    (``Monitor.routes(R)`` or ``rlhf(rollout_routes=R)`` says which), and any token whose experts' input
+    differs is a ``routing_replay_not_applied`` event (a critical page); ``apply``: nanwatch makes each
+    router's selected experts the rollout's, keeping the trainer's probabilities renormalised over them."""
+
     def __post_init__(self) -> None:
+        if self.routing_replay not in ("off", "verify", "apply"):
+            raise ValueError(f"{_say('rollout.routing_replay')} must be 'off', 'verify' or 'apply', got "
+                             f"{self.routing_replay!r}")
         if not (isinstance(self.cap, (int, float)) and self.cap > 1 and math.isfinite(self.cap)):
             raise ValueError(f"{_say('rollout.cap')} must be a finite number > 1, got {self.cap!r}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype) or self.dtype.startswith("int"):
@@ -559,6 +569,7 @@ FLAT_OPTIONS: dict[str, str] = {
     "spike_factor": "spikes.factor", "spike_window": "spikes.window", "spike_warmup": "spikes.warmup",
     "spike_action": "spikes.action",
     "rollout_cap": "rollout.cap", "rollout_dtype": "rollout.dtype", "rollout_attribution": "rollout.attribution",
+    "routing_replay": "rollout.routing_replay",
     "directive_source": "directives.source", "directive_check_every": "directives.check_every",
     "logit_tau": "directives.logit_tau",
     "max_pending_reports": "reports.max_pending", "on_report": "reports.on_report", "report_scope": "reports.scope",

@@ -28,6 +28,7 @@ from nanwatch.hooks.instrument.probes import watch as watch_site
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.rlhf import rlhf_probe
+from nanwatch.hooks.moe.taps import MoeTaps
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.flow import ReportFlow
@@ -104,6 +105,7 @@ class Monitor:
                                 on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.reports.max_pending)
+        self._moe = MoeTaps(model, probes, routing_replay=config.rollout.routing_replay, warn=warn)
         self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window, warn=warn)
         # closed in reverse order: (pushed at attach) the remedies' hooks, every probe and patch, the final
         # report; then the reporter and its sender, then the capsules still being written
@@ -130,7 +132,8 @@ class Monitor:
         try:
             self._stack.callback(self._handover.finish)  # the final report: once every hook below is off
             cfg = self.config
-            for handle in install(model, self._probes, outer=self._outer(), owner=self, config=cfg.measure):
+            for handle in [*install(model, self._probes, outer=self._outer(), owner=self, config=cfg.measure),
+                           *self._moe.install()]:
                 self._stack.callback(handle.remove)
             self._probes.outside_step(self._evals.outside_step)
             self._active = True
@@ -212,6 +215,7 @@ class Monitor:
         if n is None or not self._active:
             return
         self._rec.fold_compiled(compiled.drain())  # compiled code: counted, not probed
+        contained(self._moe.step_end)  # the rollout routes compared (device ops), then forgotten
         self._remedies.at_step_end(n, raised=raised)
         data, state = self._handover.hand_over(n, raised)
         self._remedies.new_step(data, state)  # a rerun decided a step later (an accelerator) decodes them
@@ -279,16 +283,31 @@ class Monitor:
                                warn=self._warn_once, incarnation=self.incarnation, gather=gather, dtypes=dtypes,
                                note=self._flow.published)
 
+    def routes(self, routes: Any) -> None:
+        """The rollout's MoE routes for the open step: ``R``, an integer tensor ``[batch, seq, n_routers, top_k]``
+        of the experts the rollout chose, routers in model order, ``-1`` for none; ``R[:, t]`` is the routing at
+        the forward position that produces ``logprobs[:, t]`` (``nanwatch.hooks.moe.routes`` says how vLLM's
+        ``routed_experts`` map onto it). They apply to every later forward of the step over inputs of the same
+        ``[batch, seq]`` (``routing_replay="apply"``: call before the first forward) and are compared with the
+        last training forward's at the step's end. Bad routes are one warning, never an exception."""
+        if self._active and not torch.compiler.is_compiling():
+            contained(self._moe.give, routes, source="routes()")
+
     def rlhf(self, *, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
              old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
              mask: torch.Tensor | None = None, clip_eps: float = 0.2, kl_optimised: str | None = None,
              rollout_logprobs: torch.Tensor | None = None, rollout_cap: float | None = None,
-             input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> None:
+             input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             rollout_routes: Any = None) -> None:
         """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device. ``advantages``: per
         token, or per sequence as GRPO's; ``kl_optimised``: the KL the loss uses (``k1``, ``k3``, ``k3_ratio``).
         ``rollout_logprobs``: the sampler's, of the same tokens, compared with ``logprobs`` (truncation cap
         ``rollout_cap``, default ``config.rollout.cap``); ``input_ids`` (prompt then completion) and
-        ``attention_mask`` let a drift be attributed to a module."""
+        ``attention_mask`` let a drift be attributed to a module. ``rollout_routes``: the rollout's MoE routes ``R``
+        (:meth:`routes`), compared at the step's end with the trainer's over the unmasked tokens."""
+        if self._active and not torch.compiler.is_compiling() and rollout_routes is not None:
+            contained(self._moe.give, rollout_routes, mask=mask, logprobs=logprobs, rollout_logprobs=rollout_logprobs,
+                      source="rlhf(rollout_routes=)")
         if self._active and not torch.compiler.is_compiling():
             contained(self._remedies.keep_rollout, rlhf_probe(
                 self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,

@@ -146,6 +146,30 @@ def test_the_cli_refuses_what_it_cannot_count(capsys):
     out = capsys.readouterr().out
     assert "unknown shapes ['70b']" in out and "only --shapes tiny" in out and "exact_logit_every" in out
     assert SHAPES["8b"].hidden == 4096 and SHAPES["1.7b"].layers == 28
+    assert kernels.main(["--shapes", "tiny-moe"]) == 2  # meta: HF's experts loop reads its routes on the host
+    assert kernels.main(["--shapes", "tiny", "--device", "cpu", "--rollout-routes"]) == 2
+    out = capsys.readouterr().out
+    assert "MoE shapes need --device cpu or cuda" in out and "--rollout-routes needs an MoE shape" in out
+
+
+@pytest.mark.slow
+def test_the_rollout_routes_step_is_counted_and_costs_the_same_kernels_for_any_number_of_routers():  # ~30 s
+    """#39: a step with ``rlhf(rollout_routes=)`` against one without, on the tiny Qwen3-MoE: the comparison runs
+    at the step's end, every router at once (its kernels do not grow with the routers), and adds no sync there."""
+    shape = SHAPES["tiny-moe"]
+    every = {"exact_logit_every": 0, "optimizer_check_every": 1, "directive_check_every": 1, "replica_check_every": 0}
+    off = count_shape(shape, 2, device="cpu", dtype=torch.float32, options=every)  # one window of one step
+    on = {n: count_shape(shape, n, device="cpu", dtype=torch.float32, options=every, rollout_routes=True)
+          for n in (2, 4)}
+    compare = {n: sum(c.kernels for k, c in r["by_function"].items() if "MoeTaps._compare" in k) for n, r in on.items()}
+    assert compare[2] > 0 and compare[2] == compare[4]
+    assert not any("MoeTaps._compare" in k for k in off["by_function"])
+    end = {n: r["attached"]["end"].syncs for n, r in on.items()}
+    assert end[2] == off["attached"]["end"].syncs and end[4] == end[2]
+    # the routers' load: one index_add_ per router and forward, in the forward
+    loads = {n: sum(c.kernels for k, c in r["by_function"].items() if "scatter_add" in k and "MoeTaps" in k)
+             for n, r in on.items()}
+    assert (loads[2], loads[4]) == (2, 4)
 
 
 def test_host_work_beside_a_device_model_is_not_device_work():

@@ -38,6 +38,7 @@ Example usage::
 
     nanwatch bench kernels                       # 1.7B- and 8B-shaped, meta device, a few minutes
     nanwatch bench kernels --shapes tiny --json /tmp/k.json
+    nanwatch bench kernels --shapes tiny-moe --device cpu [--rollout-routes]   # MoE routing's cost (#39)
 """
 
 from __future__ import annotations
@@ -79,10 +80,17 @@ class Shape:
     seq: int
     tie: bool
     counted: tuple[int, ...] = (2, 4)
+    #: an MoE shape (Qwen3-MoE): experts per router, top-k, each expert's width; 0: dense (Qwen3)
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
 
 
 SHAPES = {
     "tiny": Shape("tiny", 2, 64, 128, 4, 2, 16, 128, 64, False, counted=(2,)),  # the tests' TINY_QWEN3
+    # a tiny Qwen3-MoE (#39): HF's experts loop reads its routes on the host, so cpu or cuda only, never meta
+    "tiny-moe": Shape("tiny-moe", 2, 64, 128, 4, 2, 16, 128, 64, False, counted=(2,), experts=8, top_k=2,
+                      moe_intermediate=32),
     "1.7b": Shape("1.7b", 28, 2048, 6144, 16, 8, 128, 151936, 4096, True),
     "8b": Shape("8b", 36, 4096, 12288, 32, 8, 128, 151936, 4096, False),
 }
@@ -140,6 +148,8 @@ def cadence_plan(config=None) -> dict:
 def _build(shape: Shape, layers: int, device: str, dtype: torch.dtype):
     from nanwatch.bench.tiny_models import tiny_qwen3
 
+    if shape.experts:
+        return _build_moe(shape, layers, device, dtype)
     with torch.device(device):
         model = tiny_qwen3(
             "sdpa", vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -149,6 +159,28 @@ def _build(shape: Shape, layers: int, device: str, dtype: torch.dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     ids = torch.randint(0, shape.vocab, (1, shape.seq), generator=torch.Generator().manual_seed(0)).to(device)
     return model, opt, ids
+
+
+def _build_moe(shape: Shape, layers: int, device: str, dtype: torch.dtype):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        moe_intermediate_size=shape.moe_intermediate, num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+        num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.seq, use_cache=False, tie_word_embeddings=shape.tie)
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    ids = torch.randint(0, shape.vocab, (1, shape.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    return model, opt, ids
+
+
+def _routes(shape: Shape, layers: int) -> torch.Tensor:
+    """Rollout routes for every position of the step's sequence (a host tensor, as vLLM returns them)."""
+    g = torch.Generator().manual_seed(2)
+    return torch.rand(1, shape.seq, layers, shape.experts, generator=g).topk(shape.top_k, dim=-1).indices
 
 
 class _BareStep:
@@ -213,9 +245,10 @@ def _cuda_sync_debug(device: str, counter: OpCounter) -> Iterator[None]:
 
 
 def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch.dtype = torch.bfloat16,
-                options: dict | None = None, plan: dict | None = None) -> dict:
+                options: dict | None = None, plan: dict | None = None, rollout_routes: bool = False) -> dict:
     """Per-step counts of ``shape`` at ``layers`` on ``device``: bare and attached (at the defaults plus
-    ``options``), by phase, nanwatch's ops by function, and the bare step's FLOPs."""
+    ``options``), by phase, nanwatch's ops by function, and the bare step's FLOPs. ``rollout_routes`` (an MoE
+    shape): the step also passes the rollout's routes to ``rlhf`` (compared at the step's end)."""
     import nanwatch
     from nanwatch.bench.step import rlhf_feed
     from nanwatch.hooks import MonitorConfig
@@ -223,7 +256,8 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
     plan = plan or cadence_plan(MonitorConfig.from_options(run_id="kernels", **(options or {})))
     with meta_seams(device):
         model, opt, ids = _build(shape, layers, device, dtype)
-        feed = rlhf_feed(1, shape.seq, device, mask=True)
+        feed = rlhf_feed(1, shape.seq, device, mask=True,
+                         routes=_routes(shape, layers) if rollout_routes and shape.experts else None)
         bare_mon = _BareStep()
         _steps(device, bare_mon, model, opt, ids, feed, (1, 2), attribute=False)  # AdamW's state, warm caches
         bare, flops = _steps(device, bare_mon, model, opt, ids, feed, (3,), attribute=False, flops=True)
@@ -277,7 +311,7 @@ def _extrapolate(runs: dict[int, dict], layers: int) -> dict:
 
 
 def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", options: dict | None = None,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = print, rollout_routes: bool = False) -> dict:
     """Count every shape in ``shapes`` on ``device`` in ``dtype`` (bf16 or fp32), nanwatch attached with
     ``options`` (flat option names, as ``nanwatch.attach`` takes them) over its defaults; the results (see
     ``--json``)."""
@@ -288,21 +322,23 @@ def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", opt
     if device != "cuda":
         torch.set_num_threads(1)  # counts do not depend on threads; on a shared CPU one thread is fastest
     try:
-        return _run(shapes, plan, device=device, dtype=_DTYPES[dtype], options=options, log=log)
+        return _run(shapes, plan, device=device, dtype=_DTYPES[dtype], options=options, log=log,
+                    rollout_routes=rollout_routes)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(shapes, plan, *, device, dtype, options, log) -> dict:
+def _run(shapes, plan, *, device, dtype, options, log, rollout_routes=False) -> dict:
     log(f"nanwatch bench kernels: {device}, {dtype}, options {options or 'none'}; cadences {plan['cadences']}: windows of {plan['window']} steps, "
         f"cycle {plan['cycle']} steps ({len(plan['windows'])} windows, each run once to warm up and once counted)")
     results = {"device": device, "dtype": str(dtype).removeprefix("torch."), "options": options or {},
+               "rollout_routes": rollout_routes,
                "torch": torch.__version__, "plan": {**plan, "windows": [list(w) for w in
                plan["windows"]]}, "shapes": {}}
     for name in shapes:
         shape = SHAPES[name]
-        runs = {n: count_shape(shape, n, device=device, dtype=dtype, options=options, plan=plan)
-                for n in shape.counted}
+        runs = {n: count_shape(shape, n, device=device, dtype=dtype, options=options, plan=plan,
+                               rollout_routes=rollout_routes) for n in shape.counted}
         r = _extrapolate(runs, shape.layers)
         r["shape"] = {f.name: getattr(shape, f.name) for f in fields(shape)}
         r["roofline"] = roofline(r)
@@ -332,6 +368,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto (default): bf16, except on a CPU without bf16 units (then fp32; nanwatch bench's choice)")
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                    help="an attach() option over the defaults (repeatable), e.g. --config exact_logit_every=0")
+    p.add_argument("--rollout-routes", action="store_true",
+                   help="MoE shapes (tiny-moe): the step also passes the rollout's routes (rlhf(rollout_routes=)); "
+                        "run with and without it to see their cost")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON here")
     return p
 
@@ -359,8 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("nanwatch bench kernels: --device cuda, but torch.cuda.is_available() is False")
         return 2
-    if args.device == "cpu" and any(s != "tiny" for s in shapes):
-        print("nanwatch bench kernels: --device cpu computes for real: only --shapes tiny (use meta for the rest)")
+    if args.device == "cpu" and any(not s.startswith("tiny") for s in shapes):
+        print("nanwatch bench kernels: --device cpu computes for real: only --shapes tiny or tiny-moe (use meta for the rest)")
+        return 2
+    if args.device == "meta" and any(SHAPES[s].experts for s in shapes):
+        print("nanwatch bench kernels: MoE shapes need --device cpu or cuda (HF's experts loop reads its routes)")
+        return 2
+    if args.rollout_routes and not any(SHAPES[s].experts for s in shapes):
+        print("nanwatch bench kernels: --rollout-routes needs an MoE shape (tiny-moe)")
         return 2
     dtype = args.dtype
     if dtype == "auto":
@@ -375,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"nanwatch bench kernels: {exc}")
         return 2
-    results = _jsonable(run(shapes, device=args.device, dtype=dtype, options=options))
+    results = _jsonable(run(shapes, device=args.device, dtype=dtype, options=options,
+                            rollout_routes=args.rollout_routes))
     print(format_report(results))
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -287,11 +287,13 @@ def next_token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
     return logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def rlhf_feed(batch: int, seq: int, device: str, *, mask: bool = False) -> Callable[[object, torch.Tensor], None]:
+def rlhf_feed(batch: int, seq: int, device: str, *, mask: bool = False,
+              routes: torch.Tensor | None = None) -> Callable[[object, torch.Tensor], None]:
     """``feed(mon, lp)``: ``mon.rlhf`` on a step's logprobs as an RLHF trainer calls it, the old logprobs
     ``lp`` itself and the sampler's ``lp`` plus noise of ~1e-4: under the mismatch's drift floor (1e-3), the
     clean steady state, no rollout event (and no attribution) in any round. ``mask``: also a completion mask
-    (bool, the first quarter of each sequence, the prompt, masked out), built once, before the steps."""
+    (bool, the first quarter of each sequence, the prompt, masked out), built once, before the steps. ``routes``:
+    the rollout's MoE routes, passed as ``rollout_routes`` (a host tensor, as a rollout engine returns them)."""
     g = torch.Generator().manual_seed(1)
     noise = (1e-4 * torch.randn(batch, seq - 1, generator=g)).to(device)
     completion = None
@@ -302,7 +304,8 @@ def rlhf_feed(batch: int, seq: int, device: str, *, mask: bool = False) -> Calla
 
     def feed(mon, lp: torch.Tensor) -> None:
         old = lp.detach()
-        mon.rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + noise, mask=completion)
+        extra = {} if routes is None else {"rollout_routes": routes}
+        mon.rlhf(logprobs=lp, old_logprobs=old, rollout_logprobs=old + noise, mask=completion, **extra)
 
     return feed
 

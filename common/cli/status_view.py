@@ -316,6 +316,11 @@ def _rollout_lines(r: dict[str, Any]) -> list[str]:
         if e is not None:
             label = "rollout mismatch" if kind == "rollout_mismatch" else "rollout attribution"
             out.append(f"  {label} at step {e['step']} on rank {e['rank']}: {say(e['detail'])}")
+    for kind in ("routing_replay_not_applied", "routing_disagreement"):  # MoE routing (#39): the latest of each
+        e = next((e for e in reversed(evs) if e["kind"] == kind), None)
+        if e is not None:
+            out.append(f"  {kind.replace('_', ' ')} at step {e['step']} on rank {e['rank']}: "
+                       f"{(e.get('detail') or {}).get('evidence', '')}")
     return out
 
 

@@ -127,6 +127,8 @@ class StepState:
     #: the replica check ran in this step: its layout (``nanwatch.hooks.remedies.replica_check.ReplicaLayout``),
     #: which names the verdict in the step's slots
     replica: object = None
+    #: the step's MoE record (``nanwatch.hooks.moe.taps.MoeStep``): routers that ran, routes compared; None: none
+    moe: object = None
 
 
 class Recorder:

@@ -15,6 +15,7 @@ from nanwatch.hooks.measure.decode import StepStats
 from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.measure.spikes import SpikeDetector
+from nanwatch.hooks.moe.report import moe_stat
 from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.remedies.replica_check import replica_incident
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
@@ -94,7 +95,7 @@ class ReportBuilder:
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
             rollout_attribution=state.rollout_attribution,
             loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
-            spikes=spikes)
+            spikes=spikes, moe=moe_stat(state.moe, stats.slot, stats.logits, step))
 
     def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,
                             overflow: bool | None) -> Incident | None:

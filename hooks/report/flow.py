@@ -34,6 +34,7 @@ from nanwatch.hooks.directives.local_rules import LocalRuleEngine
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.spikes import SpikeDetector
+from nanwatch.hooks.moe.report import explained
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
@@ -226,7 +227,7 @@ class ReportFlow:
         r = report.rlhf.rollout if report.rlhf is not None else None
         if r is None or report.stage != "train" or report.scope not in ("rank", "job"):
             return report
-        events = self._mismatch.observe(report.step, r, sync=self._verdicts)
+        events = explained(self._mismatch.observe(report.step, r, sync=self._verdicts), report.moe)
         for event in events:
             log.warning("nanwatch: step %d: rollout mismatch (%s): %s", report.step, event.cause, event.evidence)
             if self._on_mismatch is not None and not self._mismatch.held:  # other weights: no attribution

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from nanwatch.hooks.measure.rlhf import RLHF_SLOTS, decode_rlhf
+from nanwatch.hooks.moe.report import moe_layout, moe_vectors, read_moe
 from nanwatch.hooks.remedies.loss_scaling import handled_by_scaler
 from nanwatch.wire import (
     MODES,
@@ -53,6 +54,7 @@ class Table:
     sdpa: tuple[tuple, ...]  # (site, backend, predicted, confirmed, dtype, shape, reason, stage)
     logits: tuple[tuple[str, str, int], ...]  # (layer, source, heads)
     forwards: tuple[tuple[int, str, str], ...]  # (index, position_ids, mask)
+    moe: tuple[tuple[str, int, int], ...] = ()  # (router, experts, top_k): ``nanwatch.hooks.moe.report``
 
     def digest(self) -> int:
         """62 bits of a hash of the whole table: equal on every rank iff the tables are (an int64 all-reduce)."""
@@ -98,7 +100,8 @@ def merge_tables(tables: list[Table]) -> Table:
         return tables[0]
     return Table(sites=_merge([t.sites for t in tables], _site_key), sdpa=_merge([t.sdpa for t in tables], _whole),
                  logits=_merge([t.logits for t in tables], _first),
-                 forwards=tuple(sorted(_merge([t.forwards for t in tables], _first))))
+                 forwards=tuple(sorted(_merge([t.forwards for t in tables], _first))),
+                 moe=_merge([t.moe for t in tables], _first))
 
 
 def _nan_to(x: float) -> float:
@@ -165,7 +168,8 @@ class Contribution:
         keys = [e[:3] for e in table.sites]
         maxes.append(-float(keys.index(first) * world + self.rank) if first in keys else _NONE)
         maxes.append(float(_directive_key(r.attention_mode, r.directive_version)))
-        return sums, maxes
+        moe_sums, moe_maxes = moe_vectors(r.moe, table.moe)
+        return sums + moe_sums, maxes + moe_maxes
 
     def differs(self, job: JobStep) -> str | None:
         """Why this rank's own report must go beside the job's (a ``detail``), or None."""
@@ -188,7 +192,7 @@ def contribution(report: StepReport, rlhf: dict[tuple[str, str], float] | None, 
         sdpa=tuple(dict.fromkeys((c.site, c.backend, c.predicted, c.confirmed, c.dtype, c.shape, c.reason, c.stage)
                                  for c in report.sdpa)),
         logits=tuple((lg.layer, lg.source, len(lg.per_head or ())) for lg in report.logits),
-        forwards=tuple((f.forward, f.position_ids, f.mask) for f in report.fingerprints))
+        forwards=tuple((f.forward, f.position_ids, f.mask) for f in report.fingerprints), moe=moe_layout(report.moe))
     return Contribution(rank, report, rlhf, table)
 
 
@@ -236,10 +240,11 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
     first = m.one()
     first_at, first_rank = divmod(int(-first), world) if first != _NONE else (None, None)
     directive = int(m.one())
+    moe = read_moe(table.moe, s.take, m.take, poster=poster.moe)
     offender = table.sites[first_at][:3] if first_at is not None else (None, None, None)
     report = StepReport(**{
         **dict(poster), "scope": "job", "sites": sites, "sdpa": sdpa, "logits": logits, "fingerprints": prints,
-        "coverage": coverage, "rlhf": rlhf, "step_skipped": None if skipped < 0 else bool(skipped),
+        "coverage": coverage, "rlhf": rlhf, "moe": moe, "step_skipped": None if skipped < 0 else bool(skipped),
         "first_offender": offender[0], "first_offender_phase": offender[1], "first_offender_stage": offender[2],
         "first_offender_rank": first_rank, "ranks_reporting": ranks, "world_size": world,
         "attention_mode": MODES[directive % len(MODES)], "directive_version": directive // len(MODES),

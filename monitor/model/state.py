@@ -25,7 +25,7 @@ from nanwatch.monitor.model.counters import (
 )
 from nanwatch.monitor.model.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
-from nanwatch.wire import MAX_INT, RlhfStat
+from nanwatch.wire import MAX_INT, MoeStat, RlhfStat
 
 __all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES", "RUN_LEVEL_SCOPES",
            "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "NamespaceEvents", "RankState", "RunState", "Silent",
@@ -77,6 +77,8 @@ class RankState:
     logits: dict[str, float] = field(default_factory=dict)
     """The latest step's logit bound per layer (the wire's ``logits``, admitted under the series cap)."""
     rlhf: RlhfStat | None = None
+    moe: MoeStat | None = None
+    """The latest step's MoE routers (wire 1.15): counts and maxima, merged over views exactly at render."""
     heartbeat_seq: int = -1
     """The seq of the rank's last heartbeat: heartbeats carry no counts, so they are not kept in the
     store's high-water marks; a resent one (seq not above this) is acknowledged and ignored."""

@@ -46,7 +46,7 @@ from nanwatch.monitor.model.state import CollectorState, RankState, RunState, wo
 from nanwatch.monitor.model.store import EventRow
 from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
-from nanwatch.wire import Directive
+from nanwatch.wire import Directive, MoeStat
 
 __all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
            "snapshot", "snapshot_runs"]
@@ -345,6 +345,26 @@ def _measured(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
         value = getattr(rollout, stat)
         if value is not None:
             f.add(m.ROLLOUT_MISMATCH, [run_id, stat], value)
+    _moe(f, run_id, [st.moe for st in measured if st.moe is not None] if job is None or job.moe is None
+         else [job.moe])
+
+
+def _moe(f: _Families, run_id: str, views: list) -> None:
+    """The MoE routers of the latest step: the job's, or the live ranks' merged exactly (``MoeStat.merged``)."""
+    moe = MoeStat.merged(views)
+    if moe is None:
+        return
+    for r in moe.routers:
+        if r.load_max is not None:
+            f.add(m.MOE_EXPERT_LOAD_MAX, [run_id, r.router], r.load_max)
+        if r.logit_max is not None:
+            f.add(m.MOE_ROUTER_LOGIT_MAX, [run_id, r.router], r.logit_max)
+        if r.disagreement is not None:
+            f.add(m.MOE_ROUTING_DISAGREEMENT, [run_id, r.router], r.disagreement)
+    if moe.rerouted_fraction is not None:
+        f.add(m.MOE_TOKENS_REROUTED, [run_id], moe.rerouted_fraction)
+        if moe.routing_replay != "off":
+            f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
 
 
 def _run_counters(f: _Families, run: RunSnapshot) -> None:

@@ -15,7 +15,8 @@ from nanwatch.monitor.model import counters
 __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT_TAU", "DIRECTIVE_INFO",
            "EVENTS", "FIRST_OFFENDER_INFO", "INCIDENTS", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
-           "METRICS", "MetricSpec", "NONFINITE_VALUES", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
+           "METRICS", "MOE_EXPERT_LOAD_MAX", "MOE_REPLAY_NOT_APPLIED", "MOE_ROUTER_LOGIT_MAX",
+           "MOE_ROUTING_DISAGREEMENT", "MOE_TOKENS_REROUTED", "MetricSpec", "NONFINITE_VALUES", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
            "RENDER_ERRORS", "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
            "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
@@ -147,6 +148,27 @@ WEIGHT_SYNC_LAG = MetricSpec(
     "NANWATCH_WEIGHT_SYNC_WAIT_S), else 0. In memory; exported while the run is live.")
 # added for spikes (wire 1.9 ``StepReport.spikes``; issue #29)
 SPIKES = _counted(counters.SPIKE)
+# added for MoE routing (wire 1.15 ``StepReport.moe``; issue #39): the latest step, the job report's or merged
+# exactly over live ranks (counts summed, maxima maxed: ``MoeStat.merged``)
+MOE_ROUTING_DISAGREEMENT = MetricSpec(
+    "nanwatch_moe_routing_disagreement", "gauge", ("run_id", "layer"),
+    "Per MoE router (layer: its module name), the fraction of unmasked tokens whose expert set differs between "
+    "the rollout's routes (Monitor.rlhf(rollout_routes=)) and the trainer's, in the latest step that compared.")
+MOE_TOKENS_REROUTED = MetricSpec(
+    "nanwatch_moe_tokens_rerouted", "gauge", ("run_id",),
+    "The fraction of unmasked tokens with at least one MoE router differing from the rollout's routes, in the "
+    "latest step that compared.")
+MOE_EXPERT_LOAD_MAX = MetricSpec(
+    "nanwatch_moe_expert_load_max", "gauge", ("run_id", "layer"),
+    "Per MoE router, the largest expert's share of the routed token slots times the number of experts, in the "
+    "latest step: 1 is balanced, the number of experts is one expert taking every token.")
+MOE_ROUTER_LOGIT_MAX = MetricSpec(
+    "nanwatch_moe_router_logit_max", "gauge", ("run_id", "layer"),
+    "Per MoE router, its largest logit in the latest step (max over ranks).")
+MOE_REPLAY_NOT_APPLIED = MetricSpec(
+    "nanwatch_moe_replay_not_applied", "gauge", ("run_id",),
+    "1 when the run claims routing replay (routing_replay verify or apply) and, in the latest step that "
+    "compared, a token reached experts other than the rollout's; else 0. Exported under verify/apply only.")
 REPORTS_ACCEPTED = MetricSpec(
     "nanwatch_collector_reports_accepted_total", "counter", (),
     "Step reports applied to the state.")
@@ -185,6 +207,7 @@ _SPECS = (
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
     SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,
+    MOE_ROUTING_DISAGREEMENT, MOE_TOKENS_REROUTED, MOE_EXPERT_LOAD_MAX, MOE_ROUTER_LOGIT_MAX, MOE_REPLAY_NOT_APPLIED,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT, RENDER_ERRORS,
 )
 

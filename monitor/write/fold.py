@@ -393,6 +393,15 @@ def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:
         counts.add(counters.JOB_SKIPPED, (), 1)
 
 
+def _moe_admitted(run: RunState, r: StepReport, cap: int):
+    """The report's MoE routers whose per-layer series fit under the run's series cap (the rest dropped, counted
+    as every series is)."""
+    if r.moe is None:
+        return None
+    routers = [x for x in r.moe.routers if run.admit(("moe_layer", x.router), 4, cap)]
+    return r.moe if len(routers) == len(r.moe.routers) else r.moe.model_copy(update={"routers": routers})
+
+
 def _training_view(state: CollectorState, run: RunState, r: StepReport, sites: _Sites, *, received: float,
                    seen: float) -> tuple[RankState, str | None]:
     """The rank's (or the job's) view of its latest training step; views are replaced, never mutated."""
@@ -404,7 +413,7 @@ def _training_view(state: CollectorState, run: RunState, r: StepReport, sites: _
                 world_size=min(r.world_size, MAX_WORLD_SIZE), agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
                 dropped_reports=r.dropped_reports, nonfinite=sites.nonfinite, first_offender=r.first_offender,
                 first_offender_phase=r.first_offender_phase, headroom=sites.headroom, logits=logits, rlhf=r.rlhf,
-                crashed=r.raised, loss_scale=r.loss_scale)
+                moe=_moe_admitted(run, r, cap), crashed=r.raised, loss_scale=r.loss_scale)
     if r.scope == "job":
         view["crashed"] = None
         run.job = RankState(rank=r.rank, incarnation=r.incarnation, scope="job", **view)
@@ -475,7 +484,7 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    attention_mode=r.attention_mode, directive_version=r.directive_version,
                    dropped_reports=r.dropped_reports, nonfinite=held.nonfinite, first_offender=held.first_offender,
                    first_offender_phase=held.first_offender_phase, headroom=held.headroom, logits=held.logits,
-                   rlhf=held.rlhf, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
+                   rlhf=held.rlhf, moe=held.moe, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
                    crashed=r.raised if r.scope != "job" else held.crashed,
                    heartbeat_s=interval_s,
                    # a heartbeat carries liveness only: the loss scale is its step reports' (finding 9 of #27)

@@ -171,6 +171,9 @@ def _rollout(r: StepReport, events: _Events) -> None:
         for ev in r.rollout_events:
             events.add("rollout_mismatch", f"rollout_mismatch:{ev.cause}:{ev.step}:{who}",
                        ev.model_dump(mode="json"), rank=r.rank)
+    for ev in r.moe.events if r.moe is not None and r.scope in RUN_LEVEL_SCOPES else ():
+        events.add(ev.kind, f"{ev.kind}:{ev.step}:{'job' if r.scope == 'job' else r.rank}",
+                   ev.model_dump(mode="json"), site=ev.routers[0] if ev.routers else None, rank=r.rank)
     at = r.rollout_attribution
     if at is not None and r.scope != "heartbeat":
         events.add("rollout_attribution", f"rollout_attribution:{at.cause}:{at.step}",

@@ -214,6 +214,11 @@ _SCENARIO = [
     # #29: spike steps born at zero, a replica divergence
     ('nanwatch_spikes_total{run_id="r1", site_kind="grad"}', "_x3 0 1 2x15"),
     ('nanwatch_incidents_total{run_id="r1", class="replica_divergence"}', "_x5 0 1x14"),
+    # #39: MoE routers, a replay claimed and not applied from 1m15s
+    *[(f'nanwatch_moe_{m}{{run_id="r1", layer="model.layers.{i}.mlp.gate"}}', v) for i in (0, 1)
+      for m, v in (("routing_disagreement", "0.08x20"), ("expert_load_max", "1.5x20"), ("router_logit_max", "9x20"))],
+    ('nanwatch_moe_tokens_rerouted{run_id="r1"}', "0.3x20"),
+    ('nanwatch_moe_replay_not_applied{run_id="r1"}', "0x4 1x15"),
     ("nanwatch_collector_logit_tau", "30x20"),
     ('nanwatch_events_total{run_id="r1", kind="first_nonfinite"}', "_x4 1x15"),
     ('nanwatch_events_total{run_id="r1", kind="directive_set"}', "_x9 1x10"),

@@ -207,3 +207,56 @@ def test_one_off_births_are_named_at_the_defaults_on_cuda():
     assert named == {2: ("model.layers.0.mlp", "forward"), 3: ("model.layers.1.mlp", "backward")}, named
     assert [r.step for r in reports if r.step_skipped] == [2, 3]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@cuda
+def test_moe_routes_measured_compared_and_applied_sync_no_more_than_the_bare_model():
+    """#39: the routers' load, the routes' comparison and the replay are device ops. HF's experts loop syncs on
+    its own (``nonzero``), so the count is compared with the bare step's; the routes applied are the model's
+    own (recorded first), so the experts loop runs the same experts either way."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
+    model = transformers.Qwen3MoeForCausalLM(cfg).cuda()
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    from nanwatch.hooks import record_routes
+
+    with torch.no_grad(), record_routes(model) as rec:
+        model(input_ids=ids, use_cache=False)
+    R = rec.routes()
+
+    def count_syncs(step):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(x.message) for x in w)
+
+    def bare():
+        out = model(input_ids=ids, use_cache=False)
+        out.logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
+
+    bare()
+    baseline = count_syncs(bare)
+    with nanwatch.attach(model, run_id="gpu-moe", routing_replay="apply") as mon:
+        for n in range(3):  # step 0 allocates the slots; steps 1-2 are the steady state
+            mon.begin_step(n)
+            mon.routes(R)
+
+            def monitored():
+                out = model(input_ids=ids, use_cache=False)
+                lp = out.logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+                mon.rlhf(logprobs=lp, rollout_logprobs=lp.detach(), rollout_routes=R)
+                lp.sum().backward()
+
+            syncs = count_syncs(monitored) if n else (monitored() or 0)
+            mon.end_step()
+            r = mon.last_report()
+            assert r.moe is not None and r.moe.tokens_compared == 2 * 63 and r.moe.tokens_rerouted == 0
+            if n:
+                assert syncs <= baseline, (syncs, baseline)

@@ -22,12 +22,12 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from nanwatch.monitor.model.auth import TokenTable
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.long_poll import LongPoll
-from nanwatch.monitor.model.refusal import Refused
-from nanwatch.monitor.model.state import CollectorState, HostCaps
-from nanwatch.monitor.model.store import EventRow, Store
+from nanwatch.monitor.data.auth import TokenTable
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.long_poll import LongPoll
+from nanwatch.monitor.data.refusal import Refused
+from nanwatch.monitor.data.state import CollectorState, HostCaps
+from nanwatch.monitor.data.store import EventRow, Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources

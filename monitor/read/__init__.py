@@ -1,5 +1,5 @@
 """Read: what the collector shows (the Prometheus exporter and its one table of metric names). Imports
-``model`` only.
+``data`` only.
 """
 
 __all__ = ["exporter", "metric_names"]

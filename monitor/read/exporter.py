@@ -36,14 +36,14 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
-from nanwatch.monitor.model import counters
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.event_log import first_nonfinite
-from nanwatch.monitor.model.rollout_figures import STATS as ROLLOUT_STATS
-from nanwatch.monitor.model.rollout_figures import combined as combine_rollout
-from nanwatch.monitor.model.rollout_figures import measured_views
-from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data import counters
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.event_log import first_nonfinite
+from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
+from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
+from nanwatch.monitor.data.rollout_figures import measured_views
+from nanwatch.monitor.data.state import CollectorState, RankState, RunState, world_size
+from nanwatch.monitor.data.store import EventRow
 from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
 from nanwatch.wire import Directive

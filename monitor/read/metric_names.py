@@ -10,7 +10,7 @@ from typing import Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nanwatch.monitor.model import counters
+from nanwatch.monitor.data import counters
 
 __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT_TAU", "DIRECTIVE_INFO",
            "EVENTS", "FIRST_OFFENDER_INFO", "INCIDENTS", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
@@ -33,7 +33,7 @@ class MetricSpec:
 
 
 def _counted(fam: counters.CounterFamily) -> MetricSpec:
-    """A counter family's metric, as its owner (``nanwatch.monitor.model.counters``) describes it."""
+    """A counter family's metric, as its owner (``nanwatch.monitor.data.counters``) describes it."""
     return MetricSpec(fam.metric, "counter", ("run_id", *fam.labels), fam.help)
 
 
@@ -130,7 +130,7 @@ LATEST_INCIDENT_INFO = MetricSpec(
 ROLLOUT_MISMATCH = MetricSpec(
     "nanwatch_rollout_mismatch", "gauge", ("run_id", "stat"),
     "The rollout (sampler) against the trainer on the same tokens in the latest step, dlogp = trainer - "
-    "rollout over unmasked finite tokens; stat is a RolloutStat field (nanwatch.monitor.model.rollout_figures.STATS): "
+    "rollout over unmasked finite tokens; stat is a RolloutStat field (nanwatch.monitor.data.rollout_figures.STATS): "
     "the job report's, or combined over live ranks: abs_mean, mean, rms, k3_mean, truncated_fraction "
     "token-weighted (exact); abs_max, seq_ratio_max, seq_abs_mean_max max; seq_ratio_min, prob_correlation "
     "min; abs_p99 max (an upper bound); logprob_slope the rank's farthest from 1.")

@@ -35,9 +35,9 @@ import string
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanwatch.monitor.model import counters
-from nanwatch.monitor.model.counters import ENDED_FAMILY, CounterFamily
-from nanwatch.monitor.model.state import (
+from nanwatch.monitor.data import counters
+from nanwatch.monitor.data.counters import ENDED_FAMILY, CounterFamily
+from nanwatch.monitor.data.state import (
     LATEST_SPIKES,
     MAX_HEARTBEAT_S,
     MAX_WORLD_SIZE,
@@ -47,7 +47,7 @@ from nanwatch.monitor.model.state import (
     RankState,
     RunState,
 )
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data.store import EventRow
 from nanwatch.readable import printable
 from nanwatch.wire import StepReport, dtype_name, is_half
 

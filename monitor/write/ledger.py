@@ -2,7 +2,7 @@
 together, through the ``Ledger`` alone, all or nothing.
 
 Ingest, report by report inside one transaction: the fold changes memory and returns what the store must
-hold (``nanwatch.monitor.write.fold``), the rule engine returns its intents (``nanwatch.monitor.write.rules``),
+hold (``nanwatch.monitor.write.fold``), the rule engine returns its intents (``nanwatch.monitor.write.directive_rules``),
 and the ledger carries out both before the next report is folded, so that the rules of one report see the
 reports before it in the same batch; the batch's marks and counter totals are written at its end. Nothing
 below the ledger writes: values come up, and only the ledger applies them.
@@ -31,17 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.caps import Caps
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.event_log import AUDIT_KINDS, DirectiveChange, EventLog
-from nanwatch.monitor.model.memory import MemoryBudget
-from nanwatch.monitor.model.refusal import CapReached, Refused, StoreUnavailable, Unstorable
-from nanwatch.monitor.model.state import Applied, CollectorState
-from nanwatch.monitor.model.store import DELETE_BATCH, EventRow, Store
-from nanwatch.monitor.model.weight_syncs import WeightSyncs
+from nanwatch.monitor.data.auth import ANY_NAMESPACE
+from nanwatch.monitor.data.caps import Caps
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.event_log import AUDIT_KINDS, DirectiveChange, EventLog
+from nanwatch.monitor.data.memory import MemoryBudget
+from nanwatch.monitor.data.refusal import CapReached, Refused, StoreUnavailable, Unstorable
+from nanwatch.monitor.data.state import Applied, CollectorState
+from nanwatch.monitor.data.store import DELETE_BATCH, EventRow, Store
+from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.monitor.write.fold import Changes, Ingested, fold
-from nanwatch.monitor.write.rules import Intents, Issue, RuleEngine
+from nanwatch.monitor.write.directive_rules import Intents, Issue, RuleEngine
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch
 
@@ -107,7 +107,7 @@ class Ledger:
         self._margin = margin_steps
         #: what the run and incarnation caps remember between requests
         self.caps = Caps()
-        #: above its limit, nothing new is kept (``nanwatch.monitor.model.memory``); events are bounded in all
+        #: above its limit, nothing new is kept (``nanwatch.monitor.data.memory``); events are bounded in all
         self.budget = MemoryBudget(limit_bytes=memory_limit_bytes, max_events=max_events,
                                    count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
         #: runs a failed write touched while the store could not be re-read: memory may hold what was never

@@ -1,5 +1,5 @@
 """A side's weight fingerprints of one weight version, applied through the ledger's transaction: a trainer set
-bound to the run's incarnation, compared with the other side's (``nanwatch.monitor.model.weight_syncs``),
+bound to the run's incarnation, compared with the other side's (``nanwatch.monitor.data.weight_syncs``),
 each new verdict counted (``nanwatch_weight_syncs_verified_total``, ``nanwatch_weight_sync_mismatches_total``,
 ``nanwatch_weight_syncs_unverifiable_total``) and a mismatch logged as a ``weight_sync_mismatch`` event naming
 the version, the worker and the first differing tensors (``weight_sync_unverifiable`` for dtypes or shapes no
@@ -15,16 +15,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nanwatch.monitor.model.counters import (
+from nanwatch.monitor.data.counters import (
     WEIGHT_SYNC_MISMATCHES,
     WEIGHT_SYNCS_UNVERIFIABLE,
     WEIGHT_SYNCS_VERIFIED,
     CounterFamily,
 )
-from nanwatch.monitor.model.refusal import CapReached
-from nanwatch.monitor.model.state import RunState
-from nanwatch.monitor.model.store import EventRow
-from nanwatch.monitor.model.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.data.refusal import CapReached
+from nanwatch.monitor.data.state import RunState
+from nanwatch.monitor.data.store import EventRow
+from nanwatch.monitor.data.weight_verdicts import Verdict, side_set
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.wire import WeightFingerprints
 

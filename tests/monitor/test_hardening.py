@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support import ADMIN, JSON, TOKEN, CollectorProcess, background_collector, failing, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.settings import Settings
 from nanwatch.wire import MAX_INT, Incident, ReportBatch

@@ -15,7 +15,7 @@ import time
 import httpx
 from support import AUTH, TOKEN, CollectorProcess, background_collector, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.web.body import MAX_ERRORS
 
@@ -208,9 +208,9 @@ def test_events_are_bounded_over_all_runs(tmp_path):
 def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_them():
     """A scrape of 9,000 live runs held the loop 0.4-0.5 s while it copied them (every trainer's ingest
     waited); now the copy yields every ``SNAPSHOT_CHUNK`` runs, and a run forgotten meanwhile is left out."""
-    from nanwatch.monitor.model.directive_log import DirectiveLog
-    from nanwatch.monitor.model.long_poll import LongPoll
-    from nanwatch.monitor.model.state import CollectorState
+    from nanwatch.monitor.data.directive_log import DirectiveLog
+    from nanwatch.monitor.data.long_poll import LongPoll
+    from nanwatch.monitor.data.state import CollectorState
     from nanwatch.monitor.read.exporter import SNAPSHOT_CHUNK, snapshot, snapshot_runs
 
     state = CollectorState(ttl_s=300, series_cap=1000, max_runs=10 * SNAPSHOT_CHUNK)
@@ -274,7 +274,7 @@ def _bad_bodies() -> dict[str, dict]:
 def test_both_parse_paths_agree_on_strict_json():
     """A body over FAST_PATH_BYTES is validated from Python objects, a smaller one from bytes: the same bad
     report first gets the same answer either way (padded with valid reports past the threshold)."""
-    from nanwatch.monitor.model.refusal import BadBody
+    from nanwatch.monitor.data.refusal import BadBody
     from nanwatch.monitor.web.body import FAST_PATH_BYTES, parse_batch
 
     pad = json.loads(step_report(run_id="paths", seq=1).model_dump_json())

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from support import ADMIN, JSON, background_collector, sample, scrape, step_report
 
-from nanwatch.monitor.model import rollout_figures
+from nanwatch.monitor.data import rollout_figures
 from nanwatch.monitor.read import exporter
 from nanwatch.wire import MAX_INT, MAX_ROLLOUT_COUNT, ReportBatch, RlhfStat, RolloutStat, Spike, StepReport
 

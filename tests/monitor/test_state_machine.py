@@ -40,8 +40,8 @@ from hypothesis.stateful import (
 )
 from support import JSON, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
-from nanwatch.monitor.model.store import Store
+from nanwatch.monitor.data.state import CollectorState
+from nanwatch.monitor.data.store import Store
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.write.ledger import Ledger

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from nanwatch.monitor.model import counters, rollout_figures
-from nanwatch.monitor.model.state import RunState
+from nanwatch.monitor.data import counters, rollout_figures
+from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.web.deps import (
     AdminToken,
     ReaderToken,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.body import parse_strict
 from nanwatch.monitor.web.deps import IngestToken, ResourcesDep, RunIdPath
 from nanwatch.monitor.web.routers._problems import AUTH, BODY, INVALID, NOT_READY

@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanwatch.monitor.model import schema
-from nanwatch.monitor.model.schema import DB_SCHEMA_VERSION, ForeignDatabase
+from nanwatch.monitor.data import schema
+from nanwatch.monitor.data.schema import DB_SCHEMA_VERSION, ForeignDatabase
 from nanwatch.wire import Directive
 
 log = logging.getLogger("nanwatch.monitor")
 
-#: the schema's version and refusal, importable from here as before (``nanwatch.monitor.model.schema``)
+#: the schema's version and refusal, importable from here as before (``nanwatch.monitor.data.schema``)
 __all__ = ["DB_SCHEMA_VERSION", "DELETE_BATCH", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
 #: event rows deleted per transaction when a run is forgotten: each one a few milliseconds of the loop
@@ -63,7 +63,7 @@ def _lock(path: str) -> int | None:
 @dataclass(slots=True)
 class EventRow:
     """One event of a run's log, as stored. ``detail`` is the kind's own record (typed per kind in
-    ``nanwatch.monitor.model.event_log``), stored as JSON."""
+    ``nanwatch.monitor.data.event_log``), stored as JSON."""
 
     run_id: str
     time: float

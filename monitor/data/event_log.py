@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from nanwatch.monitor.model.state import CollectorState
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data.state import CollectorState
+from nanwatch.monitor.data.store import EventRow
 
 __all__ = ["AUDIT_KINDS", "DirectiveChange", "EventLog", "FirstNonfinite", "ModeChange", "first_nonfinite"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.state import CollectorState, RunState
+from nanwatch.monitor.data.auth import ANY_NAMESPACE
+from nanwatch.monitor.data.state import CollectorState, RunState
 
 __all__ = ["Caps"]
 

@@ -1,4 +1,4 @@
-"""Model: the collector's state in memory (runs, ranks, counters) and on disk (the SQLite store), the
+"""Data: the collector's state in memory (runs, ranks, counters) and on disk (the SQLite store), the
 event and directive logs, the caps, principals and the memory budget. Imports nothing else of ``nanwatch.monitor``.
 """
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nanwatch.monitor.model.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.model.state import (
+from nanwatch.monitor.data.event_log import FirstNonfinite, ModeChange
+from nanwatch.monitor.data.state import (
     RUN_LEVEL_SCOPES,
     STEP_SLACK,
     Applied,
     RankState,
     crash_key,
 )
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
 

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from nanwatch.monitor.model.state import CollectorState, RankState, RunState
+from nanwatch.monitor.data.state import CollectorState, RankState, RunState
 from nanwatch.wire import MAX_INT, RolloutStat
 
 __all__ = ["STATS", "TOKEN_SPREAD", "Combined", "combine", "combined", "latest", "measured_views"]

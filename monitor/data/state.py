@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.counters import (
+from nanwatch.monitor.data.auth import ANY_NAMESPACE
+from nanwatch.monitor.data.counters import (
     ENDED_FAMILY,
     FAMILIES,
     NOT_REPRODUCIBLE,
@@ -23,7 +23,7 @@ from nanwatch.monitor.model.counters import (
     SDPA,
     RequestCounters,
 )
-from nanwatch.monitor.model.store import EventRow, Loaded
+from nanwatch.monitor.data.store import EventRow, Loaded
 from nanwatch.policy import next_apply_step
 from nanwatch.wire import MAX_INT, RlhfStat
 
@@ -410,7 +410,7 @@ class CollectorState:
         self.ttl_s = ttl_s
         self.silent_keep_s = silent_keep_s
         self.series_cap = series_cap
-        #: the caps a request is checked against (``nanwatch.monitor.model.caps``)
+        #: the caps a request is checked against (``nanwatch.monitor.data.caps``)
         self.max_runs = max_runs
         self.max_incarnations = max_incarnations
         self.max_events = max_events

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from nanwatch.monitor.data.auth import ANY_NAMESPACE
-from nanwatch.monitor.data.caps import Caps
+from nanwatch.monitor.write.caps import Caps
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import AUDIT_KINDS, DirectiveChange, EventLog
 from nanwatch.monitor.data.memory import MemoryBudget

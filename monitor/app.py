@@ -36,6 +36,7 @@ from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.monitor.write.weight_compare import sweep_weights
 
 __all__ = ["create_app"]
@@ -49,7 +50,7 @@ def _resources(settings: Settings) -> Resources:
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
-    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
+    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s,
                            max_incarnations_per_namespace=settings.max_incarnations_per_namespace,
@@ -57,6 +58,7 @@ def _resources(settings: Settings) -> Resources:
                            hosts=HostCaps(per_run=settings.max_hosts_per_run,
                                           per_namespace=settings.max_hosts_per_namespace,
                                           namespace_of=tokens.namespace_of))
+    restore(state, loaded)
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
     ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,

@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from nanwatch.monitor.data.liveness import live_job, live_ranks
 from nanwatch.monitor.data.state import CollectorState, RankState, RunState
 from nanwatch.wire import MAX_INT, RolloutStat
 
@@ -136,4 +137,4 @@ def measured_views(views: Sequence[RankState], job: RankState | None) -> list[Ro
 
 def latest(state: CollectorState, run: RunState, now: float) -> RolloutStat | None:
     """The run's latest rollout mismatch over its live views (None: no live view measured one)."""
-    return combine(measured_views(state.live_ranks(run, now), state.live_job(run, now)))
+    return combine(measured_views(live_ranks(state, run, now), live_job(state, run, now)))

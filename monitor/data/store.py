@@ -94,14 +94,13 @@ class Loaded:
     #: the highest directive version of any forgotten run: a run's next version is above it
     directive_floor: int = 0
 
-    def run_ids(self) -> set[str]:
-        """Every run something was read back for."""
-        return {*self.latest_step, *self.directives, *self.event_keys, *self.first_offenders, *self.touched,
-                *(k[0] for k in self.hwm), *(c[0] for c in self.counters), *(k[0] for k in self.event_counts)}
-
 
 class Store:
-    """The collector's SQLite file. ``":memory:"`` keeps everything in memory (tests)."""
+    """The collector's SQLite file, a ``DurableStore`` (``nanwatch.monitor.data.durable``, whose contract it
+    keeps). ``":memory:"`` keeps everything in memory (tests)."""
+
+    #: what a failed statement or COMMIT raises (the ledger answers 503: retry)
+    failures: tuple[type[BaseException], ...] = (sqlite3.Error,)
 
     def __init__(self, path: str) -> None:
         self._path = path

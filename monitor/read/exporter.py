@@ -39,13 +39,16 @@ from prometheus_client.registry import Collector
 from nanwatch.monitor.data import counters
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
+from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
 from nanwatch.monitor.data.rollout_figures import measured_views
-from nanwatch.monitor.data.state import CollectorState, RankState, RunState, world_size
+from nanwatch.monitor.data.state import CollectorState, RankState, RunState
 from nanwatch.monitor.data.store import EventRow
 from nanwatch.monitor.read import metric_names as m
+from nanwatch.monitor.read import views
 from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
+from nanwatch.readable import printable
 from nanwatch.wire import Directive
 
 __all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
@@ -143,16 +146,16 @@ class _Runs(NamedTuple):
 def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
                   late_s: float) -> tuple[RunSnapshot, float, bool]:
     """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
-    live = state.is_live(run, now)
-    count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
-    job = state.live_job(run, now) if live else None
+    live = is_live(state, run, now)
+    count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
+    job = live_job(state, run, now) if live else None
     until = math.inf
     # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
     born = frozenset(k for k in run.newborn if k[0] == "events")
     run.newborn.difference_update(born)
     fresh = frozenset()
     if live:
-        until = state.next_late(run, now, late_s)
+        until = views.next_late(run, now, late_s)
         # born at zero: what this render shows for the first time is shown at 0, and the next at its value
         born, run.newborn = born | run.newborn, set()
         fresh = frozenset(st.rank for st in shown if st.rank not in run.exposed_ranks)
@@ -167,8 +170,8 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
         world_size(state, run, now), job, dict(run.counters) if live else {},
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
-        now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
-        tuple(state.hung(run, now)), run.ended,
+        now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
+        tuple(views.hung(state, run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
         min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())))
     return snap, until, bool(born) or bool(fresh)
@@ -215,7 +218,7 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
                 counts[label] = 0
                 consumed = True
     if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
-        state.wrote()
+        state.writes += 1  # the renderer's own bookkeeping of births (state.exposed), not a report's
     return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until,
                     dict(state.render_errors))
 
@@ -266,7 +269,7 @@ def _where(f: _Families, run: RunSnapshot) -> None:
     for stage, (site, pass_, rank) in run.latest_offenders:
         f.add(m.LATEST_OFFENDER_INFO, [run_id, stage, site, pass_, rank], 1)
     for cls, (host, rank, capsule) in run.latest_incidents:
-        f.add(m.LATEST_INCIDENT_INFO, [run_id, cls, host, rank, capsule], 1)
+        f.add(m.LATEST_INCIDENT_INFO, [run_id, cls, host, rank, printable(capsule)], 1)  # a trainer's path
     if run.math_fallback is not None:
         f.add(m.MATH_FALLBACK_INFO, [run_id, *run.math_fallback], 1)
     fo = run.first_offender_event
@@ -518,7 +521,7 @@ class MetricsRenderer:
     async def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
         key = (negotiate(accept), gzipped)
         last = self._last.get(key)
-        if last is not None and last.version == self._state.version() and time.monotonic() < last.until:
+        if last is not None and last.version == views.version(self._state) and time.monotonic() < last.until:
             return last.body, last.content_type
         rnd = self._next
         if rnd is None:
@@ -535,7 +538,7 @@ class MetricsRenderer:
             if self._next is rnd:
                 self._next = None  # from now on, new scrapes wait for the next render
             try:
-                started, version = time.monotonic(), self._state.version()
+                started, version = time.monotonic(), views.version(self._state)
                 runs = await snapshot_runs(self._state, self._directive_log, late_s=self._late_s)
                 snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s,
                                 runs=runs)

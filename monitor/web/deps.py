@@ -11,9 +11,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from nanwatch.monitor.data.auth import Principal, Role, TokenTable
 from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.durable import DurableStore
 from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.monitor.data.state import CollectorState
-from nanwatch.monitor.data.store import Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.write.ledger import Ledger
@@ -38,7 +38,7 @@ class Resources:
     """What the lifespan opens and closes. Routes write through ``ledger`` alone; they read ``state``,
     ``directive_log`` and ``store`` (events), after the ledger's ``resync``."""
 
-    store: Store
+    store: DurableStore
     state: CollectorState
     polls: LongPoll
     directive_log: DirectiveLog

@@ -2,4 +2,4 @@
 applies both in one transaction (the one door for writes). Imports ``data`` only.
 """
 
-__all__ = ["caps", "directive_rules", "fold", "ledger", "weight_compare"]
+__all__ = ["caps", "counting", "directive_rules", "events", "fold", "ledger", "lifetimes", "rank_views", "weight_compare"]

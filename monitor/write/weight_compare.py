@@ -25,7 +25,9 @@ from nanwatch.monitor.data.refusal import CapReached
 from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.data.store import EventRow
 from nanwatch.monitor.data.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.lifetimes import ensure_run
 from nanwatch.wire import WeightFingerprints
 
 __all__ = ["apply_weights", "sweep_weights"]
@@ -36,7 +38,7 @@ def _count(ledger: Ledger, run: RunState, fam: CounterFamily, n: int) -> None:
     key = (fam.key, ())
     old = run.counters.get(key)
     if old is None:
-        if not run.admit((fam.key,), 1, ledger.state.series_cap):
+        if not admit(run, (fam.key,), 1, ledger.state.series_cap):
             return
         run.newborn.add(key)  # the next render shows 0, then the value: increase() sees the first one
     run.counters[key] = value = (old or 0) + n
@@ -129,7 +131,7 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
 
     def write() -> list[Any]:
         now = time.time()
-        run = ledger.state.ensure_run(run_id)
+        run = ensure_run(ledger.state, run_id)
         run.touched = time.monotonic()
         for fam in _COUNTED.values():  # the series exist from the first set on
             if (fam.key, ()) not in run.counters:

@@ -188,7 +188,7 @@ def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
 
         async def writer() -> None:
             while loop.time() < stop:
-                state.wrote()
+                state.writes += 1
                 await asyncio.sleep(0.001)
 
         await asyncio.gather(writer(), *(scraper() for _ in range(8)))

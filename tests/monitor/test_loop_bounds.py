@@ -108,7 +108,7 @@ def test_scrapers_in_three_formats_share_one_snapshot(monkeypatch):
 
     async def scrape_three() -> list:
         await renderer.render("", False)  # the interval starts here
-        state.wrote()
+        state.writes += 1
         return await asyncio.gather(renderer.render("", False), renderer.render(
             "application/openmetrics-text; version=1.0.0", False), renderer.render("", True))
 
@@ -212,11 +212,12 @@ def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_the
     from nanwatch.monitor.data.long_poll import LongPoll
     from nanwatch.monitor.data.state import CollectorState
     from nanwatch.monitor.read.exporter import SNAPSHOT_CHUNK, snapshot, snapshot_runs
+    from nanwatch.monitor.write.lifetimes import ensure_run, forget
 
     state = CollectorState(ttl_s=300, series_cap=1000, max_runs=10 * SNAPSHOT_CHUNK)
     n = 3 * SNAPSHOT_CHUNK + 5
     for i in range(n):
-        state.ensure_run(f"run-{i:05d}")
+        ensure_run(state, f"run-{i:05d}")
     log = DirectiveLog(polls=LongPoll())
     ticks = []
 
@@ -225,7 +226,7 @@ def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_the
             while True:
                 ticks.append(len(ticks))
                 if len(ticks) == 2:  # the first chunk is copied: retention forgets a run not yet copied
-                    state.forget([f"run-{n - 1:05d}"])
+                    forget(state, [f"run-{n - 1:05d}"])
                 await asyncio.sleep(0)
 
         tick = asyncio.create_task(ticker())

@@ -44,6 +44,8 @@ from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.data.store import Store
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
+from nanwatch.monitor.write import ledger as ledger_module
+from nanwatch.monitor.write import lifetimes as run_writes
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.wire import MAX_INT, ReportBatch
 
@@ -507,10 +509,10 @@ TestCollectorWrites = pytest.mark.slow(CollectorMachine.TestCase)
 
 
 def _keep_hwm(reload):
-    def sabotaged(self: CollectorState, loaded, **kw) -> None:
-        hwm = dict(self.hwm)
-        reload(self, loaded, **kw)
-        self.hwm = hwm  # a rolled-back report's high-water mark survives the reload
+    def sabotaged(state: CollectorState, loaded, **kw) -> None:
+        hwm = dict(state.hwm)
+        reload(state, loaded, **kw)
+        state.hwm = hwm  # a rolled-back report's high-water mark survives the reload
 
     return sabotaged
 
@@ -525,7 +527,7 @@ def test_the_machine_catches_a_collector_that_keeps_a_failed_write(monkeypatch, 
         monkeypatch.setattr(Ledger, "_restore", lambda self, runs: None)
         match = None
     else:
-        monkeypatch.setattr(CollectorState, "reload", _keep_hwm(CollectorState.reload))
+        monkeypatch.setattr(ledger_module, "reload", _keep_hwm(run_writes.reload))
         match = r"never acknowledged\) was not applied"
     quick = settings(max_examples=50, stateful_step_count=12, deadline=None, database=None, derandomize=True,
                      phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=[HealthCheck.too_slow])

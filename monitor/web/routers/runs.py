@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Response
 
 from nanwatch.monitor.data import counters, rollout_figures
+from nanwatch.monitor.data.liveness import held_ranks, late_after, live_ranks
 from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.web.deps import (
     AdminToken,
@@ -45,7 +46,7 @@ MAX_PAGE = 1000
 
 def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     """What a run's list entry says (figures over the run's live ranks and counters)."""
-    live = res.state.live_ranks(run, now)
+    live = live_ranks(res.state, run, now)
     fo = run.first_offender_event
     crashed = [CrashedRank(rank=rank, raised=c.raised, step=c.step if c.step >= 0 else None)
                for rank, c in sorted(run.crashed.items())]
@@ -121,8 +122,8 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     now = time.monotonic()
-    late_before = now - res.state.late_after(run, settings.rank_late_s)
-    shown = [st for st in res.state.held_ranks(run, now)
+    late_before = now - late_after(run, settings.rank_late_s)
+    shown = [st for st in held_ranks(res.state, run, now)
              if st.scope != "heartbeat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
              for st in shown]

@@ -61,7 +61,7 @@ def _resources(settings: Settings) -> Resources:
     restore(state, loaded)
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
-    ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
+    ledger = Ledger(store=store, state=state, directive_log=directive_log, directive_rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
                     max_events=settings.max_events, weight_sync_wait_s=settings.weight_sync_wait_s,

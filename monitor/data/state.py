@@ -205,7 +205,7 @@ class RunState:
     """Every rank the run held ended normally (none held, hung or crashed): ``nanwatch_run_ended``."""
     applied: Applied | None = None
     """Which incarnation of rank 0 applied the current revertible directive, and how far it has reached
-    since: only that incarnation can end the directive by its auto-revert (``RuleEngine``). In memory."""
+    since: only that incarnation can end the directive by its auto-revert (``DirectiveRuleEngine``). In memory."""
     silent: dict[int, Silent] = field(default_factory=dict)
     """Ranks gone past their TTL without a final report or a crash: their last report time stays exported
     for ``NANWATCH_SILENT_KEEP_S`` or until they report again, so a hung rank keeps alerting."""

@@ -369,7 +369,7 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
 
 
 def _collector_own(f: _Families, snap: Snapshot, notes: Counter[str]) -> None:
-    """The collector's own figures: its rules' tau, the reports it applied and ignored, what it refused, what
+    """The collector's own figures: its directive rules' tau, the reports it applied and ignored, what it refused, what
     its renders had to leave out or distrust (those before, and this render's)."""
     before = snap.render_errors or {}
     for reason in RENDER_ERRORS:

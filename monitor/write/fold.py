@@ -2,7 +2,7 @@
 transaction): a report the trainer resent is recognised and left out; a new one updates the per-rank views
 and counters, and its fold returns what the store must hold because of it (``Folded``: the counter totals
 it changed, its high-water mark, the run's end), gathered over the batch in ``Changes``. The ledger writes
-those, and the rule engine's intents, in the same transaction, so that a resend is never counted twice.
+those, and the directive-rule engine's intents, in the same transaction, so that a resend is never counted twice.
 
 A report folds in by whom it speaks for (wire 1.4 ``StepReport.scope``). A job of 65,536 ranks cannot
 post 65,536 measured reports a step to one collector (per-rank reports at 1,024 ranks already took its
@@ -47,10 +47,10 @@ Mark = tuple[str, int, str, int, int]
 
 @dataclass(slots=True)
 class Folded:
-    """What one new report changed, for the ledger to write and the rules to read (memory already holds it)."""
+    """What one new report changed, for the ledger to write and the directive rules to read (memory already holds it)."""
 
     rank: RankState | None
-    """The view the rules read: the rank's, or the job's; None if the rank is capped or the report kept it
+    """The view the directive rules read: the rank's, or the job's; None if the rank is capped or the report kept it
     live only."""
     previous_mode: str | None
     """The rank's attention mode before this report (None if unknown)."""
@@ -58,7 +58,7 @@ class Folded:
     mark: Mark | None
     """The report's high-water mark (None for a heartbeat: it counts nothing, so its resend is harmless)."""
     events: list[EventRow] = field(default_factory=list)
-    """Events the fold itself calls for (the run ended), recorded before the rules' intents."""
+    """Events the fold itself calls for (the run ended), recorded before the directive rules' intents."""
 
 
 def fold(state: CollectorState, r: StepReport, *, received: float, seen: float) -> Folded | None:

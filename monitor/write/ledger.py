@@ -2,8 +2,8 @@
 together, through the ``Ledger`` alone, all or nothing.
 
 Ingest, report by report inside one transaction: the fold changes memory and returns what the store must
-hold (``nanwatch.monitor.write.fold``), the rule engine returns its intents (``nanwatch.monitor.write.directive_rules``),
-and the ledger carries out both before the next report is folded, so that the rules of one report see the
+hold (``nanwatch.monitor.write.fold``), the directive-rule engine returns its intents (``nanwatch.monitor.write.directive_rules``),
+and the ledger carries out both before the next report is folded, so that the directive rules of one report see the
 reports before it in the same batch; the batch's marks and counter totals are written at its end. Nothing
 below the ledger writes: values come up, and only the ledger applies them.
 
@@ -41,7 +41,7 @@ from nanwatch.monitor.data.state import Applied, CollectorState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.monitor.write.caps import Caps
-from nanwatch.monitor.write.directive_rules import Intents, Issue, RuleEngine
+from nanwatch.monitor.write.directive_rules import DirectiveRuleEngine, Intents, Issue
 from nanwatch.monitor.write.events import EventLog
 from nanwatch.monitor.write.fold import Folded, Mark, fold
 from nanwatch.monitor.write.lifetimes import ensure_run, expired, forget, forget_incarnations, reload, sweep
@@ -95,7 +95,7 @@ class Changes:
 
 @dataclass(frozen=True, slots=True)
 class _Reads:
-    """What the rule engine may read while it decides (``RuleReads``): memory and the store, with the open
+    """What the directive-rule engine may read while it decides (``DirectiveRuleReads``): memory and the store, with the open
     transaction's pending events and directive versions (the batch's earlier reports' intents)."""
 
     state: CollectorState
@@ -120,19 +120,19 @@ class _Reads:
 
 
 class Ledger:
-    """Owns the store, the state, the directive and event logs and the rule engine; routes write through
+    """Owns the store, the state, the directive and event logs and the directive-rule engine; routes write through
     its public methods and nothing else writes around it. Reads (polls, scrapes, ``/v1/runs``) go to the
     state and the directive log directly, after ``resync``.
 
     Example usage::
 
-        ledger = Ledger(store=store, state=state, directive_log=DirectiveLog(polls=LongPoll()), rules=rules,
+        ledger = Ledger(store=store, state=state, directive_log=DirectiveLog(polls=LongPoll()), directive_rules=rules,
                         logit_tau=100.0, margin_steps=0)
         ledger.ingest(batch)                       # Ingested(accepted=..., duplicates=...)
         ledger.set_directive("run-1", DirectiveSpec(mode="fp32"), actor="alice")
     """
 
-    def __init__(self, *, store: DurableStore, state: CollectorState, directive_log: DirectiveLog, rules: list[Rule],
+    def __init__(self, *, store: DurableStore, state: CollectorState, directive_log: DirectiveLog, directive_rules: list[Rule],
                  logit_tau: float, margin_steps: int,
                  namespace_of: Callable[[str], str] = lambda _run_id: ANY_NAMESPACE,
                  memory_limit_bytes: int | None = None, max_events: int | None = None,
@@ -143,7 +143,7 @@ class Ledger:
         self.namespace_of = namespace_of
         self.state = state
         self.directive_log = directive_log
-        self.rule_engine = RuleEngine(rules, logit_tau=logit_tau)
+        self.directive_rules = DirectiveRuleEngine(directive_rules, logit_tau=logit_tau)
         self._margin = margin_steps
         #: what the run and incarnation caps remember between requests
         self.caps = Caps()
@@ -265,7 +265,7 @@ class Ledger:
             self._restore(self._unsynced, set())
         return self._unsynced is None
 
-    # ---- inside a transaction: folding, and carrying out what the fold and the rules return ------------
+    # ---- inside a transaction: folding, and carrying out what the fold and the directive rules return ------------
 
     def _fold(self, batch: ReportBatch) -> Ingested:
         """Fold the batch report by report, carrying out what each calls for before the next is folded, then
@@ -281,14 +281,14 @@ class Ledger:
                 continue
             for ev in folded.events:
                 self.events.record(ev)
-            self._carry_out(self.rule_engine.observe(r, folded.rank, folded.previous_mode, now, reads=self._reads))
+            self._carry_out(self.directive_rules.observe(r, folded.rank, folded.previous_mode, now, reads=self._reads))
         self.store.put_hwm(changes.marks)
         self.store.put_counters(changes.counter_rows())
         self.store.touch(changes.touched, now)  # retention counts from the last write
         return changes.ingested()
 
     def _carry_out(self, intents: Intents) -> None:
-        """The rule engine's intents, in order: events recorded, directives issued, the auto-revert's witness."""
+        """The directive-rule engine's intents, in order: events recorded, directives issued, the auto-revert's witness."""
         for action in intents.actions:
             if isinstance(action, Issue):
                 self.issue_directive(action.run_id, action.spec, actor=action.actor)

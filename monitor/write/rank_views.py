@@ -24,7 +24,7 @@ __all__ = ["drop", "hold", "settle"]
 def settle(run: RunState, r: StepReport, counted: Counted | None, *, received: float,
            seen: float) -> tuple[RankState | None, str | None, Changed]:
     """The rank's view after a new report (``counted``: what counting found; None for a heartbeat), and its
-    rank's and run's end. Returns the view the rules read (the rank's, or the job's; None if the rank is
+    rank's and run's end. Returns the view the directive rules read (the rank's, or the job's; None if the rank is
     capped or only kept live), the rank's previous attention mode (None if unknown) and the counter rows
     that changed (counting's, and the run's end)."""
     ended_inc = run.ended_ranks.get(r.rank)

@@ -76,7 +76,7 @@ MOVED: dict[str, str] = {
     "nanwatch.monitor.ledger": "nanwatch.monitor.write.ledger",
     "nanwatch.monitor.long_poll": "nanwatch.monitor.data.long_poll",
     "nanwatch.monitor.memory": "nanwatch.monitor.data.memory",
-    "nanwatch.monitor.metric_names": "nanwatch.monitor.read.metric_names",
+    "nanwatch.monitor.metric_names": "nanwatch.monitor.data.metric_table",
     "nanwatch.monitor.middleware": "nanwatch.monitor.web.middleware",
     "nanwatch.monitor.openapi": "nanwatch.monitor.web.openapi",
     "nanwatch.monitor.protocol": "nanwatch.monitor.web.protocol",

@@ -87,7 +87,7 @@ def test_the_reference_lists_every_option_setting_and_metric():
     import generate
 
     text = (ROOT / "docs" / "reference.md").read_text()
-    from nanwatch.monitor.read.metric_names import METRICS
+    from nanwatch.monitor.data.metric_table import METRICS
 
     options = [name for _, name, *_ in generate.class_fields(ROOT / "hooks" / "config.py", "MonitorConfig")]
     assert "run_id" in options and "log_backups" in options and len(options) >= 30

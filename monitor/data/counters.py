@@ -4,7 +4,7 @@
   store's ``counters`` table). One table, ``FAMILIES``, maps each family's key -- the word stored in the
   database, never renamed -- to the metric it is exposed as, its labels and its help: the fold counts through
   these constants, the state migrates stored rows by them, the API sums them, the exporter renders them and
-  the metric-name table (``nanwatch.monitor.read.metric_names``) takes their specs from here.
+  the metric-name table (``nanwatch.monitor.data.metric_table``) takes their specs from here.
 * **Request counters** (``RequestCounters``): reports applied and resent, requests refused by reason. One
   small object, so that each count has one writer: the ledger counts what it applied, and the one refusal
   handler (``nanwatch.monitor.web.exception_handlers``) counts what was refused.

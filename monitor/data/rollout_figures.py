@@ -24,7 +24,7 @@ One rank cannot hide another's drift (#36), nor take a render down (#37):
   1e308 + 1e308 and ``ValueError`` on inf + -inf), and a summed count beyond ``MAX_INT`` is clamped
   (``Combined.clamped``); the result is built without re-validation (a sum is no rank's report).
 
-NaN still wins every extreme (news is not averaged away). ``nanwatch.monitor.read.metric_names.ROLLOUT_MISMATCH``
+NaN still wins every extreme (news is not averaged away). ``nanwatch.monitor.data.metric_table.ROLLOUT_MISMATCH``
 exports ``STATS`` (a fixed list: bounded cardinality); ``GET /v1/runs/{id}`` shows the whole stat.
 """
 

@@ -2,4 +2,4 @@
 ``data`` only.
 """
 
-__all__ = ["exporter", "metric_names", "views"]
+__all__ = ["exporter", "views"]

@@ -37,17 +37,17 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.data import counters
+from nanwatch.monitor.data import metric_table as m
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
 from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
+from nanwatch.monitor.data.metric_table import METRICS, MetricSpec, family
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
 from nanwatch.monitor.data.rollout_figures import measured_views
 from nanwatch.monitor.data.state import CollectorState, RankState, RunState
 from nanwatch.monitor.data.store import EventRow
-from nanwatch.monitor.read import metric_names as m
 from nanwatch.monitor.read import views
-from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
 from nanwatch.readable import printable
 from nanwatch.wire import Directive
 
@@ -224,7 +224,7 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
 
 
 class _Families(dict):
-    """One render's metric families, by name, each fresh and empty from the table (``metric_names``)."""
+    """One render's metric families, by name, each fresh and empty from the table (``data.metric_table``)."""
 
     def __init__(self) -> None:
         super().__init__((name, family(name)) for name in METRICS)

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
+from nanwatch.monitor.data.metric_table import METRICS
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
-from nanwatch.monitor.read.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"

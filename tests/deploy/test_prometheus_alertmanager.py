@@ -12,7 +12,7 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
-from nanwatch.monitor.read.metric_names import METRICS
+from nanwatch.monitor.data.metric_table import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"

@@ -10,7 +10,7 @@ import pytest
 from support import ADMIN, TOKEN, require_tool, scrape, step_report
 
 from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
-from nanwatch.monitor.read.metric_names import METRICS
+from nanwatch.monitor.data.metric_table import METRICS
 from nanwatch.wire import ReportBatch
 
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}

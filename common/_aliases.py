@@ -66,7 +66,6 @@ MOVED: dict[str, str] = {
     "nanwatch.integrations.trl": "nanwatch.hooks.integrations.trl",
     "nanwatch.monitor.auth": "nanwatch.monitor.data.auth",
     "nanwatch.monitor.body": "nanwatch.monitor.web.body",
-    "nanwatch.monitor.counters": "nanwatch.monitor.data.counters",
     "nanwatch.monitor.deps": "nanwatch.monitor.web.deps",
     "nanwatch.monitor.directive_log": "nanwatch.monitor.data.directive_log",
     "nanwatch.monitor.event_log": "nanwatch.monitor.data.event_log",

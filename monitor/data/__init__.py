@@ -2,5 +2,5 @@
 event and directive logs, the caps, principals and the memory budget. Imports nothing else of ``nanwatch.monitor``.
 """
 
-__all__ = ["auth", "counters", "directive_log", "durable", "event_log", "liveness", "long_poll", "memory", "metric_table", "refusal", "rollout_figures",
+__all__ = ["auth", "directive_log", "durable", "event_log", "liveness", "long_poll", "memory", "metric_table", "refusal", "rollout_figures",
            "schema", "state", "store"]

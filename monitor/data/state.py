@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nanwatch.monitor.data.auth import ANY_NAMESPACE
-from nanwatch.monitor.data.counters import RequestCounters
 from nanwatch.monitor.data.store import EventRow
 from nanwatch.wire import RlhfStat
 
 __all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES",
            "RUN_LEVEL_SCOPES", "STEP_SLACK", "Applied", "CollectorState", "Crash", "HostCaps", "NamespaceEvents",
-           "RankState", "RunState", "Silent", "crash_key"]
+           "RankState", "RequestCounters", "RunState", "Silent", "crash_key"]
 
 #: steps a rank's report may run ahead of the run's other live ranks (or of its own previous report) and still
 #: be believed: ranks of one job report their own steps asynchronously, a few steps apart (#19)
@@ -43,6 +42,33 @@ MAX_WORLD_SIZE = 1 << 20
 RANK_SERIES = 8
 #: report scopes whose measurements are the run's: a job report, or one rank's own in per-rank mode
 RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
+
+
+class RequestCounters:
+    """Totals since the process started (they feed ``nanwatch_collector_*_total``)."""
+
+    __slots__ = ("accepted", "duplicates", "rejected")
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        """Step reports applied to the state."""
+        self.duplicates = 0
+        """Step reports already applied (resent by the trainer), acknowledged and ignored."""
+        self.rejected: Counter[str] = Counter()
+        """Requests refused with a 4xx or 503, by reason."""
+
+    def applied(self, accepted: int, duplicates: int) -> None:
+        """A batch was committed: ``accepted`` new reports, ``duplicates`` resent ones."""
+        self.accepted += accepted
+        self.duplicates += duplicates
+
+    def reject(self, reason: str) -> None:
+        """A request was refused for ``reason``."""
+        self.rejected[reason] += 1
+
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever a count does (the exporter reuses a render only while nothing changed)."""
+        return self.accepted, self.duplicates, sum(self.rejected.values())
 
 
 @dataclass(slots=True)

@@ -32,16 +32,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
-from nanwatch.monitor.data import counters
 from nanwatch.monitor.data import metric_table as m
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
 from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
-from nanwatch.monitor.data.metric_table import METRICS, MetricSpec, family
+from nanwatch.monitor.data.metric_table import METRICS, MetricSpec
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
 from nanwatch.monitor.data.rollout_figures import measured_views
@@ -223,6 +222,13 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
                     dict(state.render_errors))
 
 
+def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """A fresh, empty family for ``name``, typed and labelled from the table."""
+    spec = METRICS[name]
+    cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
+    return cls(spec.name, spec.help, labels=spec.labels)
+
+
 class _Families(dict):
     """One render's metric families, by name, each fresh and empty from the table (``data.metric_table``)."""
 
@@ -234,13 +240,13 @@ class _Families(dict):
 
 
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
-_AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
-    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
-    counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT, counters.WEIGHT_SYNCS_VERIFIED,
-    counters.WEIGHT_SYNC_MISMATCHES, counters.SPIKE, counters.WEIGHT_SYNCS_UNVERIFIABLE)}
+_AS_STORED = {spec.key: spec for spec in (
+    m.SITE_NONFINITE_VALUES, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
+    m.ROLLOUT_NONFINITE_VALUES, m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED,
+    m.WEIGHT_SYNC_MISMATCHES, m.SPIKES, m.WEIGHT_SYNCS_UNVERIFIABLE)}
 
 
-def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
+def _value(run: RunSnapshot, fam: MetricSpec, labels: tuple) -> int:
     """A counter's total as this render shows it: 0 if it was born since the last render (exact;
     prometheus_client writes float64)."""
     key = (fam.key, labels)
@@ -299,7 +305,7 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
     """The per-rank series: all of them for a rank with its own view (and the job's poster, which stands for
     the job's per-rank figures); for a rank known by heartbeats alone, only what must be seen by rank."""
     run_id, job = run.run_id, run.job
-    job_skipped = _value(run, counters.JOB_SKIPPED, ())
+    job_skipped = _value(run, m.JOB_SKIPPED, ())
     poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
     for st in run.live:
         rank = str(st.rank)
@@ -307,11 +313,11 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
         if st.scope != "heartbeat" or st.rank == poster:
             for pass_, kind in _PASSES:
                 labels = (rank, pass_, kind)
-                f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, counters.NONFINITE, labels))
+                f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, m.NONFINITE_VALUES, labels))
             f.add(m.ATTENTION_MODE, [run_id, rank, st.attention_mode], 1)
             f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
             f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
-            f.add(m.SKIPPED_STEPS, [run_id, rank], _value(run, counters.SKIPPED, (rank,)) + job_skipped)
+            f.add(m.SKIPPED_STEPS, [run_id, rank], _value(run, m.SKIPPED_STEPS, (rank,)) + job_skipped)
             continue
         if st.seen < run.late_before:
             f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
@@ -356,16 +362,16 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
     run_id = run.run_id
     for pass_, kind in _PASSES:
         labels = (pass_, kind, "train")
-        f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+        f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, m.RUN_NONFINITE_VALUES, labels))
     for fam, labels in run.counters:
         spec = _AS_STORED.get(fam)
-        if fam == counters.NOT_REPRODUCIBLE.key:  # a host is its run's namespace's (#27): never another team's
+        if fam == m.NOT_REPRODUCIBLE_INCIDENTS.key:  # a host is its run's namespace's (#27): never another team's
             f.add(m.NOT_REPRODUCIBLE_INCIDENTS, [run_id, run.namespace, *labels],
-                  _value(run, counters.NOT_REPRODUCIBLE, labels))
+                  _value(run, m.NOT_REPRODUCIBLE_INCIDENTS, labels))
         elif spec is not None:
-            f.add(spec, [run_id, *labels], _value(run, counters.FAMILIES[fam], labels))
-        elif fam == counters.RUN_NONFINITE.key and labels[2] != "train":
-            f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+            f.add(spec, [run_id, *labels], _value(run, m.FAMILIES[fam], labels))
+        elif fam == m.RUN_NONFINITE_VALUES.key and labels[2] != "train":
+            f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, m.RUN_NONFINITE_VALUES, labels))
 
 
 def _collector_own(f: _Families, snap: Snapshot, notes: Counter[str]) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import string
 from typing import NamedTuple
 
-from nanwatch.monitor.data import counters
-from nanwatch.monitor.data.counters import CounterFamily
+from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data.metric_table import MetricSpec
 from nanwatch.monitor.data.state import LATEST_SPIKES, RANK_SERIES, RUN_LEVEL_SCOPES, CollectorState, RunState
 from nanwatch.wire import StepReport, dtype_name, is_half
 
@@ -55,9 +55,9 @@ def count_report(state: CollectorState, run: RunState, r: StepReport) -> Counted
     # dynamic loss scaling handled this step's non-finite gradients: normal operation, counted apart
     if r.scope in RUN_LEVEL_SCOPES and not r.scaler_overflow and (sites.offenders or r.first_offender):
         _note_latest_offender(run, r, sites.offenders)
-    if r.stage == "train" and r.scaler_overflow and counts.admit(counters.LOSS_SCALE_OVERFLOW, ()) \
+    if r.stage == "train" and r.scaler_overflow and counts.admit(m.LOSS_SCALE_OVERFLOWS, ()) \
             and _count_overflow(run, r.step):
-        counts.add(counters.LOSS_SCALE_OVERFLOW, (), 1)
+        counts.add(m.LOSS_SCALE_OVERFLOWS, (), 1)
     _count_sdpa(counts, r)
     if r.scope in RUN_LEVEL_SCOPES:
         _count_run_level(counts, r)
@@ -105,7 +105,7 @@ def _count_overflow(run: RunState, step: int) -> bool:
 
 
 def _hosts(run: RunState) -> set[str]:
-    return {labels[0] for fam, labels in run.counters if fam == counters.NOT_REPRODUCIBLE.key}
+    return {labels[0] for fam, labels in run.counters if fam == m.NOT_REPRODUCIBLE_INCIDENTS.key}
 
 
 def _hosts_by_namespace(state: CollectorState) -> dict[str, set[str]]:
@@ -121,7 +121,7 @@ def _admit_host(state: CollectorState, run: RunState, host: str) -> bool:
     """Whether ``run`` may count a not-reproducible incident on ``host`` (a host it already counts: yes), under
     the host-label caps per run and per namespace (``HostCaps``); a refusal is counted as a cap hit."""
     caps = state.hosts
-    if (counters.NOT_REPRODUCIBLE.key, (host,)) in run.counters:
+    if (m.NOT_REPRODUCIBLE_INCIDENTS.key, (host,)) in run.counters:
         return True
     if len(_hosts(run)) >= caps.per_run:
         state.caps_hit["hosts_per_run"] += 1
@@ -152,11 +152,11 @@ class _Counts:
         """Whether the run may name ``host`` (the host-label caps, per run and per namespace: ``HostCaps``)."""
         return _admit_host(self.state, self.run, host)
 
-    def admit(self, fam: CounterFamily, labels: tuple) -> bool:
+    def admit(self, fam: MetricSpec, labels: tuple) -> bool:
         """Whether the series may exist (a new one beyond the run's series cap is dropped and counted)."""
         return admit(self.run, (fam.key, *labels), 1, self.cap)
 
-    def add(self, fam: CounterFamily, labels: tuple, n: int) -> None:
+    def add(self, fam: MetricSpec, labels: tuple, n: int) -> None:
         run, key = self.run, (fam.key, labels)
         old = run.counters.get(key)
         if old is None and not _exposed(run, fam, labels):
@@ -166,14 +166,14 @@ class _Counts:
         self.changed.append((fam.key, labels, value))
 
 
-def _exposed(run: RunState, fam: CounterFamily, labels: tuple) -> bool:
+def _exposed(run: RunState, fam: MetricSpec, labels: tuple) -> bool:
     """Whether a counter series not yet kept was already rendered at 0 by default (so it needs no birth
     render): the run's train-stage non-finite counters, and the per-rank ones of ranks already rendered."""
     if fam.per_rank:
         return int(labels[0]) in run.exposed_ranks
-    if fam is counters.RUN_NONFINITE:
+    if fam is m.RUN_NONFINITE_VALUES:
         return labels[2] == "train" and run.exposed
-    return fam is counters.JOB_SKIPPED and bool(run.exposed_ranks)
+    return fam is m.JOB_SKIPPED and bool(run.exposed_ranks)
 
 
 class Sites(NamedTuple):
@@ -215,13 +215,13 @@ def _count_sites(counts: _Counts, r: StepReport, *, rank_ok: bool) -> Sites:
         nonfinite += s.nan + s.inf
         stage = "eval" if r.stage == "eval" else s.stage
         offenders.setdefault(stage, (s.site, s.phase))
-        if run_level and counts.admit(counters.SITE, (s.site, s.phase)):
-            counts.add(counters.SITE, (s.site, s.phase), s.nan + s.inf)
+        if run_level and counts.admit(m.SITE_NONFINITE_VALUES, (s.site, s.phase)):
+            counts.add(m.SITE_NONFINITE_VALUES, (s.site, s.phase), s.nan + s.inf)
         for kind_, n in (("nan", s.nan), ("inf", s.inf)):
-            if n and run_level and counts.admit(counters.RUN_NONFINITE, (s.phase, kind_, stage)):
-                counts.add(counters.RUN_NONFINITE, (s.phase, kind_, stage), n)
+            if n and run_level and counts.admit(m.RUN_NONFINITE_VALUES, (s.phase, kind_, stage)):
+                counts.add(m.RUN_NONFINITE_VALUES, (s.phase, kind_, stage), n)
             if n and rank_ok:
-                counts.add(counters.NONFINITE, (rank_label, s.phase, kind_), n)
+                counts.add(m.NONFINITE_VALUES, (rank_label, s.phase, kind_), n)
     return sites._replace(nonfinite=nonfinite)
 
 
@@ -233,16 +233,16 @@ def _count_sdpa(counts: _Counts, r: StepReport) -> None:
         dtype = dtype_name(c.dtype)
         if train and c.backend == "math" and c.stage == "train" and is_half(c.dtype):
             counts.run.math_fallback = (c.site, dtype, str(r.rank))
-        if run_level and counts.admit(counters.SDPA, labels := (c.backend, dtype, c.stage)):
-            counts.add(counters.SDPA, labels, c.calls)
+        if run_level and counts.admit(m.SDPA_CALLS, labels := (c.backend, dtype, c.stage)):
+            counts.add(m.SDPA_CALLS, labels, c.calls)
 
 
 def _count_run_level(counts: _Counts, r: StepReport) -> None:
     """What only a run-level report counts: unmeasured training steps, incidents, the rollout's own non-finite
     log-probabilities and its classified mismatches (wire 1.8), spikes (wire 1.9)."""
     for reason in r.coverage.unmeasured if r.coverage is not None and r.stage == "train" else ():
-        if counts.admit(counters.UNMEASURED, (reason,)):
-            counts.add(counters.UNMEASURED, (reason,), 1)
+        if counts.admit(m.UNMEASURED_STEPS, (reason,)):
+            counts.add(m.UNMEASURED_STEPS, (reason,), 1)
     _count_incident(counts, r)
     _count_rollout(counts, r)
     _count_spikes(counts, r)
@@ -253,8 +253,8 @@ def _count_incident(counts: _Counts, r: StepReport) -> None:
     took part in: once per step."""
     inc = r.incident
     if inc is not None and (inc.cls != "replica_divergence" or count_once(counts.run, ("replica", inc.step))):
-        if counts.admit(counters.INCIDENT, (inc.cls,)):
-            counts.add(counters.INCIDENT, (inc.cls,), 1)
+        if counts.admit(m.INCIDENTS, (inc.cls,)):
+            counts.add(m.INCIDENTS, (inc.cls,), 1)
         _note_incident(counts, r)
 
 
@@ -271,8 +271,8 @@ def _count_spikes(counts: _Counts, r: StepReport) -> None:
         return
     run = counts.run
     for kind in dict.fromkeys(spike_kind(s.phase, s.kind) for s in r.spikes):
-        if count_once(run, ("spike", r.stage, r.step, kind)) and counts.admit(counters.SPIKE, (kind,)):
-            counts.add(counters.SPIKE, (kind,), 1)
+        if count_once(run, ("spike", r.stage, r.step, kind)) and counts.admit(m.SPIKES, (kind,)):
+            counts.add(m.SPIKES, (kind,), 1)
     if run.latest_spikes is None or r.step >= run.latest_spikes[0]:
         run.latest_spikes = (r.step, r.rank, tuple(r.spikes[:LATEST_SPIKES]))
 
@@ -283,11 +283,11 @@ def _count_rollout(counts: _Counts, r: StepReport) -> None:
     Run-level reports only (a job report once for the job, a rank report for its rank), as
     nanwatch_run_nonfinite_values_total: a detail report's are in its job report."""
     n = r.rlhf.nonfinite.get("rollout_logprobs", 0) if r.rlhf is not None else 0
-    if n and counts.admit(counters.ROLLOUT_NONFINITE, ()):
-        counts.add(counters.ROLLOUT_NONFINITE, (), n)
+    if n and counts.admit(m.ROLLOUT_NONFINITE_VALUES, ()):
+        counts.add(m.ROLLOUT_NONFINITE_VALUES, (), n)
     for ev in r.rollout_events:
-        if counts.admit(counters.ROLLOUT_EVENT, (ev.cause,)):
-            counts.add(counters.ROLLOUT_EVENT, (ev.cause,), 1)
+        if counts.admit(m.ROLLOUT_MISMATCH_EVENTS, (ev.cause,)):
+            counts.add(m.ROLLOUT_MISMATCH_EVENTS, (ev.cause,), 1)
 
 
 def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:
@@ -298,9 +298,9 @@ def _count_skipped(counts: _Counts, r: StepReport, *, rank_ok: bool) -> None:
     if not r.step_skipped or r.scaler_overflow:
         return
     if r.scope == "rank" and rank_ok:
-        counts.add(counters.SKIPPED, (str(r.rank),), 1)
-    elif r.scope == "job" and counts.admit(counters.JOB_SKIPPED, ()):
-        counts.add(counters.JOB_SKIPPED, (), 1)
+        counts.add(m.SKIPPED_STEPS, (str(r.rank),), 1)
+    elif r.scope == "job" and counts.admit(m.JOB_SKIPPED, ()):
+        counts.add(m.JOB_SKIPPED, (), 1)
 
 
 def _note_incident(counts: _Counts, r: StepReport) -> None:
@@ -316,8 +316,8 @@ def _note_incident(counts: _Counts, r: StepReport) -> None:
         host = _listed(named, 4) or "unknown"
         who = _listed([str(k) for k in inc.ranks], 8) or who
     for h in named:
-        if counts.admit_host(h) and counts.admit(counters.NOT_REPRODUCIBLE, (h,)):
-            counts.add(counters.NOT_REPRODUCIBLE, (h,), 1)
+        if counts.admit_host(h) and counts.admit(m.NOT_REPRODUCIBLE_INCIDENTS, (h,)):
+            counts.add(m.NOT_REPRODUCIBLE_INCIDENTS, (h,), 1)
     if admit(run, ("latest_incident", inc.cls), 1, counts.cap):
         run.latest_incidents[inc.cls] = (host, who, inc.capsule or "")  # shown through printable() when rendered
 

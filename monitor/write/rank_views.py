@@ -13,7 +13,7 @@ Example usage::
 
 from __future__ import annotations
 
-from nanwatch.monitor.data.counters import ENDED_FAMILY
+from nanwatch.monitor.data.metric_table import ENDED_FAMILY
 from nanwatch.monitor.data.state import MAX_HEARTBEAT_S, MAX_WORLD_SIZE, RankState, RunState
 from nanwatch.monitor.write.counting import OWN_SCOPES, Changed, Counted
 from nanwatch.wire import StepReport

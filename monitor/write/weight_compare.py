@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nanwatch.monitor.data.counters import (
+from nanwatch.monitor.data.metric_table import (
     WEIGHT_SYNC_MISMATCHES,
     WEIGHT_SYNCS_UNVERIFIABLE,
     WEIGHT_SYNCS_VERIFIED,
-    CounterFamily,
+    MetricSpec,
 )
 from nanwatch.monitor.data.refusal import CapReached
 from nanwatch.monitor.data.state import RunState
@@ -33,7 +33,7 @@ from nanwatch.wire import WeightFingerprints
 __all__ = ["apply_weights", "sweep_weights"]
 
 
-def _count(ledger: Ledger, run: RunState, fam: CounterFamily, n: int) -> None:
+def _count(ledger: Ledger, run: RunState, fam: MetricSpec, n: int) -> None:
     """Add ``n`` to the run's (label-less) counter ``fam``, born at 0 (inside the transaction)."""
     key = (fam.key, ())
     old = run.counters.get(key)

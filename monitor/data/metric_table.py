@@ -22,11 +22,11 @@ from typing import Literal
 __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT_TAU", "DIRECTIVE_INFO",
            "ENDED_FAMILY", "EVENTS", "FAMILIES", "FIRST_OFFENDER_INFO", "INCIDENTS", "JOB_SKIPPED", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
-           "METRICS", "MetricSpec", "NONFINITE_VALUES", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
+           "METRICS", "MetricSpec", "NONFINITE_CALLS", "NOT_REPRODUCIBLE_INCIDENTS", "RANK_CRASHED",
            "RENDER_ERRORS", "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
-           "RUN_NONFINITE_VALUES", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
-           "SITE_NONFINITE_VALUES", "SKIPPED_STEPS", "SPIKES", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
+           "RUN_NONFINITE_CALLS", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
+           "SITE_NONFINITE_CALLS", "SKIPPED_STEPS", "SPIKES", "TENSOR_HEADROOM_RATIO", "UNMEASURED_STEPS",
            "WEIGHT_SYNCS_UNVERIFIABLE", "WEIGHT_SYNCS_VERIFIED", "WEIGHT_SYNC_LAG", "WEIGHT_SYNC_MISMATCHES"]
 
 
@@ -54,13 +54,13 @@ class MetricSpec:
 
 
 # the original public set
-NONFINITE_VALUES = MetricSpec(
-    "nanwatch_nonfinite_values_total", "counter", ("run_id", "rank", "pass", "kind"),
+NONFINITE_CALLS = MetricSpec(
+    "nanwatch_nonfinite_calls_total", "counter", ("run_id", "rank", "pass", "kind"),
     "Measured calls, at all sites, whose tensor held a NaN (kind=nan) or an Inf and no NaN (kind=inf); "
     "pass: forward or backward. Exact element counts are in the incident drill-down.",
     key="nonfinite")
-SITE_NONFINITE_VALUES = MetricSpec(
-    "nanwatch_site_nonfinite_values_total", "counter", ("run_id", "site", "pass"),
+SITE_NONFINITE_CALLS = MetricSpec(
+    "nanwatch_site_nonfinite_calls_total", "counter", ("run_id", "site", "pass"),
     "Measured calls per site whose tensor held a NaN or an Inf, summed over ranks.",
     key="site")
 SDPA_CALLS = MetricSpec(
@@ -125,12 +125,12 @@ LIVE_RANKS = MetricSpec(
     "nanwatch_live_ranks", "gauge", ("run_id",),
     "Ranks that reported (any report, heartbeats included) within the TTL.")
 # added for job-level reporting (wire 1.4): the run-level figures alerts and dashboards are written on
-RUN_NONFINITE_VALUES = MetricSpec(
-    "nanwatch_run_nonfinite_values_total", "counter", ("run_id", "pass", "kind", "stage"),
+RUN_NONFINITE_CALLS = MetricSpec(
+    "nanwatch_run_nonfinite_calls_total", "counter", ("run_id", "pass", "kind", "stage"),
     "Measured calls, at all sites and on all ranks, whose tensor held a NaN (kind=nan) or an Inf and no "
     "NaN (kind=inf), by the sites' stage (train, eval: an evaluation's report, generate: inside "
     "generate(), e.g. RLHF rollouts): summed over stages, the sum over ranks of "
-    "nanwatch_nonfinite_values_total, counted from job reports in job mode (so it holds even where a "
+    "nanwatch_nonfinite_calls_total, counted from job reports in job mode (so it holds even where a "
     "rank's detail report is missing). Steps whose non-finite gradients a loss scaler handled are not "
     "counted (nanwatch_loss_scale_overflows_total).",
     key="run_nonfinite")
@@ -268,10 +268,10 @@ RENDER_ERRORS = MetricSpec(
 
 #: in the order they are exposed (the original public set first)
 _SPECS = (
-    NONFINITE_VALUES, SITE_NONFINITE_VALUES, SDPA_CALLS, ATTENTION_LOGIT_MAX, TENSOR_HEADROOM_RATIO,
+    NONFINITE_CALLS, SITE_NONFINITE_CALLS, SDPA_CALLS, ATTENTION_LOGIT_MAX, TENSOR_HEADROOM_RATIO,
     ATTENTION_MODE, DIRECTIVE_INFO, LAST_REPORT_TIMESTAMP, REPORTS_DROPPED, SKIPPED_STEPS, INCIDENTS,
     FIRST_OFFENDER_INFO, RLHF_STAT, COLLECTOR_LOGIT_TAU, UNMEASURED_STEPS, EVENTS, LIVE_RANKS,
-    RUN_NONFINITE_VALUES, RUN_WORLD_SIZE, RANK_CRASHED, LATEST_OFFENDER_INFO, MATH_FALLBACK_INFO,
+    RUN_NONFINITE_CALLS, RUN_WORLD_SIZE, RANK_CRASHED, LATEST_OFFENDER_INFO, MATH_FALLBACK_INFO,
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
     SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,

@@ -241,7 +241,7 @@ class _Families(dict):
 
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
 _AS_STORED = {spec.key: spec for spec in (
-    m.SITE_NONFINITE_VALUES, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
+    m.SITE_NONFINITE_CALLS, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
     m.ROLLOUT_NONFINITE_VALUES, m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED,
     m.WEIGHT_SYNC_MISMATCHES, m.SPIKES, m.WEIGHT_SYNCS_UNVERIFIABLE)}
 
@@ -313,7 +313,7 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
         if st.scope != "heartbeat" or st.rank == poster:
             for pass_, kind in _PASSES:
                 labels = (rank, pass_, kind)
-                f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, m.NONFINITE_VALUES, labels))
+                f.add(m.NONFINITE_CALLS, [run_id, *labels], _value(run, m.NONFINITE_CALLS, labels))
             f.add(m.ATTENTION_MODE, [run_id, rank, st.attention_mode], 1)
             f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
             f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
@@ -362,7 +362,7 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
     run_id = run.run_id
     for pass_, kind in _PASSES:
         labels = (pass_, kind, "train")
-        f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, m.RUN_NONFINITE_VALUES, labels))
+        f.add(m.RUN_NONFINITE_CALLS, [run_id, *labels], _value(run, m.RUN_NONFINITE_CALLS, labels))
     for fam, labels in run.counters:
         spec = _AS_STORED.get(fam)
         if fam == m.NOT_REPRODUCIBLE_INCIDENTS.key:  # a host is its run's namespace's (#27): never another team's
@@ -370,8 +370,8 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
                   _value(run, m.NOT_REPRODUCIBLE_INCIDENTS, labels))
         elif spec is not None:
             f.add(spec, [run_id, *labels], _value(run, m.FAMILIES[fam], labels))
-        elif fam == m.RUN_NONFINITE_VALUES.key and labels[2] != "train":
-            f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, m.RUN_NONFINITE_VALUES, labels))
+        elif fam == m.RUN_NONFINITE_CALLS.key and labels[2] != "train":
+            f.add(m.RUN_NONFINITE_CALLS, [run_id, *labels], _value(run, m.RUN_NONFINITE_CALLS, labels))
 
 
 def _collector_own(f: _Families, snap: Snapshot, notes: Counter[str]) -> None:

@@ -171,7 +171,7 @@ def _exposed(run: RunState, fam: MetricSpec, labels: tuple) -> bool:
     render): the run's train-stage non-finite counters, and the per-rank ones of ranks already rendered."""
     if fam.per_rank:
         return int(labels[0]) in run.exposed_ranks
-    if fam is m.RUN_NONFINITE_VALUES:
+    if fam is m.RUN_NONFINITE_CALLS:
         return labels[2] == "train" and run.exposed
     return fam is m.JOB_SKIPPED and bool(run.exposed_ranks)
 
@@ -215,13 +215,13 @@ def _count_sites(counts: _Counts, r: StepReport, *, rank_ok: bool) -> Sites:
         nonfinite += s.nan + s.inf
         stage = "eval" if r.stage == "eval" else s.stage
         offenders.setdefault(stage, (s.site, s.phase))
-        if run_level and counts.admit(m.SITE_NONFINITE_VALUES, (s.site, s.phase)):
-            counts.add(m.SITE_NONFINITE_VALUES, (s.site, s.phase), s.nan + s.inf)
+        if run_level and counts.admit(m.SITE_NONFINITE_CALLS, (s.site, s.phase)):
+            counts.add(m.SITE_NONFINITE_CALLS, (s.site, s.phase), s.nan + s.inf)
         for kind_, n in (("nan", s.nan), ("inf", s.inf)):
-            if n and run_level and counts.admit(m.RUN_NONFINITE_VALUES, (s.phase, kind_, stage)):
-                counts.add(m.RUN_NONFINITE_VALUES, (s.phase, kind_, stage), n)
+            if n and run_level and counts.admit(m.RUN_NONFINITE_CALLS, (s.phase, kind_, stage)):
+                counts.add(m.RUN_NONFINITE_CALLS, (s.phase, kind_, stage), n)
             if n and rank_ok:
-                counts.add(m.NONFINITE_VALUES, (rank_label, s.phase, kind_), n)
+                counts.add(m.NONFINITE_CALLS, (rank_label, s.phase, kind_), n)
     return sites._replace(nonfinite=nonfinite)
 
 
@@ -266,7 +266,7 @@ def spike_kind(phase: str, kind: str) -> str:
 def _count_spikes(counts: _Counts, r: StepReport) -> None:
     """A step's spikes (wire 1.9): one count per step and site kind, whichever ranks report it (a step in which
     forty gradient sites jumped is one spike step of kind grad), and the run's latest spikes for ``nanwatch
-    status``. Run-level reports only, as nanwatch_run_nonfinite_values_total: a detail report's are its job's."""
+    status``. Run-level reports only, as nanwatch_run_nonfinite_calls_total: a detail report's are its job's."""
     if not r.spikes:
         return
     run = counts.run
@@ -281,7 +281,7 @@ def _count_rollout(counts: _Counts, r: StepReport) -> None:
     """The sampler's non-finite log-probabilities inside the mask (``RlhfStat.nonfinite["rollout_logprobs"]``,
     counted, never replaced: TRL PR #6693's neutralisation would hide them) and the mismatch events by cause.
     Run-level reports only (a job report once for the job, a rank report for its rank), as
-    nanwatch_run_nonfinite_values_total: a detail report's are in its job report."""
+    nanwatch_run_nonfinite_calls_total: a detail report's are in its job report."""
     n = r.rlhf.nonfinite.get("rollout_logprobs", 0) if r.rlhf is not None else 0
     if n and counts.admit(m.ROLLOUT_NONFINITE_VALUES, ()):
         counts.add(m.ROLLOUT_NONFINITE_VALUES, (), n)

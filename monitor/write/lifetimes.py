@@ -12,7 +12,7 @@ Example usage::
 from __future__ import annotations
 
 from nanwatch.monitor.data.liveness import ttl
-from nanwatch.monitor.data.metric_table import ENDED_FAMILY, FAMILIES, RUN_NONFINITE_VALUES, SDPA_CALLS
+from nanwatch.monitor.data.metric_table import ENDED_FAMILY, FAMILIES, RUN_NONFINITE_CALLS, SDPA_CALLS
 from nanwatch.monitor.data.state import CRASH_KEY, RANK_SERIES, CollectorState, Crash, RunState, Silent
 from nanwatch.monitor.data.store import Loaded
 from nanwatch.monitor.write.counting import admit
@@ -43,7 +43,7 @@ def restore(state: CollectorState, loaded: Loaded) -> None:
     for run_id, touched in loaded.touched.items():  # monotonic, from the stored wall time
         ensure_run(state, run_id).touched = touched
     for run_id, fam, labels, value in loaded.counters:
-        if fam in (SDPA_CALLS.key, RUN_NONFINITE_VALUES.key) and len(labels) == 2:  # stored before their stage label
+        if fam in (SDPA_CALLS.key, RUN_NONFINITE_CALLS.key) and len(labels) == 2:  # stored before their stage label
             labels = (*labels, "train")
         run = ensure_run(state, run_id)
         if fam == ENDED_FAMILY:  # the run's normal end outlives a restart of the collector

@@ -152,7 +152,7 @@ def test_concurrent_scrapes_all_see_what_was_acknowledged_before_them(collector)
             t.start()
         for t in threads:
             t.join()
-        key = ("nanwatch_site_nonfinite_values_total",
+        key = ("nanwatch_site_nonfinite_calls_total",
                frozenset({("run_id", "scrapes"), ("site", "model.layers.0.self_attn"), ("pass", "forward")}))
         assert [s[key] for s in results] == [seq + 1] * 6
 

@@ -176,7 +176,7 @@ def test_above_its_memory_limit_the_collector_takes_nothing_new(tmp_path):
             resp = _post(c.url, refused)
             assert resp.status_code == 429 and "NANWATCH_MEMORY_LIMIT_MIB" in resp.text, resp.text
         s = scrape(c.url)
-        site = "nanwatch_site_nonfinite_values_total"
+        site = "nanwatch_site_nonfinite_calls_total"
         assert s[(site, frozenset({("run_id", "kept"), ("site", layer.format(1)), ("pass", "forward")}))] == 5
         assert not [k for k in s if k[0] == site and ("site", layer.format(5)) in k[1]]
         assert s[("nanwatch_collector_series_dropped_total", frozenset({("run_id", "kept")}))] > 0

@@ -483,10 +483,10 @@ class CollectorMachine(RuleBasedStateMachine):
                 n = sum(r.nan for r in reports if r.site == site)
                 if n:
                     want_sites[frozenset({("run_id", run), ("site", site), ("pass", "forward")})] = float(n)
-        assert series("nanwatch_site_nonfinite_values_total") == want_sites, (
+        assert series("nanwatch_site_nonfinite_calls_total") == want_sites, (
             f"run {run!r}: per-site counters differ from the acknowledged reports (live={live})")
 
-        got_ranks = {dict(k)["rank"]: v for k, v in series("nanwatch_nonfinite_values_total").items()
+        got_ranks = {dict(k)["rank"]: v for k, v in series("nanwatch_nonfinite_calls_total").items()
                      if ("pass", "forward") in k and ("kind", "nan") in k}
         want_ranks = {str(k): float(sum(r.nan for r in self.acked[(run, k)])) for k in RANKS if (run, k) in self.live}
         assert got_ranks == want_ranks, f"run {run!r}: per-rank counters differ from the acknowledged reports"

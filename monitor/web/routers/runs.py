@@ -58,8 +58,8 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
         # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
-        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == m.RUN_NONFINITE_VALUES.key),
-                            sum(v for (fam, _), v in run.counters.items() if fam == m.NONFINITE_VALUES.key)),
+        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == m.RUN_NONFINITE_CALLS.key),
+                            sum(v for (fam, _), v in run.counters.items() if fam == m.NONFINITE_CALLS.key)),
         # a step the guard skipped is skipped on every rank (its flag is reduced): the most any rank counted
         skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == m.SKIPPED_STEPS.key), default=0.0)
         + run.counters.get((m.JOB_SKIPPED.key, ()), 0.0),

@@ -116,6 +116,16 @@ def test_every_alert_has_a_runbook_section_with_checks_and_a_fix():
 
 
 
+def test_the_generator_refuses_a_metric_the_table_does_not_name(tmp_path):
+    """A rule reading a metric the collector does not export (a renamed one, say) fails at generation."""
+    (tmp_path / "x.yml").write_text("groups:\n  - name: x\n    rules:\n      - record: run_id:nanwatch_spikes:sum\n"
+                                    "        expr: sum by (run_id) (nanwatch_spikes_total)\n"
+                                    "      - alert: X\n        expr: nanwatch_nonfinite_values_total > 0\n")
+    assert gen.unknown_metrics((tmp_path / "x.yml").read_text()) == {"nanwatch_nonfinite_values_total"}
+    with pytest.raises(ValueError, match="nanwatch_nonfinite_values_total"):
+        gen.rendered(templates=tmp_path)
+
+
 def test_rules_use_only_metrics_the_collector_exports():
     names = set(re.findall(r"\b(nanwatch_[a-z_]+|[a-z_]+:nanwatch_[a-z0-9_:]+)\b", RULES.read_text()))
     unknown = {n for n in names if n not in METRICS and n not in RECORDS}

@@ -201,10 +201,12 @@ ROLLOUT_NONFINITE_VALUES = MetricSpec(
     key="rollout_nonfinite")
 ROLLOUT_MISMATCH_EVENTS = MetricSpec(
     "nanwatch_rollout_mismatch_events_total", "counter", ("run_id", "cause"),
-    "Rollout mismatches the trainer classified (RolloutEvent), by cause: jump (weights not synced, or "
-    "from the wrong version), drift (precision or kernels), offset (sampler semantics: temperature, "
-    "top-p/top-k on one side only), outliers (a few sequences far off). Counted from job and rank reports "
-    "(each rank's own classification in per-rank mode), never from detail reports.",
+    "Rollout mismatches the trainer classified (RolloutEvent), by cause: stale_weights (the weight sync's "
+    "verdict: a worker's fingerprints mismatched, or it lags), jump (a sudden rise with no verdict to go on: "
+    "weights not synced, or from the wrong version), shift (a sudden rise with verified weights: the rollout "
+    "engine's scoring changed), drift (precision or kernels), offset (sampler semantics: temperature, "
+    "top-p/top-k on one side only), outliers (a few sequences far off). Counted from job and rank "
+    "reports (each rank's own classification in per-rank mode), never from detail reports.",
     key="rollout_event")
 WEIGHT_SYNCS_VERIFIED = MetricSpec(
     "nanwatch_weight_syncs_verified_total", "counter", ("run_id",),

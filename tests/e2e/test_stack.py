@@ -14,7 +14,8 @@ shortened), and three tiny training runs:
 * ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens;
 * ``e2e-rollout``: a tiny Qwen3 trained in fp32 on the samples of a copy generating on its own thread (#28);
   the trainer publishes each weight version and the copy posts its weight fingerprints; from step 4 the copy
-  is no longer synced (a jump, a sync mismatch) and at step 6 its sampler returns a NaN: three pages.
+  is no longer synced (stale weights, since its fingerprints mismatch: a sync mismatch) and at step 6 its
+  sampler returns a NaN: three pages.
 
 Only the receivers' URLs and the group timings differ from the shipped Alertmanager config; Prometheus
 loads the shipped rule file as it is.
@@ -42,6 +43,7 @@ from support import (
     CollectorProcess,
     RolloutEngine,
     free_port,
+    grpo_step,
     load_script,
     require_tool,
     rollout_policy,
@@ -257,7 +259,6 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
     engine = RolloutEngine(policy)
     engine.nan_at = nan_at
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    new = RolloutEngine.NEW
     marks["rollout_events"] = []
     with nanwatch.attach(policy, run_id="e2e-rollout", collector=collector, optimizer=opt) as mon:
         for n in range(steps):
@@ -266,14 +267,7 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
             mon.publish_weights(n)
             post_weights(collector, "e2e-rollout", n, nanwatch.fingerprint(engine.model), worker="rollout-0")
             sequences, rollout = engine.sample(n)
-            with mon.step(n):
-                logits = policy(sequences).logits[:, -new - 1:-1].float()
-                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -new:, None]).squeeze(-1)
-                advantages = torch.randn(sequences.shape[0], generator=torch.Generator().manual_seed(n))
-                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
-                (-(advantages[:, None] * logprobs).mean()).backward()
-                opt.step()
-                opt.zero_grad()
+            grpo_step(mon, policy, opt, n, sequences, rollout)
             marks["rollout_events"] += [(n, e.cause) for e in mon.last_report().rollout_events]
             if n == nan_at:
                 marks["rollout_reported"] = time.monotonic()
@@ -334,10 +328,11 @@ def test_math_fallback_in_half_precision_feeds_its_ticket_with_the_site(stack):
 
 
 @pytest.mark.parametrize(("alertname", "figure"), [
-    ("NanwatchRolloutMismatchJump", "mean |dlogp| is now"), ("NanwatchWeightSyncMismatch", "differ"),
+    ("NanwatchRolloutStaleWeights", "mean |dlogp| is now"), ("NanwatchWeightSyncMismatch", "differ"),
     ("NanwatchSamplerNonfinite", "non-finite")])
 def test_a_rollout_that_stops_syncing_pages_with_the_run_and_the_figure(stack, alertname, figure):
-    assert stack["runs"]["rollout_events"][0] == (4, "jump")  # what the trainer classified, first
+    # what the trainer classified, first: the sync's verdict said the copy's fingerprints differ (#36)
+    assert stack["runs"]["rollout_events"][0] == (4, "stale_weights")
     start = stack["runs"]["rollout_reported"]
     pages = _wait_for(_pages(stack["webhook"], alertname, "e2e-rollout"), ROLLOUT_PAGES_WITHIN_S
                       - (time.monotonic() - start), alertname)

@@ -298,7 +298,7 @@ def _run_gauges(f: _Families, run: RunSnapshot) -> None:
     for worker, lag in run.weight_lag:
         f.add(m.WEIGHT_SYNC_LAG, [run_id, worker], lag)
     if not run.ended:
-        f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``CollectorState.world_size``
+        f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``data.liveness.world_size``
 
 
 def _per_rank(f: _Families, run: RunSnapshot) -> None:

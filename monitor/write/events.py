@@ -70,7 +70,7 @@ class EventLog:
 
     def has(self, run_id: str, dedupe: str) -> bool:
         """Whether the key was recorded since start-up (keys read back at start are the store's to answer:
-        ``Ledger.has_event``)."""
+        ``has_event`` of the ledger's reads)."""
         run = self._state.runs.get(run_id)
         return run is not None and dedupe in run.event_keys
 

@@ -1,7 +1,7 @@
 """Writes ``docs/reference.md`` from the code: the trainer's options (``MonitorConfig``'s fields and its
 sections', read with ``dataclasses.fields``, each with its flat option name from ``FLAT_OPTIONS``), the
 collector's settings (``Settings``, one ``NANWATCH_*`` variable each) and the metrics
-(``monitor/read/metric_names.py``, the one table of names).
+(``monitor/data/metric_table.py``, the one table of names).
 
     python docs/generate.py          # rewrite docs/reference.md
     python docs/generate.py --check  # exit 1 if it is stale (tests/test_docs.py does the same)
@@ -129,10 +129,10 @@ def _settings() -> list[str]:
 
 def _metrics() -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from nanwatch.monitor.read.metric_names import METRICS
+    from nanwatch.monitor.data.metric_table import METRICS
 
     out = ["", "## Metrics", "",
-           "Every metric `/metrics` exposes (`monitor/read/metric_names.py`, the one table the exporter renders "
+           "Every metric `/metrics` exposes (`monitor/data/metric_table.py`, the one table the exporter renders "
            "from). The names are public API: dashboards, alert rules and people's queries use them.", "",
            "| metric | type | labels | help |", "|---|---|---|---|"]
     for spec in METRICS.values():

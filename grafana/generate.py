@@ -255,7 +255,7 @@ def overview_panels() -> list[Any]:
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Non-finite values", "Calls that held a NaN or Inf so far, on every rank (forward and "
                    "backward): the run-level count, the same whether ranks report one by one or as a job.",
-                   query(f"sum(max by (stage, pass, kind) (nanwatch_run_nonfinite_values_total{{{RUN}}}))"),
+                   query(f"sum(max by (stage, pass, kind) (nanwatch_run_nonfinite_calls_total{{{RUN}}}))"),
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Active directive", "The run's active directive (mode and version).",
                    query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"),
@@ -267,11 +267,11 @@ def overview_panels() -> list[Any]:
 def nonfinite_panels() -> list[Any]:
     # max by: one value per series however many jobs scrape the collector; counters are born at zero, so
     # increase() shows the first NaN (a duplicate that missed the zero is covered by the other's max)
-    by_site = (f"max by (site, pass) (increase(nanwatch_site_nonfinite_values_total{{{RUN}}}"
+    by_site = (f"max by (site, pass) (increase(nanwatch_site_nonfinite_calls_total{{{RUN}}}"
                "[$__rate_interval]))")
-    by_rank = (f"max by (rank, pass, kind) (increase(nanwatch_nonfinite_values_total{{{RUN_RANK}}}"
+    by_rank = (f"max by (rank, pass, kind) (increase(nanwatch_nonfinite_calls_total{{{RUN_RANK}}}"
                "[$__rate_interval]))")
-    by_stage = (f"sum by (stage) (max by (stage, pass, kind) (increase(nanwatch_run_nonfinite_values_total"
+    by_stage = (f"sum by (stage) (max by (stage, pass, kind) (increase(nanwatch_run_nonfinite_calls_total"
                 f"{{{RUN}}}[$__rate_interval])))")
     latest = (
         _common(table.Panel(), "Latest offender by stage",
@@ -534,7 +534,7 @@ class Column(NamedTuple):
 FLEET_COLUMNS = (
     Column("A", "Live ranks", LIVE, ((None, RED), (1, GREEN))),
     Column("B", "Non-finite (5m)",
-           f"sum by (run_id) (run_id_stage:nanwatch_nonfinite_values:increase5m)\nor 0 * {LIVE}",
+           f"sum by (run_id) (run_id_stage:nanwatch_nonfinite_calls:increase5m)\nor 0 * {LIVE}",
            ((None, GREEN), (0.001, RED))),
     Column("C", "Math-backend half calls (5m)",
            f"sum by (run_id) (run_id_dtype:nanwatch_sdpa_math_half_calls:increase5m)\nor 0 * {LIVE}",

@@ -1,7 +1,7 @@
 """nanwatch.monitor: the collector service. Never imports torch.
 
 The package imports nothing itself: ``create_app`` and the settings are loaded on first use, so that a
-leaf that needs no web stack (``store``, ``state``, ``ledger``, ``metric_names``...) imports with its
+leaf that needs no web stack (``store``, ``state``, ``ledger``, ``metric_table``...) imports with its
 own dependencies only (pydantic, and prometheus_client where it renders metrics).
 
 Example usage::

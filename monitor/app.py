@@ -22,12 +22,12 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from nanwatch.monitor.model.auth import TokenTable
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.long_poll import LongPoll
-from nanwatch.monitor.model.refusal import Refused
-from nanwatch.monitor.model.state import CollectorState, HostCaps
-from nanwatch.monitor.model.store import EventRow, Store
+from nanwatch.monitor.data.auth import TokenTable
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.long_poll import LongPoll
+from nanwatch.monitor.data.refusal import Refused
+from nanwatch.monitor.data.state import CollectorState, HostCaps
+from nanwatch.monitor.data.store import EventRow, Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
@@ -36,6 +36,7 @@ from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.monitor.write.weight_compare import sweep_weights
 
 __all__ = ["create_app"]
@@ -49,7 +50,7 @@ def _resources(settings: Settings) -> Resources:
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
                         admin=settings.admin_token_map(), reader=settings.metrics_token_map())
-    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run, loaded=loaded,
+    state = CollectorState(ttl_s=settings.rank_ttl_s, series_cap=settings.max_series_per_run,
                            max_runs=settings.max_runs, max_incarnations=settings.max_incarnations_per_run,
                            max_events=settings.max_events_per_run, silent_keep_s=settings.silent_keep_s,
                            max_incarnations_per_namespace=settings.max_incarnations_per_namespace,
@@ -57,9 +58,10 @@ def _resources(settings: Settings) -> Resources:
                            hosts=HostCaps(per_run=settings.max_hosts_per_run,
                                           per_namespace=settings.max_hosts_per_namespace,
                                           namespace_of=tokens.namespace_of))
+    restore(state, loaded)
     polls = LongPoll()
     directive_log = DirectiveLog(polls=polls, current=loaded.directives, floor=loaded.directive_floor)
-    ledger = Ledger(store=store, state=state, directive_log=directive_log, rules=settings.rules,
+    ledger = Ledger(store=store, state=state, directive_log=directive_log, directive_rules=settings.rules,
                     logit_tau=settings.logit_tau, margin_steps=settings.directive_margin_steps,
                     namespace_of=tokens.namespace_of, memory_limit_bytes=settings.memory_limit_bytes(),
                     max_events=settings.max_events, weight_sync_wait_s=settings.weight_sync_wait_s,

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from nanwatch.monitor.model.memory import default_limit_bytes
+from nanwatch.monitor.data.memory import default_limit_bytes
 from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
 from nanwatch.tokens import check_token, read_token_file
 
@@ -201,7 +201,7 @@ class Settings(BaseSettings):
         return self
 
     def memory_limit_bytes(self) -> int:
-        """``memory_limit_mib`` in bytes, or its default (``nanwatch.monitor.model.memory.default_limit_bytes``)."""
+        """``memory_limit_mib`` in bytes, or its default (``nanwatch.monitor.data.memory.default_limit_bytes``)."""
         return self.memory_limit_mib << 20 if self.memory_limit_mib is not None else default_limit_bytes()
 
     def ingest_tokens(self) -> dict[str, str]:

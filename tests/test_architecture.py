@@ -155,7 +155,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
               ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
               ("nanwatch.hooks.moe",), ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
-    "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
+    "monitor": [("nanwatch.monitor.data",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
     "common": [("nanwatch.public_api", "nanwatch.wire"), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
@@ -409,8 +409,8 @@ def test_the_leaves_that_promise_no_torch_or_web_stack_keep_it():
     for light in ("nanwatch.hooks", "nanwatch.hooks.report.transport", "nanwatch.hooks.directives.decision",
                   "nanwatch.hooks.measure.call_stack", "nanwatch.hooks.directives.local_rules", "nanwatch.bench.tiny_models"):
         assert own_dependencies(light) == set(), light
-    for write_path in ("model.store", "model.state", "write.ledger", "write.fold", "write.rules", "web.body",
-                       "model.event_log", "model.directive_log"):
+    for write_path in ("data.store", "data.state", "write.ledger", "write.fold", "write.directive_rules", "web.body",
+                       "data.event_log", "data.directive_log"):
         assert own_dependencies(f"nanwatch.monitor.{write_path}") == set(), write_path
 
 

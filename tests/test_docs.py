@@ -88,7 +88,7 @@ def test_the_reference_lists_every_option_setting_and_metric():
 
     text = (ROOT / "docs" / "reference.md").read_text()
     from nanwatch.hooks.config import FLAT_OPTIONS, SECTIONS
-    from nanwatch.monitor.read.metric_names import METRICS
+    from nanwatch.monitor.data.metric_table import METRICS
 
     rows = generate.config_rows()
     assert {section for section, *_ in rows} == {"", *SECTIONS}  # every section has its table

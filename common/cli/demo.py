@@ -116,7 +116,7 @@ def run(*, steps: int, spike_at: int, db_dir: Path, seed: int = 0, quiet: bool =
             # second at their value, as Prometheus's second scrape would
             _get(url + "/metrics")
             metrics = [ln for ln in _get(url + "/metrics").decode().splitlines()
-                       if ln.startswith(("nanwatch_nonfinite_values_total", "nanwatch_directive_info",
+                       if ln.startswith(("nanwatch_nonfinite_calls_total", "nanwatch_directive_info",
                                          "nanwatch_attention_mode", "nanwatch_attention_logit_max"))
                        and f'run_id="{run_id}"' in ln]
         state = json.loads(_get(f"{url}/v1/runs/{run_id}"))

@@ -12,7 +12,10 @@ kube-prometheus bakes its ``runbookURLPattern`` into the rules at generation tim
     python deploy/prometheus/generate.py --check             # exit 1 if rules/ is not what this writes
     python deploy/prometheus/generate.py --runbook-base URL --grafana-base URL   # your hosts
 
-The bases also come from NANWATCH_RUNBOOK_BASE and NANWATCH_GRAFANA_BASE. The checked-in rules/ are
+Every metric a rule reads must be in the collector's one metric table (monitor/data/metric_table.py)
+or recorded by the rules themselves: rendering refuses any other (``unknown_metrics``), so a metric renamed in
+the table fails here until the templates follow. The bases also come from NANWATCH_RUNBOOK_BASE and
+NANWATCH_GRAFANA_BASE. The checked-in rules/ are
 rendered with the defaults below (tests/deploy checks it); a deployment with its own hosts renders its own
 copy. After rendering, run deploy/k8s/generate.py (the PrometheusRule is made from rules/).
 """
@@ -26,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DEFAULT_GRAFANA_BASE", "DEFAULT_RUNBOOK_BASE", "main", "render", "rendered"]
+__all__ = ["DEFAULT_GRAFANA_BASE", "DEFAULT_RUNBOOK_BASE", "main", "render", "rendered", "unknown_metrics"]
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "rules.in"
@@ -77,9 +80,29 @@ def rendered(*, runbook_base: str = DEFAULT_RUNBOOK_BASE, grafana_base: str = DE
     files = sorted(templates.glob("*.yml"), key=lambda p: p.name)
     if not files:
         raise ValueError(f"no templates in {templates}")
-    return {p.name: _header(p, runbook_base, grafana_base)
-            + render(p.read_text(encoding="utf-8"), runbook_base=runbook_base, grafana_base=grafana_base)
-            for p in files}
+    out = {p.name: _header(p, runbook_base, grafana_base)
+           + render(p.read_text(encoding="utf-8"), runbook_base=runbook_base, grafana_base=grafana_base)
+           for p in files}
+    for name, text in out.items():
+        unknown = unknown_metrics(text)
+        if unknown:
+            raise ValueError(f"rules.in/{name} reads metrics the collector does not export (its one table, "
+                             f"monitor/data/metric_table.py, names every metric): {sorted(unknown)}")
+    return out
+
+
+def unknown_metrics(text: str) -> set[str]:
+    """The ``nanwatch_*`` series a rules file reads that neither the collector's metric table exports nor the
+    file itself records (``level:nanwatch_metric:operations``): a renamed metric fails here, at generation.
+    Empty when nanwatch is not installed (the table is its code): tests/deploy checks the rules then."""
+    try:
+        from nanwatch.monitor.data.metric_table import METRICS
+    except ImportError:
+        print("nanwatch is not installed: the rules' metric names were not checked", file=sys.stderr)
+        return set()
+    records = set(re.findall(r"record:\s*(\S+)", text))
+    names = set(re.findall(r"\b(nanwatch_[a-z0-9_]+|[a-z_]+:nanwatch_[a-z0-9_:]+)\b", text))
+    return {n for n in names if n not in METRICS and n not in records}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

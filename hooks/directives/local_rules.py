@@ -1,7 +1,7 @@
 """The collector's default rules, run inside the trainer: a run without a collector (or with
 ``directive_source="local"``) still gets its remedy, e.g. fp32 attention from the next step after a
 non-finite half-precision attention output. Same rules, same code (``nanwatch.policy``, the shared
-declarative rules; the collector's engine is ``RuleEngine``); the directive is offered to this rank's
+declarative rules; the collector's engine is ``DirectiveRuleEngine``); the directive is offered to this rank's
 DirectiveState, and under torch.distributed the ranks' agreement (a MAX all-reduce) makes every rank apply
 it at the same step, whichever rank saw the problem. Reporter thread only."""
 

@@ -32,20 +32,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
-from nanwatch.monitor.model import counters
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.event_log import first_nonfinite
-from nanwatch.monitor.model.rollout_figures import STATS as ROLLOUT_STATS
-from nanwatch.monitor.model.rollout_figures import combined as combine_rollout
-from nanwatch.monitor.model.rollout_figures import measured_views
-from nanwatch.monitor.model.state import CollectorState, RankState, RunState, world_size
-from nanwatch.monitor.model.store import EventRow
-from nanwatch.monitor.read import metric_names as m
-from nanwatch.monitor.read.metric_names import METRICS, MetricSpec, family
+from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.event_log import first_nonfinite
+from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
+from nanwatch.monitor.data.metric_table import METRICS, MetricSpec
+from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
+from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
+from nanwatch.monitor.data.rollout_figures import measured_views
+from nanwatch.monitor.data.state import CollectorState, RankState, RunState
+from nanwatch.monitor.data.store import EventRow
+from nanwatch.monitor.read import views
+from nanwatch.readable import printable
 from nanwatch.wire import Directive, MoeStat
 
 __all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
@@ -143,16 +145,16 @@ class _Runs(NamedTuple):
 def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
                   late_s: float) -> tuple[RunSnapshot, float, bool]:
     """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
-    live = state.is_live(run, now)
-    count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
-    job = state.live_job(run, now) if live else None
+    live = is_live(state, run, now)
+    count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
+    job = live_job(state, run, now) if live else None
     until = math.inf
     # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
     born = frozenset(k for k in run.newborn if k[0] == "events")
     run.newborn.difference_update(born)
     fresh = frozenset()
     if live:
-        until = state.next_late(run, now, late_s)
+        until = views.next_late(run, now, late_s)
         # born at zero: what this render shows for the first time is shown at 0, and the next at its value
         born, run.newborn = born | run.newborn, set()
         fresh = frozenset(st.rank for st in shown if st.rank not in run.exposed_ranks)
@@ -167,8 +169,8 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
         world_size(state, run, now), job, dict(run.counters) if live else {},
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
-        now - state.late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
-        tuple(state.hung(run, now)), run.ended,
+        now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
+        tuple(views.hung(state, run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
         min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())))
     return snap, until, bool(born) or bool(fresh)
@@ -215,13 +217,20 @@ def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: f
                 counts[label] = 0
                 consumed = True
     if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
-        state.wrote()
+        state.writes += 1  # the renderer's own bookkeeping of births (state.exposed), not a report's
     return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until,
                     dict(state.render_errors))
 
 
+def family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """A fresh, empty family for ``name``, typed and labelled from the table."""
+    spec = METRICS[name]
+    cls = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
+    return cls(spec.name, spec.help, labels=spec.labels)
+
+
 class _Families(dict):
-    """One render's metric families, by name, each fresh and empty from the table (``metric_names``)."""
+    """One render's metric families, by name, each fresh and empty from the table (``data.metric_table``)."""
 
     def __init__(self) -> None:
         super().__init__((name, family(name)) for name in METRICS)
@@ -231,13 +240,13 @@ class _Families(dict):
 
 
 #: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
-_AS_STORED = {fam.key: METRICS[fam.metric] for fam in (
-    counters.SITE, counters.SDPA, counters.UNMEASURED, counters.INCIDENT, counters.LOSS_SCALE_OVERFLOW,
-    counters.ROLLOUT_NONFINITE, counters.ROLLOUT_EVENT, counters.WEIGHT_SYNCS_VERIFIED,
-    counters.WEIGHT_SYNC_MISMATCHES, counters.SPIKE, counters.WEIGHT_SYNCS_UNVERIFIABLE)}
+_AS_STORED = {spec.key: spec for spec in (
+    m.SITE_NONFINITE_CALLS, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
+    m.ROLLOUT_NONFINITE_VALUES, m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED,
+    m.WEIGHT_SYNC_MISMATCHES, m.SPIKES, m.WEIGHT_SYNCS_UNVERIFIABLE)}
 
 
-def _value(run: RunSnapshot, fam: counters.CounterFamily, labels: tuple) -> int:
+def _value(run: RunSnapshot, fam: MetricSpec, labels: tuple) -> int:
     """A counter's total as this render shows it: 0 if it was born since the last render (exact;
     prometheus_client writes float64)."""
     key = (fam.key, labels)
@@ -266,7 +275,7 @@ def _where(f: _Families, run: RunSnapshot) -> None:
     for stage, (site, pass_, rank) in run.latest_offenders:
         f.add(m.LATEST_OFFENDER_INFO, [run_id, stage, site, pass_, rank], 1)
     for cls, (host, rank, capsule) in run.latest_incidents:
-        f.add(m.LATEST_INCIDENT_INFO, [run_id, cls, host, rank, capsule], 1)
+        f.add(m.LATEST_INCIDENT_INFO, [run_id, cls, host, rank, printable(capsule)], 1)  # a trainer's path
     if run.math_fallback is not None:
         f.add(m.MATH_FALLBACK_INFO, [run_id, *run.math_fallback], 1)
     fo = run.first_offender_event
@@ -289,14 +298,14 @@ def _run_gauges(f: _Families, run: RunSnapshot) -> None:
     for worker, lag in run.weight_lag:
         f.add(m.WEIGHT_SYNC_LAG, [run_id, worker], lag)
     if not run.ended:
-        f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``CollectorState.world_size``
+        f.add(m.RUN_WORLD_SIZE, [run_id], run.world_size)  # ``data.liveness.world_size``
 
 
 def _per_rank(f: _Families, run: RunSnapshot) -> None:
     """The per-rank series: all of them for a rank with its own view (and the job's poster, which stands for
     the job's per-rank figures); for a rank known by heartbeats alone, only what must be seen by rank."""
     run_id, job = run.run_id, run.job
-    job_skipped = _value(run, counters.JOB_SKIPPED, ())
+    job_skipped = _value(run, m.JOB_SKIPPED, ())
     poster, job_mode = (job.rank, job.attention_mode) if job is not None else (None, "none")
     for st in run.live:
         rank = str(st.rank)
@@ -304,11 +313,11 @@ def _per_rank(f: _Families, run: RunSnapshot) -> None:
         if st.scope != "heartbeat" or st.rank == poster:
             for pass_, kind in _PASSES:
                 labels = (rank, pass_, kind)
-                f.add(m.NONFINITE_VALUES, [run_id, *labels], _value(run, counters.NONFINITE, labels))
+                f.add(m.NONFINITE_CALLS, [run_id, *labels], _value(run, m.NONFINITE_CALLS, labels))
             f.add(m.ATTENTION_MODE, [run_id, rank, st.attention_mode], 1)
             f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
             f.add(m.REPORTS_DROPPED, [run_id, rank], dropped)
-            f.add(m.SKIPPED_STEPS, [run_id, rank], _value(run, counters.SKIPPED, (rank,)) + job_skipped)
+            f.add(m.SKIPPED_STEPS, [run_id, rank], _value(run, m.SKIPPED_STEPS, (rank,)) + job_skipped)
             continue
         if st.seen < run.late_before:
             f.add(m.LAST_REPORT_TIMESTAMP, [run_id, rank], st.received)
@@ -349,9 +358,9 @@ def _measured(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
          else [job.moe])
 
 
-def _moe(f: _Families, run_id: str, views: list) -> None:
+def _moe(f: _Families, run_id: str, stats: list[MoeStat]) -> None:
     """The MoE routers of the latest step: the job's, or the live ranks' merged exactly (``MoeStat.merged``)."""
-    moe = MoeStat.merged(views)
+    moe = MoeStat.merged(stats)
     if moe is None:
         return
     for r in moe.routers:
@@ -373,20 +382,20 @@ def _run_counters(f: _Families, run: RunSnapshot) -> None:
     run_id = run.run_id
     for pass_, kind in _PASSES:
         labels = (pass_, kind, "train")
-        f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+        f.add(m.RUN_NONFINITE_CALLS, [run_id, *labels], _value(run, m.RUN_NONFINITE_CALLS, labels))
     for fam, labels in run.counters:
         spec = _AS_STORED.get(fam)
-        if fam == counters.NOT_REPRODUCIBLE.key:  # a host is its run's namespace's (#27): never another team's
+        if fam == m.NOT_REPRODUCIBLE_INCIDENTS.key:  # a host is its run's namespace's (#27): never another team's
             f.add(m.NOT_REPRODUCIBLE_INCIDENTS, [run_id, run.namespace, *labels],
-                  _value(run, counters.NOT_REPRODUCIBLE, labels))
+                  _value(run, m.NOT_REPRODUCIBLE_INCIDENTS, labels))
         elif spec is not None:
-            f.add(spec, [run_id, *labels], _value(run, counters.FAMILIES[fam], labels))
-        elif fam == counters.RUN_NONFINITE.key and labels[2] != "train":
-            f.add(m.RUN_NONFINITE_VALUES, [run_id, *labels], _value(run, counters.RUN_NONFINITE, labels))
+            f.add(spec, [run_id, *labels], _value(run, m.FAMILIES[fam], labels))
+        elif fam == m.RUN_NONFINITE_CALLS.key and labels[2] != "train":
+            f.add(m.RUN_NONFINITE_CALLS, [run_id, *labels], _value(run, m.RUN_NONFINITE_CALLS, labels))
 
 
 def _collector_own(f: _Families, snap: Snapshot, notes: Counter[str]) -> None:
-    """The collector's own figures: its rules' tau, the reports it applied and ignored, what it refused, what
+    """The collector's own figures: its directive rules' tau, the reports it applied and ignored, what it refused, what
     its renders had to leave out or distrust (those before, and this render's)."""
     before = snap.render_errors or {}
     for reason in RENDER_ERRORS:
@@ -538,7 +547,7 @@ class MetricsRenderer:
     async def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
         key = (negotiate(accept), gzipped)
         last = self._last.get(key)
-        if last is not None and last.version == self._state.version() and time.monotonic() < last.until:
+        if last is not None and last.version == views.version(self._state) and time.monotonic() < last.until:
             return last.body, last.content_type
         rnd = self._next
         if rnd is None:
@@ -555,7 +564,7 @@ class MetricsRenderer:
             if self._next is rnd:
                 self._next = None  # from now on, new scrapes wait for the next render
             try:
-                started, version = time.monotonic(), self._state.version()
+                started, version = time.monotonic(), views.version(self._state)
                 runs = await snapshot_runs(self._state, self._directive_log, late_s=self._late_s)
                 snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s,
                                 runs=runs)

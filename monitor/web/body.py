@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from nanwatch.monitor.model.refusal import BadBody
+from nanwatch.monitor.data.refusal import BadBody
 from nanwatch.wire import SCHEMA_MAJOR, DirectiveSpec, ReportBatch
 
 __all__ = ["FAST_PATH_BYTES", "MAX_ERRORS", "parse_batch", "parse_spec", "parse_strict"]

@@ -1,5 +1,5 @@
 """Dependencies and their ``Annotated`` aliases: resources owned by the lifespan, and bearer-token auth
-(who a token is, and which runs it owns: ``nanwatch.monitor.model.auth``)."""
+(who a token is, and which runs it owns: ``nanwatch.monitor.data.auth``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from nanwatch.monitor.model.auth import Principal, Role, TokenTable
-from nanwatch.monitor.model.directive_log import DirectiveLog
-from nanwatch.monitor.model.long_poll import LongPoll
-from nanwatch.monitor.model.state import CollectorState
-from nanwatch.monitor.model.store import Store
+from nanwatch.monitor.data.auth import Principal, Role, TokenTable
+from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.durable import DurableStore
+from nanwatch.monitor.data.long_poll import LongPoll
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings
 from nanwatch.monitor.write.ledger import Ledger
@@ -38,7 +38,7 @@ class Resources:
     """What the lifespan opens and closes. Routes write through ``ledger`` alone; they read ``state``,
     ``directive_log`` and ``store`` (events), after the ledger's ``resync``."""
 
-    store: Store
+    store: DurableStore
     state: CollectorState
     polls: LongPoll
     directive_log: DirectiveLog
@@ -88,7 +88,7 @@ async def _metrics_reader(res: ResourcesDep, request: Request, settings: Setting
     return Principal("anonymous", "reader") if settings.metrics_public else _authorize(res, request, "reader")
 
 
-#: Who sent the request (``nanwatch.monitor.model.auth``; "anonymous" where the role is open). The ``bearer``
+#: Who sent the request (``nanwatch.monitor.data.auth``; "anonymous" where the role is open). The ``bearer``
 #: security dependency only documents the scheme in OpenAPI: the token is checked from the header.
 IngestToken = Annotated[Principal, Depends(_ingest)]
 AdminToken = Annotated[Principal, Depends(_admin)]

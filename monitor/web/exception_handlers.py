@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.schemas import ApiJSON, Problem, ValidationProblem
 
 __all__ = ["answer_refusal", "install_exception_handlers"]

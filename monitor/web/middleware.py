@@ -27,8 +27,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nanwatch.monitor.model.auth import Role
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.auth import Role
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.exception_handlers import answer_refusal
 
 __all__ = ["IngressGate"]

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import JSONResponse
 
-from nanwatch.monitor.model.event_log import first_nonfinite
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data.event_log import first_nonfinite
+from nanwatch.monitor.data.store import EventRow
 from nanwatch.wire import Directive
 
 __all__ = ["ApiFloat", "CrashedRank", "EventView", "FieldError", "FirstOffender", "Health", "IngestResult", "Problem",
@@ -229,7 +229,7 @@ class RunDetail(RunSummary):
     rollout: RolloutView | None = Field(
         None, description="the rollout mismatch of the run's latest step: the live job report's, or its live "
         "ranks' combined (token-weighted means, extremes, and bounds where ranks cannot be merged exactly: "
-        "nanwatch.monitor.model.rollout_figures); None: no live view measured one")
+        "nanwatch.monitor.data.rollout_figures); None: no live view measured one")
     rollout_nonfinite_total: int = Field(0, description="non-finite values in the rollout's own log-probabilities "
                                          "(inside the mask), summed over steps: nanwatch_rollout_nonfinite_values_total")
     sdpa: list[SdpaView]

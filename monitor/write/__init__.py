@@ -1,5 +1,5 @@
-"""Write: a validated batch folded into changes, the rules turning them into intents, and the ledger that
-applies both in one transaction (the one door for writes). Imports ``model`` only.
+"""Write: a validated batch folded into changes, the directive rules turning them into intents, and the ledger that
+applies both in one transaction (the one door for writes). Imports ``data`` only.
 """
 
-__all__ = ["fold", "ledger", "rules"]
+__all__ = ["caps", "counting", "directive_rules", "events", "fold", "ledger", "lifetimes", "rank_views", "weight_compare"]

@@ -1,5 +1,5 @@
 """A side's weight fingerprints of one weight version, applied through the ledger's transaction: a trainer set
-bound to the run's incarnation, compared with the other side's (``nanwatch.monitor.model.weight_syncs``),
+bound to the run's incarnation, compared with the other side's (``nanwatch.monitor.data.weight_syncs``),
 each new verdict counted (``nanwatch_weight_syncs_verified_total``, ``nanwatch_weight_sync_mismatches_total``,
 ``nanwatch_weight_syncs_unverifiable_total``) and a mismatch logged as a ``weight_sync_mismatch`` event naming
 the version, the worker and the first differing tensors (``weight_sync_unverifiable`` for dtypes or shapes no
@@ -15,28 +15,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nanwatch.monitor.model.counters import (
+from nanwatch.monitor.data.metric_table import (
     WEIGHT_SYNC_MISMATCHES,
     WEIGHT_SYNCS_UNVERIFIABLE,
     WEIGHT_SYNCS_VERIFIED,
-    CounterFamily,
+    MetricSpec,
 )
-from nanwatch.monitor.model.refusal import CapReached
-from nanwatch.monitor.model.state import RunState
-from nanwatch.monitor.model.store import EventRow
-from nanwatch.monitor.model.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.data.refusal import CapReached
+from nanwatch.monitor.data.state import RunState
+from nanwatch.monitor.data.store import EventRow
+from nanwatch.monitor.data.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.lifetimes import ensure_run
 from nanwatch.wire import WeightFingerprints
 
 __all__ = ["apply_weights", "sweep_weights"]
 
 
-def _count(ledger: Ledger, run: RunState, fam: CounterFamily, n: int) -> None:
+def _count(ledger: Ledger, run: RunState, fam: MetricSpec, n: int) -> None:
     """Add ``n`` to the run's (label-less) counter ``fam``, born at 0 (inside the transaction)."""
     key = (fam.key, ())
     old = run.counters.get(key)
     if old is None:
-        if not run.admit((fam.key,), 1, ledger.state.series_cap):
+        if not admit(run, (fam.key,), 1, ledger.state.series_cap):
             return
         run.newborn.add(key)  # the next render shows 0, then the value: increase() sees the first one
     run.counters[key] = value = (old or 0) + n
@@ -129,7 +131,7 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
 
     def write() -> list[Any]:
         now = time.time()
-        run = ledger.state.ensure_run(run_id)
+        run = ensure_run(ledger.state, run_id)
         run.touched = time.monotonic()
         for fam in _COUNTED.values():  # the series exist from the first set on
             if (fam.key, ()) not in run.counters:

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
-from nanwatch.monitor.model.rollout_figures import STATS as ROLLOUT_STATS
-from nanwatch.monitor.read.metric_names import METRICS
+from nanwatch.monitor.data.metric_table import METRICS
+from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -142,7 +142,7 @@ WEIGHT_SYNC = ("nanwatch_weight_syncs_verified_total", "nanwatch_weight_sync_mis
 
 def test_every_metric_is_exported_by_the_collector_or_recorded_by_a_rule():
     known = set(METRICS) | recording_rules() | {"ALERTS"}
-    assert "run_id_stage:nanwatch_nonfinite_values:increase5m" in known  # the rules were found
+    assert "run_id_stage:nanwatch_nonfinite_calls:increase5m" in known  # the rules were found
     for name, title, expr in all_queries() + variable_selectors():
         used = metric_names(expr)
         assert used, f"{name} / {title}: no metric in {expr!r}"
@@ -169,7 +169,7 @@ _SCENARIO = [
     ('nanwatch_live_ranks{run_id="r1"}', "2x20"),
     ('nanwatch_run_world_size{run_id="r1"}', "2x20"),
     # born at zero (the collector's first render of a new series is 0)
-    ('nanwatch_run_nonfinite_values_total{run_id="r1", stage="train", pass="forward", kind="nan"}', "0x4 7x15"),
+    ('nanwatch_run_nonfinite_calls_total{run_id="r1", stage="train", pass="forward", kind="nan"}', "0x4 7x15"),
     ('nanwatch_latest_offender_info{run_id="r1", stage="train", site="model.layers.0.self_attn", pass="forward", '
      'rank="0"}', "_x4 1x15"),
     # a second run on a second collector shard: no query may break on two targets' series
@@ -178,9 +178,9 @@ _SCENARIO = [
     ('nanwatch_attention_logit_max{job="nanwatch-collector", instance="collector-1:8000", run_id="r2", '
      'layer="model.layers.0.self_attn"}', "7x20"),
     ('nanwatch_collector_logit_tau{job="nanwatch-collector", instance="collector-1:8000"}', "30x20"),
-    ('nanwatch_nonfinite_values_total{run_id="r1", rank="0", pass="forward", kind="nan"}', "0x4 7x15"),
-    ('nanwatch_nonfinite_values_total{run_id="r1", rank="1", pass="forward", kind="nan"}', "0x20"),
-    ('nanwatch_site_nonfinite_values_total{run_id="r1", site="model.layers.0.self_attn", pass="forward"}',
+    ('nanwatch_nonfinite_calls_total{run_id="r1", rank="0", pass="forward", kind="nan"}', "0x4 7x15"),
+    ('nanwatch_nonfinite_calls_total{run_id="r1", rank="1", pass="forward", kind="nan"}', "0x20"),
+    ('nanwatch_site_nonfinite_calls_total{run_id="r1", site="model.layers.0.self_attn", pass="forward"}',
      "_x3 0 7x15"),
     ('nanwatch_sdpa_calls_total{run_id="r1", backend="flash", dtype="bfloat16", stage="train"}', "0+8x20"),
     ('nanwatch_sdpa_calls_total{run_id="r1", backend="math", dtype="bfloat16", stage="train"}', "0+2x20"),
@@ -370,7 +370,7 @@ def test_run_health_content():
     assert "nanwatch_events_total" in names["nanwatch events"]["expr"]
     assert "nanwatch_directive_info" in names["Directive changes"]["expr"]
     exprs = " ".join(e for _, e in gen.panel_queries(RUN_HEALTH))
-    for needle in ("nanwatch_site_nonfinite_values_total", "nanwatch_first_offender_info", 'stat=~"ratio_max"',
+    for needle in ("nanwatch_site_nonfinite_calls_total", "nanwatch_first_offender_info", 'stat=~"ratio_max"',
                    "kl_k3_ratio_mean", 'stat=~"clip_fraction"', 'stat=~"logprob_min"', "nanwatch_attention_mode",
                    "nanwatch_reports_dropped_total", "nanwatch_last_report_timestamp_seconds",
                    "nanwatch_unmeasured_steps_total", 'stat=~"abs_mean|abs_p99|k3_mean"', 'stat=~"truncated_fraction"',
@@ -392,7 +392,7 @@ def test_fleet_table_one_row_per_run_linked_to_run_health():
     assert all(re.search(r"\bby \(run_id(, mode)?\)", t["expr"]) for t in runs["targets"])
     assert [t["id"] for t in runs["transformations"]] == ["merge", "organize"]
     exprs = " ".join(t["expr"] for t in runs["targets"])
-    for rule in ("run_id_stage:nanwatch_nonfinite_values:increase5m", "run_id_dtype:nanwatch_sdpa_math_half_calls:increase5m",
+    for rule in ("run_id_stage:nanwatch_nonfinite_calls:increase5m", "run_id_dtype:nanwatch_sdpa_math_half_calls:increase5m",
                  "run_id:nanwatch_attention_logit_max:max", "nanwatch_directive_info", "nanwatch_live_ranks"):
         assert rule in exprs, rule
     run_id = [o for o in runs["fieldConfig"]["overrides"] if o["matcher"]["options"] == "run_id"][0]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from support import load_script, require_tool
 
-from nanwatch.monitor.read.metric_names import METRICS
+from nanwatch.monitor.data.metric_table import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
@@ -114,6 +114,16 @@ def test_every_alert_has_a_runbook_section_with_checks_and_a_fix():
         assert "**Meaning:**" in body and "First three checks:" in body and "Fix:" in body, name
         assert re.search(r"^1\. .*^2\. .*^3\. ", body, flags=re.M | re.S), name
 
+
+
+def test_the_generator_refuses_a_metric_the_table_does_not_name(tmp_path):
+    """A rule reading a metric the collector does not export (a renamed one, say) fails at generation."""
+    (tmp_path / "x.yml").write_text("groups:\n  - name: x\n    rules:\n      - record: run_id:nanwatch_spikes:sum\n"
+                                    "        expr: sum by (run_id) (nanwatch_spikes_total)\n"
+                                    "      - alert: X\n        expr: nanwatch_nonfinite_values_total > 0\n")
+    assert gen.unknown_metrics((tmp_path / "x.yml").read_text()) == {"nanwatch_nonfinite_values_total"}
+    with pytest.raises(ValueError, match="nanwatch_nonfinite_values_total"):
+        gen.rendered(templates=tmp_path)
 
 
 def test_rules_use_only_metrics_the_collector_exports():

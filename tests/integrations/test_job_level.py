@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("job_level_worker.py")
 #: families whose samples must be the same whichever way the run was reported (run_id aside)
-SAME = ("nanwatch_site_nonfinite_values_total", "nanwatch_sdpa_calls_total", "nanwatch_first_offender_info",
-        "nanwatch_nonfinite_values_total", "nanwatch_skipped_steps_total", "nanwatch_run_world_size")
+SAME = ("nanwatch_site_nonfinite_calls_total", "nanwatch_sdpa_calls_total", "nanwatch_first_offender_info",
+        "nanwatch_nonfinite_calls_total", "nanwatch_skipped_steps_total", "nanwatch_run_world_size")
 
 
 def _train(url: str, run_id: str, scope: str, mode: str, out: Path) -> subprocess.Popen:
@@ -74,7 +74,7 @@ def test_metrics_say_the_same_in_both_modes(both_ways):
     assert per_rank == job
     names = {name for name, _ in job}
     # both runs ended (every rank sent its final report): the per-rank series left with them, the run's stay
-    assert {"nanwatch_site_nonfinite_values_total", "nanwatch_first_offender_info",
+    assert {"nanwatch_site_nonfinite_calls_total", "nanwatch_first_offender_info",
             "nanwatch_sdpa_calls_total"} <= names, names
     assert not {"nanwatch_skipped_steps_total", "nanwatch_attention_mode"} & names, names
     first = [dict(labels) for name, labels in job if name == "nanwatch_first_offender_info"]

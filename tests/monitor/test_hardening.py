@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support import ADMIN, JSON, TOKEN, CollectorProcess, background_collector, failing, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.settings import Settings
 from nanwatch.wire import MAX_INT, Incident, ReportBatch
@@ -152,7 +152,7 @@ def test_concurrent_scrapes_all_see_what_was_acknowledged_before_them(collector)
             t.start()
         for t in threads:
             t.join()
-        key = ("nanwatch_site_nonfinite_values_total",
+        key = ("nanwatch_site_nonfinite_calls_total",
                frozenset({("run_id", "scrapes"), ("site", "model.layers.0.self_attn"), ("pass", "forward")}))
         assert [s[key] for s in results] == [seq + 1] * 6
 
@@ -188,7 +188,7 @@ def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
 
         async def writer() -> None:
             while loop.time() < stop:
-                state.wrote()
+                state.writes += 1
                 await asyncio.sleep(0.001)
 
         await asyncio.gather(writer(), *(scraper() for _ in range(8)))

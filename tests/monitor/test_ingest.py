@@ -10,7 +10,7 @@ import pytest
 from support import ADMIN, TOKEN, require_tool, scrape, step_report
 
 from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
-from nanwatch.monitor.read.metric_names import METRICS
+from nanwatch.monitor.data.metric_table import METRICS
 from nanwatch.wire import ReportBatch
 
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
@@ -31,11 +31,11 @@ def test_sender_streams_reports_and_metrics_show_them(collector):
     assert sender.close(timeout_s=10)
     assert sender.delivered == 15 and sender.dropped == 0
     s = scrape(collector.url)
-    nf = "nanwatch_nonfinite_values_total"
+    nf = "nanwatch_nonfinite_calls_total"
     assert _get(s, nf, run_id="stream", rank="1", **{"pass": "forward"}, kind="nan") == 7
     assert _get(s, nf, run_id="stream", rank="1", **{"pass": "forward"}, kind="inf") == 2
     assert _get(s, nf, run_id="stream", rank="0", **{"pass": "forward"}, kind="nan") == 0
-    assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="stream", site="model.layers.2.self_attn",
+    assert _get(s, "nanwatch_site_nonfinite_calls_total", run_id="stream", site="model.layers.2.self_attn",
                 **{"pass": "forward"}) == 9
     assert _get(s, "nanwatch_sdpa_calls_total", run_id="stream", backend="flash", dtype="bfloat16",
                 stage="train") == 60
@@ -68,7 +68,7 @@ def test_sender_streams_reports_and_metrics_show_them(collector):
         spec = METRICS.get(name) or METRICS.get(base + "_total")
         assert spec is not None, name
         assert {k for k, _ in labels} == set(spec.labels), name
-    assert {"nanwatch_nonfinite_values_total", "nanwatch_directive_info"} <= seen
+    assert {"nanwatch_nonfinite_calls_total", "nanwatch_directive_info"} <= seen
 
 
 def test_non_finite_values_round_trip_through_run_detail(collector):
@@ -97,7 +97,7 @@ def test_resent_batch_is_acknowledged_and_not_applied(collector):
     again = httpx.post(f"{collector.url}/v1/reports", content=body, headers=AUTH).json()
     assert first == {"accepted": 2, "duplicates": 0} and again == {"accepted": 0, "duplicates": 2}
     s = scrape(collector.url)
-    assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="resend", site="model.layers.0.self_attn",
+    assert _get(s, "nanwatch_site_nonfinite_calls_total", run_id="resend", site="model.layers.0.self_attn",
                 **{"pass": "forward"}) == 6
 
 
@@ -110,7 +110,7 @@ def test_label_values_are_escaped(collector):
     assert httpx.post(f"{collector.url}/v1/reports", content=ReportBatch(reports=[r]).model_dump_json(),
                       headers=AUTH).status_code == 200
     s = scrape(collector.url)
-    assert _get(s, "nanwatch_site_nonfinite_values_total", run_id="weird", site=WEIRD, **{"pass": "forward"}) == 1
+    assert _get(s, "nanwatch_site_nonfinite_calls_total", run_id="weird", site=WEIRD, **{"pass": "forward"}) == 1
 
 
 def test_promtool_check_metrics_passes_on_a_real_scrape(collector):

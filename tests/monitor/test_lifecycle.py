@@ -44,9 +44,9 @@ def test_an_eval_report_is_counted_but_is_no_training_step(collector):
     # its values are counted, under the eval stage where the metric has one
     assert sample(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="eval") == 8
     assert sample(s, "nanwatch_sdpa_calls_total", run_id="ev", backend="flash", dtype="bfloat16", stage="train") == 12
-    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+    assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id="ev", **{"pass": "forward"}, kind="nan",
                 stage="eval") == 6
-    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="ev", **{"pass": "forward"}, kind="nan",
+    assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id="ev", **{"pass": "forward"}, kind="nan",
                 stage="train") == 0
     assert sample(s, "nanwatch_first_offender_info", run_id="ev", site=SITE, **{"pass": "forward"}, stage="eval",
                 rank="0") == 1

@@ -15,7 +15,7 @@ import time
 import httpx
 from support import AUTH, TOKEN, CollectorProcess, background_collector, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.web.body import MAX_ERRORS
 
@@ -108,7 +108,7 @@ def test_scrapers_in_three_formats_share_one_snapshot(monkeypatch):
 
     async def scrape_three() -> list:
         await renderer.render("", False)  # the interval starts here
-        state.wrote()
+        state.writes += 1
         return await asyncio.gather(renderer.render("", False), renderer.render(
             "application/openmetrics-text; version=1.0.0", False), renderer.render("", True))
 
@@ -176,7 +176,7 @@ def test_above_its_memory_limit_the_collector_takes_nothing_new(tmp_path):
             resp = _post(c.url, refused)
             assert resp.status_code == 429 and "NANWATCH_MEMORY_LIMIT_MIB" in resp.text, resp.text
         s = scrape(c.url)
-        site = "nanwatch_site_nonfinite_values_total"
+        site = "nanwatch_site_nonfinite_calls_total"
         assert s[(site, frozenset({("run_id", "kept"), ("site", layer.format(1)), ("pass", "forward")}))] == 5
         assert not [k for k in s if k[0] == site and ("site", layer.format(5)) in k[1]]
         assert s[("nanwatch_collector_series_dropped_total", frozenset({("run_id", "kept")}))] > 0
@@ -208,15 +208,16 @@ def test_events_are_bounded_over_all_runs(tmp_path):
 def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_them():
     """A scrape of 9,000 live runs held the loop 0.4-0.5 s while it copied them (every trainer's ingest
     waited); now the copy yields every ``SNAPSHOT_CHUNK`` runs, and a run forgotten meanwhile is left out."""
-    from nanwatch.monitor.model.directive_log import DirectiveLog
-    from nanwatch.monitor.model.long_poll import LongPoll
-    from nanwatch.monitor.model.state import CollectorState
+    from nanwatch.monitor.data.directive_log import DirectiveLog
+    from nanwatch.monitor.data.long_poll import LongPoll
+    from nanwatch.monitor.data.state import CollectorState
     from nanwatch.monitor.read.exporter import SNAPSHOT_CHUNK, snapshot, snapshot_runs
+    from nanwatch.monitor.write.lifetimes import ensure_run, forget
 
     state = CollectorState(ttl_s=300, series_cap=1000, max_runs=10 * SNAPSHOT_CHUNK)
     n = 3 * SNAPSHOT_CHUNK + 5
     for i in range(n):
-        state.ensure_run(f"run-{i:05d}")
+        ensure_run(state, f"run-{i:05d}")
     log = DirectiveLog(polls=LongPoll())
     ticks = []
 
@@ -225,7 +226,7 @@ def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_the
             while True:
                 ticks.append(len(ticks))
                 if len(ticks) == 2:  # the first chunk is copied: retention forgets a run not yet copied
-                    state.forget([f"run-{n - 1:05d}"])
+                    forget(state, [f"run-{n - 1:05d}"])
                 await asyncio.sleep(0)
 
         tick = asyncio.create_task(ticker())
@@ -274,7 +275,7 @@ def _bad_bodies() -> dict[str, dict]:
 def test_both_parse_paths_agree_on_strict_json():
     """A body over FAST_PATH_BYTES is validated from Python objects, a smaller one from bytes: the same bad
     report first gets the same answer either way (padded with valid reports past the threshold)."""
-    from nanwatch.monitor.model.refusal import BadBody
+    from nanwatch.monitor.data.refusal import BadBody
     from nanwatch.monitor.web.body import FAST_PATH_BYTES, parse_batch
 
     pad = json.loads(step_report(run_id="paths", seq=1).model_dump_json())

@@ -54,7 +54,7 @@ def _victim_counts(url: str, run: str) -> None:
     resp = _post(url, B_H, _nan(run))
     assert resp.status_code == 200, resp.text
     s = scrape(url, READER)
-    assert sample(s, "nanwatch_site_nonfinite_values_total", run_id=run, site=SITE, **{"pass": "forward"}) == 2
+    assert sample(s, "nanwatch_site_nonfinite_calls_total", run_id=run, site=SITE, **{"pass": "forward"}) == 2
     assert sample(s, "nanwatch_events_total", run_id=run, kind="first_nonfinite") == 1
 
 

@@ -184,7 +184,7 @@ def test_sigkill_with_namespaced_tokens_loses_nothing_and_crosses_nothing(tmp_pa
         assert all(s.close(timeout_s=10) and s.dropped == 0 for s in senders.values())
         s = scrape(second.url, READER)
         for team in senders:
-            key = ("nanwatch_site_nonfinite_values_total",
+            key = ("nanwatch_site_nonfinite_calls_total",
                    frozenset({("run_id", f"team-{team}-kill"), ("site", SITE), ("pass", "forward")}))
             assert s[key] == n, team
         resend = ReportBatch(reports=reports["a"][:32]).model_dump_json()

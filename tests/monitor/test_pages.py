@@ -42,9 +42,9 @@ def test_a_new_series_is_scraped_at_zero_then_at_its_value(collector):
     post_reports(url, step_report(run_id="born", seq=0, nan_at=L0, nan=3))  # the run's very first report holds a NaN
     first, second = scrape(url, settled=False), scrape(url, settled=False)
     for s, want in ((first, 0), (second, 3)):
-        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == want
-        assert sample(s, "nanwatch_site_nonfinite_values_total", run_id="born", site=L0, **FWD) == want
-        assert sample(s, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == want
+        assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id="born", **FWD, kind="nan", stage="train") == want
+        assert sample(s, "nanwatch_site_nonfinite_calls_total", run_id="born", site=L0, **FWD) == want
+        assert sample(s, "nanwatch_nonfinite_calls_total", run_id="born", rank="0", **FWD, kind="nan") == want
         assert sample(s, "nanwatch_events_total", run_id="born", kind="first_nonfinite") == min(want, 1)
     assert sample(first, "nanwatch_sdpa_calls_total", run_id="born", backend="flash", dtype="bfloat16",
                 stage="train") == 0
@@ -58,16 +58,16 @@ def test_a_new_series_is_scraped_at_zero_then_at_its_value(collector):
     r.first_offender_stage = "generate"
     post_reports(url, r)
     third, fourth = scrape(url, settled=False), scrape(url, settled=False)
-    assert sample(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 0
-    assert sample(fourth, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="generate") == 2
+    assert sample(third, "nanwatch_run_nonfinite_calls_total", run_id="born", **FWD, kind="nan", stage="generate") == 0
+    assert sample(fourth, "nanwatch_run_nonfinite_calls_total", run_id="born", **FWD, kind="nan", stage="generate") == 2
     # the series already exposed (train stage, the rank's) move at once
-    assert sample(third, "nanwatch_run_nonfinite_values_total", run_id="born", **FWD, kind="nan", stage="train") == 3
-    assert sample(third, "nanwatch_nonfinite_values_total", run_id="born", rank="0", **FWD, kind="nan") == 5
+    assert sample(third, "nanwatch_run_nonfinite_calls_total", run_id="born", **FWD, kind="nan", stage="train") == 3
+    assert sample(third, "nanwatch_nonfinite_calls_total", run_id="born", rank="0", **FWD, kind="nan") == 5
     # a clean series born exposed at 0 by default gets its first NaN at once (no second zero)
     post_reports(url, step_report(run_id="born", rank=1, world_size=2, seq=0))
     scrape(url, settled=False)
     post_reports(url, step_report(run_id="born", rank=1, world_size=2, seq=1, nan_at=L0, nan=1))
-    assert sample(scrape(url, settled=False), "nanwatch_nonfinite_values_total", run_id="born", rank="1", **FWD,
+    assert sample(scrape(url, settled=False), "nanwatch_nonfinite_calls_total", run_id="born", rank="1", **FWD,
                 kind="nan") == 1
 
 
@@ -78,9 +78,9 @@ def test_a_series_read_back_after_a_restart_is_shown_at_its_total_at_once(tmp_pa
     with CollectorProcess(db_path=db) as c:
         post_reports(c.url, step_report(run_id="back", seq=1), auth=JSON)  # the run is live again, clean
         s = scrape(c.url, settled=False)
-        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="back", **FWD, kind="nan", stage="train") == 4
-        assert sample(s, "nanwatch_site_nonfinite_values_total", run_id="back", site=L0, **FWD) == 4
-        assert sample(s, "nanwatch_nonfinite_values_total", run_id="back", rank="0", **FWD, kind="nan") == 4
+        assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id="back", **FWD, kind="nan", stage="train") == 4
+        assert sample(s, "nanwatch_site_nonfinite_calls_total", run_id="back", site=L0, **FWD) == 4
+        assert sample(s, "nanwatch_nonfinite_calls_total", run_id="back", rank="0", **FWD, kind="nan") == 4
         assert sample(s, "nanwatch_events_total", run_id="back", kind="first_nonfinite") == 1
 
 
@@ -107,9 +107,9 @@ def test_loss_scale_overflows_are_counted_apart_once_per_step(collector):
     s, run = scrape(url), run_view(url, "amp")
     assert sample(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
     assert sample(s, "nanwatch_loss_scale", run_id="amp") == 512.0
-    assert set(_of(s, "nanwatch_run_nonfinite_values_total", "amp").values()) == {0}
-    assert set(_of(s, "nanwatch_nonfinite_values_total", "amp").values()) == {0}
-    assert not _of(s, "nanwatch_site_nonfinite_values_total", "amp")
+    assert set(_of(s, "nanwatch_run_nonfinite_calls_total", "amp").values()) == {0}
+    assert set(_of(s, "nanwatch_nonfinite_calls_total", "amp").values()) == {0}
+    assert not _of(s, "nanwatch_site_nonfinite_calls_total", "amp")
     assert not _of(s, "nanwatch_first_offender_info", "amp") and not _of(s, "nanwatch_latest_offender_info", "amp")
     assert run["first_offender"] is None and run["nonfinite_total"] == 0
     assert run["event_counts"] == {"loss_scale_overflow": 1}
@@ -117,7 +117,7 @@ def test_loss_scale_overflows_are_counted_apart_once_per_step(collector):
     # the control: the same gradient Inf without the scaler's word is an incident
     post_reports(url, _overflow("amp", 0, 2, 256.0).model_copy(update={"scaler_overflow": False}))
     s = scrape(url)
-    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id="amp", **{"pass": "backward"}, kind="inf",
+    assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id="amp", **{"pass": "backward"}, kind="inf",
                 stage="train") == 5
     assert sample(s, "nanwatch_loss_scale_overflows_total", run_id="amp") == 2
     assert sample(s, "nanwatch_loss_scale", run_id="amp") == 256.0
@@ -152,7 +152,7 @@ def test_a_run_that_ends_normally_says_so_and_survives_a_restart(tmp_path):
         assert sample(s, "nanwatch_run_ended", run_id=run) == 1
         assert not _of(s, "nanwatch_last_report_timestamp_seconds", run) and not _of(s, "nanwatch_live_ranks", run)
         assert (view["status"], view["live_ranks"], view["event_counts"]["run_ended"]) == ("ended", 0, 1)
-        assert sample(s, "nanwatch_run_nonfinite_values_total", run_id=run, **FWD, kind="nan", stage="train") == 2
+        assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id=run, **FWD, kind="nan", stage="train") == 2
     with CollectorProcess(db_path=db) as c:
         assert run_view(c.url, run, auth={})["status"] == "ended"
         assert sample(scrape(c.url), "nanwatch_run_ended", run_id=run) == 1
@@ -189,10 +189,10 @@ def test_a_hung_rank_keeps_its_last_report_time_until_it_ends(tmp_path):
         s = _until_expired(c.url, run, "1", rank0, "silent rank")
         assert _ranks(s, "nanwatch_last_report_timestamp_seconds", run) == {"0", "1"}  # hung: still alerting
         assert sample(s, "nanwatch_live_ranks", run_id=run) == 1
-        assert _ranks(s, "nanwatch_nonfinite_values_total", run) == {"0"}
+        assert _ranks(s, "nanwatch_nonfinite_calls_total", run) == {"0"}
         # it comes back after its TTL: its counter at its total at once
         post_reports(c.url, step_report(run_id=run, rank=1, world_size=2, seq=1), auth=JSON)
-        assert sample(scrape(c.url, settled=False), "nanwatch_nonfinite_values_total", run_id=run, rank="1", **FWD,
+        assert sample(scrape(c.url, settled=False), "nanwatch_nonfinite_calls_total", run_id=run, rank="1", **FWD,
                     kind="nan") == 4
         # silent again, then it closes normally: its last report time goes at once
         _until_expired(c.url, run, "1", rank0, "silent again")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from support import ADMIN, JSON, background_collector, sample, scrape, step_report
 
-from nanwatch.monitor.model import rollout_figures
+from nanwatch.monitor.data import rollout_figures
 from nanwatch.monitor.read import exporter
 from nanwatch.wire import MAX_INT, MAX_ROLLOUT_COUNT, ReportBatch, RlhfStat, RolloutStat, Spike, StepReport
 
@@ -65,12 +65,12 @@ def _as_json(r: StepReport) -> dict:
 def _victim_still_served(url: str) -> None:
     """Team B's NaN counts, and /metrics renders with the collector's own health."""
     run = "team-b-victim"
-    n = int(sample(scrape(url, READER), "nanwatch_run_nonfinite_values_total", run_id=run, stage="train",
+    n = int(sample(scrape(url, READER), "nanwatch_run_nonfinite_calls_total", run_id=run, stage="train",
                    **{"pass": "forward", "kind": "nan"}) or 0)
     resp = _post(url, B_H, step_report(run_id=run, seq=n + 100, step=n + 100, nan_at=SITE, nan=2))
     assert resp.status_code == 200, resp.text
     s = scrape(url, READER)
-    assert sample(s, "nanwatch_run_nonfinite_values_total", run_id=run, stage="train",
+    assert sample(s, "nanwatch_run_nonfinite_calls_total", run_id=run, stage="train",
                   **{"pass": "forward", "kind": "nan"}) == n + 2
     assert ("process_resident_memory_bytes", frozenset()) in s
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from support import background_collector, post_reports, run_view, sample, scrape, step_report
 
 from nanwatch.cli import main
-from nanwatch.monitor.write.rules import MAX_SPIKE_EVENTS
+from nanwatch.monitor.write.directive_rules import MAX_SPIKE_EVENTS
 from nanwatch.wire import Incident, Spike, StepReport
 
 INCIDENTS = "nanwatch_incidents_total"

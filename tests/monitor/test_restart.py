@@ -21,7 +21,7 @@ def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
 
 
 def _site_total(url: str) -> float:
-    return scrape(url)[("nanwatch_site_nonfinite_values_total",
+    return scrape(url)[("nanwatch_site_nonfinite_calls_total",
                         frozenset({("run_id", "crash"), ("site", SITE), ("pass", "forward")}))]
 
 
@@ -55,7 +55,7 @@ def test_sigkill_and_restart_loses_nothing_and_counts_nothing_twice(tmp_path):
             assert _site_total(second.url) == 400
             s = scrape(second.url)
             for rank in range(4):
-                assert s[("nanwatch_nonfinite_values_total", frozenset(
+                assert s[("nanwatch_nonfinite_calls_total", frozenset(
                     {("run_id", "crash"), ("rank", str(rank)), ("pass", "forward"), ("kind", "nan")}))] == 100
             d = httpx.get(f"{second.url}/v1/directives/crash").json()
             assert (d["version"], d["mode"], d["reason"]) == (1, "fused", "before the crash")

@@ -19,7 +19,7 @@ from support import TOKEN, CollectorProcess, post_reports, require_tool, run_vie
 
 from nanwatch.bench.jobs import job_step
 from nanwatch.cli import main
-from nanwatch.monitor.model.rollout_figures import STATS
+from nanwatch.monitor.data.rollout_figures import STATS
 from nanwatch.wire import ModuleShare, RlhfStat, RolloutAttribution, RolloutEvent, RolloutStat, StepReport
 
 MISMATCH, NONFINITE, EVENTS = ("nanwatch_rollout_mismatch", "nanwatch_rollout_nonfinite_values_total",

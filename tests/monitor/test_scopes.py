@@ -54,9 +54,9 @@ def _send_job(url: str, run_id: str, steps: int) -> None:
 
 #: families whose samples must be equal in both modes (run_id aside); zero-valued per-rank series of ranks
 #: a job-mode collector does not export are not answers (every sum, max and increase() is the same)
-_SAME = ("nanwatch_site_nonfinite_values_total", "nanwatch_sdpa_calls_total", "nanwatch_attention_logit_max",
-         "nanwatch_tensor_headroom_ratio", "nanwatch_first_offender_info", "nanwatch_run_nonfinite_values_total",
-         "nanwatch_nonfinite_values_total", "nanwatch_live_ranks", "nanwatch_run_world_size",
+_SAME = ("nanwatch_site_nonfinite_calls_total", "nanwatch_sdpa_calls_total", "nanwatch_attention_logit_max",
+         "nanwatch_tensor_headroom_ratio", "nanwatch_first_offender_info", "nanwatch_run_nonfinite_calls_total",
+         "nanwatch_nonfinite_calls_total", "nanwatch_live_ranks", "nanwatch_run_world_size",
          "nanwatch_incidents_total", "nanwatch_events_total")
 
 
@@ -81,8 +81,8 @@ def test_the_same_steps_per_rank_and_job_level_give_the_same_metrics(collector):
     per_rank, job = _of(s, "eq-rank"), _of(s, "eq-job")
     assert per_rank == job
     # the figures the comparison is about are there, and right
-    assert per_rank[("nanwatch_site_nonfinite_values_total", frozenset({("site", LAYER1), ("pass", "forward")}))] == 3
-    assert per_rank[("nanwatch_nonfinite_values_total", frozenset(
+    assert per_rank[("nanwatch_site_nonfinite_calls_total", frozenset({("site", LAYER1), ("pass", "forward")}))] == 3
+    assert per_rank[("nanwatch_nonfinite_calls_total", frozenset(
         {("rank", str(NAN_RANK)), ("pass", "forward"), ("kind", "nan")}))] == 3
     assert per_rank[("nanwatch_first_offender_info", frozenset(
         {("site", LAYER1), ("pass", "forward"), ("stage", "train"), ("rank", str(NAN_RANK))}))] == 1
@@ -102,10 +102,10 @@ def test_detail_reports_add_no_run_level_count(collector):
     _post(collector.url, [job, *details])
     _post(collector.url, [d.model_copy(update={"seq": d.seq + 1, "step": NAN_STEP + 1}) for d in details])
     s = scrape(collector.url)
-    key = ("nanwatch_site_nonfinite_values_total",
+    key = ("nanwatch_site_nonfinite_calls_total",
            frozenset({("run_id", run), ("site", LAYER1), ("pass", "forward")}))
     assert s[key] == 3  # the job's; the two detail reports of rank 5 (3 each) count per rank only
-    assert s[("nanwatch_nonfinite_values_total", frozenset(
+    assert s[("nanwatch_nonfinite_calls_total", frozenset(
         {("run_id", run), ("rank", str(NAN_RANK)), ("pass", "forward"), ("kind", "nan")}))] == 6
 
 
@@ -127,8 +127,8 @@ def test_heartbeats_keep_ranks_live_and_add_nothing_else(collector):
     assert [d["rank"] for d in by_name["nanwatch_attention_mode"]] == ["2"]
     assert [d["rank"] for d in by_name["nanwatch_reports_dropped_total"]] == ["3"]
     assert "nanwatch_last_report_timestamp_seconds" not in by_name
-    assert "nanwatch_skipped_steps_total" not in by_name and "nanwatch_site_nonfinite_values_total" not in by_name
-    assert all(v == 0 for (name, _), v in mine.items() if name == "nanwatch_run_nonfinite_values_total")
+    assert "nanwatch_skipped_steps_total" not in by_name and "nanwatch_site_nonfinite_calls_total" not in by_name
+    assert all(v == 0 for (name, _), v in mine.items() if name == "nanwatch_run_nonfinite_calls_total")
     ranks = httpx.get(f"{collector.url}/v1/runs/{run}", headers=AUTH).json()
     assert ranks["live_ranks"] == 4 and ranks["ranks"] == []  # none late yet
 
@@ -150,9 +150,9 @@ def test_a_1_3_report_is_a_rank_report(collector):
     r = httpx.post(f"{collector.url}/v1/reports", content=json.dumps(body), headers=AUTH)
     assert r.status_code == 200 and r.json()["accepted"] == 1
     s = scrape(collector.url)
-    assert s[("nanwatch_run_nonfinite_values_total", frozenset(
+    assert s[("nanwatch_run_nonfinite_calls_total", frozenset(
         {("run_id", "old-13"), ("pass", "forward"), ("kind", "nan"), ("stage", "train")}))] == 2
-    assert s[("nanwatch_nonfinite_values_total", frozenset(
+    assert s[("nanwatch_nonfinite_calls_total", frozenset(
         {("run_id", "old-13"), ("rank", "1"), ("pass", "forward"), ("kind", "nan")}))] == 2
     assert s[("nanwatch_last_report_timestamp_seconds", frozenset({("run_id", "old-13"), ("rank", "1")}))] > 0
 

@@ -40,10 +40,12 @@ from hypothesis.stateful import (
 )
 from support import JSON, scrape, step_report
 
-from nanwatch.monitor.model.state import CollectorState
-from nanwatch.monitor.model.store import Store
+from nanwatch.monitor.data.state import CollectorState
+from nanwatch.monitor.data.store import Store
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
+from nanwatch.monitor.write import ledger as ledger_module
+from nanwatch.monitor.write import lifetimes as run_writes
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.wire import MAX_INT, ReportBatch
 
@@ -481,10 +483,10 @@ class CollectorMachine(RuleBasedStateMachine):
                 n = sum(r.nan for r in reports if r.site == site)
                 if n:
                     want_sites[frozenset({("run_id", run), ("site", site), ("pass", "forward")})] = float(n)
-        assert series("nanwatch_site_nonfinite_values_total") == want_sites, (
+        assert series("nanwatch_site_nonfinite_calls_total") == want_sites, (
             f"run {run!r}: per-site counters differ from the acknowledged reports (live={live})")
 
-        got_ranks = {dict(k)["rank"]: v for k, v in series("nanwatch_nonfinite_values_total").items()
+        got_ranks = {dict(k)["rank"]: v for k, v in series("nanwatch_nonfinite_calls_total").items()
                      if ("pass", "forward") in k and ("kind", "nan") in k}
         want_ranks = {str(k): float(sum(r.nan for r in self.acked[(run, k)])) for k in RANKS if (run, k) in self.live}
         assert got_ranks == want_ranks, f"run {run!r}: per-rank counters differ from the acknowledged reports"
@@ -507,10 +509,10 @@ TestCollectorWrites = pytest.mark.slow(CollectorMachine.TestCase)
 
 
 def _keep_hwm(reload):
-    def sabotaged(self: CollectorState, loaded, **kw) -> None:
-        hwm = dict(self.hwm)
-        reload(self, loaded, **kw)
-        self.hwm = hwm  # a rolled-back report's high-water mark survives the reload
+    def sabotaged(state: CollectorState, loaded, **kw) -> None:
+        hwm = dict(state.hwm)
+        reload(state, loaded, **kw)
+        state.hwm = hwm  # a rolled-back report's high-water mark survives the reload
 
     return sabotaged
 
@@ -525,7 +527,7 @@ def test_the_machine_catches_a_collector_that_keeps_a_failed_write(monkeypatch, 
         monkeypatch.setattr(Ledger, "_restore", lambda self, runs: None)
         match = None
     else:
-        monkeypatch.setattr(CollectorState, "reload", _keep_hwm(CollectorState.reload))
+        monkeypatch.setattr(ledger_module, "reload", _keep_hwm(run_writes.reload))
         match = r"never acknowledged\) was not applied"
     quick = settings(max_examples=50, stateful_step_count=12, deadline=None, database=None, derandomize=True,
                      phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=[HealthCheck.too_slow])

@@ -61,7 +61,7 @@ def test_counters_keep_counting_past_2_53_in_memory_and_in_the_store(tmp_path):
         assert _post(c.url, step_report(run_id="big", seq=0, nan_at=SITE, nan=MAX_INT)).status_code == 200
         for seq in (1, 2, 3):
             assert _post(c.url, step_report(run_id="big", seq=seq, nan_at=SITE, nan=1)).status_code == 200
-        key = ("nanwatch_nonfinite_values_total",
+        key = ("nanwatch_nonfinite_calls_total",
                frozenset({("run_id", "big"), ("rank", "0"), ("pass", "forward"), ("kind", "nan")}))
         assert scrape(c.url)[key] == float(2**53 + 2)
         assert _stored_total(db, "big") == 2**53 + 2

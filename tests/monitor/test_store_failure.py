@@ -34,6 +34,6 @@ def test_a_failed_commit_is_a_503_and_the_retry_counts_once(tmp_path):
         third = httpx.post(srv.url + "/v1/reports", content=body, headers=JSON, timeout=10)  # a genuine resend
         assert third.json() == {"accepted": 0, "duplicates": 1}
         s = scrape(srv.url)
-    key = ("nanwatch_nonfinite_values_total",
+    key = ("nanwatch_nonfinite_calls_total",
            frozenset({("run_id", "disk"), ("rank", "0"), ("pass", "forward"), ("kind", "nan")}))
     assert s[key] == 3.0

@@ -45,6 +45,6 @@ def test_silent_rank_series_disappear_after_ttl(tmp_path):
         assert ("nanwatch_attention_mode", frozenset({("run_id", "ttl"), ("rank", "0"), ("mode", "none")})) in s
         # rank 1 comes back: its counter resumes from its total instead of resetting
         _post(c.url, step_report(run_id="ttl", rank=1, seq=1))
-        key = ("nanwatch_nonfinite_values_total",
+        key = ("nanwatch_nonfinite_calls_total",
                frozenset({("run_id", "ttl"), ("rank", "1"), ("pass", "forward"), ("kind", "nan")}))
         assert scrape(c.url)[key] == 4

@@ -23,8 +23,8 @@ from support import (
 )
 
 import nanwatch
-from nanwatch.monitor.model.refusal import CapReached
-from nanwatch.monitor.model.weight_syncs import WeightSyncs
+from nanwatch.monitor.data.refusal import CapReached
+from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.weight_sync import WeightSyncRefused, post_weights, weights_path
 from nanwatch.wire import MAX_INT
 
@@ -158,7 +158,7 @@ def test_the_client_refuses_a_bad_run_id_or_version_before_sending():
 
 
 def _kept(fps: dict[str, str]):
-    from nanwatch.monitor.model.weight_verdicts import side_set
+    from nanwatch.monitor.data.weight_verdicts import side_set
     from nanwatch.wire import WeightFingerprints
 
     return side_set(WeightFingerprints(side="rollout", fingerprints=fps))

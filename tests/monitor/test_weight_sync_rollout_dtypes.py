@@ -16,8 +16,8 @@ from support import CollectorProcess, post_reports, run_view, sample, scrape, st
 
 import nanwatch
 from nanwatch.cli.status_view import render_detail
-from nanwatch.monitor.model.weight_syncs import WeightSyncs
-from nanwatch.monitor.model.weight_verdicts import compare, side_set
+from nanwatch.monitor.data.weight_syncs import WeightSyncs
+from nanwatch.monitor.data.weight_verdicts import compare, side_set
 from nanwatch.weight_sync import WeightSyncRefused, post_weights
 from nanwatch.wire import WeightFingerprints
 

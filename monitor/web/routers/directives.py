@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from nanwatch.monitor.model.long_poll import while_connected
+from nanwatch.monitor.data.long_poll import while_connected
 from nanwatch.monitor.web.body import parse_spec
 from nanwatch.monitor.web.deps import (
     AdminToken,

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from prometheus_client.exposition import gzip_accepted
 from starlette.responses import Response
 
-from nanwatch.monitor.model.auth import Unauthorized
+from nanwatch.monitor.data.auth import Unauthorized
 from nanwatch.monitor.web.deps import MetricsReader, ResourcesDep
 from nanwatch.monitor.web.routers._problems import AUTH
 

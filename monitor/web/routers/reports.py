@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.body import parse_batch
 from nanwatch.monitor.web.deps import IngestToken, ResourcesDep
 from nanwatch.monitor.web.routers._problems import AUTH, BODY, INVALID, NOT_READY
@@ -31,7 +31,7 @@ SCHEMA_MODELS = (ReportBatch,)
 async def post_reports(request: Request, res: ResourcesDep, token: IngestToken) -> ApiJSON:
     """Apply a batch of step reports. Resent reports, already applied (same run_id, rank, incarnation, seq),
     are acknowledged as ``duplicates`` and not applied twice, so senders may retry freely. A refusal
-    (``nanwatch.monitor.model.refusal``) is answered by the app's handler. A scoped token's batch is checked whole
+    (``nanwatch.monitor.data.refusal``) is answered by the app's handler. A scoped token's batch is checked whole
     before anything is applied: one report for a run outside its namespace refuses it all (403)."""
     batch = parse_batch(await request.body())
     foreign = sorted({r.run_id for r in batch.reports if not token.owns(r.run_id)})

@@ -8,8 +8,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from nanwatch.monitor.model import counters, rollout_figures
-from nanwatch.monitor.model.state import RunState
+from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data import rollout_figures
+from nanwatch.monitor.data.liveness import held_ranks, late_after, live_ranks
+from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.web.deps import (
     AdminToken,
     ReaderToken,
@@ -44,7 +46,7 @@ MAX_PAGE = 1000
 
 def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
     """What a run's list entry says (figures over the run's live ranks and counters)."""
-    live = res.state.live_ranks(run, now)
+    live = live_ranks(res.state, run, now)
     fo = run.first_offender_event
     crashed = [CrashedRank(rank=rank, raised=c.raised, step=c.step if c.step >= 0 else None)
                for rank, c in sorted(run.crashed.items())]
@@ -55,17 +57,17 @@ def _summary(res: Resources, run: RunState, now: float) -> dict[str, Any]:
         live_ranks=len(live), latest_step=max((st.step for st in live), default=run.latest_step),
         last_report_time=max((st.received for st in live), default=None),
         # the run-level count (job reports in job mode); a run stored before it existed has per-rank ones only
-        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == counters.RUN_NONFINITE.key),
-                            sum(v for (fam, _), v in run.counters.items() if fam == counters.NONFINITE.key)),
+        nonfinite_total=max(sum(v for (fam, _), v in run.counters.items() if fam == m.RUN_NONFINITE_CALLS.key),
+                            sum(v for (fam, _), v in run.counters.items() if fam == m.NONFINITE_CALLS.key)),
         # a step the guard skipped is skipped on every rank (its flag is reduced): the most any rank counted
-        skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == counters.SKIPPED.key), default=0.0)
-        + run.counters.get((counters.JOB_SKIPPED.key, ()), 0.0),
+        skipped_steps=max((v for (fam, _), v in run.counters.items() if fam == m.SKIPPED_STEPS.key), default=0.0)
+        + run.counters.get((m.JOB_SKIPPED.key, ()), 0.0),
         directive=res.directive_log.current(run.run_id),
         first_offender=None if fo is None else FirstOffender.of(fo),
         # what else pages: a run list that hid rollout and replica incidents sent the on-call to the wrong run
-        incidents=_by_label(run, counters.INCIDENT.key), rollout_events=_by_label(run, counters.ROLLOUT_EVENT.key),
+        incidents=_by_label(run, m.INCIDENTS.key), rollout_events=_by_label(run, m.ROLLOUT_MISMATCH_EVENTS.key),
         weight_sync_mismatches=sum(v for (fam, _), v in run.counters.items()
-                                   if fam == counters.WEIGHT_SYNC_MISMATCHES.key),
+                                   if fam == m.WEIGHT_SYNC_MISMATCHES.key),
     )
 
 
@@ -120,8 +122,8 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     if run is None:
         raise HTTPException(404, f"no run {run_id!r}: it never reported, or its history was deleted")
     now = time.monotonic()
-    late_before = now - res.state.late_after(run, settings.rank_late_s)
-    shown = [st for st in res.state.held_ranks(run, now)
+    late_before = now - late_after(run, settings.rank_late_s)
+    shown = [st for st in held_ranks(res.state, run, now)
              if st.scope != "heartbeat" or st.seen < late_before or st.crashed is not None]
     ranks = [RankView.model_validate(st).model_copy(update={"silent_s": now - st.seen, "late": st.seen < late_before})
              for st in shown]
@@ -131,13 +133,13 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
     ranks.sort(key=lambda v: v.rank)
     events = [EventView.model_validate(e) for e in res.store.events(run_id, limit=settings.events_shown)]
     sdpa = [SdpaView(backend=labels[0], dtype=labels[1], stage=labels[2], calls=v)
-            for (fam, labels), v in run.counters.items() if fam == counters.SDPA.key]
+            for (fam, labels), v in run.counters.items() if fam == m.SDPA_CALLS.key]
     step, rank, found = run.latest_spikes or (0, 0, ())
     spikes = [SpikeView(step=step, rank=rank, **s.model_dump()) for s in found]
     return ApiJSON(RunDetail(**_summary(res, run, now), ranks=ranks, sdpa=sdpa, latest_spikes=spikes,
                              spikes_total={labels[0]: v for (fam, labels), v in run.counters.items()
-                                           if fam == counters.SPIKE.key},
+                                           if fam == m.SPIKES.key},
                              rollout=rollout_figures.latest(res.state, run, now),
-                             rollout_nonfinite_total=run.counters.get((counters.ROLLOUT_NONFINITE.key, ()), 0),
+                             rollout_nonfinite_total=run.counters.get((m.ROLLOUT_NONFINITE_VALUES.key, ()), 0),
                              weight_sync=weight_sync_view(res, run.run_id), event_counts=dict(run.event_counts),
                              events=events))

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Request
 
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.body import parse_strict
 from nanwatch.monitor.web.deps import (
     IngestToken,

@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanwatch.monitor.model import schema
-from nanwatch.monitor.model.schema import DB_SCHEMA_VERSION, ForeignDatabase
+from nanwatch.monitor.data import schema
+from nanwatch.monitor.data.schema import DB_SCHEMA_VERSION, ForeignDatabase
 from nanwatch.wire import Directive
 
 log = logging.getLogger("nanwatch.monitor")
 
-#: the schema's version and refusal, importable from here as before (``nanwatch.monitor.model.schema``)
+#: the schema's version and refusal, importable from here as before (``nanwatch.monitor.data.schema``)
 __all__ = ["DB_SCHEMA_VERSION", "DELETE_BATCH", "DatabaseInUse", "EventRow", "ForeignDatabase", "Loaded", "Store"]
 
 #: event rows deleted per transaction when a run is forgotten: each one a few milliseconds of the loop
@@ -63,7 +63,7 @@ def _lock(path: str) -> int | None:
 @dataclass(slots=True)
 class EventRow:
     """One event of a run's log, as stored. ``detail`` is the kind's own record (typed per kind in
-    ``nanwatch.monitor.model.event_log``), stored as JSON."""
+    ``nanwatch.monitor.data.event_log``), stored as JSON."""
 
     run_id: str
     time: float
@@ -94,14 +94,13 @@ class Loaded:
     #: the highest directive version of any forgotten run: a run's next version is above it
     directive_floor: int = 0
 
-    def run_ids(self) -> set[str]:
-        """Every run something was read back for."""
-        return {*self.latest_step, *self.directives, *self.event_keys, *self.first_offenders, *self.touched,
-                *(k[0] for k in self.hwm), *(c[0] for c in self.counters), *(k[0] for k in self.event_counts)}
-
 
 class Store:
-    """The collector's SQLite file. ``":memory:"`` keeps everything in memory (tests)."""
+    """The collector's SQLite file, a ``DurableStore`` (``nanwatch.monitor.data.durable``, whose contract it
+    keeps). ``":memory:"`` keeps everything in memory (tests)."""
+
+    #: what a failed statement or COMMIT raises (the ledger answers 503: retry)
+    failures: tuple[type[BaseException], ...] = (sqlite3.Error,)
 
     def __init__(self, path: str) -> None:
         self._path = path

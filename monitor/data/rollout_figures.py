@@ -24,7 +24,7 @@ One rank cannot hide another's drift (#36), nor take a render down (#37):
   1e308 + 1e308 and ``ValueError`` on inf + -inf), and a summed count beyond ``MAX_INT`` is clamped
   (``Combined.clamped``); the result is built without re-validation (a sum is no rank's report).
 
-NaN still wins every extreme (news is not averaged away). ``nanwatch.monitor.read.metric_names.ROLLOUT_MISMATCH``
+NaN still wins every extreme (news is not averaged away). ``nanwatch.monitor.data.metric_table.ROLLOUT_MISMATCH``
 exports ``STATS`` (a fixed list: bounded cardinality); ``GET /v1/runs/{id}`` shows the whole stat.
 """
 
@@ -34,7 +34,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from nanwatch.monitor.model.state import CollectorState, RankState, RunState
+from nanwatch.monitor.data.liveness import live_job, live_ranks
+from nanwatch.monitor.data.state import CollectorState, RankState, RunState
 from nanwatch.wire import MAX_INT, RolloutStat
 
 __all__ = ["STATS", "TOKEN_SPREAD", "Combined", "combine", "combined", "latest", "measured_views"]
@@ -136,4 +137,4 @@ def measured_views(views: Sequence[RankState], job: RankState | None) -> list[Ro
 
 def latest(state: CollectorState, run: RunState, now: float) -> RolloutStat | None:
     """The run's latest rollout mismatch over its live views (None: no live view measured one)."""
-    return combine(measured_views(state.live_ranks(run, now), state.live_job(run, now)))
+    return combine(measured_views(live_ranks(state, run, now), live_job(state, run, now)))

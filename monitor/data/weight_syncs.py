@@ -11,7 +11,7 @@ comparison finds (``nanwatch.monitor.write.weight_compare``).
   incarnation is refused (403): a rollout worker cannot post ``side=trainer``, and a made-up incarnation
   never binds, so the real trainer's set is still taken.
 * **Whichever side arrives second compares** (a bound trainer set and a rollout set). Dtype-aware: the verdict
-  is ``nanwatch.monitor.model.weight_verdicts``'.
+  is ``nanwatch.monitor.data.weight_verdicts``'.
 * **Kept until compared.** A version stays while a worker the run knows has neither compared with it nor
   moved past it, up to ``max_versions`` a run (versions every worker compared go first) and ``expire_s``;
   one dropped before a worker compared with it is named by ``expired`` (an event), so a worker lagging
@@ -31,8 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanwatch.monitor.model.refusal import CapReached, Refused
-from nanwatch.monitor.model.weight_verdicts import SideSet, Verdict, compare
+from nanwatch.monitor.data.refusal import CapReached, Refused
+from nanwatch.monitor.data.weight_verdicts import SideSet, Verdict, compare
 
 __all__ = ["MAX_CANDIDATES", "Expired", "WeightSyncs", "WorkerSync", "held_bytes"]
 

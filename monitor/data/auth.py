@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
-from nanwatch.monitor.model.refusal import Refused
+from nanwatch.monitor.data.refusal import Refused
 
 __all__ = ["ANY_NAMESPACE", "Principal", "Role", "TokenTable", "Unauthorized"]
 

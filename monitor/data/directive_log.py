@@ -3,7 +3,7 @@
 A change is a new version (``DELETE`` too: it becomes mode ``none``), so a poller that asks for
 ``index=N`` wakes on any change and never misses one. The ledger (``nanwatch.monitor.write.ledger``) writes a
 version to the store, records its audit event and puts it here, and announces it once committed; waiting
-is :mod:`nanwatch.monitor.model.long_poll`'s job.
+is :mod:`nanwatch.monitor.data.long_poll`'s job.
 
 What a transaction puts is *pending* until its COMMIT succeeds (``commit``) and dropped if it fails
 (``rollback``): readers (polls, the scrape, ``/v1/runs``) see committed versions only, whatever happens to the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from nanwatch.monitor.model.long_poll import LongPoll
+from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.wire import Directive, DirectiveSpec
 
 __all__ = ["DirectiveLog"]

@@ -1,5 +1,7 @@
-"""The run and incarnation caps: whether a request may add what it adds (``Caps.over``), and which
-high-water marks may be forgotten to make room under the incarnation cap (``Caps.stale``). Apart from the
+"""What a request may do, checked before anything is applied: whether it claims only what its senders own
+(``Caps.check``: the run's job poster, a final report's incarnation), whether it may add what it adds under
+the run and incarnation caps (``Caps.over``), and which high-water marks may be forgotten to make room under
+the incarnation cap (``Caps.stale``). Apart from the
 state they read, so that the state holds runs and the caps decide what may join them; the ledger asks before
 anything is applied.
 """
@@ -9,14 +11,25 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from nanwatch.monitor.model.auth import ANY_NAMESPACE
-from nanwatch.monitor.model.state import CollectorState, RunState
+from nanwatch.monitor.data.auth import ANY_NAMESPACE
+from nanwatch.monitor.data.refusal import Refused
+from nanwatch.monitor.data.state import CollectorState, RunState
+from nanwatch.wire import ReportBatch
 
 __all__ = ["Caps"]
 
 
 class Caps:
     """What the caps remember between requests: each namespace's run ids, and the runs found full."""
+
+    def check(self, state: CollectorState, batch: ReportBatch, keys: set[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """Refuse a batch that claims what its senders do not own (``Refused``: a job report from another
+        rank than the run's poster, a final report of another incarnation than the one held; nothing is
+        applied), else the high-water marks to forget so that its new (run, rank, incarnation) ``keys`` fit
+        (``stale``)."""
+        _refuse_foreign_posters(state, batch)
+        _refuse_blind_finals(state, batch)
+        return self.stale(state, keys)
 
     def __init__(self) -> None:
         #: run ids by namespace, for the per-namespace run cap (``over``); built on first use
@@ -148,3 +161,55 @@ class Caps:
         for ns, fresh in adding.items():
             namespace_runs[ns] |= fresh
         return None
+
+
+def _refuse_foreign_posters(state: CollectorState, batch: ReportBatch) -> None:
+    """Only the rank that posts a run's job reports may post ``scope="job"``: the one the run's first job
+    report named, or rank 0 (which takes over). Any other rank's job report refuses the whole batch (403,
+    nothing applied): it would rewrite the run's counters and first and latest offenders."""
+    posters: dict[str, int] = {}
+    for r in batch.reports:
+        if r.scope != "job":
+            continue
+        run = state.runs.get(r.run_id)
+        poster = posters.get(r.run_id, run.job_poster if run is not None else None)
+        if poster is not None and r.rank not in (poster, 0):
+            raise Refused(f"run {r.run_id!r} has its job reports posted by rank {poster}: rank {r.rank} may "
+                          "not post scope=job (send it as a detail report); nothing was applied",
+                          status=403, reason="job_scope")
+        if poster is None or r.rank == 0:
+            posters[r.run_id] = r.rank
+
+
+def _refuse_blind_finals(state: CollectorState, batch: ReportBatch) -> None:
+    """A final report ends only what its sender proves it owns: it must carry the incarnation the run holds
+    for its rank (live, crashed or hung; a rank it holds nothing of, or that ended, has none to prove). Any
+    other refuses the whole batch (409, nothing applied): a blind final from a made-up incarnation cleared a
+    rank's crash and ended the run, muting NanwatchRunCrashed (#37 finding 6). A resent final is acknowledged
+    as before; the batch's own earlier reports (a restart, then its end) count."""
+    current: dict[tuple[str, int], str | None] = {}
+    for r in batch.reports:
+        key = (r.run_id, r.rank)
+        if r.final and r.seq > state.hwm.get((r.run_id, r.rank, r.incarnation), -1):
+            if key not in current:
+                run = state.runs.get(r.run_id)
+                current[key] = _incarnation_of(run, r.rank) if run is not None else None
+            if current[key] is not None and current[key] != r.incarnation:
+                raise Refused(f"run {r.run_id!r} rank {r.rank} is held under another incarnation than "
+                              f"{r.incarnation!r}: a final report ends only its own incarnation; nothing was "
+                              "applied", status=409, reason="final_incarnation")
+        current[key] = r.incarnation
+
+
+def _incarnation_of(run: RunState, rank: int) -> str | None:
+    """The rank's current incarnation as the run knows it (held live or crashed, crashed after its view went,
+    hung), None for a rank it holds nothing of or that ended: only a final report carrying it may end the
+    rank (#37 finding 6: a blind final cleared a crash and muted NanwatchRunCrashed)."""
+    held = run.ranks.get(rank)
+    if held is not None:
+        return held.incarnation
+    crash = run.crashed.get(rank)
+    if crash is not None:
+        return crash.incarnation
+    silent = run.silent.get(rank)
+    return silent.incarnation or None if silent is not None else None

@@ -1,12 +1,12 @@
-"""The rule engine: the declarative rules (``Settings.rules``) applied to each new report, turned into
+"""The directive-rule engine: the declarative rules (``Settings.rules``) applied to each new report, turned into
 intents: events to record and directives to issue.
 
-Always recorded, whatever the rules: the run's first non-finite value, each attention-mode change
+Always recorded, whatever the directive rules: the run's first non-finite value, each attention-mode change
 that ranks report (fallback applied or reverted), each rank whose step raised (``rank_crashed``), each
 classified rollout mismatch and module attribution (``rollout_mismatch``, ``rollout_attribution``); a run's
 first loss-scale overflow (``loss_scale_overflow``, once per run: the scaler at work, not an incident). Events
 are deduplicated per run by a key, so a condition that persists for hours is one event, not one per step and
-rank. The engine decides and writes nothing: it reads what it must through ``RuleReads`` and returns
+rank. The engine decides and writes nothing: it reads what it must through ``DirectiveRuleReads`` and returns
 ``Intents``, which the ledger carries out inside its ingest transaction, before the next report is folded.
 """
 
@@ -15,23 +15,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nanwatch.monitor.model.event_log import FirstNonfinite, ModeChange
-from nanwatch.monitor.model.state import (
+from nanwatch.monitor.data.event_log import FirstNonfinite, ModeChange
+from nanwatch.monitor.data.state import (
     RUN_LEVEL_SCOPES,
     STEP_SLACK,
     Applied,
     RankState,
     crash_key,
 )
-from nanwatch.monitor.model.store import EventRow
+from nanwatch.monitor.data.store import EventRow
 from nanwatch.policy import Rule, matches, remedy
 from nanwatch.wire import Directive, DirectiveSpec, StepReport
 
-__all__ = ["Intents", "Issue", "RuleEngine", "RuleReads"]
+__all__ = ["DirectiveRuleEngine", "DirectiveRuleReads", "Intents", "Issue"]
 
 
-class RuleReads(Protocol):
-    """What the rule engine reads while it decides (``nanwatch.monitor.write.ledger.Ledger``): what the store
+class DirectiveRuleReads(Protocol):
+    """What the directive-rule engine reads while it decides (``nanwatch.monitor.write.ledger.Ledger``): what the store
     and memory hold, the current batch's earlier reports' intents included. It writes nothing through it."""
 
     def has_event(self, run_id: str, dedupe: str) -> bool: ...
@@ -47,7 +47,7 @@ class RuleReads(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Issue:
-    """A directive the rules ask for: the ledger issues it as a new version, with its audit event."""
+    """A directive the directive rules ask for: the ledger issues it as a new version, with its audit event."""
 
     run_id: str
     spec: DirectiveSpec
@@ -66,7 +66,7 @@ class Intents:
     it was)."""
 
 
-class RuleEngine:
+class DirectiveRuleEngine:
     """Decides what each new report calls for (``observe``); the ledger carries it out."""
 
     def __init__(self, rules: list[Rule], *, logit_tau: float) -> None:
@@ -74,7 +74,7 @@ class RuleEngine:
         self._tau = logit_tau
 
     def observe(self, r: StepReport, rank: RankState | None, previous_mode: str | None, now: float, *,
-                reads: RuleReads) -> Intents:
+                reads: DirectiveRuleReads) -> Intents:
         """What ``r`` calls for (``rank``: the view the fold left, ``previous_mode``: the rank's mode before)."""
         out = Intents(r.run_id)
         # a job report speaks for the rank that held its first offender (wire 1.4), not for its poster
@@ -121,7 +121,7 @@ class _Events:
                                          self.r.step if step is None else step, site, "", detail))
 
 
-def _first_nonfinite(r: StepReport, rank: RankState | None, reads: RuleReads, events: _Events) -> None:
+def _first_nonfinite(r: StepReport, rank: RankState | None, reads: DirectiveRuleReads, events: _Events) -> None:
     """The run's first non-finite value: a detail report's is one rank's, and the job report of its step
     (reduced in execution order across ranks) names the first."""
     n = rank.nonfinite if rank is not None else r.nonfinite_total
@@ -185,7 +185,7 @@ def _rollout(r: StepReport, events: _Events) -> None:
 MAX_SPIKE_EVENTS = 64
 
 
-def _spikes(r: StepReport, reads: RuleReads, events: _Events) -> None:
+def _spikes(r: StepReport, reads: DirectiveRuleReads, events: _Events) -> None:
     """The first spike of each site and pass (wire 1.9), while the run holds fewer than ``MAX_SPIKE_EVENTS``:
     its step, factor, value and baseline. From run-level reports (a detail report's are its job's). Never a
     directive: a spike is a precursor, not an incident."""
@@ -201,7 +201,7 @@ def _spikes(r: StepReport, reads: RuleReads, events: _Events) -> None:
             room -= 1
 
 
-def _auto_revert(r: StepReport, reads: RuleReads, out: Intents) -> str | None:
+def _auto_revert(r: StepReport, reads: DirectiveRuleReads, out: Intents) -> str | None:
     """Record as a new version (mode ``none``) that the trainers reverted on their own after clean steps,
     as the directive allowed: the directive metric then matches what ranks apply, and a rule can issue
     a fresh directive. Only rank 0 decides a revert (every rank follows its agreement), and one report

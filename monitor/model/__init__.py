@@ -1,6 +1,0 @@
-"""Model: the collector's state in memory (runs, ranks, counters) and on disk (the SQLite store), the
-event and directive logs, the caps, principals and the memory budget. Imports nothing else of ``nanwatch.monitor``.
-"""
-
-__all__ = ["auth", "caps", "counters", "directive_log", "event_log", "long_poll", "memory", "refusal", "rollout_figures",
-           "schema", "state", "store"]

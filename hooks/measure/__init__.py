@@ -4,5 +4,5 @@ copy. Imports nothing above it in ``nanwatch.hooks``.
 """
 
 __all__ = ["call_stack", "collective", "compiled", "decode", "dtypes", "generated", "inputs", "kept_forward",
-           "logit", "observations", "optimizer_check", "param_sweep", "recorder", "rlhf", "sdpa_backend",
-           "sdpa_rules", "slot_buffer", "structure"]
+           "logit", "observations", "optimizer_check", "param_sweep", "recorder", "replica_verdict", "rlhf",
+           "scaler_overflow", "sdpa_backend", "sdpa_rules", "slot_buffer", "structure"]

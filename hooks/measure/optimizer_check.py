@@ -53,14 +53,15 @@ from typing import Any, Protocol
 import torch
 
 from nanwatch.hooks.failsafe import contained
+from nanwatch.hooks.measure.recorder import ParamBatch
 from nanwatch.wire import Incident, dtype_name
 
-__all__ = ["MAX_NAMED", "BatchSeen", "NonfiniteParams", "OptimizerCheck", "ParamBatch", "optimizer_incident",
+__all__ = ["MAX_NAMED", "BatchSeen", "NonfiniteParams", "OptimizerCheck", "optimizer_incident",
            "read_batch"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (as ``nanwatch.hooks.instrument.probes.local_shard``; not imported from there:
-    the probes import the recorder, which imports this module)."""
+    ``instrument`` sits above ``measure``)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -80,24 +81,6 @@ def _largest_abs(group: list[torch.Tensor]) -> torch.Tensor:
 
 #: Non-finite parameters of one batch named as sites in a report (the rest are counted).
 MAX_NAMED = 16
-
-
-@dataclass(slots=True)
-class ParamBatch:
-    """Parameters read together by one device op, one value each (the largest magnitude; NaN or Inf when
-    the parameter holds one). Training thread until handed over with the step."""
-
-    pos: int
-    """Where in the step's execution order it was recorded (the number of rows before it)."""
-    phase: str
-    """``optimizer``: read right after the update; ``forward``: the same values, as the next step starts."""
-    owner: str
-    """The optimizer's class name."""
-    names: list[str]
-    dtypes: list[str]
-    numels: list[int]
-    values: torch.Tensor
-    """``[len(names)]`` float32 on the recorder's device (set by ``Recorder.param_batch``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,11 @@ import torch
 from nanwatch.hooks.measure.collective import FlagReduction, reduction_active
 from nanwatch.hooks.measure.max_rows import MaxRows
 from nanwatch.hooks.measure.observations import BufKey, ObservationLog
-from nanwatch.hooks.measure.optimizer_check import ParamBatch
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
 from nanwatch.wire import Incident, RolloutAttribution, dtype_name
 
-__all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "Recorder", "SiteKey", "SiteMeta", "StepState"]
+__all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "ParamBatch", "Recorder", "SiteKey", "SiteMeta",
+           "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
@@ -82,6 +82,24 @@ class Counts:
 
 
 @dataclass(slots=True)
+class ParamBatch:
+    """Parameters read together by one device op, one value each (the largest magnitude; NaN or Inf when
+    the parameter holds one). Training thread until handed over with the step."""
+
+    pos: int
+    """Where in the step's execution order it was recorded (the number of rows before it)."""
+    phase: str
+    """``optimizer``: read right after the update; ``forward``: the same values, as the next step starts."""
+    owner: str
+    """The optimizer's class name."""
+    names: list[str]
+    dtypes: list[str]
+    numels: list[int]
+    values: torch.Tensor
+    """``[len(names)]`` float32 on the recorder's device (set by ``Recorder.param_batch``)."""
+
+
+@dataclass(slots=True)
 class StepState:
     """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
 
@@ -124,7 +142,7 @@ class StepState:
     #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
     #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
     loss_scaling: bool = False
-    #: the replica check ran in this step: its layout (``nanwatch.hooks.remedies.replica_check.ReplicaLayout``),
+    #: the replica check ran in this step: its layout (``nanwatch.hooks.measure.replica_verdict.ReplicaLayout``),
     #: which names the verdict in the step's slots
     replica: object = None
 

@@ -71,10 +71,10 @@ from nanwatch.hooks.measure.decode import StepSoFar, decode_step, step_facts, st
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder, StepState
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.remedies import rerun_flags
 from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
 from nanwatch.hooks.remedies.incident_tensors import optimizer_birth, read_tensors, state_note
-from nanwatch.hooks.remedies.loss_scaling import SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.remedies.rerun_flags import FlagsInFlight
 from nanwatch.wire import Incident
 

@@ -379,7 +379,8 @@ def test_the_step_a_parameter_first_went_non_finite_is_named_when_it_is_known():
     non-finite at step 3, first found by an optimizer check at step 4 whose update was skipped, is told at
     step 4 as non-finite since step 3; a finite check ends the episode; an update writing it at step 7 is
     told as written by the update."""
-    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, ParamBatch, read_batch
+    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, read_batch
+    from nanwatch.hooks.measure.recorder import ParamBatch
     from nanwatch.wire import SiteStat
 
     names = ["a.weight", "b.weight"]

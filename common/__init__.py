@@ -1,7 +1,7 @@
 """nanwatch: numerical-health monitoring for PyTorch training.
 
 ``nanwatch.attach`` is the trainer-side entry point, and ``nanwatch.fingerprint`` the weight fingerprint
-(``nanwatch.hooks.measure.weight_fingerprint``); both are imported lazily so that the collector, which
+(``nanwatch.hooks.rollout.weight_fingerprint``); both are imported lazily so that the collector, which
 imports ``nanwatch.wire``, never pulls in torch. Importing the package installs only the finder that keeps
 old module paths working (``nanwatch._aliases``, standard library alone).
 """

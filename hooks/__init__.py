@@ -2,7 +2,7 @@
 
 ``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
 ``rollout_logprobs(generate_output)``: the rollout logprobs of a plain HF ``generate()``, for
-``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.measure.generated``).
+``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.rollout.generated``).
 
 The names below are imported lazily (module ``__getattr__``, as in the root package), so that importing a
 leaf such as ``nanwatch.hooks.report.transport`` runs this file without pulling in torch: each leaf costs only its
@@ -18,14 +18,14 @@ __all__ = ["Monitor", "MonitorConfig", "attach", "fingerprint", "rollout_logprob
 
 #: public name -> the module that defines it
 _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
-          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated",
-          "fingerprint": "nanwatch.hooks.measure.weight_fingerprint"}
+          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.rollout.generated",
+          "fingerprint": "nanwatch.hooks.rollout.weight_fingerprint"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
-    from nanwatch.hooks.measure.generated import rollout_logprobs
-    from nanwatch.hooks.measure.weight_fingerprint import fingerprint
+    from nanwatch.hooks.rollout.generated import rollout_logprobs
+    from nanwatch.hooks.rollout.weight_fingerprint import fingerprint
 
 
 def __getattr__(name: str) -> Any:

@@ -168,8 +168,26 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
 }
 
 
+#: A feature room: one subpackage that holds a feature's parts across the stages (its measure, classify and
+#: report parts), so that a change to the feature is made in one folder. Each of its modules counts as part of
+#: the stage group it works at, so the one-way rule holds for a room's parts as for the stage folders, inside the
+#: room too (its measure part never imports its report part). A room's module missing here is in no group, which
+#: the layer test below names.
+ROOM_STAGES: dict[str, str] = {
+    "nanwatch.hooks.rollout": "nanwatch.hooks.measure",  # the front door imports nothing
+    "nanwatch.hooks.rollout.compare": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.generated": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.weight_fingerprint": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.attribution": "nanwatch.hooks.remedies",
+    "nanwatch.hooks.rollout.mismatch": "nanwatch.hooks.report",
+    "nanwatch.hooks.rollout.weight_publish": "nanwatch.hooks.report",
+}
+
+
 def _group(module: str, layers: list[tuple[str, ...]]) -> tuple[int, str] | None:
-    """(layer index, group) of ``module``: the longest group name that is the module or a package above it."""
+    """(layer index, group) of ``module``: the longest group name that is the module or a package above it
+    (a feature room's module: its stage's group, ``ROOM_STAGES``)."""
+    module = ROOM_STAGES.get(module, module)
     found = [(len(g), i, g) for i, groups in enumerate(layers) for g in groups
              if module == g or module.startswith(g + ".")]
     return max(found)[1:] if found else None

@@ -125,7 +125,7 @@ class StepState:
     attention_layers: set[str] = field(default_factory=set)
     #: the differential rerun's verdict on this step (``nanwatch.hooks.remedies.rerun``), when it ran
     incident: Incident | None = None
-    #: the rollout attribution that ran at this step's end (``nanwatch.hooks.remedies.attribution``), if any
+    #: the rollout attribution that ran at this step's end (``nanwatch.hooks.rollout.attribution``), if any
     rollout_attribution: RolloutAttribution | None = None
     #: ``train``: a training step; ``eval``: an evaluation window's own record (``Recorder.enter_eval``)
     stage: str = "train"

@@ -367,7 +367,7 @@ class CapsuleWriter:
                       extra: dict[str, Any]) -> str | None:
         """A capsule of a whole model (its config and state, tied parameters named once) with named input
         tensors, for a replay that redoes a computation on it (``kind``: ``attribution``, the rollout
-        attribution, ``nanwatch.hooks.remedies.attribution``). The inputs first; the state only when all of
+        attribution, ``nanwatch.hooks.rollout.attribution``). The inputs first; the state only when all of
         it fits the size limit (a partial state redoes nothing: it is then named as not recorded and the
         replay refuses, exit 2). ``extra``: JSON merged into the metadata. Never raises."""
         if not self.wants(kind):

@@ -607,12 +607,12 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
 
 def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], device: str, bounds: Bounds
                       ) -> dict[str, Any]:
-    """An attribution capsule (``nanwatch.hooks.remedies.attribution``): the model rebuilt from its config and
+    """An attribution capsule (``nanwatch.hooks.rollout.attribution``): the model rebuilt from its config and
     state, the attribution redone on the recorded sequences; exit 0 when it names the recorded module, 1 when
     it names another here."""
     import torch
 
-    from nanwatch.hooks.remedies.attribution import attribute_mismatch
+    from nanwatch.hooks.rollout.attribution import attribute_mismatch
 
     inputs, recorded = meta.get("inputs"), meta.get("attribution")
     _need(isinstance(inputs, dict) and all(isinstance(k, str) and v in tensors for k, v in inputs.items())
@@ -655,7 +655,7 @@ def _within_run(model, ids, rollout, trainer_logprobs: bool, device: str, bounds
     forward's activations against ``--max-bytes``: CapsuleError (exit 2, one line) before anything runs."""
     import torch
 
-    from nanwatch.hooks.remedies.attribution import attribution_cost
+    from nanwatch.hooks.rollout.attribution import attribution_cost
 
     _need(ids.dim() == 2 and rollout.dim() == 2 and rollout.shape[0] == ids.shape[0]
           and rollout.shape[1] <= ids.shape[1], "the recorded sequences' shapes do not match")

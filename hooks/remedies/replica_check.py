@@ -12,7 +12,7 @@ How, at the post-step hook of the first optimizer a Monitor covers, at the same 
 every rank (the optimizer steps together on every replica; a step the weight guard skips is the job's
 decision, so skipped everywhere):
 
-* each tensor's integer fingerprint (``nanwatch.hooks.measure.weight_fingerprint``'s exact kernel, its two
+* each tensor's integer fingerprint (``nanwatch.hooks.rollout.weight_fingerprint``'s exact kernel, its two
   lane sums, kept on the device) makes one int64 ``[P, 2]`` table: the model's parameters in
   ``named_parameters()`` order, then each covered optimizer's tensor state (``param:exp_avg``...);
 * one collective gathers the replicas' tables (``all_gather_single``, async; on CUDA the stream waits for
@@ -55,7 +55,7 @@ from nanwatch.hooks.config import MonitorConfig
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.replica_verdict import REPAIRED, ReplicaLayout, verdict, verdict_keys
-from nanwatch.hooks.measure.weight_fingerprint import fingerprint_rows
+from nanwatch.hooks.rollout.weight_fingerprint import fingerprint_rows
 
 __all__ = ["ReplicaCheck", "replica_group"]
 

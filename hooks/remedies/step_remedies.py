@@ -33,11 +33,11 @@ from nanwatch.hooks.failsafe import WarnOnce, contained
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.remedies.attribution import RolloutAttributor
 from nanwatch.hooks.remedies.loss_scaling import LossScaling
 from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
 from nanwatch.hooks.remedies.rerun import DifferentialRerun
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.hooks.rollout.attribution import RolloutAttributor
 from nanwatch.wire import RolloutEvent
 
 __all__ = ["ACCELERATOR_CHECK_EVERY", "StepRemedies"]

@@ -36,8 +36,8 @@ from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
-from nanwatch.hooks.report.mismatch import MismatchClassifier
 from nanwatch.hooks.report.reporter import Landed, Reporter
+from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.wire import RolloutEvent, StepReport
 
 __all__ = ["Built", "ReportFlow", "spike_detector"]

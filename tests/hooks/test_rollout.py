@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import nanwatch
-from nanwatch.hooks.measure.rollout import EDGES
-from nanwatch.hooks.report.mismatch import MismatchClassifier
+from nanwatch.hooks.rollout.compare import EDGES
+from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.wire import RolloutStat
 
 

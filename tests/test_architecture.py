@@ -155,7 +155,8 @@ def test_the_root_package_imports_nothing_at_import_time():
 #: of its own (``nanwatch.hooks.facade``), a subpackage is one with everything under it.
 LAYERS: dict[str, list[tuple[str, ...]]] = {
     "hooks": [("nanwatch.hooks.failsafe",), ("nanwatch.hooks.config",), ("nanwatch.hooks.measure",),
-              ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
+              ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.forensics",),
+              ("nanwatch.hooks.remedies",),
               ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
     "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
@@ -178,7 +179,7 @@ ROOM_STAGES: dict[str, str] = {
     "nanwatch.hooks.rollout.compare": "nanwatch.hooks.measure",
     "nanwatch.hooks.rollout.generated": "nanwatch.hooks.measure",
     "nanwatch.hooks.rollout.weight_fingerprint": "nanwatch.hooks.measure",
-    "nanwatch.hooks.rollout.attribution": "nanwatch.hooks.remedies",
+    "nanwatch.hooks.rollout.attribution": "nanwatch.hooks.forensics",
     "nanwatch.hooks.rollout.mismatch": "nanwatch.hooks.report",
     "nanwatch.hooks.rollout.weight_publish": "nanwatch.hooks.report",
 }
@@ -595,7 +596,7 @@ def _identifiers(tree: ast.AST) -> set[str]:
 WORD_PLACES: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "guard": (("nanwatch.hooks.remedies.weight_guard", "nanwatch.bench.guard"),
               {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped", "guarded"}),
-    "replay": (("nanwatch.hooks.remedies.replay", "nanwatch.hooks.remedies.capsule", "nanwatch.cli"),
+    "replay": (("nanwatch.hooks.forensics.replay", "nanwatch.hooks.forensics.capsule", "nanwatch.cli"),
                {"REPLAY_TRY", "replay_command", "ReplayOutcome", "replay", "_replay_warned"}),
     "beat": ((), set()),
 }

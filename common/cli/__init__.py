@@ -219,7 +219,7 @@ def _directive(args: argparse.Namespace) -> int:
 #: subcommands owned by the trainer side: ``main(argv)`` gets the arguments after the subcommand name
 _DELEGATES = {"demo": ("nanwatch.cli.demo", "train a tiny model into a NaN and back through a directive"),
               "bench": ("nanwatch.bench", "measure the hooks' overhead, or load a collector ('bench collector')"),
-              "replay": ("nanwatch.hooks.remedies.replay", "re-run an incident capsule's birth module under several "
+              "replay": ("nanwatch.hooks.forensics.replay", "re-run an incident capsule's birth module under several "
                          "settings: does the NaN reproduce here, and is it precision or data")}
 
 

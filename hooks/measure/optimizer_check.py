@@ -12,7 +12,7 @@ When: after every step on the CPU, where it is cheap; on an accelerator after th
 a step (16.4 GB at 8B in bf16). A value an unchecked update writes is not missed: every localising site is
 read every step, so the next forward sees the weight at its first use, at the module holding it; the weight
 guard skips that step, and the differential rerun reads every parameter once and names the one written
-(class ``optimizer``, kind ``param``: ``nanwatch.hooks.remedies.incident_tensors``). :attr:`OptimizerCheck.unread`
+(class ``optimizer``, kind ``param``: ``nanwatch.hooks.forensics.incident_tensors``). :attr:`OptimizerCheck.unread`
 tells the rerun that an update ran since the last check.
 
 How: a step post-hook on the optimizer (``Optimizer.register_step_post_hook``: it runs after the real

@@ -123,7 +123,7 @@ class StepState:
     coverage: Counts = field(default_factory=lambda: Counts())
     #: SDPA attention layers measured in a training forward (each should get a logit figure)
     attention_layers: set[str] = field(default_factory=set)
-    #: the differential rerun's verdict on this step (``nanwatch.hooks.remedies.rerun``), when it ran
+    #: the differential rerun's verdict on this step (``nanwatch.hooks.forensics.rerun``), when it ran
     incident: Incident | None = None
     #: the rollout attribution that ran at this step's end (``nanwatch.hooks.rollout.attribution``), if any
     rollout_attribution: RolloutAttribution | None = None

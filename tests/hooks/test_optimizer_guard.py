@@ -431,7 +431,7 @@ def test_an_update_the_amortised_check_did_not_read_is_named_at_its_parameter(de
     1 is finite. Step 2's forward meets the weight at the module holding it (the first offender), the guard
     skips step 2 and every later one, and the rerun reads every parameter once: class ``optimizer``, born at
     the parameter. With ``defer`` the accelerator's path (the step decided at the next step start)."""
-    from nanwatch.hooks.remedies import rerun as rerun_module
+    from nanwatch.hooks.forensics import rerun as rerun_module
 
     monkeypatch.setattr(rerun_module, "defers", lambda device: defer)
     caplog.set_level(logging.WARNING, logger="nanwatch")

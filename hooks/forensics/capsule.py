@@ -1,7 +1,7 @@
 """The incident capsule (issue #20): the birth module of a run's first non-finite step, in one file that
 ``nanwatch replay CAPSULE`` re-runs anywhere.
 
-The drill-down (``nanwatch.hooks.remedies.rerun._drill``) re-runs the culprit micro-batch with every module
+The drill-down (``nanwatch.hooks.forensics.rerun._drill``) re-runs the culprit micro-batch with every module
 watched; it knows the birth module and the exact positional and keyword arguments of its faulting call.
 This module copies them, with the module's own parameters and buffers and the CPU RNG state at the call's
 start, to the CPU on the training thread (they are needed before the step moves on: the next optimizer

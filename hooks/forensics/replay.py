@@ -1,6 +1,6 @@
 """``nanwatch replay CAPSULE``: re-run an incident capsule's birth module under several settings, anywhere.
 
-The capsule (``nanwatch.hooks.remedies.capsule``) is a safetensors file; it is checked to be one (its 8-byte header
+The capsule (``nanwatch.hooks.forensics.capsule``) is a safetensors file; it is checked to be one (its 8-byte header
 length and JSON header, read by hand) before ``safetensors.safe_open`` reads its tensors, which never
 unpickles: a pickle, a ``torch.save`` zip or any other file is refused and never loaded. Classes are
 imported only from ``transformers.`` and ``torch.nn.``: an arbitrary class path from someone else's file
@@ -38,8 +38,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+from nanwatch.hooks.forensics.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
 from nanwatch.hooks.measure.kept_forward import build_cache
-from nanwatch.hooks.remedies.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
 from nanwatch.readable import printable
 
 __all__ = ["CapsuleError", "call_inputs", "main", "open_capsule", "rebuild", "replay_capsule"]

@@ -2,20 +2,16 @@
 
 ``nanwatch.attach`` is the trainer-side entry point, and ``nanwatch.fingerprint`` the weight fingerprint
 (``nanwatch.hooks.rollout.weight_fingerprint``); both are imported lazily so that the collector, which
-imports ``nanwatch.wire``, never pulls in torch. Importing the package installs only the finder that keeps
-old module paths working (``nanwatch._aliases``, standard library alone).
+imports ``nanwatch.wire``, never pulls in torch: importing the package imports nothing. The public API is declared in one
+place, ``nanwatch.public_api`` (docs/api.md lists it).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nanwatch._aliases import install as _install_aliases
-
 __all__ = ["attach", "fingerprint", "__version__"]
 __version__ = "0.1.0"
-
-_install_aliases()
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks import attach, fingerprint

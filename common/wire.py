@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.14"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.15"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -77,6 +77,8 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.14"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                             RolloutStat.fit_residual_rms (a temperature's line, told from
 #                                             other weights' scatter)
 #                                        1.14 Incident.device (the replay hint's --device)
+#                                        1.15 MismatchCause stale_weights and shift (#36: the weight
+#                                             sync's verdicts classify a mismatch)
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -108,8 +110,6 @@ IncidentClass = Literal["precision", "data_mask", "not_reproducible", "optimizer
                         "not_classified"]
 #: How a rerun path ended: non-finite at the first offender or the output, finite, or not run.
 RerunOutcome = Literal["nonfinite", "finite", "skipped"]
-#: The old name of ``RerunOutcome`` ("replay" now means only replaying a capsule).
-ReplayOutcome = RerunOutcome
 #: What a site is; backward stats of any site count as ``grad`` in the headroom metric. ``block`` is a
 #: decoder block's output (the residual stream); ``mlp``, ``norm``, ``router`` (an MoE gate's logits),
 #: ``expert`` and ``module`` are its parts; ``param`` a parameter or optimizer-state tensor found
@@ -299,7 +299,7 @@ class RolloutStat(_Wire):
                                              "sequence's in their batch (and 0.05)")
 
 
-MismatchCause = Literal["jump", "drift", "offset", "outliers"]
+MismatchCause = Literal["jump", "drift", "offset", "outliers", "stale_weights", "shift"]
 
 
 class RolloutEvent(_Wire):

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -65,13 +64,13 @@ class MonitorConfig:
       ``exact_logit_every``, ``exact_logit_chunk_elems``, ``param_check_every``;
     * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
       ``guard``, ``optimizer_check``, ``optimizer_check_every``, ``process_group``, ``guard_reduce``, ``replica_check_every``,
-      ``replica_repair``, ``rerun`` (``replay``, deprecated), ``capsule``,
+      ``replica_repair``, ``rerun``, ``capsule``,
       ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
     * **spikes** (a value jumping k× over its recent past, before it overflows): ``spike_factor``,
       ``spike_window``, ``spike_warmup``, ``spike_action``;
     * **the rollout** (RLHF: the sampler against the trainer): ``rollout_cap``, ``rollout_dtype``,
       ``rollout_attribution``;
-    * **directives**: ``directive_source`` (``policy``, deprecated), ``directive_check_every``,
+    * **directives**: ``directive_source``, ``directive_check_every``,
       ``logit_tau``;
     * **reports** (step reports, job reports, heartbeats): ``max_pending_reports``, ``on_report``,
       ``report_scope``, ``heartbeat_s``, ``report_reduce_timeout_s``, ``close_timeout``;
@@ -203,10 +202,6 @@ class MonitorConfig:
     incident lands in that later step's report with its own ``step``. A flag that lands only after the
     weights may have moved gives ``not_classified``, saying so (``nanwatch.hooks.remedies.rerun_flags``)."""
 
-    replay: bool | None = None
-    """Deprecated name of ``rerun`` ("replay" now means only replaying a capsule); still accepted, with a
-    DeprecationWarning, and copied into ``rerun``."""
-
     capsule: bool | None = None
     """Write an incident capsule (``nanwatch.hooks.remedies.capsule``) when the differential re-run drills a
     non-finite step down to its birth module: the module, its faulting call's inputs, RNG and settings in
@@ -261,10 +256,6 @@ class MonitorConfig:
     """Who issues directives: ``collector`` (its rules), ``local`` (the same default rules, run in the trainer
     by ``LocalRuleEngine``: a remedy without a service), ``auto`` (local without a collector, the
     collector's with one), ``off``."""
-
-    policy: DirectiveSource | None = None
-    """Deprecated name of ``directive_source`` ("policy" now means only the shared rules,
-    ``nanwatch.policy``); still accepted, with a DeprecationWarning, and copied into ``directive_source``."""
 
     directive_check_every: int = 4
     """Under torch.distributed, ranks agree on the active directive every K steps: one all-reduce of four
@@ -337,9 +328,7 @@ class MonitorConfig:
     by ``log_max_bytes * (log_backups + 1)``."""
 
     def __post_init__(self) -> None:
-        """Validation only (and the deprecated names folded into theirs): no environment, no file."""
-        for old, new in _RENAMED:
-            self._take_deprecated(old, new)
+        """Validation only: no environment, no file."""
         _check_run(self)
         _check_measuring(self)
         _check_remedies(self)
@@ -347,23 +336,6 @@ class MonitorConfig:
         _check_spikes(self)
         _check_directives_and_reports(self)
         _check_local_record(self)
-
-    def _take_deprecated(self, old: str, new: str) -> None:
-        value, default = getattr(self, old), _DEFAULTS[new]
-        if value is None:
-            return
-        warnings.warn(f"MonitorConfig({old}=...) is deprecated: use {new}=... (same values)",
-                      DeprecationWarning, stacklevel=5)
-        if getattr(self, new) not in (default, value):
-            raise ValueError(f"{old}={value!r} (deprecated) and {new}={getattr(self, new)!r} disagree: "
-                             f"pass {new} alone")
-        setattr(self, new, value)
-        setattr(self, old, None)
-
-
-#: (deprecated field, its new name): "policy" means only the shared rules, "replay" only a capsule's
-_RENAMED = (("policy", "directive_source"), ("replay", "rerun"))
-_DEFAULTS = {"directive_source": "auto", "rerun": None}
 
 
 def _check_run(c: MonitorConfig) -> None:
@@ -498,14 +470,13 @@ def _config_for(config: MonitorConfig | None, *, run_id: str | None, collector: 
     for key, value in {"run_id": run_id, "collector": collector, **options}.items():
         if value is None and key in ("run_id", "collector"):
             continue
-        name = "directive_source" if key == "policy" else key
-        if name not in MonitorConfig.__dataclass_fields__:
+        if key not in MonitorConfig.__dataclass_fields__:
             raise ValueError(f"nanwatch.attach(): {key}= is not a MonitorConfig field")
         same = (_shards(value) == (config.collectors or _shards(config.collector)) if key == "collector"
-                else getattr(config, name) == value)
+                else getattr(config, key) == value)
         if not same:
-            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{name}="
-                             f"{getattr(config, name)!r}; set it in the config, or pass one of the two")
+            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{key}="
+                             f"{getattr(config, key)!r}; set it in the config, or pass one of the two")
     return config
 
 

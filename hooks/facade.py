@@ -20,7 +20,7 @@ import torch
 
 from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directives.agreement import rank_and_world
-from nanwatch.hooks.directives.directive_state import DirectiveState, OldDirectivesName
+from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.eval_windows import EvalWindows, check_step, window
 from nanwatch.hooks.instrument.install import device_of, install, probes_for, user_model
@@ -52,7 +52,7 @@ def _close_at_exit() -> None:
             mon.close()
 
 
-class Monitor(OldDirectivesName):
+class Monitor:
     """Numerical-health probes on one model. Registers hooks on ``__enter__`` (or ``attach``), removes
     every one of them on ``__exit__``/``close``, leaving the model exactly as it was.
 
@@ -159,14 +159,14 @@ class Monitor(OldDirectivesName):
         self._timeout.seconds = self.config.close_timeout if timeout is None else timeout
         self._stack.close()
 
-    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None = None) -> WeightGuard:
+    def guard(self, optimizer: torch.optim.Optimizer) -> WeightGuard:
         """A weight guard: a step in which a site saw a non-finite value does not update the weights. Free for
-        fused optimizers, else one host read of the step's flag per optimizer step. ``sync`` is deprecated;
-        ``sync=False`` skips that read (then only ``skip_step`` protects). Applies even under ``guard="off"``,
-        never twice on one optimizer; removed at close. ``attach(model, optimizer=opt)`` calls it."""
+        fused optimizers, else one host read of the step's flag per optimizer step. Applies even under
+        ``guard="off"``, never twice on one optimizer; removed at close. ``attach(model, optimizer=opt)``
+        calls it."""
         if not self._active:
             raise RuntimeError("nanwatch: guard() needs an attached Monitor")
-        return self._remedies.guard(optimizer, sync=sync)
+        return self._remedies.guard(optimizer)
 
     # ---- steps -----------------------------------------------------------------------------------
     def step(self, n: int) -> contextlib.AbstractContextManager[Monitor]:

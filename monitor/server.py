@@ -117,7 +117,7 @@ class _Server(uvicorn.Server):
 #: How often a thread holding the GIL hands it over (Python's default is 5 ms). The collector renders
 #: ``/metrics`` in a worker thread; at the default, the event loop waited up to 5 ms for each of the many
 #: handovers a request needs, so a 2.5 s render of 9,000 runs took the trainers' ingest p99 from 3 ms to
-#: 1.3 s (``nanwatch bench collector --attack runs-listing``); at 0.5 ms it was 187 ms, for a render ~5 %
+#: 1.3 s (``tests/collector_attack_bench.py --attack runs-listing``); at 0.5 ms it was 187 ms, for a render ~5 %
 #: slower. Set in ``nanwatch serve`` only: an embedded collector leaves its host process's setting alone.
 GIL_SWITCH_INTERVAL_S = 0.0005
 

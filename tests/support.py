@@ -27,7 +27,7 @@ from nanwatch.bench.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "RolloutEngine", "TinyNet",
            "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
-           "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
+           "grpo_step", "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -301,3 +301,20 @@ class RolloutEngine:
 
     def close(self) -> None:
         self._thread.shutdown()
+
+
+def grpo_step(mon, policy: torch.nn.Module, opt: torch.optim.Optimizer, step: int, sequences: torch.Tensor,
+              rollout: torch.Tensor) -> None:
+    """One GRPO-shaped policy-gradient step on a ``RolloutEngine``'s samples, inside ``mon.step(step)``: the
+    trainer's logprobs of the sampled tokens compared with the rollout's (``Monitor.rlhf``), group-normalised
+    random rewards as advantages."""
+    new = RolloutEngine.NEW
+    with mon.step(step):
+        logits = policy(sequences).logits[:, -new - 1:-1].float()
+        logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -new:, None]).squeeze(-1)
+        rewards = torch.randn(sequences.shape[0], generator=torch.Generator().manual_seed(step))
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
+        (-(advantages[:, None] * logprobs).mean()).backward()
+        opt.step()
+        opt.zero_grad()

@@ -139,14 +139,11 @@ def test_the_wire_imports_pydantic_alone():
 
 
 def test_the_root_package_imports_nothing_at_import_time():
-    """Only the old-path finder, which needs the standard library alone."""
     tree = ast.parse(MODULES["nanwatch"].read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert {(n.module, a.name) for n in top if isinstance(n, ast.ImportFrom) for a in n.names} <= {
-        ("__future__", "annotations"), ("typing", "TYPE_CHECKING"), ("typing", "Any"), ("nanwatch._aliases", "install")}
+        ("__future__", "annotations"), ("typing", "TYPE_CHECKING"), ("typing", "Any")}
     assert not [n for n in top if isinstance(n, ast.Import)]
-    assert _reach("nanwatch._aliases") == ({"nanwatch._aliases"}, {"__future__", "importlib", "sys", "warnings",
-                                                                     "types"})
 
 
 # ---- the layout shows the flow: groups by concern, none importing back up -----------------------------------
@@ -162,7 +159,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
-    "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
+    "common": [("nanwatch.public_api", "nanwatch.wire"), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",
                                          "nanwatch.run_status"),
                ("nanwatch.weight_sync",),
                ("nanwatch.hooks", "nanwatch.monitor"), ("nanwatch",), ("nanwatch.bench",), ("nanwatch.cli",)],
@@ -350,14 +347,10 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the test above can fail
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-#: deprecated re-exports kept for users of the old import path: they share the real modules' names on purpose
-ALIASES = ("nanwatch.hooks.integrations.",)
-
-
 def test_no_two_shipped_files_share_a_name():
     names = defaultdict(list)
     for name, path in MODULES.items():
-        if path.stem != "__init__" and not name.startswith(ALIASES):
+        if path.stem != "__init__":
             names[path.name].append(name)
     assert {n: m for n, m in names.items() if len(m) > 1} == {}
 
@@ -533,6 +526,26 @@ def test_the_leaves_that_promise_no_torch_or_web_stack_keep_it():
         assert own_dependencies(f"nanwatch.monitor.{write_path}") == set(), write_path
 
 
+#: the commands a trainer's machine runs: they never reach the collector or its web stack, at any depth
+TRAINER_COMMANDS = ("nanwatch.cli.status", "nanwatch.cli.directive", "nanwatch.cli.push",
+                    "nanwatch.cli.replay_verdict")
+
+
+def test_the_cli_only_dispatches_and_its_trainer_commands_keep_off_the_web_stack():
+    """``nanwatch.cli`` imports no command at import time (each is imported when it runs or the parser is
+    built), every command module imports nothing third-party at import time, and the trainer-side commands
+    never reach ``nanwatch.monitor`` or the web stack, lazily either."""
+    commands = [m for m in MODULES if m.startswith("nanwatch.cli.") and m != "nanwatch.cli.__main__"]
+    assert set(TRAINER_COMMANDS) <= set(commands), commands
+    assert not {m for m in IMPORT_TIME["nanwatch.cli"] if m.startswith("nanwatch")}, IMPORT_TIME["nanwatch.cli"]
+    for mod in ["nanwatch.cli", *commands]:
+        assert own_dependencies(mod) == set(), mod
+    for mod in TRAINER_COMMANDS:
+        reached, external = _reach(mod)
+        assert not [r for r in reached if r.startswith("nanwatch.monitor")], mod
+        assert not external & WEB_STACK, mod
+
+
 # ---- collaborators talk through methods, not through each other's privates --------------------------------
 def _private_names_by_class() -> dict[str, set[str]]:
     """For each private name (``_x``, not dunder) the project's classes define -- methods, class attributes
@@ -605,12 +618,9 @@ def _readme_table(heading: str, text: str = README) -> list[list[str]]:
 
 
 def _definitions() -> dict[str, list[tuple[str, ast.AST]]]:
-    """Top-level classes, functions and assigned names of every shipped module (the deprecated aliases
-    aside), by name."""
+    """Top-level classes, functions and assigned names of every shipped module, by name."""
     out: dict[str, list[tuple[str, ast.AST]]] = defaultdict(list)
     for mod, path in MODULES.items():
-        if mod.startswith(ALIASES):
-            continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 out[node.name].append((mod, node))
@@ -683,14 +693,13 @@ def _identifiers(tree: ast.AST) -> set[str]:
 
 #: a glossary word -> (modules where it may name anything, the other names that may contain it). "guard" is
 #: the weight guard alone (``weight_guard`` anywhere; the bare word in the names listed, each the weight
-#: guard's: its option, its reduction, its slot; ``guarded``/``replay`` are deprecated keyword/function
-#: names kept for old callers); "replay" a capsule's replay alone (the differential re-run is "rerun", an
+#: guard's: its option, its reduction, its slot); "replay" a capsule's replay alone (the differential re-run is "rerun", an
 #: HTTP retry a "resend"); a heartbeat is never a "beat".
 WORD_PLACES: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "guard": (("nanwatch.hooks.remedies.weight_guard", "nanwatch.bench.guard"),
-              {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped", "guarded"}),
+              {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped"}),
     "replay": (("nanwatch.hooks.forensics.replay", "nanwatch.hooks.forensics.capsule", "nanwatch.cli"),
-               {"REPLAY_TRY", "replay_command", "ReplayOutcome", "replay", "_replay_warned"}),
+               {"REPLAY_TRY", "replay_command"}),
     "beat": ((), set()),
 }
 

@@ -183,9 +183,9 @@ def test_the_floor_reads_what_nanwatch_reads():
 
 @pytest.mark.slow
 def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
-    from nanwatch.bench import main
+    from collector_attack_bench import main
 
-    assert main(["collector", "--ranks", "4", "--sites", "8", "--duration", "1.5", "--warmup", "0.5",
+    assert main(["--ranks", "4", "--sites", "8", "--duration", "1.5", "--warmup", "0.5",
                  "--attack", "scrape", "--attackers", "2", "--rounds", "2", "--settle", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "attack: scrape x2" in printed and "2 rounds of 1.5 s unloaded, then 1.5 s under attack" in printed
@@ -200,10 +200,10 @@ def test_collector_attack_mode_reports_both_phases_and_the_ratio(capsys):
 def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
     """Each new attack kind (#19) runs against a real collector that wants a token, beside the ranks, and
     reports what it did; the ranks' p99 ratio and their refused requests are printed."""
-    from nanwatch.bench import main
-    from nanwatch.bench.attacks import ATTACKS, HELD
+    from collector_attack_bench import main
+    from collector_attacks import ATTACKS, HELD
 
-    assert main(["collector", "--ranks", "2", "--sites", "4", "--duration", "2", "--warmup", "0.5",
+    assert main(["--ranks", "2", "--sites", "4", "--duration", "2", "--warmup", "0.5",
                  "--attack", "all", "--attackers", "1", "--rounds", "1", "--settle", "0", "--connections", "4"]) == 0
     printed = capsys.readouterr().out
     attacked = printed.split("phase 2", 1)[1]
@@ -218,8 +218,8 @@ def test_collector_attack_all_runs_every_kind_of_issue_19_at_once(capsys):
 
 
 def test_attack_plans_cover_every_kind_and_fit_the_file_limit():
-    from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, plan_attack
-    from nanwatch.bench.load import _parser
+    from collector_attack_bench import _parser
+    from collector_attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, plan_attack
 
     args = _parser().parse_args(["--attack", "each", "--connections", "100"])
     plan = plan_attack(args, nofile=1000)

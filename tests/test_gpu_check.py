@@ -1,9 +1,10 @@
 """``.ci/gpu-check`` end to end on a machine without CUDA: it must say so and stop at once (exit 3), before
 installing or running anything, not hang or run the CPU through the benches. And the one table it prints,
-built from synthetic bench JSON (``nanwatch.bench.gpu_table``)."""
+built from synthetic bench JSON (``.ci/gpu_table.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -11,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nanwatch.bench import gpu_table
-
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "gpu-check"
+_spec = importlib.util.spec_from_file_location("gpu_table", SCRIPT.parent / "gpu_table.py")
+gpu_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_table)
 
 
 def _check(tmp_path, python: str) -> subprocess.CompletedProcess:

@@ -27,6 +27,33 @@
 
 They live beside the runtime packages, not in them: ``nanwatch.hooks`` and ``nanwatch.monitor`` never
 import a benchmark.
+
+**What the benches may reach.** The whole-step benches drive nanwatch through the public API
+(``nanwatch.attach``, ``nanwatch.hooks.MonitorConfig``, ``nanwatch.fingerprint``: docs/api.md). A bench
+that times one component alone, or that stands a device in for another, reaches an internal name, and
+these are the internal seams, the only ones: a change to one of them changes its bench in the same commit.
+
+* ``floor``: ``hooks.config.default_is_attention``, ``hooks.instrument.probes.first_tensor``,
+  ``hooks.measure.structure.coarse_sites`` (the floor monitor reads the sites nanwatch reads);
+* ``host_timers`` (``bench profile --timers``): the training thread's entry points into nanwatch, patched
+  by name (its ``ENTRY_POINTS`` table, private methods included: ``_after_sdpa``, ``Probes._grad_hook``,
+  ``OptimizerCheck._check``); ``profile``: ``hooks.report.reporter.Reporter`` (the reporter thread's
+  time);
+* ``fingerprint_cost``: ``hooks.rollout.weight_fingerprint.fingerprint_with_casts`` and
+  ``DEFAULT_CHUNK_ELEMENTS`` (``Monitor.publish_weights``'s cast fingerprints, timed alone);
+* ``guard``: ``hooks.measure.collective.FlagReduction``; ``replica``: ``hooks.measure.recorder.Recorder``,
+  ``hooks.remedies.replica_check.ReplicaCheck``, ``hooks.failsafe.WarnOnce``; ``spike_cost``:
+  ``hooks.measure.spikes.SpikeDetector``; ``job_reduce``: ``hooks.report.job.JobReporting``,
+  ``hooks.report.job_stats.contribution`` and ``reduce_job`` (each component timed alone);
+* ``kernels``: ``hooks.remedies.step_remedies.ACCELERATOR_CHECK_EVERY`` (the accelerator's cadence);
+  ``kernel_seams``: ``hooks.instrument.patching.ORIGINAL_SDPA``, and torch's own privates
+  (``torch.optim.optimizer._get_fused_kernels_supported_devices``, the flash kernel's meta op);
+  ``dispatch_count``: ``torch.utils._python_dispatch.TorchDispatchMode`` and an op's ``_schema``;
+* ``step``: an ``nn.Module``'s ``_forward_hooks`` dicts (``DebugUnderflowOverflow`` keeps no handle);
+* ``load``: ``monitor.server.raise_fd_limit``. ``load`` is itself a seam: ``against_collector``'s
+  ``attacker`` (``AttackerSeam``) and its renderers are what the project's hostile client
+  (``tests/collector_attack_bench.py``, not shipped) runs through, and ``http1`` the raw HTTP/1.1 client
+  it reuses (``tests/collector_attacks.py``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def cadence_plan(config=None) -> dict:
     ``{"cadences", "window", "cycle", "windows": [(first_step, weight_per_step, label)]}``. The mean per step
     is ``sum(weight * window_total)`` over the windows (the plain window's weight makes the per-step mean of
     its C steps; each event window adds its excess over the plain one at its frequency in the cycle)."""
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks import MonitorConfig
 
     config = config or MonitorConfig(run_id="kernels")
     cad = {f.name: getattr(config, f.name) for f in fields(config) if f.name.endswith("_every")}
@@ -216,7 +216,7 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
     ``options``), by phase, nanwatch's ops by function, and the bare step's FLOPs."""
     import nanwatch
     from nanwatch.bench.step import rlhf_feed
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks import MonitorConfig
 
     plan = plan or cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))
     with meta_seams(device):
@@ -278,7 +278,7 @@ def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", opt
         log: Callable[[str], None] = print) -> dict:
     """Count every shape in ``shapes`` on ``device`` in ``dtype`` (bf16 or fp32), nanwatch attached with
     ``options`` (MonitorConfig fields) over its defaults; the results (see ``--json``)."""
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks import MonitorConfig
 
     plan = cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))  # the cadences of what is attached
     threads = torch.get_num_threads()
@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = "bf16" if args.device == "meta" else choose_dtype(args.device)[0]
     try:
         options = _options(args.config)
-        from nanwatch.hooks.config import MonitorConfig
+        from nanwatch.hooks import MonitorConfig
 
         MonitorConfig(run_id="kernels", **options)
     except (ValueError, TypeError) as exc:

@@ -5,19 +5,15 @@ reporting once per second against one collector, measuring sustained reports/s, 
 Kept cheap so that it does not steal the collector's CPU: bodies are encoded once per rank (only the
 sequence number changes), and each rank is a coroutine on its own raw HTTP/1.1 keep-alive connection.
 
-With ``--attack``, ``--rounds`` pairs of measured windows of ``--duration`` each against the same
-collector, alternating: the ranks alone, then the ranks beside a hostile client on loopback (a process of
-its own); the windows of each kind are pooled, and the ratio of their p99 ingest latencies reported (goal:
-within 2x). Alternating puts the machine's drift on both sides alike. The kinds are
-``nanwatch.bench.attacks``'s; ``all``: every kind at once; ``each``: every kind in turn and then all at once,
-each against a fresh collector, and a table of the ratios.
+The project's own hostile-client measurement (``tests/collector_attack_bench.py``, from a checkout: not
+shipped) runs this load beside an attacker through one seam, :func:`against_collector`'s ``attacker``, and
+renders with :func:`phase_lines`, :func:`quantiles`, :func:`new_phase`, :func:`describe_load` and
+:func:`parser`: the internal seam the bench package's docstring lists.
 
 Example usage::
 
     nanwatch bench collector --ranks 1024 --sites 64 --duration 30
     nanwatch bench collector --url http://127.0.0.1:8000   # an already running collector
-    nanwatch bench collector --ranks 256 --duration 10 --rounds 3 --attack slow-headers --attackers 1000
-    nanwatch bench collector --ranks 256 --sites 64 --duration 15 --rounds 3 --attack each
 """
 
 from __future__ import annotations
@@ -26,18 +22,18 @@ import argparse
 import asyncio
 import math
 import os
-import secrets
 import statistics
 import tempfile
 import time
 import urllib.parse
+from typing import Protocol
 
-from nanwatch.bench.attacks import ATTACKS, DEFAULT_ATTACKERS, HELD, Attacker, Target, plan_attack, prime_runs
 from nanwatch.bench.http1 import REQUEST_TIMEOUT_S, auth_line, count, get_once, request
 from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
 from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
-__all__ = ["main", "synthetic_report"]
+__all__ = ["AttackerSeam", "against_collector", "describe_load", "main", "new_phase", "parser", "phase_lines", "quantiles",
+           "synthetic_report"]
 
 IDLE_REUSE_S = 4.0
 """A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
@@ -84,7 +80,7 @@ def _phase_at(stats: dict, t: float) -> dict | None:
     return None
 
 
-def _new_phase(name: str, t_from: float, t_to: float) -> dict:
+def new_phase(name: str, t_from: float, t_to: float) -> dict:
     return {"name": name, "from": t_from, "to": t_to, "lat": [], "status": {}, "scrape": [], "scrape_failed": {},
             "lag": [], "by_kind": {}, "reports": 0,
             "rss": None, "fds": None, "cpu_s": None}
@@ -196,23 +192,34 @@ async def _sample_collector(pid: int, stats: dict) -> None:
             phase["cpu_s"] = cpu1 - cpu0
 
 
-async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None = None,
-               pid: int | None = None) -> dict:
-    """Warmup, then the measured windows: one unloaded, or (with a ``plan``) ``args.rounds`` pairs of an
-    unloaded and an attacked window, alternating so that drift on the machine falls on both alike."""
+class AttackerSeam(Protocol):
+    """What runs beside the ranks in the attacked windows (the seam ``tests/collector_attack_bench.py``'s hostile
+    client plugs into): primed before the clock starts, started with the windows, its counts collected at the
+    end (blocking: it runs in a process of its own)."""
+
+    async def prime(self, host: str, port: int) -> dict | None: ...
+
+    def start(self, host: str, port: int, windows: list[tuple[float, float]]) -> None: ...
+
+    def result(self) -> tuple[list[dict], float]: ...
+
+
+async def _run(url: str, args: argparse.Namespace, pid: int | None = None, attacker: AttackerSeam | None = None) -> dict:
+    """Warmup, then the measured windows: one unloaded, or (with an ``attacker``) ``args.rounds`` pairs of an
+    unloaded and an attacked window, alternating so that drift on the machine falls on both alike, each pair
+    followed by ``args.settle`` unmeasured seconds."""
     u = urllib.parse.urlsplit(url)
     loop = asyncio.get_running_loop()
     await _prime(u.hostname, u.port, args)
-    target = Target(u.hostname, u.port, args.token, args.run_id)
-    primed = await prime_runs(target) if plan and "runs-listing" in plan else None
+    primed = await attacker.prime(u.hostname, u.port) if attacker is not None else None
     start = loop.time() + 0.5
     t = start + args.warmup
     phases = []
-    for _ in range(args.rounds if plan else 1):
-        for name in ("unloaded", "under attack") if plan else ("unloaded",):
-            phases.append(_new_phase(name, t, t + args.duration))
+    for _ in range(args.rounds if attacker else 1):
+        for name in ("unloaded", "under attack") if attacker else ("unloaded",):
+            phases.append(new_phase(name, t, t + args.duration))
             t += args.duration
-        if plan:  # what an attack left behind (a request still being answered) is not the next window's
+        if attacker:  # what an attack left behind (a request still being answered) is not the next window's
             t += args.settle
     stop = phases[-1]["to"]
     stats: dict = {"phases": phases, "attacks": [], "primed": primed}
@@ -221,8 +228,8 @@ async def _run(url: str, args: argparse.Namespace, plan: dict[str, int] | None =
     tasks.append(_loop_lag(stats, stop))
     if pid is not None:
         tasks.append(_sample_collector(pid, stats))
-    windows = [(p["from"], p["to"]) for p in phases if p["name"] == "under attack"]
-    attacker = Attacker(target, plan, windows) if plan else None
+    if attacker is not None:
+        attacker.start(u.hostname, u.port, [(p["from"], p["to"]) for p in phases if p["name"] == "under attack"])
     await asyncio.gather(*tasks)
     if attacker is not None:
         stats["attacks"], stats["attacker_cpu_s"] = await loop.run_in_executor(None, attacker.result)
@@ -269,7 +276,7 @@ def _nofile_of(pid: int) -> str | None:
     return None
 
 
-def _quantiles(values: list[float]) -> tuple[float, float, float] | None:
+def quantiles(values: list[float]) -> tuple[float, float, float] | None:
     """(p50, p99, max) of ``values``; None without samples."""
     if not values:
         return None
@@ -280,9 +287,9 @@ def _quantiles(values: list[float]) -> tuple[float, float, float] | None:
     return q[49], q[98], v[-1]
 
 
-def _phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[str]:
+def phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[str]:
     """Throughput, statuses, ingest latency and /metrics scrapes of one measured phase of ``seconds``."""
-    lat = _quantiles(phase["lat"])
+    lat = quantiles(phase["lat"])
     lines = [
         f"sustained: {phase['reports'] / seconds:.0f} reports/s in {len(phase['lat']) / seconds:.0f} requests/s "
         f"over {seconds:.0f} s (target {_target(args):.0f} reports/s); statuses {phase['status']}",
@@ -291,7 +298,7 @@ def _phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[
     ]
     if len(phase["by_kind"]) > 1:
         lines += [f"  {kind}: p50 {q[0] * 1e3:.1f} ms, p99 {q[1] * 1e3:.1f} ms ({len(v)} requests)"
-                  for kind, v in phase["by_kind"].items() if (q := _quantiles(v))]
+                  for kind, v in phase["by_kind"].items() if (q := quantiles(v))]
     if scrapes := phase["scrape"]:
         times = [t for t, _, _ in scrapes]
         lines.append(f"/metrics: {len(scrapes)} scrapes, median {statistics.median(times) * 1e3:.0f} ms, "
@@ -308,65 +315,7 @@ def _target(args: argparse.Namespace) -> float:
     return args.jobs * ((1 + min(args.details, args.ranks - 1)) * args.rate + args.ranks / args.heartbeat_every)
 
 
-def _attack_lines(counts: dict, duration: float) -> list[str]:
-    """What one kind of attacker did: the statuses and times of its requests, or how the collector ended
-    its held connections."""
-    kind, n = counts["kind"], counts["n"]
-    if kind not in HELD:
-        t = _quantiles(counts["times"])
-        done = sum(counts["status"].values())
-        timing = f", p50 {t[0] * 1e3:.0f} ms, max {t[2] * 1e3:.0f} ms" if t else ""
-        cut = f"; {counts['open_at_end']} unanswered when its window ended" if counts["open_at_end"] else ""
-        return [f"{kind} x{n}: {done} requests ({done / duration:.1f}/s){timing}; statuses {counts['status']}{cut}"]
-    ended = sum(v for k, v in counts["ended"].items() if k != "connect failed")
-    life = statistics.median(counts["lifetimes"]) if counts["lifetimes"] else None
-    after = f", median after {life:.1f} s" if life is not None else ""
-    return [f"{kind} x{n}: {counts['opened']} connections opened, {counts['open_at_end']} still open at the end; "
-            f"ended by the server: {ended}{after} {counts['ended'] or ''}".rstrip()]
-
-
-def _merged(phases: list[dict], name: str) -> dict:
-    """The windows called ``name`` as one phase: samples pooled, CPU summed, RSS and descriptors from the
-    last."""
-    mine = [p for p in phases if p["name"] == name]
-    out = _new_phase(name, mine[0]["from"], mine[-1]["to"])
-    for p in mine:
-        for key in ("lat", "scrape", "lag"):
-            out[key] += p[key]
-        out["reports"] += p["reports"]
-        for kind, lat in p["by_kind"].items():
-            out["by_kind"].setdefault(kind, []).extend(lat)
-        for key in ("status", "scrape_failed"):
-            for k, v in p[key].items():
-                out[key][k] = out[key].get(k, 0) + v
-    out["rss"], out["fds"] = mine[-1]["rss"], mine[-1]["fds"]
-    cpu = [p["cpu_s"] for p in mine]
-    out["cpu_s"] = None if None in cpu else sum(cpu)
-    return out
-
-
-def _ratio(base: dict, hit: dict) -> tuple[float, float, float] | None:
-    """(p99 unloaded, p99 under attack, their ratio) of the pooled phases; None without samples."""
-    base, hit = _quantiles(base["lat"]), _quantiles(hit["lat"])
-    if not base or not hit or base[1] <= 0:
-        return None
-    return base[1], hit[1], hit[1] / base[1]
-
-
-def _failed(phase: dict) -> int:
-    """The ranks' requests not answered 200 in the phase (refused, timed out, connection lost)."""
-    return sum(n for k, n in phase["status"].items() if k != 200)
-
-
-def _ratio_line(base: dict, hit: dict) -> str:
-    r = _ratio(base, hit)
-    failed = f"; ranks' requests not answered 200: {_failed(base)} unloaded, {_failed(hit)} under attack"
-    if r is None:
-        return "p99 under attack / p99 unloaded = n/a (no samples)" + failed
-    return f"p99 under attack / p99 unloaded = {r[2]:.2f} (goal: within 2x)" + failed
-
-
-def _load(args: argparse.Namespace) -> str:
+def describe_load(args: argparse.Namespace) -> str:
     jobs = f"{args.jobs} jobs of " if args.jobs > 1 else ""
     if args.scope == "rank":
         return f"{jobs}{args.ranks} ranks x {args.sites} sites, per-rank reports at {args.rate}/s per rank"
@@ -375,47 +324,16 @@ def _load(args: argparse.Namespace) -> str:
 
 
 def _report(stats: dict, args: argparse.Namespace, rss: float | None) -> str:
-    phases = stats["phases"]
-    lines = [f"machine: {os.cpu_count()} CPUs; load: {_load(args)}"]
-    if len(phases) == 1:
-        lines += _phase_lines(phases[0], args.duration, args)
-        if phases[0]["cpu_s"] is not None:
-            lines.append(f"collector CPU: {100 * phases[0]['cpu_s'] / args.duration:.0f}% of one core")
-    else:
-        plan = ", ".join(f"{c['kind']} x{c['n']}" for c in stats["attacks"])
-        lines.append(f"attack: {plan}; open file limit {stats.get('nofile')}"
-                     + (f", collector's {stats['collector_nofile']}" if stats.get("collector_nofile") else ""))
-        if stats.get("primed") is not None:
-            lines.append(f"primed for runs-listing: {sum(stats['primed'].values())} requests of 256 runs, "
-                         f"statuses {stats['primed']}")
-        rounds = len(phases) // 2
-        seconds = rounds * args.duration
-        lines.append(f"{rounds} rounds of {args.duration:g} s unloaded, then {args.duration:g} s under attack "
-                     f"and {args.settle:g} s unmeasured; each phase below pools its windows")
-        merged = [_merged(phases, "unloaded"), _merged(phases, "under attack")]
-        for i, phase in enumerate(merged, 1):
-            title = phase["name"] + (f" ({plan})" if i > 1 else "")
-            lines.append(f"phase {i}, {title}:")
-            body = _phase_lines(phase, seconds, args)
-            if i > 1:
-                for counts in stats["attacks"]:
-                    body += _attack_lines(counts, seconds)
-                body.append(f"attacker process CPU: {100 * stats['attacker_cpu_s'] / seconds:.0f}% of one core "
-                            "(on this machine, taken from the collector's CPUs)")
-            if (lag := _quantiles(phase["lag"])) is not None:
-                body.append(f"bench event loop lag: p99 {lag[1] * 1e3:.1f} ms, max {lag[2] * 1e3:.1f} ms")
-            if phase["rss"] is not None:
-                body.append(f"collector at phase end: RSS {phase['rss']:.0f} MiB, {phase['fds']} open descriptors")
-            if phase["cpu_s"] is not None:
-                body.append(f"collector CPU: {100 * phase['cpu_s'] / seconds:.0f}% of one core")
-            lines += ["  " + line for line in body]
-        lines.append(_ratio_line(*merged))
+    phase = stats["phases"][0]
+    lines = [f"machine: {os.cpu_count()} CPUs; load: {describe_load(args)}", *phase_lines(phase, args.duration, args)]
+    if phase["cpu_s"] is not None:
+        lines.append(f"collector CPU: {100 * phase['cpu_s'] / args.duration:.0f}% of one core")
     if rss is not None:
         lines.append(f"collector RSS: {rss:.0f} MiB")
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanwatch bench collector", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running collector (default: start one on a temp database)")
     p.add_argument("--ranks", type=int, default=1024, help="ranks of each job")
@@ -435,19 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--run-id", default="loadgen")
     p.add_argument("--token", default=os.environ.get("NANWATCH_TOKEN") or None,
-                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none; with --attack "
-                        "and no --url, a fresh one that the bench's collector requires)")
-    p.add_argument("--attack", choices=("none", *ATTACKS, "all", "each"), default="none",
-                   help="a second phase with a hostile client beside the ranks (default: none, one phase); all: "
-                        "every kind at once; each: every kind in turn, then all, and a table of the ratios")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="with --attack: unloaded/attacked window pairs, alternating (default: 3)")
-    p.add_argument("--settle", type=float, default=5.0,
-                   help="with --attack: unmeasured seconds after each attacked window, so that what the attack "
-                        "left the collector doing is not counted as unloaded (default: 5)")
-    p.add_argument("--attackers", type=int, default=None,
-                   help="attackers of each kind (default: " +
-                        ", ".join(f"{k} {n}" for k, n in DEFAULT_ATTACKERS.items()) + ")")
+                   help="bearer token for ingest and scrapes (default: $NANWATCH_TOKEN, else none)")
     p.add_argument("--matrix", action="store_true",
                    help="each of --matrix-ranks per rank and per job at each of --matrix-scrapes, a fresh "
                         "collector each, then one table")
@@ -461,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
 def _row(args: argparse.Namespace, stats: dict) -> dict:
     """One configuration's figures for the side-by-side table."""
     phase, seconds = stats["phases"][0], args.duration
-    lat = _quantiles(phase["lat"]) or (math.nan,) * 3
+    lat = quantiles(phase["lat"]) or (math.nan,) * 3
     scrapes = phase["scrape"]
     return dict(ranks=args.ranks, jobs=args.jobs, scope=args.scope, scrape=args.scrape_every,
                 target=_target(args), reports=phase["reports"] / seconds, requests=len(phase["lat"]) / seconds,
@@ -469,7 +375,7 @@ def _row(args: argparse.Namespace, stats: dict) -> dict:
                 metrics_ms=statistics.median(t for t, _, _ in scrapes) * 1e3 if scrapes else math.nan,
                 metrics_mb=scrapes[-1][1] / 1e6 if scrapes else math.nan,
                 errors=sum(n for k, n in phase["status"].items() if k != 200),
-                lag=(_quantiles(phase["lag"]) or (math.nan,) * 3)[1] * 1e3)
+                lag=(quantiles(phase["lag"]) or (math.nan,) * 3)[1] * 1e3)
 
 
 def _table(rows: list[dict]) -> str:
@@ -484,56 +390,36 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(f"| {line} |" for line in lines)
 
 
-def _one(args: argparse.Namespace, plan: dict[str, int], nofile: int) -> dict:
-    """One configuration against a fresh collector (or ``--url``); prints its report, returns its stats."""
+def against_collector(args: argparse.Namespace, *, attacker: AttackerSeam | None = None,
+                      env: dict[str, str] | None = None) -> tuple[dict, float | None]:
+    """One configuration against ``args.url``, or a fresh collector (a child process, ``env`` added to its
+    environment): (its stats, the collector's RSS at the end in MiB or None with ``--url``). ``attacker``:
+    the hostile client's seam (:class:`AttackerSeam`)."""
     from nanwatch.bench.serve import CollectorProcess
 
     if args.url:
-        stats = asyncio.run(_run(args.url, args, plan))
-        stats["nofile"] = nofile
-        print(_report(stats, args, None), flush=True)
-        return stats
-    env = {}
-    if plan and not args.token:  # attacks without a token must meet a collector that wants one
-        args = argparse.Namespace(**{**vars(args), "token": secrets.token_urlsafe(16)})
-        env["NANWATCH_TOKEN"] = args.token
-    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db"), env=env) as c:
-        stats = asyncio.run(_run(c.url, args, plan, c.proc.pid))
-        stats["nofile"], stats["collector_nofile"] = nofile, _nofile_of(c.proc.pid)
-        print(_report(stats, args, _rss_mb(c.proc.pid)), flush=True)
+        return asyncio.run(_run(args.url, args, attacker=attacker)), None
+    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(db_path=os.path.join(tmp, "load.db"),
+                                                                env=env or {}) as c:
+        stats = asyncio.run(_run(c.url, args, c.proc.pid, attacker))
+        stats["collector_nofile"] = _nofile_of(c.proc.pid)
+        return stats, _rss_mb(c.proc.pid)
+
+
+def _one(args: argparse.Namespace) -> dict:
+    """One configuration against a fresh collector (or ``--url``); prints its report, returns its stats."""
+    stats, rss = against_collector(args)
+    print(_report(stats, args, rss), flush=True)
     return stats
 
 
-def _each(args: argparse.Namespace, plan: dict[str, int], nofile: int) -> None:
-    """``--attack each``: every kind alone, then all at once, each against a fresh collector; then a table of
-    the p99 ratios."""
-    rows = []
-    for kind in (*plan, "all"):
-        one = argparse.Namespace(**{**vars(args), "attack": kind})
-        print(f"--- attack {kind}", flush=True)
-        stats = _one(one, plan if kind == "all" else {kind: plan[kind]}, nofile)
-        base, hit = _merged(stats["phases"], "unloaded"), _merged(stats["phases"], "under attack")
-        rows.append((kind, _ratio(base, hit), _failed(base), _failed(hit)))
-    print(f"machine: {os.cpu_count()} CPUs; load: {_load(args)}; {args.rounds} rounds of {args.duration:g} s each side")
-    print("| attack | ingest p99 unloaded → attacked | × | ranks' requests not 200 (unloaded, attacked) |\n"
-          "|---|---|---|---|")
-    for kind, r, base_failed, hit_failed in rows:
-        n = "all at once" if kind == "all" else f"`{kind}` ×{plan[kind]}"
-        p99 = f"{r[0] * 1e3:.1f} → {r[1] * 1e3:.1f} ms | {r[2]:.2f}" if r else "n/a | n/a"
-        print(f"| {n} | {p99} | {base_failed}, {hit_failed} |")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     from nanwatch.monitor.server import raise_fd_limit
 
-    nofile = raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
-    plan = plan_attack(args, nofile)
-    if args.attack == "each":
-        _each(args, plan, nofile)
-        return 0
+    raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
     if not args.matrix and not args.jobs_sweep:
-        _one(args, plan, nofile)
+        _one(args)
         return 0
     if args.matrix:
         configs = matrix_configs(args)
@@ -542,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for config in configs:
         one = argparse.Namespace(**{**vars(args), **config})
-        print(f"--- {_load(one)}, scrapes every {one.scrape_every:g} s", flush=True)
-        rows.append(_row(one, _one(one, {}, nofile)))
+        print(f"--- {describe_load(one)}, scrapes every {one.scrape_every:g} s", flush=True)
+        rows.append(_row(one, _one(one)))
     print(f"machine: {os.cpu_count()} CPUs; {args.duration:g} s measured per configuration after "
           f"{args.warmup:g} s warmup; {args.sites} sites a report")
     print(_table(rows))

@@ -159,7 +159,7 @@ class _Runner:
         self.opt.step()  # inside the step: the weight guard reads this step's flag
 
     def round(self, arm: _Arm, n: int, *, record: bool) -> None:
-        from nanwatch.hooks import attach
+        from nanwatch import attach
 
         before = set(threading.enumerate())
         mon = None if arm.options is None else attach(self.model, run_id="bench-profile", optimizer=self.opt,

@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, device: str, steps: int, checks: i
     import nanwatch
     from nanwatch.bench.step import lm_step
     from nanwatch.bench.tiny_models import tiny_qwen3
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks import MonitorConfig
     from nanwatch.hooks.failsafe import WarnOnce
     from nanwatch.hooks.measure.recorder import Recorder
     from nanwatch.hooks.remedies.replica_check import ReplicaCheck
@@ -89,7 +89,7 @@ def run(*, ranks: int = 2, device: str = "cpu", steps: int = 40, checks: int = 3
     import torch.multiprocessing as mp
 
     from nanwatch.bench.serve import free_port
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks import MonitorConfig
 
     with tempfile.TemporaryDirectory(prefix="nanwatch-replica-") as tmp:
         mp.start_processes(_worker, args=(ranks, free_port(), device, steps, checks, seq, tmp), nprocs=ranks,

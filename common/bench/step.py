@@ -229,7 +229,7 @@ def _variants(cfg: BenchConfig, model: torch.nn.Module, opt: torch.optim.Optimiz
 
     @contextlib.contextmanager
     def nanwatch_round(guard: bool = False) -> Iterator[None]:
-        from nanwatch.hooks import attach
+        from nanwatch import attach
 
         mon = attach(model, run_id="bench", optimizer=opt if guard else None)
         state["mon"] = mon

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -56,7 +55,7 @@ from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.policy import is_agreement_step
 from nanwatch.wire import Directive
 
-__all__ = ["DirectiveState", "OldDirectivesName"]
+__all__ = ["DirectiveState"]
 
 log = logging.getLogger("nanwatch")
 
@@ -180,16 +179,3 @@ class DirectiveState:
         """Run ``call`` restricted to fused kernels; if none fits, fall back to fp32 and say so."""
         return self._effects.fused_call(site, call, upcast)
 
-
-class OldDirectivesName:
-    """A base of the Monitor: its old attribute name ``directives`` for ``directive_state``, kept working
-    with a ``DeprecationWarning`` (#15 renamed it)."""
-
-    directive_state: DirectiveState
-
-    @property
-    def directives(self) -> DirectiveState:
-        """Deprecated name of :attr:`directive_state`."""
-        warnings.warn("Monitor.directives is deprecated: use Monitor.directive_state", DeprecationWarning,
-                      stacklevel=2)
-        return self.directive_state

@@ -1,4 +1,5 @@
-"""``nanwatch replay CAPSULE``: re-run an incident capsule's birth module under several settings, anywhere.
+"""Replaying an incident capsule: re-run its birth module under several settings, anywhere (the command,
+``nanwatch replay CAPSULE``, is ``nanwatch.cli.replay_verdict``).
 
 The capsule (``nanwatch.hooks.forensics.capsule``) is a safetensors file; it is checked to be one (its 8-byte header
 length and JSON header, read by hand) before ``safetensors.safe_open`` reads its tensors, which never
@@ -23,12 +24,10 @@ at that host). Exit code 0: the non-finite value reproduced; 1: not reproducible
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import importlib
 import json
-import math
 import os
 import re
 import signal
@@ -40,9 +39,8 @@ from typing import Any, NamedTuple
 
 from nanwatch.hooks.forensics.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
 from nanwatch.hooks.measure.kept_forward import build_cache
-from nanwatch.readable import printable
 
-__all__ = ["CapsuleError", "call_inputs", "main", "open_capsule", "rebuild", "replay_capsule"]
+__all__ = ["Bounds", "CapsuleError", "SETTINGS", "call_inputs", "offline", "open_capsule", "rebuild", "replay_capsule"]
 
 SETTINGS = ("same", "fp32", "math", "flash", "efficient", "cudnn")
 _MAX_HEADER = MAX_HEADER_BYTES  # below safetensors' own 100 MB: refused from the 8-byte length, unparsed
@@ -674,20 +672,6 @@ def _within_run(model, ids, rollout, trainer_logprobs: bool, device: str, bounds
                            f"--max-bytes {bounds.max_bytes:,}: refused before it runs; raise --max-bytes to run it")
 
 
-def _attribution_table(result: dict[str, Any]) -> str:
-    result = _shown(result)
-    a, rec = result["attribution"], result["recorded"]
-    lines = [f"capsule  {result['capsule']}",
-             f"rollout attribution of step {rec['step']}, recorded on {rec['host']} ({rec['device']}); redone on "
-             f"{result['device']}: {a['sequences']} sequences, {a['rollout_dtype']}",
-             f"observed mean |dlogp| {a['observed_abs_mean']}, every unit lowered {a['lowered_abs_mean']}",
-             f"{'unit':<48} {'abs_mean':>10} {'share':>6}"]
-    lines += [f"{m['module']:<48} {m['abs_mean']:>10.3g} {m['share']:>6.2f}" for m in a["modules"]]
-    lines.append(f"module   {result['module']} (recorded: {result['recorded_module']}; "
-                 f"{'the same' if result['same'] else 'another one here'}){': ' + a['note'] if a['note'] else ''}")
-    return "\n".join(lines)
-
-
 def _verdict(rows: list[dict[str, Any]]) -> tuple[str, int, str | None]:
     """(class, exit code, what could not be decided) from the settings that ran, and only those: non-finite
     under ``same`` and finite under another setting is precision; non-finite under ``fp32`` too (the setting
@@ -702,108 +686,3 @@ def _verdict(rows: list[dict[str, Any]]) -> tuple[str, int, str | None]:
         return "data_mask", 0, None
     why = "fp32 did not run" if "fp32" not in by else f"fp32 could not run here ({by['fp32']})"
     return "undecided", 0, why
-
-
-_MEANING = {"precision": "non-finite on the recorded path, finite under another setting: a precision fallback helps",
-            "data_mask": "non-finite under every setting that ran: the inputs or weights carry it (no precision "
-                         "switch helps)",
-            "not_reproducible": "finite under the recorded settings on this host: replay it on the host that "
-                                "raised it and on another; reproducible only there points at that host "
-                                "(silent data corruption), nowhere at a race or a fault outside this module",
-            "undecided": "non-finite under every setting that ran, but without fp32 whether a precision switch "
-                         "helps (precision) or the inputs or weights carry it (data_mask) is not decided here"}
-
-
-def _shown(x: Any) -> Any:
-    """``x`` with every string in it (keys too) through ``printable``: what a capsule says reaches the terminal
-    escaped (no escape sequence, bidi override nor line break of its own), as ``nanwatch status`` shows it."""
-    if isinstance(x, str):
-        return printable(x)
-    if isinstance(x, dict):
-        return {_shown(k): _shown(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_shown(v) for v in x]
-    return x
-
-
-def _table(result: dict[str, Any]) -> str:
-    result = _shown(result)  # the capsule's strings (fqn, host, class, dropped, notes) are the file's words
-    rec = result["recorded"]
-    lines = [f"capsule  {result['capsule']}",
-             f"module   {result['fqn']} ({result['class_path']})",
-             f"recorded on {rec['host']} ({rec['device']}): {rec['incident_cls']}, "
-             f"{rec['birth_elements']} non-finite elements; forward replayed on {result['device']}"]
-    if result["capture"].get("of") == "first_offender":
-        lines.append("call     the first offender's call in the trainer's finite re-run (no birth was found there): "
-                     "the inputs training fed it")
-    if result["dropped"]:
-        lines.append(f"not recorded: {'; '.join(result['dropped'][:4])}")
-    lines.append(f"{'setting':<10} {'reproduces':<11} {'non-finite':>10} {'max |x| finite':>15}  note")
-    for r in result["rows"]:
-        if r["status"] in ("finite", "nonfinite"):
-            rep = "yes" if r["status"] == "nonfinite" else "no"
-            mx = f"{r['max_abs']:.4g}" if math.isfinite(r["max_abs"]) else "inf"
-            note = f"{r['dtype']}, {r['elements']} elements, {r['sdpa_calls']} SDPA calls"
-            if not r["sdpa_calls"] and r["setting"] not in ("same", "fp32"):
-                note += " (no SDPA call: this kernel choice changed nothing)"
-            lines.append(f"{r['setting']:<10} {rep:<11} {r['nonfinite']:>10} {mx:>15}  {note}")
-        else:
-            lines.append(f"{r['setting']:<10} {r['status']:<11} {'-':>10} {'-':>15}  {r.get('note', '')}")
-    hooks = result.get("hooks") or []
-    if hooks:
-        lines.append(f"hooks    the module had {len(hooks)} forward hook(s) in training that a capsule cannot carry "
-                     f"(code): {'; '.join(hooks[:4])}{'; ...' if len(hooks) > 4 else ''}")
-    if result["cls"] == "not_reproducible" and hooks:
-        lines.append("class    not_reproducible: finite here, but the module ran with the hooks above in training, "
-                     "and a hook that changes its output is not replayed: suspect a hook before the hardware")
-        return "\n".join(lines)
-    lines.append(f"class    {result['cls']}: {_MEANING[result['cls']]}")
-    if result["cls"] == "undecided":
-        lines.append(f"         {result['undecided']}: add --try fp32 to decide it; the trainer recorded class "
-                     f"{rec['incident_cls']}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="nanwatch replay", description="Re-run an incident capsule's birth module's "
-                                "forward under several settings; exit 0 if the non-finite value reproduced, 1 if "
-                                "not, 2 if it cannot be replayed here (a backward birth is not replayed).")
-    p.add_argument("capsule", help="a .capsule file written by the trainer (NANWATCH_CAPSULE_DIR)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--try", dest="settings", default=",".join(SETTINGS),
-                   help=f"comma-separated settings (default {','.join(SETTINGS)})")
-    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
-    d = Bounds()
-    p.add_argument("--max-params", type=int, default=d.max_params,
-                   help=f"refuse a module with more parameters, counted before it is built (default {d.max_params:,})")
-    p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="refuse a module whose parameters and buffers "
-                   f"(and the fp32 setting's copy) take more bytes, counted before it is built (default {d.max_bytes:,})")
-    p.add_argument("--max-build-s", type=float, default=d.max_build_s,
-                   help=f"refuse a module that takes longer to build (default {d.max_build_s:g} s)")
-    p.add_argument("--max-run-s", type=float, default=d.max_run_s,
-                   help="stop a replay that runs longer; an attribution capsule whose sequences (count x length) "
-                        "would take longer, counted before it runs, is refused (default "
-                        f"{d.max_run_s:g} s)")
-    a = p.parse_args(argv)
-    offline()  # before anything imports transformers
-    settings = [s.strip() for s in a.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown settings {unknown}: choose from {','.join(SETTINGS)}")
-    try:
-        bounds = Bounds(a.max_params, a.max_bytes, a.max_build_s, fp32="fp32" in settings, max_run_s=a.max_run_s)
-        result = replay_capsule(a.capsule, device=a.device, settings=settings, bounds=bounds)
-    except CapsuleError as e:
-        print(f"nanwatch replay: {printable(' '.join(str(e).split()))}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - anything else a hostile capsule provokes: one line, exit 2 (1 is "not reproducible")
-        print(f"nanwatch replay: cannot replay {printable(a.capsule)}: {type(e).__name__}: "
-              f"{printable(' '.join(str(e).split())[:300])}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if a.json else
-          _attribution_table(result) if result.get("kind") == "attribution" else _table(result))
-    return result["exit"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

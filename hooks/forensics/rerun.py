@@ -45,9 +45,8 @@ DeepSpeed ZeRO-3 or SyncBatchNorm a forward gathers from every rank: one rank re
 ranks to agree on every branch of the search (which micro-batch, which path), a collective per branch.
 
 :class:`DifferentialRerun` is what the Monitor holds: rerun mode's per-step decision (the step's flag, the
-scaler's overflow excepted, once per run) and the capsule writer it fills. ``rerun`` was
-called ``replay`` before "replay" came to mean only a capsule's (``nanwatch replay``); the old name still
-works, with a DeprecationWarning.
+scaler's overflow excepted, once per run) and the capsule writer it fills. "rerun" is the
+differential re-run's word; "replay" means only a capsule's (``nanwatch replay``).
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -78,7 +76,7 @@ from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler
 from nanwatch.wire import Incident
 
-__all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "replay", "rerun"]
+__all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "rerun"]
 
 log = logging.getLogger("nanwatch")
 
@@ -392,22 +390,6 @@ def rerun(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveS
         torch.set_rng_state(saved_rng)
         if saved_cuda:
             torch.cuda.set_rng_state_all(saved_cuda)
-
-
-_replay_warned = False
-
-
-def replay(*, guarded: bool | None = None, **options: Any) -> Incident:
-    """Deprecated name of :func:`rerun` ("replay" now means only a capsule's, ``nanwatch replay``); its
-    ``guarded=`` is ``rerun``'s ``weight_guard_on=``. Warns once."""
-    global _replay_warned
-    if not _replay_warned:
-        _replay_warned = True
-        warnings.warn("nanwatch.hooks.forensics.rerun.replay is deprecated: use rerun() (and weight_guard_on= "
-                      "for guarded=)", DeprecationWarning, stacklevel=2)
-    if guarded is not None:
-        options["weight_guard_on"] = guarded
-    return rerun(**options)
 
 
 def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive_state: DirectiveState,

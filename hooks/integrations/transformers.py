@@ -240,7 +240,6 @@ class NanwatchCallback(_trainer_base()):
             return None
         args = trainer.args
         options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
-        options.pop("policy", None)
         # no directive is applied outside training, and a report_scope of job would be a collective at attach
         options.update(report_scope="rank", directive_source="local",
                        on_report=self._scalars.observer(self._options.get("on_report")))

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from nanwatch.hooks.config import MonitorConfig
-from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
@@ -53,22 +52,21 @@ class OptimizerHooks:
 
     Example usage::
 
-        hooks = OptimizerHooks(model_ref, config=cfg, rec=rec, directive_state=state, warn=WarnOnce(),
+        hooks = OptimizerHooks(model_ref, config=cfg, rec=rec, warn=WarnOnce(),
                                rerun_tap=probes.rerun)
-        hooks.guard(opt, sync=None)   # weight guard on, and checked
+        hooks.guard(opt)   # weight guard on, and checked
         ...
         hooks.remove()
     """
 
     def __init__(self, model: weakref.ref[torch.nn.Module], *, config: MonitorConfig, rec: Recorder,
-                 directive_state: DirectiveState, warn: WarnOnce, rerun_tap: RerunTap | None,
+                 warn: WarnOnce, rerun_tap: RerunTap | None,
                  check_every: int = 1, before_update: Callable[[], None] | None = None) -> None:
         self._model = model
         self._check_every = check_every
         self._before_update = before_update
         self._config = config
         self._rec = rec
-        self._directive_state = directive_state
         self._warn = warn
         self._rerun_tap = rerun_tap
         self._weight_guards: list[WeightGuard] = []
@@ -88,7 +86,7 @@ class OptimizerHooks:
         self._discovery = OptimizerDiscovery(model, on_found=self.found)
         self._handles.append(self._discovery)
 
-    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None) -> WeightGuard:
+    def guard(self, optimizer: torch.optim.Optimizer) -> WeightGuard:
         """``Monitor.guard``'s body: the weight guard on ``optimizer`` (a new one, or the one there)."""
         existing = guard_of(optimizer)
         if existing is not None:
@@ -96,8 +94,7 @@ class OptimizerHooks:
                 self._warn(f"{type(existing.optimizer).__name__} is guarded by another Monitor already; "
                            "it is not guarded twice")
             return existing
-        g = WeightGuard(optimizer, rec=self._rec, directive_state=self._directive_state,
-                        host_read=sync is not False, warn=self._warn, spiked=self._spike_skip)
+        g = WeightGuard(optimizer, rec=self._rec, spiked=self._spike_skip)
         self._weight_guards.append(g)
         self._handles.append(g)
         if self._before_update is not None:  # the rerun's last chance on the weights a step saw
@@ -139,7 +136,7 @@ class OptimizerHooks:
         if self._config.guard != "auto" or guard_of(optimizer) is not None:
             return None
         try:
-            g = self.guard(optimizer, sync=None)
+            g = self.guard(optimizer)
         except Exception as exc:  # noqa: BLE001 - monitoring must not break the step
             probe_failed(exc)
             return None
@@ -152,8 +149,8 @@ class OptimizerHooks:
 
     @property
     def effective(self) -> bool:
-        """Some weight guard skips a flagged step by itself (not only under the ``skip_step`` directive)."""
-        return any(g.effective for g in self._weight_guards)
+        """Some weight guard skips a flagged step."""
+        return bool(self._weight_guards)
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers guarded or checked (their state joins the rotating parameter check)."""

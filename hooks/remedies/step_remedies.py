@@ -58,9 +58,8 @@ class StepRemedies:
                                        directive_state=directive_state, optimizers=self._covered,
                                        unread_updates=self._unread_updates)
         every = config.optimizer_check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
-        self.optimizers = OptimizerHooks(model, config=config, rec=rec, directive_state=directive_state,
-                                         warn=warn, rerun_tap=probes.rerun if self.rerun.on else None,
-                                         check_every=every, before_update=self.rerun.before_update
+        self.optimizers = OptimizerHooks(model, config=config, rec=rec, warn=warn,
+                                         rerun_tap=probes.rerun if self.rerun.on else None, check_every=every, before_update=self.rerun.before_update
                                          if self.rerun.on else None)
         self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
         self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
@@ -82,11 +81,11 @@ class StepRemedies:
         if optimizer is not None:
             self.optimizers.check(optimizer)
             if cfg.guard == "auto":
-                self.guard(optimizer, sync=None)
+                self.guard(optimizer)
 
-    def guard(self, optimizer: torch.optim.Optimizer, *, sync: bool | None) -> WeightGuard:
+    def guard(self, optimizer: torch.optim.Optimizer) -> WeightGuard:
         """``Monitor.guard``'s body (see there)."""
-        return self.optimizers.guard(optimizer, sync=sync)
+        return self.optimizers.guard(optimizer)
 
     def watch_scaler(self, scaler: Any) -> None:
         """``Monitor.watch_scaler``'s body (see there); a RuntimeError before :meth:`attach`."""

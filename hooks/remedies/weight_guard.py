@@ -14,8 +14,8 @@ decay), NaN times zero is NaN, and restoring the parameters and state afterwards
 So the guard reads the flag on the host, once per optimizer step, and skips the call when it is set: the
 sync GradScaler already pays for them (``sync-ok``). On a CPU that read costs nothing (the ops already
 ran); on a GPU it waits for the step's queued kernels before the optimizer's are launched. Measured by
-``nanwatch bench optimizer`` (README, 'Speed'). ``guard(opt, sync=False)`` opts one optimizer out of the
-read (only the ``skip_step`` directive protects it then), ``MonitorConfig.guard="off"`` all of them.
+``nanwatch bench optimizer`` (README, 'Speed'). ``MonitorConfig.guard="off"`` leaves optimizers unguarded
+unless ``Monitor.guard`` is called on one.
 
 ``optimizer.step(closure)`` (LBFGS always; any optimizer, and Lightning's automatic optimization): the
 forward and backward run inside ``step()``, after the guard was entered. So the guard runs the closure
@@ -39,7 +39,7 @@ Under torch.distributed the flag every path reads is the job's, not the rank's: 
 training process group before the optimizer reads it (``Recorder.nonfinite_flag(job=True)``, one async
 collective, see ``nanwatch.hooks.measure.collective``), so every rank skips the step any rank saw a non-finite
 value in. The reduction is issued whenever the guard decides, and it decides under conditions that are
-the same on every rank: the optimizer's kind (fused or not), ``sync=`` and ``MonitorConfig.guard``, and the
+the same on every rank: the optimizer's kind (fused or not) and ``MonitorConfig.guard``, and the
 ``skip_step`` mode, which ranks agree on. A reduction that fails (it should not) is a warning, and the rank
 decides on its own flag. With ``spike_action="skip"`` a step that spiked on a rank (``nanwatch.hooks.measure.spikes``,
 read on the host before the optimizer step: one read per optimizer step, that opt-in's cost, fused or not)
@@ -58,8 +58,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.failsafe import WarnOnce, probe_failed
+from nanwatch.hooks.failsafe import probe_failed
 from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, Recorder
 from nanwatch.hooks.remedies.optimizer_discovery import inner_optimizer
 
@@ -152,22 +151,13 @@ def drop_grads_if_flagged(optimizer: torch.optim.Optimizer, rec: Recorder) -> bo
 
 
 class WeightGuard:
-    """Wraps one optimizer's ``step`` on the instance; ``remove()`` puts it back.
+    """Wraps one optimizer's ``step`` on the instance; ``remove()`` puts it back. A non-fused optimizer is
+    guarded at one host read of the flag per step; a fused one reads nothing (free)."""
 
-    ``host_read``: a non-fused optimizer is guarded at one host read of the flag per step (False: only
-    under the ``skip_step`` directive, with a warning that says so). Fused ones ignore it (free)."""
-
-    def __init__(self, optimizer: Any, *, rec: Recorder, directive_state: DirectiveState, host_read: bool,
-                 warn: WarnOnce, spiked: Callable[[], bool] | None = None) -> None:
+    def __init__(self, optimizer: Any, *, rec: Recorder, spiked: Callable[[], bool] | None = None) -> None:
         opt = self.optimizer = inner_optimizer(optimizer)
         self.fused = is_fused(opt)
-        self.effective = self.fused or host_read
         self.removed = False
-        if not self.effective:
-            warn(f"the weight guard skips a step of {type(opt).__name__} only under the skip_step directive: "
-                 "guard(optimizer, sync=False) turned off its one host read per step. Drop sync=False, or use a "
-                 "fused optimizer (Adam, AdamW, SGD or Adagrad with fused=True), which the guard protects at no "
-                 "cost")
         self._rec = rec
         self._previous = opt.__dict__.get("step")  # an instance wrapper already there (an LR scheduler's)
         original = opt.step
@@ -175,11 +165,11 @@ class WeightGuard:
 
         @functools.wraps(func)  # GradScaler and LR schedulers inspect step(): keep the original's signature
         def step(_opt, *args, **kwargs):
-            if self.removed or not (self.fused or host_read or directive_state.mode == "skip_step"):
-                return original(*args, **kwargs)  # unguarded (warned), or removed under another wrapper
+            if self.removed:
+                return original(*args, **kwargs)  # removed under another wrapper
             # step(closure): the forward and backward run now, so that the flag covers them
             _, loss, args, kwargs = run_closure(args, kwargs)
-            spike = self.effective and asks_skip(spiked)  # spike_action="skip": one host read (its opt-in cost)
+            spike = asks_skip(spiked)  # spike_action="skip": one host read (its opt-in cost)
             flag = job_flag(rec, spiked=spike)
             rec.slot(GUARD_SKIPPED, flag, how="max")
             if self.fused:

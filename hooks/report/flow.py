@@ -37,6 +37,7 @@ from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
 from nanwatch.hooks.report.reporter import Landed, Reporter
+from nanwatch.hooks.report.sync_verdict import SyncVerdicts
 from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.wire import RolloutEvent, StepReport
 
@@ -72,6 +73,9 @@ class ReportFlow:
                  on_mismatch: Callable[[RolloutEvent], None] | None = None) -> None:
         self._on_report = config.on_report
         self._mismatch, self._on_mismatch = MismatchClassifier(), on_mismatch
+        # the weight sync's verdicts, asked of the collector before a mismatch is called a drift or a jump
+        self._verdicts = (SyncVerdicts(config.collector, config.run_id, token=config.token)
+                          if config.collector else None)
         self._directive_state = directive_state
         self._config, self._rank, self._world = config, rank, world_size
         self.incarnation = incarnation
@@ -130,6 +134,8 @@ class ReportFlow:
         deadline = time.monotonic() + max(timeout, 0.0)
         self._reporter.close()
         self._thread.join(timeout)
+        if self._verdicts is not None:
+            self._verdicts.close()
         if self._sender is not None:
             self._sender.close(timeout_s=max(deadline - time.monotonic(), 0.0))
 
@@ -211,10 +217,10 @@ class ReportFlow:
         r = report.rlhf.rollout if report.rlhf is not None else None
         if r is None or report.stage != "train" or report.scope not in ("rank", "job"):
             return report
-        events = self._mismatch.observe(report.step, r)
+        events = self._mismatch.observe(report.step, r, sync=self._verdicts)
         for event in events:
             log.warning("nanwatch: step %d: rollout mismatch (%s): %s", report.step, event.cause, event.evidence)
-            if self._on_mismatch is not None:
+            if self._on_mismatch is not None and not self._mismatch.held:  # other weights: no attribution
                 try:
                     self._on_mismatch(event)
                 except Exception:

@@ -108,8 +108,10 @@ ROLLOUT_NONFINITE = CounterFamily(
     "replaced them. Padding outside the mask is not counted here (RlhfStat.nonfinite rollout_logprobs_pad).")
 ROLLOUT_EVENT = CounterFamily(
     "rollout_event", "nanwatch_rollout_mismatch_events_total", ("cause",),
-    "Rollout mismatches the trainer classified (RolloutEvent), by cause: jump (weights not synced, or "
-    "from the wrong version), drift (precision or kernels), offset (sampler semantics: temperature, "
+    "Rollout mismatches the trainer classified (RolloutEvent), by cause: stale_weights (the weight sync's "
+    "verdict: a worker's fingerprints mismatched, or it lags), jump (a sudden rise with no verdict to go on: "
+    "weights not synced, or from the wrong version), shift (a sudden rise with verified weights: the rollout "
+    "engine's scoring changed), drift (precision or kernels), offset (sampler semantics: temperature, "
     "top-p/top-k on one side only), outliers (a few sequences far off). Counted from job and rank "
     "reports (each rank's own classification in per-rank mode), never from detail reports.")
 SPIKE = CounterFamily(

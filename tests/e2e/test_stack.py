@@ -14,7 +14,8 @@ shortened), and three tiny training runs:
 * ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens;
 * ``e2e-rollout``: a tiny Qwen3 trained in fp32 on the samples of a copy generating on its own thread (#28);
   the trainer publishes each weight version and the copy posts its weight fingerprints; from step 4 the copy
-  is no longer synced (a jump, a sync mismatch) and at step 6 its sampler returns a NaN: three pages.
+  is no longer synced (stale weights, since its fingerprints mismatch: a sync mismatch) and at step 6 its
+  sampler returns a NaN: three pages.
 
 Only the receivers' URLs and the group timings differ from the shipped Alertmanager config; Prometheus
 loads the shipped rule file as it is.
@@ -42,6 +43,7 @@ from support import (
     CollectorProcess,
     RolloutEngine,
     free_port,
+    grpo_step,
     load_script,
     require_tool,
     rollout_policy,
@@ -57,8 +59,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-NAN_PAGE_WITHIN_S = 30  # from the NaN step's report to the page at the webhook (scrape 1s, eval 1s, group 1s)
-ROLLOUT_PAGES_WITHIN_S = 60  # from the sampler NaN's report to each of the rollout run's three pages
+#: the most a page may take to reach the webhook once Prometheus fired it (Alertmanager's group wait is 1 s
+#: here); how long a NaN took from its report to the page is printed, not asserted: a loaded machine's scrape
+#: and evaluation delays are not the product's
+PAGE_WITHIN_S = 60
+LIVE_UNTIL_FIRING_S = 120  # the most a run stays open for Prometheus to fire what it must (a few s when idle)
 MATH_INPUTS_WITHIN_S = 60  # the math ticket's inputs are in Prometheus within this (it fires 10 minutes on)
 
 
@@ -156,7 +161,7 @@ def stack(tmp_path_factory):
             # Prometheus scrapes its first a few seconds after it is ready: train only once it does, or a
             # short run would end (and its per-rank series leave) before Prometheus ever saw them
             _wait_for(lambda: _query(f"http://127.0.0.1:{prom_port}", "up == 1"), 60, "Prometheus's first scrape")
-            runs = _train(c.url)
+            runs = _train(c.url, f"http://127.0.0.1:{prom_port}")
             yield {"collector": c, "webhook": webhook, "prometheus": f"http://127.0.0.1:{prom_port}",
                    "runs": runs, "tmp": tmp}
         finally:
@@ -166,8 +171,16 @@ def stack(tmp_path_factory):
             webhook.shutdown()
 
 
-def _train(collector: str) -> dict:
-    """The three runs, one after the other; returns when each NaN/math step was reported (monotonic)."""
+def _firing(prometheus: str, alertname: str, run_id: str):
+    """A poll for ``alertname`` firing about ``run_id`` in Prometheus (before Alertmanager routes it)."""
+    return lambda: _query(prometheus, f'ALERTS{{alertname="{alertname}", run_id="{run_id}", alertstate="firing"}}')
+
+
+def _train(collector: str, prometheus: str) -> dict:
+    """The runs, one after the other; returns when each NaN/math step was reported (monotonic). A run whose
+    pages the tests wait for stays open (live, as a real run goes on for minutes) until Prometheus fires them:
+    on a loaded machine a run closed seconds after its NaN could end (and its live series leave) before any
+    scrape and evaluation saw it, and then nothing pages, rightly."""
     marks: dict = {"started": time.time()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -199,6 +212,7 @@ def _train(collector: str) -> dict:
                     marks["nan_reported"] = time.monotonic()
                 time.sleep(0.3)  # let the poller see the directive between steps
             marks["nan_mode"] = mon.last_report().attention_mode
+            _wait_for(_firing(prometheus, "NanwatchNonFiniteValues", "e2e-nan"), LIVE_UNTIL_FIRING_S, "the NaN alert")
         # e2e-math: bf16 attention forced onto the math kernel
         model = tiny_qwen3("sdpa", dtype=torch.bfloat16, use_cache=False)
         with nanwatch.attach(model, run_id="e2e-math", collector=collector) as mon:
@@ -217,7 +231,7 @@ def _train(collector: str) -> dict:
                     model(input_ids=ids, labels=ids).loss.backward()
                 assert mon.last_report().first_offender is None
         _train_amp(collector, marks)
-        _train_rollout(collector, marks)
+        _train_rollout(collector, marks, prometheus)
     return marks
 
 
@@ -249,7 +263,8 @@ def _train_amp(collector: str, marks: dict) -> None:
     marks["amp_reported"] = time.monotonic()
 
 
-def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: int = 6, steps: int = 24) -> None:
+def _train_rollout(collector: str, marks: dict, prometheus: str, *, stale_from: int = 4, nan_at: int = 6,
+                   steps: int = 24) -> None:
     """e2e-rollout (#28): a GRPO-shaped loop; the rollout copy is synced (and posts its weight fingerprints
     of each version) until ``stale_from``, then keeps its old weights; its sampler returns a NaN at ``nan_at``.
     The steps go on for a few seconds after, so that Prometheus sees the run live when it pages."""
@@ -257,7 +272,6 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
     engine = RolloutEngine(policy)
     engine.nan_at = nan_at
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    new = RolloutEngine.NEW
     marks["rollout_events"] = []
     with nanwatch.attach(policy, run_id="e2e-rollout", collector=collector, optimizer=opt) as mon:
         for n in range(steps):
@@ -266,29 +280,22 @@ def _train_rollout(collector: str, marks: dict, *, stale_from: int = 4, nan_at: 
             mon.publish_weights(n)
             post_weights(collector, "e2e-rollout", n, nanwatch.fingerprint(engine.model), worker="rollout-0")
             sequences, rollout = engine.sample(n)
-            with mon.step(n):
-                logits = policy(sequences).logits[:, -new - 1:-1].float()
-                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -new:, None]).squeeze(-1)
-                advantages = torch.randn(sequences.shape[0], generator=torch.Generator().manual_seed(n))
-                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
-                (-(advantages[:, None] * logprobs).mean()).backward()
-                opt.step()
-                opt.zero_grad()
+            grpo_step(mon, policy, opt, n, sequences, rollout)
             marks["rollout_events"] += [(n, e.cause) for e in mon.last_report().rollout_events]
-            if n == nan_at:
-                marks["rollout_reported"] = time.monotonic()
             time.sleep(0.4)
+        for alertname in ("NanwatchRolloutStaleWeights", "NanwatchWeightSyncMismatch", "NanwatchSamplerNonfinite"):
+            _wait_for(_firing(prometheus, alertname, "e2e-rollout"), LIVE_UNTIL_FIRING_S, alertname)
     engine.close()
 
 
 def _wait_for(condition, within_s: float, what: str):
+    """``condition()`` once it is truthy, polled every 0.5 s; checked at least once, however late."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
+    while not (found := condition()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not arrive within {within_s} s")
         time.sleep(0.5)
-    raise AssertionError(f"{what} did not arrive within {within_s} s")
+    return found
 
 
 def _pages(hook, alertname: str, run_id: str):
@@ -300,7 +307,7 @@ def _pages(hook, alertname: str, run_id: str):
 def test_a_non_finite_run_pages_with_run_and_site(stack):
     start = stack["runs"]["nan_reported"]
     page = _pages(stack["webhook"], "NanwatchNonFiniteValues", "e2e-nan")
-    pages = _wait_for(page, NAN_PAGE_WITHIN_S - (time.monotonic() - start), "the NaN page")
+    pages = _wait_for(page, PAGE_WITHIN_S, "the NaN page")
     assert all("site" in a["labels"] for a in pages), pages  # never a page without its site beside the real one
     (alert, *_) = pages
     assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
@@ -334,13 +341,12 @@ def test_math_fallback_in_half_precision_feeds_its_ticket_with_the_site(stack):
 
 
 @pytest.mark.parametrize(("alertname", "figure"), [
-    ("NanwatchRolloutMismatchJump", "mean |dlogp| is now"), ("NanwatchWeightSyncMismatch", "differ"),
+    ("NanwatchRolloutStaleWeights", "mean |dlogp| is now"), ("NanwatchWeightSyncMismatch", "differ"),
     ("NanwatchSamplerNonfinite", "non-finite")])
 def test_a_rollout_that_stops_syncing_pages_with_the_run_and_the_figure(stack, alertname, figure):
-    assert stack["runs"]["rollout_events"][0] == (4, "jump")  # what the trainer classified, first
-    start = stack["runs"]["rollout_reported"]
-    pages = _wait_for(_pages(stack["webhook"], alertname, "e2e-rollout"), ROLLOUT_PAGES_WITHIN_S
-                      - (time.monotonic() - start), alertname)
+    # what the trainer classified, first: the sync's verdict said the copy's fingerprints differ (#36)
+    assert stack["runs"]["rollout_events"][0] == (4, "stale_weights")
+    pages = _wait_for(_pages(stack["webhook"], alertname, "e2e-rollout"), PAGE_WITHIN_S, alertname)
     (alert, *_) = pages
     assert alert["receiver"] == "pager" and alert["labels"]["severity"] == "critical"
     assert "e2e-rollout" in alert["annotations"]["description"] and figure in alert["annotations"]["description"]

@@ -6,8 +6,8 @@ report fields and the weights' (or local shards') finiteness go to ``<out>/<wrap
 Wrappers: ``ddp`` (DistributedDataParallel, 2 micro-batches per step, the NaN in the first, under
 ``no_sync``), ``fsdp2`` (``fully_shard`` per layer and root, CPU defaults: replay on), ``accelerate``
 (``Accelerator(cpu=True)``), ``trainer`` (HF ``Trainer`` + ``NanwatchCallback``, gradient accumulation 2),
-``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``ddp_sync`` (a non-fused optimizer guarded
-with ``sync=True``), ``subgroups`` (no wrapper, each rank its own
+``zero1``/``zero2`` (DeepSpeed ZeRO stage 1/2 on the CPU), ``ddp_sync`` (a non-fused optimizer, guarded
+at one host read per step), ``subgroups`` (no wrapper, each rank its own
 ``process_group``), ``ddp_closure``/``ddp_closure_sgd`` (DDP stepped by ``opt.step(closure)``, the forward and
 backward inside the step: fused AdamW, plain SGD).
 """
@@ -67,14 +67,13 @@ def _row(n: int, r, model) -> dict:
             "params_checked": r.coverage.params_checked, "finite": _finite(model)}
 
 
-def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, sync: bool = False,
-          **options) -> list[dict]:
+def _loop(model, opt, train, *, micro: int = 1, no_sync=None, step=None, **options) -> list[dict]:
     """STEPS steps of ``micro`` micro-batches (``train(ids)``: forward and backward, then ``step()``, by
-    default ``opt``'s step and zero_grad; ``sync``: the guard's; ``options``: MonitorConfig fields); the fault
+    default ``opt``'s step and zero_grad; ``options``: MonitorConfig fields); the fault
     is on for the first micro-batch of step K."""
     fault, rows = Fault(model if not hasattr(model, "module") else model.module), []
     with nanwatch.attach(model, run_id="dist-guard", **options) as mon:
-        mon.guard(opt, sync=sync)
+        mon.guard(opt)
         for n in range(STEPS):
             with mon.step(n):
                 for m in range(micro):
@@ -101,10 +100,10 @@ def ddp() -> list[dict]:
 
 
 def ddp_sync() -> list[dict]:
-    """A non-fused AdamW, guarded with ``sync=True``: the host reads the job's flag, not the rank's."""
+    """A non-fused AdamW, guarded at one host read per step: the host reads the job's flag, not the rank's."""
     model = torch.nn.parallel.DistributedDataParallel(tiny_qwen3("sdpa", **CONFIG))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward(), sync=True)
+    return _loop(model, opt, lambda ids: model(input_ids=ids, labels=ids).loss.backward())
 
 
 def _closure_loop(fused: bool) -> list[dict]:
@@ -125,7 +124,7 @@ def _closure_loop(fused: bool) -> list[dict]:
         loss = opt.step(closure)
         assert isinstance(loss, torch.Tensor), loss
 
-    return _loop(model, opt, batch.append, step=step, sync=not fused)
+    return _loop(model, opt, batch.append, step=step)
 
 
 def ddp_closure() -> list[dict]:

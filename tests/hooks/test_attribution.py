@@ -29,8 +29,8 @@ import pytest
 import torch
 from support import tiny_qwen3
 
+from nanwatch.cli.replay_verdict import main as replay_main
 from nanwatch.hooks.forensics.capsule import CapsuleWriter
-from nanwatch.hooks.forensics.replay import main as replay_main
 from nanwatch.hooks.rollout.attribution import RolloutAttributor, attribute_mismatch, units_of
 
 pytest.importorskip("transformers")

@@ -490,7 +490,7 @@ def test_a_flipped_byte_inside_a_tensor_is_found_damaged(tmp_path):
 
 @pytest.mark.parametrize("tried", ["same", "flash", "cudnn", ""])
 def test_try_without_fp32_never_invents_a_class(readme_capsule, tried, capsys):
-    from nanwatch.hooks.forensics.replay import main
+    from nanwatch.cli.replay_verdict import main
 
     path, _ = readme_capsule
     assert main([path, "--try", tried]) == 0  # the non-finite value reproduced

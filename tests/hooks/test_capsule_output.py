@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanwatch.cli.replay_verdict import main as replay_main
 from nanwatch.hooks.forensics.capsule import META_KEY, CapsuleWriter, digest
-from nanwatch.hooks.forensics.replay import main as replay_main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

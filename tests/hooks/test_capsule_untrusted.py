@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from nanwatch.cli.replay_verdict import main
 from nanwatch.hooks.forensics.capsule import FORMAT, META_KEY, digest
-from nanwatch.hooks.forensics.replay import main
 
 
 def _meta(build: dict, **extra) -> dict:

@@ -431,23 +431,14 @@ def test_attach_with_a_config_refuses_arguments_that_say_otherwise():
         nanwatch.attach(model)
 
 
-def test_the_old_names_still_work_and_say_they_are_deprecated():
+def test_the_old_names_are_gone():
+    """0.1.0 carries no shims (CHANGELOG.md): the pre-release names fail loudly, never silently mean the new."""
     from nanwatch.hooks.config import MonitorConfig
 
-    with pytest.warns(DeprecationWarning, match="directive_source"):
-        cfg = MonitorConfig(run_id="old", policy="off")
-    assert cfg.directive_source == "off"
-    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
-        MonitorConfig(run_id="old", policy="off", directive_source="local")
+    for old in ({"policy": "off"}, {"replay": False}):
+        with pytest.raises(TypeError, match=next(iter(old))):
+            MonitorConfig(run_id="old", **old)
     with pytest.raises(ValueError, match="directive_source"):
         MonitorConfig(run_id="old", directive_source="sometimes")
-    with pytest.warns(DeprecationWarning, match="use rerun"):  # "replay" now means a capsule's only
-        assert MonitorConfig(run_id="old", replay=False).rerun is False
-    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
-        MonitorConfig(run_id="old", replay=False, rerun=True)
-    model = tiny_qwen3()
-    with pytest.warns(DeprecationWarning, match="directive_source"):
-        mon = nanwatch.attach(model, run_id="old", policy="off")
-    with mon:
-        with pytest.warns(DeprecationWarning, match="directive_state"):
-            assert mon.directives is mon.directive_state
+    with nanwatch.attach(tiny_qwen3(), run_id="old", directive_source="off") as mon:
+        assert not hasattr(mon, "directives")

@@ -243,15 +243,6 @@ def test_without_any_optimizer_it_says_so_loudly():
                             p.grad = None
 
 
-def test_sync_false_opts_one_optimizer_out_of_the_host_read():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with nanwatch.attach(model, run_id="sgd", guard="off") as mon:
-        with pytest.warns(RuntimeWarning, match="skips a step of SGD only under the skip_step directive"):
-            g = mon.guard(opt, sync=False)
-        assert not g.effective
-
-
 # ---- optimizer.step(closure): the forward and backward run inside step() (#26, finding 1) ----------------
 
 CLOSURE_KINDS = ["adamw_fused", "adamw", "sgd_fused", "sgd", "lbfgs"]

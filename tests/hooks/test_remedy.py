@@ -1,6 +1,6 @@
 """Remedies keyed on where the non-finite value was born (issue #17): a precision directive only for a
 half-precision attention (or logits) birth in training; an MLP birth, a non-finite weight, a non-finite
-query or an eval-stage value never switch training to fp32, whether the differential replay ran (the CPU
+query or an eval-stage value never switch training to fp32, whether the differential rerun ran (the CPU
 default) or not (the GPU default). And the incident blames fully masked rows only where the value was
 born in them, not because a left-padded batch has pad rows on every clean step."""
 
@@ -40,7 +40,7 @@ def _batch(n: int, *, left_pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _train(fault, *, replay: bool, impl: str = "eager", left_pad: int = 0, steps: int = STEPS):
+def _train(fault, *, rerun: bool, impl: str = "eager", left_pad: int = 0, steps: int = STEPS):
     """A fp16 tiny Qwen3 trained under the local rules; ``fault(model)`` before step K. Returns the
     reports and the mode each step ran in."""
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _train(fault, *, replay: bool, impl: str = "eager", left_pad: int = 0, steps
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanwatch.attach(model, run_id="remedy", optimizer=opt, directive_source="local",
-                             rerun=replay) as mon:
+                             rerun=rerun) as mon:
             for n in range(steps):
                 if n == K:
                     fault(model)
@@ -63,39 +63,39 @@ def _train(fault, *, replay: bool, impl: str = "eager", left_pad: int = 0, steps
     return reports, modes
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
-def test_a_nan_born_in_an_mlp_never_switches_training_to_fp32(replay):
-    reports, modes = _train(lambda m: _nan_out_of(m.model.layers[0].mlp), replay=replay)
+@pytest.mark.parametrize("rerun", [True, False], ids=["rerun", "no-rerun"])
+def test_a_nan_born_in_an_mlp_never_switches_training_to_fp32(rerun):
+    reports, modes = _train(lambda m: _nan_out_of(m.model.layers[0].mlp), rerun=rerun)
     r = reports[K]
     # every site is read every step: the step of the birth names the MLP, not the attention downstream of it
     assert r.first_offender == "model.layers.0.mlp", r.first_offender
     # attention downstream of the birth (layer 1) is non-finite too: the old rule fired on it
     assert any(s.site == "model.layers.1.self_attn" and s.nan for s in r.sites)
     assert set(modes) == {"none"}, modes
-    if replay:
+    if rerun:
         assert r.incident.birth == "model.layers.0.mlp" and r.incident.birth_kind == "mlp", r.incident
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
-def test_a_nan_weight_never_switches_training_to_fp32(replay):
-    reports, modes = _train(lambda m: _nan_weight(m.model.layers[0].mlp.down_proj), replay=replay)
+@pytest.mark.parametrize("rerun", [True, False], ids=["rerun", "no-rerun"])
+def test_a_nan_weight_never_switches_training_to_fp32(rerun):
+    reports, modes = _train(lambda m: _nan_weight(m.model.layers[0].mlp.down_proj), rerun=rerun)
     assert reports[K].first_offender is not None
     assert set(modes) == {"none"}, modes
-    if replay:
+    if rerun:
         assert reports[K].incident.cls == "data_mask" and reports[K].incident.birth_params == {"weight": 1}
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
-def test_a_half_precision_attention_overflow_still_gets_fp32_at_the_next_step(replay):
-    reports, modes = _train(overflow_attention, replay=replay)
+@pytest.mark.parametrize("rerun", [True, False], ids=["rerun", "no-rerun"])
+def test_a_half_precision_attention_overflow_still_gets_fp32_at_the_next_step(rerun):
+    reports, modes = _train(overflow_attention, rerun=rerun)
     assert reports[K].first_offender == "model.layers.0.self_attn"
     assert modes[K + 1:] == ["fp32"] * (STEPS - K - 1), modes  # the birth's own step is the evidence
-    if replay:
+    if rerun:
         assert reports[K].incident.birth_kind == "attention" and reports[K].incident.cls == "precision"
 
 
 def test_left_padding_is_not_blamed_for_a_nan_born_in_an_mlp():
-    reports, _ = _train(lambda m: _nan_out_of(m.model.layers[0].mlp), replay=True, left_pad=8)
+    reports, _ = _train(lambda m: _nan_out_of(m.model.layers[0].mlp), rerun=True, left_pad=8)
     # the pad rows are fully masked on the clean steps too: the premise of the old, wrong note
     assert all(f.fully_masked_rows for r in reports[:K] for f in r.fingerprints), reports[0].fingerprints
     inc = reports[K].incident

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nanwatch
+from nanwatch.hooks.report.sync_verdict import verdict_of
 from nanwatch.hooks.rollout.compare import EDGES
 from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.wire import RolloutStat
@@ -154,3 +155,96 @@ def test_a_few_far_sequences_are_outliers_and_not_repeated_every_step():
     assert got == [(0, "outliers")]
     many = _events([_stat(0.0005, outliers=9, sequences=16, worst=0.4)])  # half the batch: no longer "a few"
     assert many == []
+
+
+# ---- the weight sync's verdict decides (#36) ------------------------------------------------------------------
+def _view(latest, **workers):
+    """A ``GET /v1/runs/{run_id}/weights`` answer: workers as name=(latest_posted, latest_verified, outcome, lag)."""
+    return {"latest_published": latest, "workers": {
+        k: dict(latest_posted=p, latest_verified=v, outcome=o, lag=lag) for k, (p, v, o, lag) in workers.items()}}
+
+
+def _verdicts(views: dict[int, dict]):
+    """A ``sync`` callable answering, from each step on, that step's view (the latest given before it), and a
+    list of the steps it was asked at."""
+    asked, step = [], [0]
+
+    def sync():
+        asked.append(step[0])
+        return verdict_of(views[max(k for k in views if k <= step[0])])
+
+    return sync, asked, step
+
+
+def _classified(series, views):
+    c, (sync, asked, now) = MismatchClassifier(), _verdicts(views)
+    got = []
+    for n, s in enumerate(series):
+        now[0] = n
+        got += [(n, e.cause, e) for e in c.observe(n, s, sync=sync)]
+    return [(n, cause) for n, cause, _ in got], [e for *_, e in got], asked
+
+
+def test_the_verdict_of_a_weight_sync_view():
+    assert verdict_of(_view(None)).state == "untracked"
+    assert verdict_of(_view(7)).state == "untracked"  # published, but no worker posts fingerprints
+    assert verdict_of(_view(7, a=(7, 7, "verified", 0), b=(7, 7, "verified", 0))).state == "verified"
+    pending = verdict_of(_view(8, a=(8, 8, "verified", 0), b=(7, 7, "verified", 0)))
+    assert pending.state == "pending" and "rollout worker b" in pending.detail
+    stale = verdict_of(_view(8, a=(8, 8, "verified", 0), b=(8, 7, "mismatch", 0)))
+    assert (stale.state, stale.key) == ("stale", "mismatch:b") and "version 8" in stale.detail
+    lag = verdict_of(_view(12, a=(6, 6, "verified", 6)))
+    assert (lag.state, lag.key) == ("stale", "lag:a") and "6 weight version(s) behind" in lag.detail
+    assert verdict_of(_view(3, a=(3, None, "unverifiable", 0))).state == "untracked"
+
+
+def test_stale_weights_the_sync_names_are_one_stale_event_never_a_jump_drift_or_offset():
+    """The trainer's weights move on and the worker's do not: a jump's rise, then a mismatch that keeps growing
+    (a drift's pattern) and one-sided (an offset's). With the worker's fingerprints mismatching, it is one
+    stale_weights event, at the rise; nothing else, however long it lasts."""
+    series = [_stat(0.0005)] * 6 + [_stat(0.2)] + [_stat(0.2 + 0.02 * i, mean=-0.2) for i in range(20)]
+    ok, bad = _view(6, w=(6, 6, "verified", 0)), _view(7, w=(7, 6, "mismatch", 0))
+    got, events, asked = _classified(series, {0: ok, 6: bad})
+    assert got == [(6, "stale_weights")]
+    assert events[0].figures["weight_version"] == 7 and "rollout worker w" in events[0].evidence
+    assert asked == [6]  # asked when the rise was a candidate, not while it stays explained
+
+
+def test_a_slow_stale_drift_is_stale_weights_and_never_drift_or_offset():
+    """A small learning rate: stale weights creep up instead of jumping (the issue's 0.01 -> 0.056)."""
+    series = [_stat(0.01 + 0.003 * i) for i in range(30)] + [_stat(0.1, mean=-0.09)] * 10
+    got, _, _ = _classified(series, {0: _view(3, w=(3, 2, "verified", 2))})  # lagging from the start
+    assert got == [(2, "stale_weights")]
+
+
+def test_a_jump_with_verified_weights_is_a_shift_not_a_sync_page_and_the_level_it_holds_a_drift():
+    series = [_stat(0.0005)] * 10 + [_stat(0.2)] * 10
+    got, events, _ = _classified(series, {0: _view(5, w=(5, 5, "verified", 0))})
+    assert got == [(10, "shift"), (12, "drift")]
+    assert events[0].remedy.startswith("not the weight sync") and "weights verified" in events[0].evidence
+
+
+def test_a_worker_whose_set_is_on_its_way_waits_a_step_then_the_verdict_decides():
+    """Step 10 rises while the worker has not verified the latest version yet (pending): no event at 10; at 11
+    the worker lags (silent): stale weights, one step late, never a jump or a shift."""
+    series = [_stat(0.0005)] * 10 + [_stat(0.2)] * 10
+    views = {0: _view(9, w=(9, 9, "verified", 0)), 10: _view(10, w=(9, 9, "verified", 0)),
+             11: _view(11, w=(9, 9, "verified", 2))}
+    got, _, asked = _classified(series, views)
+    assert got == [(11, "stale_weights")] and asked == [10, 11]
+    verified_late = {0: _view(9, w=(9, 9, "verified", 0)), 10: _view(10, w=(9, 9, "verified", 0)),
+                     11: _view(10, w=(10, 10, "verified", 0))}
+    assert _classified(series, verified_late)[0] == [(11, "shift"), (12, "drift")]
+
+
+def test_a_verdict_that_stays_pending_decides_as_before_after_a_few_steps():
+    series = [_stat(0.0005)] * 10 + [_stat(0.2)] * 10
+    got, events, _ = _classified(series, {0: _view(10, w=(9, 9, "verified", 0))})
+    assert got == [(13, "jump")] and "has not verified weight version 10" in events[0].evidence
+
+
+def test_a_drift_with_verified_weights_says_so_and_with_no_sync_is_as_before():
+    series = [_stat(0.008)] * 6
+    got, events, _ = _classified(series, {0: _view(2, w=(2, 2, "verified", 0))})
+    assert got == [(2, "drift")] and "weights verified" in events[0].evidence
+    assert _classified(series, {0: _view(None)})[0] == [(2, "drift")]

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from support import RolloutEngine, rollout_policy
+from support import RolloutEngine, grpo_step, rollout_policy
 
 import nanwatch
 
@@ -44,15 +44,7 @@ def _run(engine: RolloutEngine, policy: torch.nn.Module, steps: int, *, sync_unt
             if temperature_from is not None and step == temperature_from[0]:
                 engine.temperature = temperature_from[1]
             sequences, rollout = engine.sample(step)
-            with mon.step(step):
-                logits = policy(sequences).logits[:, -NEW - 1:-1].float()
-                logprobs = logits.log_softmax(-1).gather(-1, sequences[:, -NEW:, None]).squeeze(-1)
-                rewards = torch.randn(BATCH, generator=torch.Generator().manual_seed(step))
-                advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-                mon.rlhf(logprobs=logprobs, rollout_logprobs=rollout, advantages=advantages, input_ids=sequences)
-                (-(advantages[:, None] * logprobs).mean()).backward()
-                opt.step()
-                opt.zero_grad()
+            grpo_step(mon, policy, opt, step, sequences, rollout)
             reports.append(mon.last_report())
     finally:
         mon.close()

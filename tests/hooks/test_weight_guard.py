@@ -171,24 +171,22 @@ def test_either_flag_skips_the_step_when_a_scaler_is_in_use():
     assert scaler.get_scale() == 2.0**16  # the scaler saw no overflow: its scale is untouched
 
 
-def test_a_non_fused_optimizer_is_guarded_by_default_and_sync_is_accepted():
-    """Non-fused optimizers are guarded at one host read per step: ``guard(opt)`` and the deprecated
-    ``sync=True`` alike, with no warning."""
-    for sync in (None, True):
-        model = tiny_qwen3("eager", dtype=torch.float16, vocab_size=64, use_cache=False)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)
-            with nanwatch.attach(model, run_id="sgd-sync", directive_source="off") as mon:
-                g = mon.guard(opt) if sync is None else mon.guard(opt, sync=True)
-                assert g.effective and not g.fused
-                overflow_attention(model)
-                with mon.step(0):
-                    ids = token_ids(2, 32, seed=0, vocab=64)
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    opt.step()
-                assert mon.last_report().step_skipped is True
-        assert all(torch.isfinite(p).all() for p in model.parameters())
+def test_a_non_fused_optimizer_is_guarded_by_default():
+    """Non-fused optimizers are guarded at one host read per step, with no warning."""
+    model = tiny_qwen3("eager", dtype=torch.float16, vocab_size=64, use_cache=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with nanwatch.attach(model, run_id="sgd-sync", directive_source="off") as mon:
+            g = mon.guard(opt)
+            assert not g.fused
+            overflow_attention(model)
+            with mon.step(0):
+                ids = token_ids(2, 32, seed=0, vocab=64)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+            assert mon.last_report().step_skipped is True
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def _mask_everything_for_row(model) -> None:

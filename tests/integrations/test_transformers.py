@@ -258,25 +258,6 @@ def test_a_crashing_steps_report_reaches_the_collector(tmp_path):
     assert run["nonfinite_total"] > 0
 
 
-def test_the_old_import_path_still_works_and_says_it_moved():
-    """``nanwatch.integrations.*`` (and every old flat module path) imports the module at its new home, the
-    same object, warning once per path (``nanwatch._aliases``)."""
-    import importlib
-    import sys
-
-    from nanwatch.hooks.integrations import trl as new_trl
-
-    for name in ("nanwatch.integrations", "nanwatch.integrations.transformers", "nanwatch.integrations.trl"):
-        sys.modules.pop(name, None)
-    with pytest.warns(DeprecationWarning, match="nanwatch.integrations.transformers moved to "
-                                                "nanwatch.hooks.integrations.transformers"):
-        old = importlib.import_module("nanwatch.integrations.transformers")
-    with pytest.warns(DeprecationWarning, match="nanwatch.integrations.trl"):
-        old_trl = importlib.import_module("nanwatch.integrations.trl")
-    assert old.NanwatchCallback is NanwatchCallback and old_trl.instrument is new_trl.instrument
-    assert old.__name__ == "nanwatch.hooks.integrations.transformers"  # one module, its own name kept
-
-
 def test_the_monitor_stays_readable_after_train(faulted_run):
     _, _, trainer, reports = faulted_run
     (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, NanwatchCallback)]
@@ -359,11 +340,11 @@ def test_a_nan_at_hf_step_k_is_reported_at_step_k(tmp_path):
 def test_an_eval_only_nan_is_the_evaluations_and_asks_for_no_remedy(tmp_path, stage):
     """bf16 attention turns NaN in every eval forward: the evaluations' reports (after step 2, and the final
     one) name it, no training report has a first offender, and the local rules ask for no fp32. The control
-    (``train``: the same NaN in training step 2, replay off) does get fp32: the stage is what decides."""
+    (``train``: the same NaN in training step 2, rerun off) does get fp32: the stage is what decides."""
     model, now, reports = _model(), _StepOf(), []
 
     _poison_values(model, (lambda m: not m.training) if stage == "eval" else (lambda m: m.training and now.step == 1))
-    trainer = _trainer(tmp_path, model, reports, callbacks=[now], options={"replay": False}, max_steps=4,
+    trainer = _trainer(tmp_path, model, reports, callbacks=[now], options={"rerun": False}, max_steps=4,
                        eval_strategy="steps", eval_steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

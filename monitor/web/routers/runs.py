@@ -20,6 +20,7 @@ from nanwatch.monitor.web.deps import (
     require_owned,
 )
 from nanwatch.monitor.web.routers._problems import AUTH, INVALID, NOT_READY
+from nanwatch.monitor.web.routers.weights import weight_sync_view
 from nanwatch.monitor.web.schemas import (
     ApiJSON,
     CrashedRank,
@@ -32,8 +33,6 @@ from nanwatch.monitor.web.schemas import (
     RunSummary,
     SdpaView,
     SpikeView,
-    WeightSyncView,
-    WorkerSyncView,
 )
 from nanwatch.run_status import run_status
 
@@ -140,14 +139,5 @@ async def get_run(run_id: RunIdPath, res: ResourcesDep, settings: SettingsDep, t
                                            if fam == counters.SPIKE.key},
                              rollout=rollout_figures.latest(res.state, run, now),
                              rollout_nonfinite_total=run.counters.get((counters.ROLLOUT_NONFINITE.key, ()), 0),
-                             weight_sync=_weight_sync(res, run), event_counts=dict(run.event_counts),
+                             weight_sync=weight_sync_view(res, run.run_id), event_counts=dict(run.event_counts),
                              events=events))
-
-
-def _weight_sync(res: Resources, run: RunState) -> WeightSyncView | None:
-    """The run's weight syncs: the latest published version, each worker's state and lag (in memory)."""
-    summary = res.ledger.weight_syncs.summary(run.run_id)
-    if summary is None:
-        return None
-    return WeightSyncView(latest_published=summary["latest_published"], workers={
-        k: WorkerSyncView(**w, lag=run.weight_lag.get(k, 0)) for k, w in summary["workers"].items()})

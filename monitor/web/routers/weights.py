@@ -1,17 +1,26 @@
 """``PUT /v1/runs/{run_id}/weights/{version}``: one side's weight fingerprints of a weight version, compared
-with the other side's (``nanwatch.monitor.write.weight_compare``; docs/weight_sync.md)."""
+with the other side's (``nanwatch.monitor.write.weight_compare``; docs/weight_sync.md). ``GET
+/v1/runs/{run_id}/weights``: where the run's syncs stand, which the trainer's rollout classification asks
+before it calls a mismatch a drift or a jump (``nanwatch.hooks.report.sync_verdict``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, HTTPException, Path, Request
 
 from nanwatch.monitor.model.refusal import Refused
 from nanwatch.monitor.web.body import parse_strict
-from nanwatch.monitor.web.deps import IngestToken, ResourcesDep, RunIdPath
+from nanwatch.monitor.web.deps import (
+    IngestToken,
+    Resources,
+    ResourcesDep,
+    RunIdPath,
+    require_owned,
+)
 from nanwatch.monitor.web.routers._problems import AUTH, BODY, INVALID, NOT_READY
-from nanwatch.monitor.web.schemas import ApiJSON, Problem, WeightSyncResult
+from nanwatch.monitor.web.schemas import ApiJSON, Problem, WeightSyncResult, WeightSyncView, WorkerSyncView
 from nanwatch.monitor.write.weight_compare import apply_weights
 from nanwatch.wire import MAX_INT, WeightFingerprints
 
@@ -51,3 +60,30 @@ async def put_weights(run_id: RunIdPath, version: Annotated[int, Path(ge=0, le=M
                       "applied", status=403, reason="foreign_run")
     body = parse_strict(WeightFingerprints, await request.body())
     return ApiJSON(WeightSyncResult.model_validate(apply_weights(res.ledger, run_id, version, body)))
+
+
+def weight_sync_view(res: Resources, run_id: str) -> WeightSyncView | None:
+    """The run's weight syncs: the latest published version, each worker's state and its lag now (in memory;
+    None: the run never posted a set)."""
+    summary = res.ledger.weight_syncs.summary(run_id)
+    if summary is None:
+        return None
+    lag = res.ledger.weight_syncs.lag(run_id, time.time())
+    return WeightSyncView(latest_published=summary["latest_published"], workers={
+        k: WorkerSyncView(**w, lag=lag.get(k, 0)) for k, w in summary["workers"].items()})
+
+
+@router.get("/v1/runs/{run_id}/weights", response_model=WeightSyncView, response_class=ApiJSON,
+            responses={404: {"model": Problem, "description": "the run posted no weight set (or is not there)"},
+                       **AUTH, **INVALID, **NOT_READY})
+async def get_weights(run_id: RunIdPath, res: ResourcesDep, token: IngestToken) -> ApiJSON:
+    """Where the run's weight syncs stand: the latest version the trainer published, and each rollout worker's
+    latest posted and verified version, its latest comparison's outcome and its lag. The trainer asks before
+    it classifies a rollout mismatch (stale weights, not a drift), with the token it reports with, as it polls
+    directives: ingest role (open where ingest is). A scoped ingest token reads its namespace's runs only (404
+    for others)."""
+    require_owned(token, run_id)
+    view = weight_sync_view(res, run_id)
+    if view is None:
+        raise HTTPException(404, f"run {run_id!r} has posted no weight fingerprints")
+    return ApiJSON(view)

@@ -1,5 +1,7 @@
-"""The hostile client of ``nanwatch bench collector --attack KIND``: each kind one attack of issues #11 and #19,
-run in a process of its own beside the ranks, counting what the collector answered.
+"""The hostile client of ``tests/collector_attack_bench.py --attack KIND`` (and of the tests that run it): each
+kind one attack of issues #11 and #19, run in a process of its own beside the ranks, counting what the
+collector answered. Not shipped: users never run it; it reuses the bench's raw HTTP/1.1 client
+(``nanwatch.bench.http1``).
 
 Two shapes. *Request loops* send whole requests back to back and count the statuses and times:
 ``scrape`` (``GET /metrics``), ``accept-versions`` (``GET /metrics``, each asking for a new OpenMetrics

@@ -2,7 +2,7 @@
 
 ``.ci/gpu-check`` runs the step bench once per (dtype, model, attention backend), each with ``--json`` and under
 ``timeout``, and appends one line per run to a ``runs.jsonl`` manifest: the labels, the exit code and the JSON's
-path. ``python -m nanwatch.bench.gpu_table RUNS.jsonl OUT_DIR`` turns that into ``summary.txt`` (the table, also
+path. ``python .ci/gpu_table.py RUNS.jsonl OUT_DIR`` turns that into ``summary.txt`` (the table, also
 printed) and ``summary.json`` (the rows). A run that timed out, failed, was skipped for time, or whose attention
 backend has no kernel for the step (``nanwatch bench`` exits 4) is a row saying so, not a gap. Pure: no torch.
 """
@@ -92,7 +92,7 @@ def rows_from_manifest(manifest: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m nanwatch.bench.gpu_table RUNS.jsonl OUT_DIR")
+        print("usage: python .ci/gpu_table.py RUNS.jsonl OUT_DIR")
         return 2
     manifest, out = Path(args[0]), Path(args[1])
     rows = rows_from_manifest(manifest) if manifest.is_file() else []

@@ -178,6 +178,7 @@ ROOM_STAGES: dict[str, str] = {
     "nanwatch.hooks.rollout.weight_fingerprint": "nanwatch.hooks.measure",
     "nanwatch.hooks.rollout.attribution": "nanwatch.hooks.forensics",
     "nanwatch.hooks.rollout.mismatch": "nanwatch.hooks.report",
+    "nanwatch.hooks.rollout.sync_verdict": "nanwatch.hooks.report",
     "nanwatch.hooks.rollout.weight_publish": "nanwatch.hooks.report",
 }
 
@@ -238,6 +239,7 @@ REPORT_MAY_IMPORT: dict[str, str] = {
     "nanwatch.hooks.failsafe": "monitoring never breaks training: every room's warn-and-carry-on",
     "nanwatch.hooks.config": "the options (each part its own section)",
     "nanwatch.hooks.rollout.mismatch": "the rollout room's classify part, at the report stage",
+    "nanwatch.hooks.rollout.sync_verdict": "what the weight sync says, asked by the classify part",
     "nanwatch.readable": "the wording of figures and file names (stdlib only)",
     "nanwatch.addresses": "the transport's collector URL check (stdlib only)",
     "nanwatch.tokens": "the transport's bearer token (stdlib only)",

@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_LOGIT_TAU", "QUERY_SUFFIX", "Rule", "RuleTrigger", "default_
            "matches", "next_apply_step", "precision_helps", "remedy"]
 
 #: The attention-logit threshold both policies use by default (Kimi K2 clips per-head max logits at 100);
-#: the trainer's ``MonitorConfig.logit_tau`` and the collector's ``NANWATCH_LOGIT_TAU`` override it.
+#: the trainer's ``MonitorConfig.directives.logit_tau`` and the collector's ``NANWATCH_LOGIT_TAU`` override it.
 DEFAULT_LOGIT_TAU = 100.0
 
 

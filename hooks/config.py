@@ -1,14 +1,53 @@
-"""Monitor configuration: data, validated at construction, resolved against the environment in one place.
+"""Monitor configuration in sections: data, validated at construction, resolved against the environment in
+one place.
+
+``MonitorConfig`` holds the run's identity (``run_id``, where it reports, ``rank``, ``world_size``) and one
+section per concern, each a small dataclass that validates itself, as torchtitan's ``JobConfig``. The part
+doing a concern's work receives its section, and the identity values it needs as arguments, never the
+whole config; the Monitor (``nanwatch.hooks.facade``) is the one place that holds it all and hands it out:
+
+* ``measure`` (:class:`MeasureConfig`): the sites read in the forward and backward passes (the probes);
+* ``weights`` (:class:`WeightsConfig`): the weights and the optimizer step that writes them: the weight
+  guard and the group its flag is reduced over, and the three checks that read the weights and the covered
+  optimizers' state outside the forward (after an update, in rotation at step start, across replicas).
+  They are one section because they run around the optimizer step, on the optimizers nanwatch covers, from
+  one place (``StepRemedies`` and its ``OptimizerHooks``), and answer one question: are the weights right?
+  It is not called "guard": that word is the weight guard's alone (docs/glossary.md), and the checks are
+  not guards;
+* ``forensics`` (:class:`ForensicsConfig`): the differential rerun of a first non-finite step and the
+  incident capsules it writes;
+* ``spikes`` (:class:`SpikesConfig`): a value jumping k× over its recent past, before it overflows;
+* ``rollout`` (:class:`RolloutConfig`): RLHF, the sampler against the trainer (its cap, its precision, the
+  attribution);
+* ``directives`` (:class:`DirectivesConfig`): who issues directives and how ranks agree on them;
+* ``reports`` (:class:`ReportsConfig`): the reporter thread, the job scope and heartbeats, the close;
+* ``log`` (:class:`LocalLogConfig`): the local record, log lines and a JSONL file.
+
+The sections live here, beside each other, rather than beside their parts: every subpackage may import
+this module (it sits below them all), the flat names below need them all, and the docs render them in one
+table.
+
+**Flat options.** ``attach(model, spike_factor=5)``, the integrations' callbacks and ``nanwatch bench
+kernels --config`` name options flat; :data:`FLAT_OPTIONS` is the one place that maps a flat name to its
+section and field (``spike_factor`` is ``spikes.factor``), :meth:`MonitorConfig.from_options` builds a config
+from them, and an unknown name is a TypeError naming the nearest ones.
 
 ``MonitorConfig(...)`` does no I/O: it checks its values and raises a ValueError that says what is
 expected. What a config leaves to the environment (the ingest token, ``NANWATCH_LOG_DIR``, the
 ``NANWATCH_CAPSULE*`` settings) and the shard a run reports to are filled in by :func:`resolve_config`,
 which ``attach`` and the Monitor call: it returns a new config (``dataclasses.replace``) and leaves the
 given one as it was.
+
+Example usage::
+
+    cfg = MonitorConfig(run_id="grpo-0412", spikes=SpikesConfig(factor=5), log=LocalLogConfig(every=100))
+    same = MonitorConfig.from_options(run_id="grpo-0412", spike_factor=5, log_every=100)
+    assert cfg == same and cfg.spikes.factor == 5
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -25,18 +64,20 @@ from nanwatch.policy import DEFAULT_LOGIT_TAU
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import RunId, StepReport
 
-__all__ = ["DirectiveSource", "GuardChoice", "MonitorConfig", "ReportScopeChoice", "SpikeAction",
-           "default_is_attention", "resolve_config"]
+__all__ = ["FLAT_OPTIONS", "SECTIONS", "DirectiveSource", "DirectivesConfig", "ForensicsConfig", "GuardChoice",
+           "LocalLogConfig", "MeasureConfig", "MonitorConfig", "ReportScopeChoice", "ReportsConfig",
+           "RolloutConfig", "SpikeAction", "SpikesConfig", "WeightsConfig", "default_is_attention", "flat_option",
+           "resolve_config"]
 
 log = logging.getLogger("nanwatch")
 
 _ATTENTION_NAME = re.compile(r"(attention|attn|deltanet)$", re.IGNORECASE)
 _RUN_ID = TypeAdapter(RunId)
-#: Who issues the directives a trainer applies (``MonitorConfig.directive_source``).
+#: Who issues the directives a trainer applies (``DirectivesConfig.source``).
 DirectiveSource = Literal["auto", "local", "collector", "off"]
-#: Whom a trainer's reports speak for (``MonitorConfig.report_scope``).
+#: Whom a trainer's reports speak for (``ReportsConfig.scope``).
 ReportScopeChoice = Literal["auto", "rank", "job"]
-#: Whether nanwatch puts a weight guard on the optimizers that step the model (``MonitorConfig.guard``).
+#: Whether nanwatch puts a weight guard on the optimizers that step the model (``WeightsConfig.guard``).
 GuardChoice = Literal["auto", "off"]
 SpikeAction = Literal["report", "skip"]
 
@@ -52,59 +93,16 @@ def default_is_attention(name: str, module: torch.nn.Module) -> bool:
     return bool(_ATTENTION_NAME.search(type(module).__name__))
 
 
+def _say(path: str) -> str:
+    """How an error names a field: its flat option name, and where it sits (``spike_factor (spikes.factor)``)."""
+    flat = _FLAT_OF.get(path, path)
+    return path if flat == path else f"{flat} ({path})"
+
+
 @dataclass(kw_only=True, slots=True)
-class MonitorConfig:
-    """What to measure and where to send it. Defaults are the cheap, always-on set.
+class MeasureConfig:
+    """What is read in the forward and backward passes: the sites (``nanwatch.hooks.instrument``'s probes)."""
 
-    The fields, in this order, by concern:
-
-    * **the run and where it reports**: ``run_id``, ``collector`` (``collectors``), ``token``, ``rank``,
-      ``world_size``;
-    * **what is measured**: ``grads``, ``logits``, ``coarse``, ``fingerprint``, ``is_attention``,
-      ``exact_logit_every``, ``exact_logit_chunk_elems``, ``param_check_every``;
-    * **remedies** (the weight guard, the optimizer check, the differential re-run, the capsule):
-      ``guard``, ``optimizer_check``, ``optimizer_check_every``, ``process_group``, ``guard_reduce``, ``replica_check_every``,
-      ``replica_repair``, ``rerun``, ``capsule``,
-      ``capsule_max``, ``capsule_dir``, ``capsule_max_bytes``;
-    * **spikes** (a value jumping k× over its recent past, before it overflows): ``spike_factor``,
-      ``spike_window``, ``spike_warmup``, ``spike_action``;
-    * **the rollout** (RLHF: the sampler against the trainer): ``rollout_cap``, ``rollout_dtype``,
-      ``rollout_attribution``;
-    * **directives**: ``directive_source``, ``directive_check_every``,
-      ``logit_tau``;
-    * **reports** (step reports, job reports, heartbeats): ``max_pending_reports``, ``on_report``,
-      ``report_scope``, ``heartbeat_s``, ``report_reduce_timeout_s``, ``close_timeout``;
-    * **the local record** (log lines and a JSONL file): ``log_incidents``, ``log_every``, ``log_dir``,
-      ``log_max_bytes``, ``log_backups``.
-
-    Constructing one reads nothing: a field left to the environment stays None until
-    :func:`resolve_config`. Measured costs of the defaults are in ``docs/benchmarks.md``.
-    """
-
-    # ---- the run and where it reports --------------------------------------------------------------
-    run_id: str
-    """Names the run in every report and metric label; letters, digits and ``._:@+=-``, at most 128."""
-
-    collector: str | Sequence[str] | None = None
-    """Base URL of the collector (``http://host:port``); None keeps reports in-process only. Several (a list,
-    or one string separated by commas) are shards: the run reports to the one ``pick_collector`` chooses by
-    a stable hash of ``run_id`` (the same on every rank), and the resolved config's ``collector`` holds that
-    one URL."""
-
-    collectors: tuple[str, ...] = field(default=(), init=False)
-    """Every shard ``collector`` named (filled by ``resolve_config``; one URL: just that one)."""
-
-    token: str | None = None
-    """Ingest bearer token for the collector; None: ``NANWATCH_TOKEN``, or the file ``NANWATCH_TOKEN_FILE``
-    (read by ``resolve_config``)."""
-
-    rank: int | None = None
-    """This process's rank; default: torch.distributed's rank if initialised, else ``$RANK``, else 0."""
-
-    world_size: int | None = None
-    """Number of ranks; default: torch.distributed's world size, else ``$WORLD_SIZE``, else 1."""
-
-    # ---- what is measured --------------------------------------------------------------------------
     grads: bool = True
     """Also measure the gradient flowing back into every site (the backward pass)."""
 
@@ -129,17 +127,20 @@ class MonitorConfig:
     exact_logit_chunk_elems: int = 1 << 24
     """Upper bound on the score elements held at once by the exact computation (memory stays bounded)."""
 
-    param_check_every: int = 0
-    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch covers)
-    once in this many steps, a rotating share at each step start, so that a tensor already non-finite is
-    named as a site of its own before any forward; 0 (the default) turns it off. Off by default because it
-    is not needed to name the tensor: every localising site is read every step, so a non-finite weight is
-    met at its next use, at the module holding it (the first offender; a NaN ``exp_avg`` reaches the weight
-    at the next update), and the differential rerun reads every parameter and optimizer-state tensor once
-    on that incident and names it (``nanwatch.hooks.remedies.incident_tensors``). On, it reads all of them
-    every N steps (~6 GB a step at 8B with N=8)."""
+    def __post_init__(self) -> None:
+        if self.exact_logit_every < 0:
+            raise ValueError(f"{_say('measure.exact_logit_every')} must be >= 0 (0 disables), "
+                             f"got {self.exact_logit_every}")
+        if self.exact_logit_chunk_elems < 1:
+            raise ValueError(f"{_say('measure.exact_logit_chunk_elems')} must be >= 1, "
+                             f"got {self.exact_logit_chunk_elems}")
 
-    # ---- remedies ----------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class WeightsConfig:
+    """The weights and the optimizer step that writes them: the weight guard, and the checks that read the
+    weights and the covered optimizers' state outside the forward (``nanwatch.hooks.remedies.optimizer_hooks``)."""
+
     guard: GuardChoice = "auto"
     """The weight guard (``nanwatch.hooks.remedies.weight_guard``): a step in which a monitored site saw a
     non-finite value does not update the weights. ``auto``: every ``torch.optim.Optimizer`` that steps the
@@ -148,6 +149,18 @@ class MonitorConfig:
     weight guard works on the device at no cost; others at one host read of the step's flag per optimizer step (what
     GradScaler pays for them). ``off``: nanwatch never skips a step and issues no flag reduction (an
     explicit ``Monitor.guard(opt)`` still puts a weight guard on ``opt``)."""
+
+    guard_reduce: bool = True
+    """Under torch.distributed, reduce the weight guard's flag across ``process_group`` (one async
+    all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when
+    the ranks share no gradients (independent models): each rank then decides alone."""
+
+    process_group: Any = None
+    """The training process group (a ``torch.distributed`` ProcessGroup) the weight guard reduces its
+    non-finite flag over, so that every rank skips a step any rank saw a non-finite value in. None: the
+    default group. Pass the data-parallel group when ranks of other groups hold other parameters (tensor or
+    pipeline parallelism) and must not skip with it. A CPU model needs a group that reduces CPU tensors
+    (gloo); with None and an NCCL default group, nanwatch makes a gloo group once."""
 
     optimizer_check: bool = True
     """After the steps of an optimizer nanwatch found (passed or discovered), check the parameters it
@@ -166,17 +179,15 @@ class MonitorConfig:
     bf16, about 1.3 % of an H100 step): a value the unchecked updates write is still seen at its next use, in
     the next forward, and named by the rerun. 1: every step."""
 
-    process_group: Any = None
-    """The training process group (a ``torch.distributed`` ProcessGroup) the weight guard reduces its
-    non-finite flag over, so that every rank skips a step any rank saw a non-finite value in. None: the
-    default group. Pass the data-parallel group when ranks of other groups hold other parameters (tensor or
-    pipeline parallelism) and must not skip with it. A CPU model needs a group that reduces CPU tensors
-    (gloo); with None and an NCCL default group, nanwatch makes a gloo group once."""
-
-    guard_reduce: bool = True
-    """Under torch.distributed, reduce the weight guard's flag across ``process_group`` (one async
-    all-reduce of two float32 per optimizer step, see ``nanwatch.hooks.measure.collective``). False only when
-    the ranks share no gradients (independent models): each rank then decides alone."""
+    param_check_every: int = 0
+    """Check every parameter (and every optimizer-state tensor of the optimizers nanwatch covers)
+    once in this many steps, a rotating share at each step start, so that a tensor already non-finite is
+    named as a site of its own before any forward; 0 (the default) turns it off. Off by default because it
+    is not needed to name the tensor: every localising site is read every step, so a non-finite weight is
+    met at its next use, at the module holding it (the first offender; a NaN ``exp_avg`` reaches the weight
+    at the next update), and the differential rerun reads every parameter and optimizer-state tensor once
+    on that incident and names it (``nanwatch.hooks.forensics.incident_tensors``). On, it reads all of them
+    every N steps (~6 GB a step at 8B with N=8)."""
 
     replica_check_every: int = 500
     """Under torch.distributed, every this many optimizer steps compare the parameters and the covered
@@ -192,18 +203,41 @@ class MonitorConfig:
     tensors to the others and check again (``Incident.repaired``); without a majority (two replicas, a tie)
     repair is impossible and the incident says so. Costs one host read of the verdict per check."""
 
+    def __post_init__(self) -> None:
+        if self.guard not in ("auto", "off"):
+            raise ValueError(f"{_say('weights.guard')} must be 'auto' or 'off', got {self.guard!r}")
+        if self.process_group is not None and not (torch.distributed.is_available()
+                                                   and isinstance(self.process_group, torch.distributed.ProcessGroup)):
+            raise ValueError(f"{_say('weights.process_group')} must be a torch.distributed ProcessGroup (or None: "
+                             f"the default group), got {type(self.process_group).__name__}")
+        if self.optimizer_check_every is not None and self.optimizer_check_every < 1:
+            raise ValueError(f"{_say('weights.optimizer_check_every')} must be >= 1 or None (optimizer_check=False "
+                             f"turns the check off), got {self.optimizer_check_every}")
+        if self.param_check_every < 0:
+            raise ValueError(f"{_say('weights.param_check_every')} must be >= 0 (0 disables), "
+                             f"got {self.param_check_every}")
+        if not (isinstance(self.replica_check_every, int) and self.replica_check_every >= 0):
+            raise ValueError(f"{_say('weights.replica_check_every')} must be an int >= 0 (0: off), "
+                             f"got {self.replica_check_every!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ForensicsConfig:
+    """What happens after a first non-finite step: the differential rerun that classifies it, and the
+    incident capsule it writes (``nanwatch.hooks.forensics.rerun``, ``nanwatch.hooks.forensics.capsule``)."""
+
     rerun: bool | None = None
-    """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.remedies.rerun``)
+    """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.forensics.rerun``)
     while a weight guard is effective, on every device; None (the default) or True: on, False: off. On the CPU
     the step is decided at its end (reading its non-finite flag there is free). On an accelerator nothing is
     read on the host in the step: the flag is copied asynchronously with an event, and the step is decided
     at the next step start, or else at the next optimizer pre-step, once the flag has landed, on the weights
     the step saw (the guard skipped its update); its inputs are kept (by reference) one step longer, and the
     incident lands in that later step's report with its own ``step``. A flag that lands only after the
-    weights may have moved gives ``not_classified``, saying so (``nanwatch.hooks.remedies.rerun_flags``)."""
+    weights may have moved gives ``not_classified``, saying so (``nanwatch.hooks.forensics.rerun_flags``)."""
 
     capsule: bool | None = None
-    """Write an incident capsule (``nanwatch.hooks.remedies.capsule``) when the differential re-run drills a
+    """Write an incident capsule (``nanwatch.hooks.forensics.capsule``) when the differential re-run drills a
     non-finite step down to its birth module: the module, its faulting call's inputs, RNG and settings in
     one safetensors file that ``nanwatch replay`` re-runs anywhere. None: on unless ``NANWATCH_CAPSULE=0``.
     Costs nothing on clean steps (it runs only inside the re-run of an incident)."""
@@ -219,45 +253,88 @@ class MonitorConfig:
     """A capsule's size limit: parameters first, then inputs; what does not fit is listed in it as dropped.
     Default ``NANWATCH_CAPSULE_MAX_BYTES`` or 256 MiB."""
 
-    # ---- spikes (nanwatch.hooks.measure.spikes) -----------------------------------------------------
-    spike_factor: float = 10.0
+    def __post_init__(self) -> None:
+        if self.capsule_dir is not None and not isinstance(self.capsule_dir, str):
+            self.capsule_dir = os.fspath(self.capsule_dir)
+        if self.capsule_dir is not None and "://" in self.capsule_dir:
+            raise ValueError(f"{_say('forensics.capsule_dir')} {self.capsule_dir!r}: object-store URLs are not "
+                             "supported yet; use a local directory")
+        if self.capsule_max is not None and self.capsule_max < 0:
+            raise ValueError(f"{_say('forensics.capsule_max')} must be >= 0 (0: no capsules), got {self.capsule_max}")
+        if self.capsule_max_bytes is not None and self.capsule_max_bytes < 4096:
+            raise ValueError(f"{_say('forensics.capsule_max_bytes')} must be >= 4096, got {self.capsule_max_bytes}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikesConfig:
+    """A value jumping k× over its recent past, before it overflows (``nanwatch.hooks.measure.spikes``)."""
+
+    factor: float = 10.0
     """A site's value (forward: its output's amax; backward: its gradient's; ``mon.watch("loss", loss)``: the
     loss) above this many times its baseline is a spike (Megatron-LM's k = 10). 0 turns spikes off. Checked
     on the reporter thread from the values every report already carries: no cost in the training step."""
 
-    spike_window: int = 20
+    window: int = 20
     """The baseline: the site's largest value over its last this many measured steps."""
 
-    spike_warmup: int = 10
+    warmup: int = 10
     """The first this many measured steps of each site are never a spike (initialisation, first updates)."""
 
-    spike_action: SpikeAction = "report"
+    action: SpikeAction = "report"
     """``report``: a spike is a precursor in the report and the log, never a directive, a skip or an
     incident. ``skip``: the weight guard also skips the update of a step that spiked, as a non-finite one;
     deciding before the optimizer step costs one host read of the step's values per optimizer step."""
 
-    # ---- the rollout ---------------------------------------------------------------------------------
-    rollout_cap: float = 2.0
+    def __post_init__(self) -> None:
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
+                and (self.factor == 0 or self.factor > 1)):
+            raise ValueError(f"{_say('spikes.factor')} must be a finite number > 1, or 0 (off), got {self.factor!r}")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"{_say('spikes.window')} must be an int >= 1, got {self.window!r}")
+        if not (isinstance(self.warmup, int) and self.warmup >= 0):
+            raise ValueError(f"{_say('spikes.warmup')} must be an int >= 0, got {self.warmup!r}")
+        if self.action not in ("report", "skip"):
+            raise ValueError(f"{_say('spikes.action')} must be 'report' or 'skip', got {self.action!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """RLHF: the rollout engine's logprobs against the trainer's (``Monitor.rlhf(rollout_logprobs=)``), and
+    the weights it was given (``Monitor.publish_weights``)."""
+
+    cap: float = 2.0
     """The truncation cap c of ``Monitor.rlhf(rollout_logprobs=)``: a token whose ratio exp(Δlogp) leaves
     [1/c, c] counts in ``truncated_fraction``. 2.0 is verl's ``rollout_is_threshold``; the TRL integration
     passes TRL's own (``vllm_importance_sampling_clip_max``, 3.0 by default)."""
 
-    rollout_dtype: str = "bfloat16"
+    dtype: str = "bfloat16"
     """The rollout engine's precision: what the attribution lowers one module at a time to (a torch dtype's
     name: ``bfloat16``, ``float16``)."""
 
-    rollout_attribution: bool = True
+    attribution: bool = True
     """On a drift or outlier-sequence event, re-run the worst sequences (kept from ``Monitor.rlhf(input_ids=)``)
     outside the step to name the module whose precision explains the mismatch. Once per run and cause; never a
     collective (a sharded model is refused, with a note)."""
 
-    # ---- directives --------------------------------------------------------------------------------
-    directive_source: DirectiveSource = "auto"
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cap, (int, float)) and self.cap > 1 and math.isfinite(self.cap)):
+            raise ValueError(f"{_say('rollout.cap')} must be a finite number > 1, got {self.cap!r}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype) or self.dtype.startswith("int"):
+            raise ValueError(f"{_say('rollout.dtype')} must name a floating torch dtype (bfloat16, float16), got "
+                             f"{self.dtype!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DirectivesConfig:
+    """Who issues the directives a trainer applies, and how its ranks agree on them
+    (``nanwatch.hooks.directives``)."""
+
+    source: DirectiveSource = "auto"
     """Who issues directives: ``collector`` (its rules), ``local`` (the same default rules, run in the trainer
     by ``LocalRuleEngine``: a remedy without a service), ``auto`` (local without a collector, the
     collector's with one), ``off``."""
 
-    directive_check_every: int = 4
+    check_every: int = 4
     """Under torch.distributed, ranks agree on the active directive every K steps: one all-reduce of four
     int64 on a CPU (gloo) group, no device sync. A directive applies at most K steps after a rank learned of
     it; what one agreement costs is in ``docs/benchmarks.md``. Without torch.distributed there is nothing
@@ -266,15 +343,29 @@ class MonitorConfig:
     logit_tau: float = DEFAULT_LOGIT_TAU
     """The local rule engine's attention-logit threshold (the collector has its own: NANWATCH_LOGIT_TAU)."""
 
-    # ---- reports -----------------------------------------------------------------------------------
-    max_pending_reports: int = 8
+    def __post_init__(self) -> None:
+        if self.source not in ("auto", "local", "collector", "off"):
+            raise ValueError(f"{_say('directives.source')} must be 'auto', 'local', 'collector' or 'off', "
+                             f"got {self.source!r}")
+        if self.check_every < 1:
+            raise ValueError(f"{_say('directives.check_every')} must be >= 1, got {self.check_every}")
+        if self.logit_tau <= 0:
+            raise ValueError(f"{_say('directives.logit_tau')} must be > 0, got {self.logit_tau}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ReportsConfig:
+    """Step reports, job reports and heartbeats: the reporter thread, whom a report speaks for, the close
+    (``nanwatch.hooks.report``)."""
+
+    max_pending: int = 8
     """Steps whose stats may wait for the reporter thread; beyond that a step's report is dropped and
     counted rather than stalling training."""
 
     on_report: Callable[[StepReport], None] | None = None
     """Called on the reporter thread with every finished StepReport (exceptions are logged, not raised)."""
 
-    report_scope: ReportScopeChoice = "auto"
+    scope: ReportScopeChoice = "auto"
     """Under torch.distributed, whom step reports speak for: ``rank`` (each rank posts its own, every step),
     ``job`` (one job report per job-step: per-site figures reduced across ranks in the reporter thread,
     posted by rank 0; a rank that differs posts its own beside it as a ``detail``; the others a heartbeat),
@@ -292,7 +383,7 @@ class MonitorConfig:
     job's reduction, which every rank joins every step, stops within ``report_reduce_timeout_s`` and says
     so sooner)."""
 
-    report_reduce_timeout_s: float = 60.0
+    reduce_timeout_s: float = 60.0
     """Job scope: how long the reporter thread waits in one collective of the job report's reduction for a
     peer before giving up on job reports for good (warned; per-rank reports from then on). Training never
     waits on it: only the reporter thread does, and the reports it cannot build meanwhile are dropped."""
@@ -305,131 +396,193 @@ class MonitorConfig:
     (``~/.local/state/nanwatch/undelivered``), one folder per run, for ``nanwatch push`` to send later; the
     close logs how many were delivered, how many were kept (where) and how many were lost (which steps)."""
 
-    # ---- the local record: log lines and a JSONL file (nanwatch.hooks.report.local_log) -------------
-    log_incidents: bool = True
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"{_say('reports.max_pending')} must be >= 1, got {self.max_pending}")
+        if self.scope not in ("auto", "rank", "job"):
+            raise ValueError(f"{_say('reports.scope')} must be 'auto', 'rank' or 'job', got {self.scope!r}")
+        if self.heartbeat_s is not None and not 0 < self.heartbeat_s <= 86_400:
+            raise ValueError(f"{_say('reports.heartbeat_s')} must be > 0 and at most a day (86400), or None, "
+                             f"got {self.heartbeat_s}")
+        if not self.reduce_timeout_s > 0:
+            raise ValueError(f"{_say('reports.reduce_timeout_s')} must be > 0, got {self.reduce_timeout_s}")
+        if not 0 <= self.close_timeout <= 3600:
+            raise ValueError(f"{_say('reports.close_timeout')} must be between 0 and 3600 seconds, "
+                             f"got {self.close_timeout}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalLogConfig:
+    """The local record: log lines and a JSONL file (``nanwatch.hooks.report.local_log``)."""
+
+    incidents: bool = True
     """Log one line (``logging.getLogger("nanwatch")``, WARNING) when a non-finite episode starts, when an
     incident is classified, when the attention mode changes and when the values turn finite again: in the
     training log, where people already look, even without a collector. Never once per NaN step."""
 
-    log_every: int | None = None
+    every: int | None = None
     """Also log a one-line summary every N training steps (at INFO); None: none."""
 
-    log_dir: str | None = None
+    dir: str | None = None
     """Folder for a JSONL record of every report (``nanwatch status --file`` reads it); None: the
     ``NANWATCH_LOG_DIR`` environment variable (read by ``resolve_config``); neither: no file. One file per
     run, rank and incarnation, written on the reporter thread; an unwritable folder is warned about once,
     never raised."""
 
-    log_max_bytes: int = 64 << 20
+    max_bytes: int = 64 << 20
     """Rotate the JSONL file when it would grow past this many bytes."""
 
-    log_backups: int = 4
+    backups: int = 4
     """Rotated JSONL files kept beside the current one (``.1`` the newest), at least 1: the record is bounded
     by ``log_max_bytes * (log_backups + 1)``."""
 
     def __post_init__(self) -> None:
-        """Validation only: no environment, no file."""
-        _check_run(self)
-        _check_measuring(self)
-        _check_remedies(self)
-        _check_rollout(self)
-        _check_spikes(self)
-        _check_directives_and_reports(self)
-        _check_local_record(self)
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"{_say('log.every')} must be >= 1, or None (no summary lines), got {self.every}")
+        if self.max_bytes < 1024:
+            raise ValueError(f"{_say('log.max_bytes')} must be >= 1024, got {self.max_bytes}")
+        if self.backups < 1:
+            raise ValueError(f"{_say('log.backups')} must be >= 1 (the standard library never rotates with 0), "
+                             f"got {self.backups}")
+        if self.dir is not None and not isinstance(self.dir, str):
+            self.dir = os.fspath(self.dir)
 
 
-def _check_run(c: MonitorConfig) -> None:
-    try:
-        _RUN_ID.validate_python(c.run_id, strict=True)
-    except ValidationError:
-        raise ValueError(f"run_id {c.run_id!r} is not valid: use 1-128 of letters, digits and ._:@+=- "
-                         "(it becomes a URL path segment and a Prometheus label)") from None
-    if c.collector is not None:
-        collector_urls(c.collector)  # a ValueError that says what is expected
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """What to measure and where to send it: the run's identity, then one section per concern (the module
+    docstring says which part receives which). Defaults are the cheap, always-on set.
+
+    Constructing one reads nothing: a field left to the environment stays None until
+    :func:`resolve_config`. Flat option names (``spike_factor=5``) build one through :meth:`from_options`.
+    Measured costs of the defaults are in ``docs/benchmarks.md``.
+    """
+
+    run_id: str
+    """Names the run in every report and metric label; letters, digits and ``._:@+=-``, at most 128."""
+
+    collector: str | Sequence[str] | None = None
+    """Base URL of the collector (``http://host:port``); None keeps reports in-process only. Several (a list,
+    or one string separated by commas) are shards: the run reports to the one ``pick_collector`` chooses by
+    a stable hash of ``run_id`` (the same on every rank), and the resolved config's ``collector`` holds that
+    one URL."""
+
+    collectors: tuple[str, ...] = field(default=(), init=False)
+    """Every shard ``collector`` named (filled by ``resolve_config``; one URL: just that one)."""
+
+    token: str | None = None
+    """Ingest bearer token for the collector; None: ``NANWATCH_TOKEN``, or the file ``NANWATCH_TOKEN_FILE``
+    (read by ``resolve_config``)."""
+
+    rank: int | None = None
+    """This process's rank; default: torch.distributed's rank if initialised, else ``$RANK``, else 0."""
+
+    world_size: int | None = None
+    """Number of ranks; default: torch.distributed's world size, else ``$WORLD_SIZE``, else 1."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """What is read in the forward and backward passes (the probes)."""
+
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """The weight guard, and the checks of the weights and optimizer state around the optimizer step."""
+
+    forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    """The differential rerun of the first non-finite step, and its incident capsules."""
+
+    spikes: SpikesConfig = field(default_factory=SpikesConfig)
+    """A value jumping k× over its recent past."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """RLHF: the rollout engine against the trainer."""
+
+    directives: DirectivesConfig = field(default_factory=DirectivesConfig)
+    """Who issues directives, and how the ranks agree on them."""
+
+    reports: ReportsConfig = field(default_factory=ReportsConfig)
+    """The reporter thread, the job scope and heartbeats, the close."""
+
+    log: LocalLogConfig = field(default_factory=LocalLogConfig)
+    """The local record: log lines and a JSONL file."""
+
+    def __post_init__(self) -> None:
+        """Validation only (each section validated itself): no environment, no file."""
+        try:
+            _RUN_ID.validate_python(self.run_id, strict=True)
+        except ValidationError:
+            raise ValueError(f"run_id {self.run_id!r} is not valid: use 1-128 of letters, digits and ._:@+=- "
+                             "(it becomes a URL path segment and a Prometheus label)") from None
+        if self.collector is not None:
+            collector_urls(self.collector)  # a ValueError that says what is expected
+        for name, cls in SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(f"MonitorConfig({name}=...) takes a {cls.__name__}, got {value!r}; flat options "
+                                f"(guard='off', spike_factor=5) go to nanwatch.attach() or "
+                                f"MonitorConfig.from_options()")
+
+    @classmethod
+    def from_options(cls, *, run_id: str, collector: str | Sequence[str] | None = None,
+                     **options: Any) -> MonitorConfig:
+        """A config from flat option names, as ``nanwatch.attach(model, run_id=..., spike_factor=5)`` and the
+        integrations' callbacks take them (:data:`FLAT_OPTIONS`). An unknown name is a TypeError naming the
+        nearest ones; a bad value the section's ValueError."""
+        top: dict[str, Any] = {"run_id": run_id, "collector": collector}
+        parts: dict[str, dict[str, Any]] = {}
+        for name, value in options.items():
+            section, name_in_section = flat_option(name)
+            (top if section is None else parts.setdefault(section, {}))[name_in_section] = value
+        return cls(**top, **{section: SECTIONS[section](**given) for section, given in parts.items()})
+
+    def option(self, name: str) -> Any:
+        """The value of the flat option ``name`` (``cfg.option("spike_factor") == cfg.spikes.factor``)."""
+        section, name_in_section = flat_option(name)
+        return getattr(self if section is None else getattr(self, section), name_in_section)
 
 
-def _check_measuring(c: MonitorConfig) -> None:
-    if c.exact_logit_every < 0:
-        raise ValueError(f"exact_logit_every must be >= 0 (0 disables), got {c.exact_logit_every}")
-    if c.exact_logit_chunk_elems < 1:
-        raise ValueError(f"exact_logit_chunk_elems must be >= 1, got {c.exact_logit_chunk_elems}")
-    if c.optimizer_check_every is not None and c.optimizer_check_every < 1:
-        raise ValueError(f"optimizer_check_every must be >= 1 or None (optimizer_check=False turns the check off), "
-                         f"got {c.optimizer_check_every}")
-    if c.param_check_every < 0:
-        raise ValueError(f"param_check_every must be >= 0 (0 disables), got {c.param_check_every}")
+#: The sections of a MonitorConfig, by field name, in the order the docs list them.
+SECTIONS: dict[str, type] = {"measure": MeasureConfig, "weights": WeightsConfig, "forensics": ForensicsConfig,
+                             "spikes": SpikesConfig, "rollout": RolloutConfig, "directives": DirectivesConfig,
+                             "reports": ReportsConfig, "log": LocalLogConfig}
+
+#: Every flat option name -> where it sits (``section.field``; a bare name: the top level). The one place that
+#: maps the flat names of ``attach(model, ...)``, the integrations' callbacks and ``nanwatch bench kernels
+#: --config`` to the sections; a test checks that it names every field once.
+FLAT_OPTIONS: dict[str, str] = {
+    "run_id": "run_id", "collector": "collector", "token": "token", "rank": "rank", "world_size": "world_size",
+    **{name: f"measure.{name}" for name in ("grads", "logits", "coarse", "fingerprint", "is_attention",
+                                            "exact_logit_every", "exact_logit_chunk_elems")},
+    **{name: f"weights.{name}" for name in ("guard", "guard_reduce", "process_group", "optimizer_check",
+                                            "optimizer_check_every", "param_check_every", "replica_check_every",
+                                            "replica_repair")},
+    **{name: f"forensics.{name}" for name in ("rerun", "capsule", "capsule_max", "capsule_dir",
+                                              "capsule_max_bytes")},
+    "spike_factor": "spikes.factor", "spike_window": "spikes.window", "spike_warmup": "spikes.warmup",
+    "spike_action": "spikes.action",
+    "rollout_cap": "rollout.cap", "rollout_dtype": "rollout.dtype", "rollout_attribution": "rollout.attribution",
+    "directive_source": "directives.source", "directive_check_every": "directives.check_every",
+    "logit_tau": "directives.logit_tau",
+    "max_pending_reports": "reports.max_pending", "on_report": "reports.on_report", "report_scope": "reports.scope",
+    "heartbeat_s": "reports.heartbeat_s", "report_reduce_timeout_s": "reports.reduce_timeout_s",
+    "close_timeout": "reports.close_timeout",
+    "log_incidents": "log.incidents", "log_every": "log.every", "log_dir": "log.dir", "log_max_bytes": "log.max_bytes",
+    "log_backups": "log.backups",
+}
+_FLAT_OF = {path: flat for flat, path in FLAT_OPTIONS.items()}
 
 
-def _check_rollout(c: MonitorConfig) -> None:
-    if not (isinstance(c.rollout_cap, (int, float)) and c.rollout_cap > 1 and math.isfinite(c.rollout_cap)):
-        raise ValueError(f"rollout_cap must be a finite number > 1, got {c.rollout_cap!r}")
-    if not isinstance(getattr(torch, c.rollout_dtype, None), torch.dtype) or c.rollout_dtype.startswith("int"):
-        raise ValueError(f"rollout_dtype must name a floating torch dtype (bfloat16, float16), got "
-                         f"{c.rollout_dtype!r}")
-
-
-def _check_spikes(c: MonitorConfig) -> None:
-    if not (isinstance(c.spike_factor, (int, float)) and math.isfinite(c.spike_factor)
-            and (c.spike_factor == 0 or c.spike_factor > 1)):
-        raise ValueError(f"spike_factor must be a finite number > 1, or 0 (off), got {c.spike_factor!r}")
-    if not (isinstance(c.spike_window, int) and c.spike_window >= 1):
-        raise ValueError(f"spike_window must be an int >= 1, got {c.spike_window!r}")
-    if not (isinstance(c.spike_warmup, int) and c.spike_warmup >= 0):
-        raise ValueError(f"spike_warmup must be an int >= 0, got {c.spike_warmup!r}")
-    if c.spike_action not in ("report", "skip"):
-        raise ValueError(f"spike_action must be 'report' or 'skip', got {c.spike_action!r}")
-
-
-def _check_remedies(c: MonitorConfig) -> None:
-    if not (isinstance(c.replica_check_every, int) and c.replica_check_every >= 0):
-        raise ValueError(f"replica_check_every must be an int >= 0 (0: off), got {c.replica_check_every!r}")
-    if c.guard not in ("auto", "off"):
-        raise ValueError(f"guard must be 'auto' or 'off', got {c.guard!r}")
-    if c.process_group is not None and not (torch.distributed.is_available()
-                                            and isinstance(c.process_group, torch.distributed.ProcessGroup)):
-        raise ValueError(f"process_group must be a torch.distributed ProcessGroup (or None: the default "
-                         f"group), got {type(c.process_group).__name__}")
-    if c.capsule_dir is not None and not isinstance(c.capsule_dir, str):
-        c.capsule_dir = os.fspath(c.capsule_dir)
-    if c.capsule_dir is not None and "://" in c.capsule_dir:
-        raise ValueError(f"capsule_dir {c.capsule_dir!r}: object-store URLs are not supported yet; "
-                         "use a local directory")
-    if c.capsule_max is not None and c.capsule_max < 0:
-        raise ValueError(f"capsule_max must be >= 0 (0: no capsules), got {c.capsule_max}")
-    if c.capsule_max_bytes is not None and c.capsule_max_bytes < 4096:
-        raise ValueError(f"capsule_max_bytes must be >= 4096, got {c.capsule_max_bytes}")
-
-
-def _check_directives_and_reports(c: MonitorConfig) -> None:
-    if c.directive_source not in ("auto", "local", "collector", "off"):
-        raise ValueError(f"directive_source must be 'auto', 'local', 'collector' or 'off', "
-                         f"got {c.directive_source!r}")
-    if c.directive_check_every < 1:
-        raise ValueError(f"directive_check_every must be >= 1, got {c.directive_check_every}")
-    if c.logit_tau <= 0:
-        raise ValueError(f"logit_tau must be > 0, got {c.logit_tau}")
-    if c.max_pending_reports < 1:
-        raise ValueError(f"max_pending_reports must be >= 1, got {c.max_pending_reports}")
-    if c.report_scope not in ("auto", "rank", "job"):
-        raise ValueError(f"report_scope must be 'auto', 'rank' or 'job', got {c.report_scope!r}")
-    if c.heartbeat_s is not None and not 0 < c.heartbeat_s <= 86_400:
-        raise ValueError(f"heartbeat_s must be > 0 and at most a day (86400), or None, got {c.heartbeat_s}")
-    if not c.report_reduce_timeout_s > 0:
-        raise ValueError(f"report_reduce_timeout_s must be > 0, got {c.report_reduce_timeout_s}")
-    if not 0 <= c.close_timeout <= 3600:
-        raise ValueError(f"close_timeout must be between 0 and 3600 seconds, got {c.close_timeout}")
-
-
-def _check_local_record(c: MonitorConfig) -> None:
-    if c.log_every is not None and c.log_every < 1:
-        raise ValueError(f"log_every must be >= 1, or None (no summary lines), got {c.log_every}")
-    if c.log_max_bytes < 1024:
-        raise ValueError(f"log_max_bytes must be >= 1024, got {c.log_max_bytes}")
-    if c.log_backups < 1:
-        raise ValueError(f"log_backups must be >= 1 (the standard library never rotates with 0), "
-                         f"got {c.log_backups}")
-    if c.log_dir is not None and not isinstance(c.log_dir, str):
-        c.log_dir = os.fspath(c.log_dir)
+def flat_option(name: str) -> tuple[str | None, str]:
+    """(section, field) of the flat option ``name`` (section None: the top level). An unknown name is a
+    TypeError that lists the nearest option names."""
+    path = FLAT_OPTIONS.get(name)
+    if path is None:
+        near = difflib.get_close_matches(name, FLAT_OPTIONS, n=4, cutoff=0.6)
+        near += [flat for flat, p in FLAT_OPTIONS.items() if p.endswith("." + name) and flat not in near]
+        hint = f"; the nearest: {', '.join(near)}" if near else ""
+        if name in SECTIONS:
+            hint += f"; a whole section goes in config=MonitorConfig({name}={SECTIONS[name].__name__}(...))"
+        raise TypeError(f"nanwatch: {name}= is not an option{hint} (all of them: docs/reference.md)")
+    section, _, name_in_section = path.rpartition(".")
+    return section or None, name_in_section
 
 
 def resolve_config(config: MonitorConfig | None = None, *, run_id: str | None = None,
@@ -437,25 +590,29 @@ def resolve_config(config: MonitorConfig | None = None, *, run_id: str | None = 
     """The config an ``attach(...)`` means, resolved: the one place that reads the environment (the ingest
     token and its file, ``NANWATCH_LOG_DIR``, ``NANWATCH_CAPSULE*``) and picks the shard a run reports to.
 
-    ``config`` as given, or one built from the arguments. Arguments beside a ``config`` that say something
-    else would be silently dropped: a ValueError instead (repeating the config's own values is fine).
-    Returns a new config (``dataclasses.replace``), or ``config`` itself when there is nothing to fill in;
-    resolving a resolved config changes nothing."""
+    ``config`` as given, or one built from the arguments (flat option names, :data:`FLAT_OPTIONS`).
+    Arguments beside a ``config`` that say something else would be silently dropped: a ValueError instead
+    (repeating the config's own values is fine). Returns a new config (``dataclasses.replace``, every section
+    copied), or ``config`` itself when there is nothing to fill in; resolving a resolved config changes
+    nothing."""
     config = _config_for(config, run_id=run_id, collector=collector, options=options)
-    changes: dict[str, Any] = {}
+    top: dict[str, Any] = {}
     collectors = config.collectors
     if config.collector is not None and not collectors:
         collectors = tuple(collector_urls(config.collector))
-        changes["collector"] = pick_collector(collectors, config.run_id)
+        top["collector"] = pick_collector(collectors, config.run_id)
     if config.token is None:
-        changes["token"] = token_from_env("NANWATCH_TOKEN")
-    if config.log_dir is None:
-        changes["log_dir"] = os.environ.get("NANWATCH_LOG_DIR") or None
-    changes.update(_capsule_settings(config))
-    changes = {k: v for k, v in changes.items() if getattr(config, k) != v}
-    if not changes and collectors == config.collectors:
+        top["token"] = token_from_env("NANWATCH_TOKEN")
+    log_dir = {"dir": os.environ.get("NANWATCH_LOG_DIR") or None} if config.log.dir is None else {}
+    capsules = _capsule_settings(config.forensics)
+    top = {k: v for k, v in top.items() if getattr(config, k) != v}
+    log_dir = {k: v for k, v in log_dir.items() if getattr(config.log, k) != v}
+    capsules = {k: v for k, v in capsules.items() if getattr(config.forensics, k) != v}
+    if not (top or log_dir or capsules) and collectors == config.collectors:
         return config
-    resolved = replace(config, **changes)
+    copies = {name: replace(getattr(config, name)) for name in SECTIONS}  # the given config's stay its own
+    copies.update(log=replace(config.log, **log_dir), forensics=replace(config.forensics, **capsules))
+    resolved = replace(config, **top, **copies)
     resolved.collectors = collectors
     return resolved
 
@@ -466,17 +623,16 @@ def _config_for(config: MonitorConfig | None, *, run_id: str | None, collector: 
     if config is None:
         if run_id is None:
             raise TypeError("nanwatch.attach() needs run_id= (or config=)")
-        return MonitorConfig(run_id=run_id, collector=collector, **options)
+        return MonitorConfig.from_options(run_id=run_id, collector=collector, **options)
     for key, value in {"run_id": run_id, "collector": collector, **options}.items():
         if value is None and key in ("run_id", "collector"):
             continue
-        if key not in MonitorConfig.__dataclass_fields__:
-            raise ValueError(f"nanwatch.attach(): {key}= is not a MonitorConfig field")
+        given = config.option(key)  # a TypeError for an unknown name
         same = (_shards(value) == (config.collectors or _shards(config.collector)) if key == "collector"
-                else getattr(config, key) == value)
+                else given == value)
         if not same:
-            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{key}="
-                             f"{getattr(config, key)!r}; set it in the config, or pass one of the two")
+            raise ValueError(f"nanwatch.attach(): {key}={value!r} conflicts with config.{FLAT_OPTIONS[key]}="
+                             f"{given!r}; set it in the config, or pass one of the two")
     return config
 
 
@@ -484,9 +640,9 @@ def _shards(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return () if value is None else tuple(collector_urls(value))
 
 
-def _capsule_settings(config: MonitorConfig) -> dict[str, Any]:
-    """The capsule fields a config leaves unset, from ``NANWATCH_CAPSULE*`` or the defaults. A variable
-    that does not parse turns capsules off with a warning: a bad variable must not stop training."""
+def _capsule_settings(config: ForensicsConfig) -> dict[str, Any]:
+    """The capsule fields a forensics section leaves unset, from ``NANWATCH_CAPSULE*`` or the defaults. A
+    variable that does not parse turns capsules off with a warning: a bad variable must not stop training."""
     env, found = os.environ, {}
     if config.capsule is None:
         found["capsule"] = env.get("NANWATCH_CAPSULE", "1").strip().lower() not in ("0", "false", "off", "no")

@@ -84,19 +84,26 @@ class Monitor:
         self._raised: str | None = None  # the exception type the open step raised
         self._warn_once = warn = WarnOnce()
         device = device_of(model)
-        self._rec = rec = Recorder(device, group=config.process_group, reduce=config.guard_reduce)
+        weights = config.weights
+        self._rec = rec = Recorder(device, group=weights.process_group, reduce=weights.guard_reduce)
         self.directive_state = state = DirectiveState(model=self._model, rec=rec, rank=self.rank,
-                                                      check_every=config.directive_check_every)
-        self._probes = probes = probes_for(model, config=config, rec=rec, directive_state=state,
+                                                      check_every=config.directives.check_every)
+        self._probes = probes = probes_for(model, config=config.measure, rec=rec, directive_state=state,
                                            model_ref=self._model)
-        self._remedies = StepRemedies(config, rank=self.rank, device=device, rec=rec, model=self._model,
-                                      probes=probes, directive_state=state, warn=warn)
-        self._flow = ReportFlow(config, rank=self.rank, world_size=self.world_size, warn=warn,
+        self._remedies = StepRemedies(weights, forensics=config.forensics, spikes=config.spikes,
+                                      rollout=config.rollout, run_id=config.run_id,
+                                      reduce_timeout_s=config.reports.reduce_timeout_s, rank=self.rank,
+                                      device=device, rec=rec, model=self._model, probes=probes,
+                                      directive_state=state, warn=warn)
+        self._flow = ReportFlow(config.reports, directives=config.directives, spikes=config.spikes,
+                                local_log=config.log, run_id=config.run_id, collector=config.collector,
+                                token=config.token,
+                                rank=self.rank, world_size=self.world_size, warn=warn,
                                 incarnation=self.incarnation, directive_state=state,
                                 expects_logits=partial(operator.is_not, probes.head, None),  # known by now
                                 on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
-                                      max_pending=config.max_pending_reports)
+                                      max_pending=config.reports.max_pending)
         self._evals = EvalWindows(rec, hand_over=self._handover.hand_over, new_window=probes.new_window, warn=warn)
         # closed in reverse order: (pushed at attach) the remedies' hooks, every probe and patch, the final
         # report; then the reporter and its sender, then the capsules still being written
@@ -122,13 +129,15 @@ class Monitor:
             raise RuntimeError("nanwatch: the model was garbage-collected before attach")
         try:
             self._stack.callback(self._handover.finish)  # the final report: once every hook below is off
-            for handle in install(model, self._probes, outer=self._outer(), owner=self, config=self.config):
+            cfg = self.config
+            for handle in install(model, self._probes, outer=self._outer(), owner=self, config=cfg.measure):
                 self._stack.callback(handle.remove)
             self._probes.outside_step(self._evals.outside_step)
             self._active = True
             _open.add(self)
             self._flow.open_job()  # job scope: a collective (every rank attaches), on this thread
-            connect(self.config, rank=self.rank, flow=self._flow, directive_state=self.directive_state)
+            connect(cfg.directives, run_id=cfg.run_id, collector=cfg.collector, token=cfg.token,
+                    log_dir=cfg.log.dir, rank=self.rank, flow=self._flow, directive_state=self.directive_state)
             self._stack.callback(self._remedies.remove)
             self._remedies.attach(model, optimizer=optimizer, scaler=scaler)
         except BaseException as exc:
@@ -148,7 +157,8 @@ class Monitor:
 
     def close(self, timeout: float | None = None) -> None:
         """Remove every hook, restore the patched functions, flush the last reports (at most ``timeout``, default
-        ``config.close_timeout``). A normal close (nothing raised) sends the final report (``final=True``)."""
+        ``config.reports.close_timeout``). A normal close (nothing raised) sends the final report
+        (``final=True``)."""
         if self._active:
             if self._evals.open:  # e.g. the final evaluation, run after the last step
                 contained(self.end_eval)
@@ -156,7 +166,7 @@ class Monitor:
                 contained(self.end_step)
             self._active = False
             _open.discard(self)
-        self._timeout.seconds = self.config.close_timeout if timeout is None else timeout
+        self._timeout.seconds = self.config.reports.close_timeout if timeout is None else timeout
         self._stack.close()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> WeightGuard:
@@ -261,9 +271,11 @@ class Monitor:
         the collector to compare with each rollout worker's; ``weights``: a module or state dict (default:
         the monitored model). One host read; a failure only warns. Under FSDP2 pass ``gather=True`` on
         every rank (a collective); else rank 0 posts. ``dtypes``: the rollout copies' dtypes the set also carries
-        casts to (default ``MonitorConfig.rollout_dtype``), so a bf16 (fp16, fp8) copy verifies. Returns the
+        casts to (default ``MonitorConfig.rollout.dtype``), so a bf16 (fp16, fp8) copy verifies. Returns the
         fingerprints (None if none were made)."""
-        return publish_weights(self.config, self._model() if weights is None else weights, version, rank=self.rank,
+        cfg = self.config
+        return publish_weights(cfg.rollout, self._model() if weights is None else weights, version,
+                               run_id=cfg.run_id, collector=cfg.collector, token=cfg.token, rank=self.rank,
                                warn=self._warn_once, incarnation=self.incarnation, gather=gather, dtypes=dtypes,
                                note=self._flow.published)
 
@@ -275,14 +287,14 @@ class Monitor:
         """Ratio, KL (k1, k3), clip-fraction, advantage and logprob health, on the device. ``advantages``: per
         token, or per sequence as GRPO's; ``kl_optimised``: the KL the loss uses (``k1``, ``k3``, ``k3_ratio``).
         ``rollout_logprobs``: the sampler's, of the same tokens, compared with ``logprobs`` (truncation cap
-        ``rollout_cap``, default ``config.rollout_cap``); ``input_ids`` (prompt then completion) and
+        ``rollout_cap``, default ``config.rollout.cap``); ``input_ids`` (prompt then completion) and
         ``attention_mask`` let a drift be attributed to a module."""
         if self._active and not torch.compiler.is_compiling():
             contained(self._remedies.keep_rollout, rlhf_probe(
                 self._rec, site=self._probes.site, warn=self._warn_once, logprobs=logprobs, mask=mask,
                 ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, advantages=advantages, clip_eps=clip_eps,
                 kl_optimised=kl_optimised, rollout_logprobs=rollout_logprobs,
-                rollout_cap=rollout_cap or self.config.rollout_cap, input_ids=input_ids,
+                rollout_cap=rollout_cap or self.config.rollout.cap, input_ids=input_ids,
                 attention_mask=attention_mask))
 
 
@@ -293,8 +305,9 @@ def attach(model: torch.nn.Module, *, run_id: str | None = None, collector: str 
 
     ``optimizer``: guard its weights (``Monitor.guard``) and check its updates; without it, the optimizer
     stepping the model's parameters is found at its first step (``guard=``, ``optimizer_check=``).
-    ``scaler``: a GradScaler to watch (``Monitor.watch_scaler``). ``options`` are MonitorConfig fields; with
-    ``config=``, ``run_id``/``collector``/``options`` may only repeat what it says (else a ValueError).
+    ``scaler``: a GradScaler to watch (``Monitor.watch_scaler``). ``options`` are flat option names
+    (``spike_factor=5``: ``MonitorConfig.from_options``; an unknown one is a TypeError); with ``config=``,
+    ``run_id``/``collector``/``options`` may only repeat what it says (else a ValueError).
     """
     config = resolve_config(config, run_id=run_id, collector=collector, **options)
     return Monitor(model, config).attach(optimizer=optimizer, scaler=scaler)

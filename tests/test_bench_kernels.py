@@ -57,17 +57,17 @@ def test_the_counter_counts_kernels_bytes_and_syncs_as_documented():
 def test_the_plan_covers_every_cadence_of_the_defaults():
     plan = cadence_plan()
     defaults = MonitorConfig(run_id="x")
-    assert plan["cadences"]["exact_logit_every"] == defaults.exact_logit_every
+    assert plan["cadences"]["exact_logit_every"] == defaults.measure.exact_logit_every
     assert "param_check_every" not in plan["cadences"]  # the sweep is off by default (#35)
     # the optimizer check's cadence on an accelerator (None: resolved by the device; the bench models one)
-    assert plan["cadences"]["optimizer_check_every"] == 16 and defaults.optimizer_check_every is None
+    assert plan["cadences"]["optimizer_check_every"] == 16 and defaults.weights.optimizer_check_every is None
     c = plan["window"]
-    assert c % 16 == 0 and plan["cycle"] % defaults.exact_logit_every == 0
+    assert c % 16 == 0 and plan["cycle"] % defaults.measure.exact_logit_every == 0
     starts = [w[0] for w in plan["windows"]]
     assert starts == sorted(starts) and starts[0] > c  # after a warm-up window, steps only go forward
     assert sum(w[1] for w in plan["windows"]) == pytest.approx(1 / c)  # a mean per step
     # a window that fires exact_logit_every holds one such step; the plain window none
-    g = defaults.exact_logit_every
+    g = defaults.measure.exact_logit_every
     assert not any(n % g == 0 for n in range(starts[0], starts[0] + c))
     assert any(sum(n % g == 0 for n in range(s, s + c)) == 1 for s in starts[1:])
 

@@ -87,12 +87,16 @@ def test_the_reference_lists_every_option_setting_and_metric():
     import generate
 
     text = (ROOT / "docs" / "reference.md").read_text()
+    from nanwatch.hooks.config import FLAT_OPTIONS, SECTIONS
     from nanwatch.monitor.read.metric_names import METRICS
 
-    options = [name for _, name, *_ in generate.class_fields(ROOT / "hooks" / "config.py", "MonitorConfig")]
-    assert "run_id" in options and "log_backups" in options and len(options) >= 30
-    for name in options:
-        assert f"| `{name}` |" in text, name
+    rows = generate.config_rows()
+    assert {section for section, *_ in rows} == {"", *SECTIONS}  # every section has its table
+    assert len(rows) == len(FLAT_OPTIONS) + 1  # every option, and the one filled-in field (collectors)
+    for _, flat, path, *_ in rows:
+        assert path == "collectors" or FLAT_OPTIONS[flat] == path, path
+        assert f"| {f'`{flat}`' if flat else '—'} | `{path}` |" in text, path
+    assert all(doc for *_, doc in rows), "a config field without a docstring"
     for metric in METRICS:
         assert f"| `{metric}` |" in text, metric
     assert "| `NANWATCH_MAX_BODY_BYTES` |" in text

@@ -27,7 +27,7 @@ def test_both_sides_default_to_the_same_logit_tau():
     pytest.importorskip("torch")
     from nanwatch.hooks.config import MonitorConfig
 
-    assert MonitorConfig(run_id="r").logit_tau == DEFAULT_LOGIT_TAU
+    assert MonitorConfig(run_id="r").directives.logit_tau == DEFAULT_LOGIT_TAU
 
 
 def test_a_token_comes_from_the_variable_then_its_file(tmp_path):

@@ -94,10 +94,12 @@ def cadence_plan(config=None) -> dict:
     is ``sum(weight * window_total)`` over the windows (the plain window's weight makes the per-step mean of
     its C steps; each event window adds its excess over the plain one at its frequency in the cycle)."""
     from nanwatch.hooks import MonitorConfig
+    from nanwatch.hooks.config import FLAT_OPTIONS
 
     config = config or MonitorConfig(run_id="kernels")
-    cad = {f.name: getattr(config, f.name) for f in fields(config) if f.name.endswith("_every")}
-    if config.optimizer_check and config.optimizer_check_every is None:  # resolved by the device: the modelled
+    cad = {name: config.option(name) for name in FLAT_OPTIONS if name.endswith("_every")}
+    weights = config.weights  # optimizer_check_every None: resolved by the device; the modelled
+    if weights.optimizer_check and weights.optimizer_check_every is None:
         from nanwatch.hooks.remedies.step_remedies import ACCELERATOR_CHECK_EVERY  # accelerator's cadence
 
         cad["optimizer_check_every"] = ACCELERATOR_CHECK_EVERY
@@ -218,7 +220,7 @@ def count_shape(shape: Shape, layers: int, *, device: str = "meta", dtype: torch
     from nanwatch.bench.step import rlhf_feed
     from nanwatch.hooks import MonitorConfig
 
-    plan = plan or cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))
+    plan = plan or cadence_plan(MonitorConfig.from_options(run_id="kernels", **(options or {})))
     with meta_seams(device):
         model, opt, ids = _build(shape, layers, device, dtype)
         feed = rlhf_feed(1, shape.seq, device, mask=True)
@@ -277,10 +279,11 @@ def _extrapolate(runs: dict[int, dict], layers: int) -> dict:
 def run(shapes: Sequence[str], *, device: str = "meta", dtype: str = "bf16", options: dict | None = None,
         log: Callable[[str], None] = print) -> dict:
     """Count every shape in ``shapes`` on ``device`` in ``dtype`` (bf16 or fp32), nanwatch attached with
-    ``options`` (MonitorConfig fields) over its defaults; the results (see ``--json``)."""
+    ``options`` (flat option names, as ``nanwatch.attach`` takes them) over its defaults; the results (see
+    ``--json``)."""
     from nanwatch.hooks import MonitorConfig
 
-    plan = cadence_plan(MonitorConfig(run_id="kernels", **(options or {})))  # the cadences of what is attached
+    plan = cadence_plan(MonitorConfig.from_options(run_id="kernels", **(options or {})))  # what is attached
     threads = torch.get_num_threads()
     if device != "cuda":
         torch.set_num_threads(1)  # counts do not depend on threads; on a shared CPU one thread is fastest
@@ -328,7 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="auto (default): bf16, except on a CPU without bf16 units (then fp32; nanwatch bench's choice)")
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a MonitorConfig option over the defaults (repeatable), e.g. --config exact_logit_every=0")
+                   help="an attach() option over the defaults (repeatable), e.g. --config exact_logit_every=0")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON here")
     return p
 
@@ -368,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _options(args.config)
         from nanwatch.hooks import MonitorConfig
 
-        MonitorConfig(run_id="kernels", **options)
+        MonitorConfig.from_options(run_id="kernels", **options)
     except (ValueError, TypeError) as exc:
         print(f"nanwatch bench kernels: {exc}")
         return 2

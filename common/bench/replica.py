@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, device: str, steps: int, checks: i
     import nanwatch
     from nanwatch.bench.step import lm_step
     from nanwatch.bench.tiny_models import tiny_qwen3
-    from nanwatch.hooks import MonitorConfig
+    from nanwatch.hooks.config import WeightsConfig
     from nanwatch.hooks.failsafe import WarnOnce
     from nanwatch.hooks.measure.recorder import Recorder
     from nanwatch.hooks.remedies.replica_check import ReplicaCheck
@@ -67,7 +67,8 @@ def _worker(rank: int, world: int, port: int, device: str, steps: int, checks: i
             step_s.append(time.perf_counter() - t0)
     # a check of its own on the same model and optimizer, timed alone (the Monitor's is built, never due)
     check = ReplicaCheck(opt, model=weakref.ref(model.module), rec=Recorder(dev), optimizers=lambda: [opt],
-                         config=MonitorConfig(run_id="bench-replica", replica_check_every=10**9), warn=WarnOnce())
+                         config=WeightsConfig(replica_check_every=10**9),
+                         timeout_s=mon.config.reports.reduce_timeout_s, warn=WarnOnce())
     for i in range(checks + 3):
         sync()
         t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def run(*, ranks: int = 2, device: str = "cpu", steps: int = 40, checks: int = 3
                            start_method="spawn")
         res = json.loads(Path(tmp, "rank0.json").read_text())
     step_s, check_s = statistics.median(res["step"]), statistics.median(res["check"])
-    every = MonitorConfig(run_id="r").replica_check_every
+    every = MonitorConfig(run_id="r").weights.replica_check_every
     return {"ranks": ranks, "device": device, "seq": seq, "tensors": res["tensors"], "step_s": step_s,
             "check_s": check_s, "check_share_of_step": check_s / step_s, "default_every": every,
             "amortised_share_of_step": check_s / step_s / every,

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
                                   "else NANWATCH_ADMIN_TOKEN or NANWATCH_ADMIN_TOKEN_FILE)")
     s.add_argument("--events", type=int, default=20, help="how many recent events to show")
     s.add_argument("--file", help="read a trainer's local JSONL record instead of a collector: a file, a rotated "
-                                 "backup, or a folder of them (MonitorConfig.log_dir / NANWATCH_LOG_DIR)")
+                                 "backup, or a folder of them (MonitorConfig.log.dir / NANWATCH_LOG_DIR)")
     s.add_argument("--late-after", type=float, default=90.0,
                    help="with --file: a rank whose latest report is older than this many seconds (and that "
                         "neither ended nor crashed) is shown as silent (default 90, the collector's)")

@@ -1,5 +1,5 @@
 """What ``nanwatch status`` prints, from either source: the collector's run view (``GET /v1/runs/{id}``, JSON)
-or a trainer's local JSONL record (``MonitorConfig.log_dir``, see ``nanwatch.hooks.report.local_log``), folded here
+or a trainer's local JSONL record (``MonitorConfig.log.dir``, see ``nanwatch.hooks.report.local_log``), folded here
 into the same shape. One renderer prints both, so a figure reads the same wherever it came from.
 
 The fold mirrors the collector's ingest where it matters: run-level totals (non-finite site visits, SDPA

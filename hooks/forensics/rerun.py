@@ -26,7 +26,7 @@ faulting call (its arguments, parameters, RNG and settings) is what an incident 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
 forward, no more), once per run, plus, to decide when to run it, the step's non-finite flag on the host
-(``MonitorConfig.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
+(``MonitorConfig.forensics.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
 accelerator copied without a host read and decided a step later (``nanwatch.hooks.forensics.rerun_flags``).
 First, every parameter and optimizer-state tensor is read once (``nanwatch.hooks.forensics.incident_tensors``):
 a parameter an unchecked optimizer update wrote non-finite is class ``optimizer``, with no rerun. It does
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import ForensicsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.forensics import rerun_flags
 from nanwatch.hooks.forensics.capsule import CapsuleWriter, capsule_settings
@@ -416,9 +416,9 @@ def classify(*, rec: Recorder, model: torch.nn.Module, probes: Probes, directive
     return incident
 
 
-def open_capsules(config: MonitorConfig, rank: int) -> CapsuleWriter | None:
+def open_capsules(config: ForensicsConfig, *, run_id: str, rank: int) -> CapsuleWriter | None:
     """The capsule writer a rerun fills, from the Monitor's options and ``NANWATCH_CAPSULE_*``; None when
-    capsules are off. The options were checked by MonitorConfig; a bad variable turns capsules off, warned."""
+    capsules are off. The options were checked by ForensicsConfig; a bad variable turns capsules off, warned."""
     try:
         on, count, folder, limit = capsule_settings(config.capsule, config.capsule_max, config.capsule_dir,
                                                     config.capsule_max_bytes)
@@ -427,7 +427,7 @@ def open_capsules(config: MonitorConfig, rank: int) -> CapsuleWriter | None:
         return None
     if not on:
         return None
-    return CapsuleWriter(run_id=config.run_id, rank=rank, directory=folder, max_count=count, max_bytes=limit)
+    return CapsuleWriter(run_id=run_id, rank=rank, directory=folder, max_count=count, max_bytes=limit)
 
 
 def defers(device: torch.device) -> bool:
@@ -438,7 +438,7 @@ def defers(device: torch.device) -> bool:
 
 
 class DifferentialRerun:
-    """Rerun mode for one Monitor (``MonitorConfig.rerun``; on whenever a weight guard is effective): the
+    """Rerun mode for one Monitor (``MonitorConfig.forensics.rerun``; on whenever a weight guard is effective): the
     first time a step's non-finite flag is set (a loss-scale overflow the scaler handled excepted), classify
     that step by a rerun before its weights move. Holds the capsule writer the rerun fills. Training thread.
 
@@ -450,7 +450,7 @@ class DifferentialRerun:
 
     Example usage::
 
-        rerun = DifferentialRerun(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
+        rerun = DifferentialRerun(cfg.forensics, run_id="r1", rank=0, device=device, rec=rec, model=model_ref, probes=probes,
                                   directive_state=state, optimizers=hooks.optimizers)
         rerun.at_step_start()             # an earlier step's flag landed set: classified now
         ...                               # the step; its forwards kept while a weight guard is effective
@@ -460,18 +460,18 @@ class DifferentialRerun:
         rerun.close(timeout=10.0)         # a capsule still being written is finished (bounded)
     """
 
-    def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
+    def __init__(self, config: ForensicsConfig, *, run_id: str, rank: int, device: torch.device, rec: Recorder,
                  model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState,
                  optimizers: Callable[[], list[torch.optim.Optimizer]] = list,
                  unread_updates: Callable[[], bool] = bool) -> None:
-        #: rerun mode: ``MonitorConfig.rerun`` (None: on), effective while a weight guard is
+        #: rerun mode: ``MonitorConfig.forensics.rerun`` (None: on), effective while a weight guard is
         self.on = config.rerun is not False
         #: decide a step later, from its flag copied without a host read (an accelerator), rather than at its end
         self.defer = defers(device)
         #: the steps' flags on their way to the host (``defer``)
         self.flags = FlagsInFlight(landed=rerun_flags.landed)
         #: the capsule writer (None: capsules off)
-        self.capsules = open_capsules(config, rank)
+        self.capsules = open_capsules(config, run_id=run_id, rank=rank)
         self._rank, self._rec, self._model = rank, rec, model
         self._probes, self._directive_state = probes, directive_state
         self._optimizers, self._unread_updates = optimizers, unread_updates

@@ -13,8 +13,8 @@ would double-count every site); a second is refused here.
 
 Example usage::
 
-    probes = probes_for(model, config=cfg, rec=rec, directive_state=state, model_ref=weakref.ref(model))
-    handles = install(model, probes, outer=wrapper, owner=monitor, config=cfg)
+    probes = probes_for(model, config=cfg.measure, rec=rec, directive_state=state, model_ref=weakref.ref(model))
+    handles = install(model, probes, outer=wrapper, owner=monitor, config=cfg.measure)
     ...
     for h in reversed(handles):
         h.remove()
@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import MeasureConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.instrument import patching
 from nanwatch.hooks.instrument.module_hooks import ModuleHooks
@@ -138,7 +138,7 @@ def _wrap_generate(model: torch.nn.Module, probes: Probes) -> RestoreAttr:
     return RestoreAttr(model, "generate")
 
 
-def _head(model: torch.nn.Module, cfg: MonitorConfig) -> torch.nn.Module | None:
+def _head(model: torch.nn.Module, cfg: MeasureConfig) -> torch.nn.Module | None:
     """The model's output head (HF's ``get_output_embeddings``), when logits are measured."""
     head = model.get_output_embeddings() if cfg.logits and hasattr(model, "get_output_embeddings") else None
     return head if isinstance(head, torch.nn.Module) else None
@@ -161,7 +161,7 @@ def _fallback_sites(model: torch.nn.Module, probes: Probes, hooks: ModuleHooks, 
                   "attention modules, or mon.watch(name, tensor) for any other tensor.", RuntimeWarning, stacklevel=6)
 
 
-def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
+def probes_for(model: torch.nn.Module, *, config: MeasureConfig, rec: Recorder,
                directive_state: DirectiveState, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
     """The Probes of one Monitor on ``model`` (the user's, inside any wrapper): its module names and output
     head, read once; no hook is registered (that is :func:`install`)."""
@@ -174,7 +174,7 @@ def probes_for(model: torch.nn.Module, *, config: MonitorConfig, rec: Recorder,
 
 
 def install(model: torch.nn.Module, probes: Probes, *, outer: torch.nn.Module | None, owner: object,
-            config: MonitorConfig) -> list:
+            config: MeasureConfig) -> list:
     """Install ``probes`` (built by :func:`probes_for`) on ``model`` for ``owner`` (a Monitor; ``outer``: the
     wrapper the user handed in, if any); returns the handles, in installation order."""
     _refuse_overlap(model)
@@ -191,7 +191,7 @@ def install(model: torch.nn.Module, probes: Probes, *, outer: torch.nn.Module | 
     return handles
 
 
-def _register(model, outer, cfg: MonitorConfig, probes: Probes, hook) -> None:
+def _register(model, outer, cfg: MeasureConfig, probes: Probes, hook) -> None:
     fqns = probes.fqns
     head = _head(model, cfg) if probes.head is not None else None
     head_name = probes.head

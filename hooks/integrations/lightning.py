@@ -73,8 +73,9 @@ def _callback_bases() -> tuple[type, ...]:
 class NanwatchCallback(*_callback_bases()):
     """Attach nanwatch to a Lightning ``Trainer`` for the length of ``fit``.
 
-    ``run_id`` and ``collector`` are as for ``nanwatch.attach``; ``options`` are ``MonitorConfig`` fields
-    (``rank`` and ``world_size`` default to the trainer's global rank and world size). ``model``: the
+    ``run_id`` and ``collector`` are as for ``nanwatch.attach``; ``options`` are its flat option names
+    (``MonitorConfig.from_options``; ``rank`` and ``world_size`` default to the trainer's global rank and
+    world size). ``model``: the
 attribute path of the module to watch (default: see the module's docstring). ``log_wait_s``: how
     long a log row waits at most for its step's report (``log_scalars.LOG_WAIT_S``).
     """
@@ -82,7 +83,7 @@ attribute path of the module to watch (default: see the module's docstring). ``l
     def __init__(self, run_id: str, collector: str | None = None, *, model: str | None = None,
                  log_wait_s: float = LOG_WAIT_S, **options: Any) -> None:
         super().__init__()
-        MonitorConfig(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
+        MonitorConfig.from_options(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
         self._run_id, self._collector, self._options, self._model_path = run_id, collector, options, model
         self.monitor: Monitor | None = None
         """The run's Monitor: attached during ``fit``, and still readable after it (``last_report()``)."""
@@ -95,10 +96,10 @@ attribute path of the module to watch (default: see the module's docstring). ``l
         self.close()  # a second fit on the same callback starts afresh
         options = {"rank": trainer.global_rank, "world_size": trainer.world_size, **self._options}
         options["on_report"] = self._scalars.observer(self._options.get("on_report"))
-        config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
+        config = MonitorConfig.from_options(run_id=self._run_id, collector=self._collector, **options)
         optimizers = list(trainer.optimizers)
         self.monitor = Monitor(_watched(pl_module, self._model_path), config).attach(optimizer=optimizers[0] if optimizers else None)
-        if config.guard != "off":
+        if config.weights.guard != "off":
             for opt in optimizers[1:]:
                 self.monitor.guard(opt)
         self._scalars.follow(self.monitor)

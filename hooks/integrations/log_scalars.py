@@ -142,7 +142,7 @@ class LogScalars:
         a job post only what differs, and heartbeats): only then does a row wait for its step."""
         self.monitor, self.ended = monitor, None
         try:
-            self._every_step = monitor.rank == 0 or report_scope(monitor.config.report_scope,
+            self._every_step = monitor.rank == 0 or report_scope(monitor.config.reports.scope,
                                                                  monitor.world_size) == "rank"
         except Exception:  # noqa: BLE001 - then rows carry what is folded, without waiting
             self._every_step = False

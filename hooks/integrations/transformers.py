@@ -21,7 +21,7 @@ length then) are all reported, and none is charged to a training step. ``generat
 labelled with their stage.
 
 Each micro-batch's loss (what ``training_step`` returns) is watched as the site ``loss``: a loss spike
-(``MonitorConfig.spike_factor``× over its recent steps) is reported.
+(``MonitorConfig.spikes.factor``× over its recent steps) is reported.
 
 A step that raises is reported with ``raised`` (the exception's type): ``training_step`` is wrapped while
 training, so the callback sees the exception, reports the step and detaches before it propagates; anything
@@ -86,13 +86,14 @@ def _find_trainer(callback: object, max_depth: int = 12) -> Any | None:
 class NanwatchCallback(_trainer_base()):
     """Attach nanwatch to a HF ``Trainer`` (or TRL trainer) for the length of ``train()``.
 
-    ``run_id`` and ``collector`` are as for ``nanwatch.attach``; ``options`` are ``MonitorConfig`` fields
-    (``rank`` and ``world_size`` default to the trainer's process index and world size).
+    ``run_id`` and ``collector`` are as for ``nanwatch.attach``; ``options`` are its flat option names
+    (``MonitorConfig.from_options``; ``rank`` and ``world_size`` default to the trainer's process index and
+    world size).
     """
 
     def __init__(self, run_id: str, collector: str | None = None, **options: Any) -> None:
         super().__init__()
-        MonitorConfig(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
+        MonitorConfig.from_options(run_id=run_id, collector=collector, **options)  # bad options fail here, not mid-run
         self._run_id, self._collector, self._options = run_id, collector, options
         self.monitor: Monitor | None = None
         """The run's Monitor: attached during ``train()``, and still readable after it (``last_report()``)."""
@@ -121,7 +122,7 @@ class NanwatchCallback(_trainer_base()):
             return
         options = {"rank": args.process_index, "world_size": args.world_size, **self._options}
         options["on_report"] = self._scalars.observer(self._options.get("on_report"))
-        config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
+        config = MonitorConfig.from_options(run_id=self._run_id, collector=self._collector, **options)
         self.monitor = Monitor(target, config).attach(optimizer=optimizer)
         self._scalars.follow(self.monitor)
         self._training = True
@@ -244,7 +245,7 @@ class NanwatchCallback(_trainer_base()):
         options.update(report_scope="rank", directive_source="local",
                        on_report=self._scalars.observer(self._options.get("on_report")))
         try:
-            config = MonitorConfig(run_id=self._run_id, collector=self._collector, **options)
+            config = MonitorConfig.from_options(run_id=self._run_id, collector=self._collector, **options)
             self.monitor = Monitor(target, config).attach()
         except Exception as exc:  # noqa: BLE001 - monitoring never breaks the evaluation
             warnings.warn(f"nanwatch: could not attach for the evaluation ({exc!r}); it is not monitored",

@@ -64,7 +64,7 @@ class FlagReduction:
         if not _needs_cpu_group(str(d.get_backend(self._group)), device):
             return self._group
         if self._group is not None:
-            raise RuntimeError("MonitorConfig.process_group reduces device tensors only (NCCL) and the model is "
+            raise RuntimeError("MonitorConfig.weights.process_group reduces device tensors only (NCCL) and the model is "
                                "on the CPU: pass a gloo group")
         if self._cpu_group is None:
             self._cpu_group = d.new_group(backend="gloo")

@@ -8,7 +8,7 @@ finite, so nothing named it; from step 1 on every site was NaN and the rotating 
 different parameter each step. A weight guard cannot help (it decides before the update).
 
 When: after every step on the CPU, where it is cheap; on an accelerator after the first step and then one in
-``MonitorConfig.optimizer_check_every`` (16), because there it reads every weight, the model's size in bytes
+``MonitorConfig.weights.optimizer_check_every`` (16), because there it reads every weight, the model's size in bytes
 a step (16.4 GB at 8B in bf16). A value an unchecked update writes is not missed: every localising site is
 read every step, so the next forward sees the weight at its first use, at the module holding it; the weight
 guard skips that step, and the differential rerun reads every parameter once and names the one written
@@ -187,7 +187,7 @@ class _Records(Protocol):
 class OptimizerCheck:
     """One optimizer's post-step check (see the module docstring); ``remove()`` takes it off.
 
-    ``every``: check after one step in this many, the first included (``MonitorConfig.optimizer_check_every``);
+    ``every``: check after one step in this many, the first included (``MonitorConfig.weights.optimizer_check_every``);
     :attr:`unread` says whether an update ran since the last check.
 
     Example usage::

@@ -174,7 +174,7 @@ class Recorder:
 
     def __init__(self, device: torch.device | str, *, group=None, reduce: bool = True) -> None:
         """``group``: the training process group the guard's flag is reduced over (None: the default
-        group); ``reduce=False``: each rank decides alone (``MonitorConfig.guard_reduce``)."""
+        group); ``reduce=False``: each rank decides alone (``MonitorConfig.weights.guard_reduce``)."""
         self.buf = SlotBuffer(device)
         #: the dtype slots accumulate in (float64; float32 on MPS): sum into it to stay exact
         self.acc_dtype = self.buf.dtype

@@ -23,7 +23,7 @@ the overflowing first steps of a run included (``scaler.step`` runs in every ste
   ``update()`` when ``update()`` runs inside the step (the usual loop, and HF/Accelerate, whose optimizer step
   calls it); the scale this step's backward used when a loop calls ``update()`` after closing the step.
 
-The one host read: in rerun mode on the CPU (``MonitorConfig.rerun``) the Monitor already reads the step's
+The one host read: in rerun mode on the CPU (``MonitorConfig.forensics.rerun``) the Monitor already reads the step's
 non-finite flag on the host; when it is set and the scaler found inf, the found flag and the open step's
 phases are read too (``# sync-ok``), so that an overflow does not start the differential rerun. On an
 accelerator the rerun decides a step later, from the step's decoded values (``SCALER_FOUND`` and the phases,

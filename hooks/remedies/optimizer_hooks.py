@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import SpikesConfig, WeightsConfig
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
@@ -48,24 +48,27 @@ class OptimizerHooks:
     (else None), told after each new weight guard whether to keep the forward inputs (rerun mode needs an
     effective weight guard to protect the weights meanwhile). ``before_update``: called at each guarded
     optimizer's pre-step (the rerun's last chance to re-run a step on the weights it saw). ``check_every``:
-    the optimizer checks' cadence (``MonitorConfig.optimizer_check_every``, resolved for the device).
+    the optimizer checks' cadence (``MonitorConfig.weights.optimizer_check_every``, resolved for the device).
+    ``spikes``: for ``spike_action="skip"``; ``replica_timeout_s``: how long the replica check's collective
+    waits for a peer (``report_reduce_timeout_s``).
 
     Example usage::
 
-        hooks = OptimizerHooks(model_ref, config=cfg, rec=rec, warn=WarnOnce(),
-                               rerun_tap=probes.rerun)
+        hooks = OptimizerHooks(model_ref, config=cfg.weights, spikes=cfg.spikes, replica_timeout_s=60.0, rec=rec,
+                               warn=WarnOnce(), rerun_tap=probes.rerun)
         hooks.guard(opt)   # weight guard on, and checked
         ...
         hooks.remove()
     """
 
-    def __init__(self, model: weakref.ref[torch.nn.Module], *, config: MonitorConfig, rec: Recorder,
-                 warn: WarnOnce, rerun_tap: RerunTap | None,
+    def __init__(self, model: weakref.ref[torch.nn.Module], *, config: WeightsConfig, spikes: SpikesConfig,
+                 replica_timeout_s: float, rec: Recorder, warn: WarnOnce, rerun_tap: RerunTap | None,
                  check_every: int = 1, before_update: Callable[[], None] | None = None) -> None:
         self._model = model
         self._check_every = check_every
         self._before_update = before_update
         self._config = config
+        self._replica_timeout_s = replica_timeout_s
         self._rec = rec
         self._warn = warn
         self._rerun_tap = rerun_tap
@@ -76,9 +79,9 @@ class OptimizerHooks:
         self.replicas: ReplicaCheck | None = None  # on the first optimizer covered (replica_check_every)
         self._handles: list = []
         #: ``spike_action="skip"``: the open step's spike check, shared by every guard (None: not asked)
-        self._spike_skip = SpikeSkip(rec, SpikeDetector(factor=config.spike_factor, window=config.spike_window,
-                                                        warmup=config.spike_warmup)
-                                     ) if config.spike_action == "skip" and config.spike_factor else None
+        self._spike_skip = SpikeSkip(rec, SpikeDetector(factor=spikes.factor, window=spikes.window,
+                                                        warmup=spikes.warmup)
+                                     ) if spikes.action == "skip" and spikes.factor else None
 
     def discover(self, model: torch.nn.Module) -> None:
         """Find the optimizers stepping ``model``'s parameters at their first step (:meth:`found`), until
@@ -122,7 +125,8 @@ class OptimizerHooks:
         same optimizer at the same point (attach, or its first step), so its collectives are issued alike."""
         if self.replicas is None and self._config.replica_check_every:
             self.replicas = ReplicaCheck(optimizer, model=self._model, rec=self._rec, config=self._config,
-                                         optimizers=self.optimizers, warn=self._warn)
+                                         timeout_s=self._replica_timeout_s, optimizers=self.optimizers,
+                                         warn=self._warn)
             self._handles.append(self.replicas)
 
     def found(self, optimizer: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None

@@ -1,5 +1,5 @@
 """The replica check: the parameters (and the covered optimizers' state) that must be bit-identical across
-data-parallel replicas, compared every ``MonitorConfig.replica_check_every`` optimizer steps; a
+data-parallel replicas, compared every ``MonitorConfig.weights.replica_check_every`` optimizer steps; a
 disagreement is an incident of class ``replica_divergence`` (docs/distributed.md, "Replicas that must
 agree").
 
@@ -22,7 +22,7 @@ decision, so skipped everywhere):
   16 differing tensors, whether a majority exists) goes into the step's slot buffer, which the reporter
   thread decodes from the step's one copy (``nanwatch.hooks.measure.replica_verdict``). No host read.
 
-Which replicas: DDP and ZeRO-1/2 compare over ``MonitorConfig.process_group`` (the default group when
+Which replicas: DDP and ZeRO-1/2 compare over ``MonitorConfig.weights.process_group`` (the default group when
 None); FSDP2 HSDP (``fully_shard`` on a 2-D mesh, replicate x shard) over the mesh's replicate dimension,
 each rank's local shards against the same shards of the other replicas. Plain FSDP2 (shard only) has one
 replica of each shard: nothing to compare, said once. ZeRO-style optimizers (``ZeroRedundancyOptimizer``,
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import WeightsConfig
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.replica_verdict import REPAIRED, ReplicaLayout, verdict, verdict_keys
@@ -95,17 +95,17 @@ class ReplicaCheck:
 
     Example usage::
 
-        check = ReplicaCheck(opt, model=model_ref, rec=rec, config=cfg, optimizers=hooks.optimizers,
-                             warn=WarnOnce())   # a collective (the hosts): every rank, together
+        check = ReplicaCheck(opt, model=model_ref, rec=rec, config=cfg.weights, timeout_s=60.0,
+                             optimizers=hooks.optimizers, warn=WarnOnce())   # a collective (the hosts): every rank, together
         ...                                      # every replica_check_every-th opt.step() compares
         check.remove()
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: weakref.ref[torch.nn.Module], rec: Recorder,
-                 config: MonitorConfig, optimizers: Callable[[], list], warn: WarnOnce) -> None:
+                 config: WeightsConfig, timeout_s: float, optimizers: Callable[[], list], warn: WarnOnce) -> None:
         self._model, self._rec, self._optimizers, self._warn = model, rec, optimizers, warn
         self._every, self._repair = config.replica_check_every, config.replica_repair
-        self._timeout = datetime.timedelta(seconds=config.report_reduce_timeout_s)
+        self._timeout = datetime.timedelta(seconds=timeout_s)  # a peer that never joins (report_reduce_timeout_s)
         self._steps, self._handle, self._layout = 0, None, None
         self._entries: list[tuple[str, Callable[[], torch.Tensor | None]]] = []
         model_now = model()

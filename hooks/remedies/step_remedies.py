@@ -9,8 +9,9 @@ so that the facade stays wiring. Training thread.
 
 Example usage::
 
-    remedies = StepRemedies(cfg, rank=0, device=device, rec=rec, model=model_ref, probes=probes,
-                            directive_state=state, warn=WarnOnce())
+    remedies = StepRemedies(cfg.weights, forensics=cfg.forensics, spikes=cfg.spikes, rollout=cfg.rollout,
+                            run_id="r1", reduce_timeout_s=60.0, rank=0, device=device, rec=rec,
+                            model=model_ref, probes=probes, directive_state=state, warn=WarnOnce())
     remedies.attach(model, optimizer=opt, scaler=None)
     remedies.at_step_start(41)
     ...                                   # the step
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import ForensicsConfig, RolloutConfig, SpikesConfig, WeightsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained
 from nanwatch.hooks.forensics.rerun import DifferentialRerun
@@ -48,24 +49,31 @@ ACCELERATOR_CHECK_EVERY = 16
 
 
 class StepRemedies:
-    """The optimizers' hooks, the scalers' watch and the rerun of one Monitor."""
+    """The optimizers' hooks, the scalers' watch and the rerun of one Monitor.
 
-    def __init__(self, config: MonitorConfig, *, rank: int, device: torch.device, rec: Recorder,
-                 model: Callable[[], torch.nn.Module | None], probes: Probes, directive_state: DirectiveState,
-                 warn: WarnOnce) -> None:
+    It receives the sections it runs: ``config`` (the weights: weight guards, optimizer and parameter
+    checks, the replica check), ``forensics`` (the rerun and its capsules), ``spikes`` (``spike_action="skip"``),
+    ``rollout`` (the attribution), the ``run_id`` the capsules are named for, and ``reduce_timeout_s`` (how
+    long the replica check's collective waits for a peer, ``report_reduce_timeout_s``)."""
+
+    def __init__(self, config: WeightsConfig, *, forensics: ForensicsConfig, spikes: SpikesConfig,
+                 rollout: RolloutConfig, run_id: str, reduce_timeout_s: float, rank: int, device: torch.device,
+                 rec: Recorder, model: Callable[[], torch.nn.Module | None], probes: Probes,
+                 directive_state: DirectiveState, warn: WarnOnce) -> None:
         self._config, self._rec, self._model, self._warn, self._probes = config, rec, model, warn, probes
-        self.rerun = DifferentialRerun(config, rank=rank, device=device, rec=rec, model=model, probes=probes,
+        self.rerun = DifferentialRerun(forensics, run_id=run_id, rank=rank, device=device, rec=rec, model=model, probes=probes,
                                        directive_state=directive_state, optimizers=self._covered,
                                        unread_updates=self._unread_updates)
         every = config.optimizer_check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
-        self.optimizers = OptimizerHooks(model, config=config, rec=rec, warn=warn,
-                                         rerun_tap=probes.rerun if self.rerun.on else None, check_every=every, before_update=self.rerun.before_update
+        self.optimizers = OptimizerHooks(model, config=config, spikes=spikes, replica_timeout_s=reduce_timeout_s,
+                                         rec=rec, warn=warn, rerun_tap=probes.rerun if self.rerun.on else None,
+                                         check_every=every, before_update=self.rerun.before_update
                                          if self.rerun.on else None)
         self._sweep = ParamSweep(model, optimizers=self.optimizers.optimizers, every=config.param_check_every)
         self._scaling: LossScaling | None = None  # from attach on: it patches GradScaler.step to find scalers
         #: the rollout attribution (None: ``rollout_attribution=False``), its capsules the rerun's writer's
-        self.attribution = RolloutAttributor(rollout_dtype=config.rollout_dtype, capsules=self.rerun.capsules
-                                             ) if config.rollout_attribution else None
+        self.attribution = RolloutAttributor(rollout_dtype=rollout.dtype, capsules=self.rerun.capsules
+                                             ) if rollout.attribution else None
 
     def attach(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, scaler: Any) -> None:
         """Watch ``scaler`` and any GradScaler found stepping the model's optimizer; find the optimizers

@@ -1,5 +1,5 @@
 """The weight guard: a training step in which a monitored site saw a non-finite value does not update the
-weights. Every ``torch.optim.Optimizer`` is guarded by default (``MonitorConfig.guard="auto"``).
+weights. Every ``torch.optim.Optimizer`` is guarded by default (``MonitorConfig.weights.guard="auto"``).
 
 Fused optimizers (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``, on CPU and CUDA) take a
 ``found_inf`` device tensor, which is how ``GradScaler`` skips steps without a sync: their kernels leave
@@ -14,8 +14,8 @@ decay), NaN times zero is NaN, and restoring the parameters and state afterwards
 So the guard reads the flag on the host, once per optimizer step, and skips the call when it is set: the
 sync GradScaler already pays for them (``sync-ok``). On a CPU that read costs nothing (the ops already
 ran); on a GPU it waits for the step's queued kernels before the optimizer's are launched. Measured by
-``nanwatch bench optimizer`` (README, 'Speed'). ``MonitorConfig.guard="off"`` leaves optimizers unguarded
-unless ``Monitor.guard`` is called on one.
+``nanwatch bench optimizer`` (README, 'Speed'). ``MonitorConfig.weights.guard="off"`` leaves optimizers
+unguarded unless ``Monitor.guard`` is called on one.
 
 ``optimizer.step(closure)`` (LBFGS always; any optimizer, and Lightning's automatic optimization): the
 forward and backward run inside ``step()``, after the guard was entered. So the guard runs the closure
@@ -39,7 +39,7 @@ Under torch.distributed the flag every path reads is the job's, not the rank's: 
 training process group before the optimizer reads it (``Recorder.nonfinite_flag(job=True)``, one async
 collective, see ``nanwatch.hooks.measure.collective``), so every rank skips the step any rank saw a non-finite
 value in. The reduction is issued whenever the guard decides, and it decides under conditions that are
-the same on every rank: the optimizer's kind (fused or not) and ``MonitorConfig.guard``, and the
+the same on every rank: the optimizer's kind (fused or not) and ``MonitorConfig.weights.guard``, and the
 ``skip_step`` mode, which ranks agree on. A reduction that fails (it should not) is a warning, and the rank
 decides on its own flag. With ``spike_action="skip"`` a step that spiked on a rank (``nanwatch.hooks.measure.spikes``,
 read on the host before the optimizer step: one read per optimizer step, that opt-in's cost, fused or not)

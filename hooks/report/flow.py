@@ -11,7 +11,8 @@ stage to the next, and the reporter never calls back up.
 
 Example usage::
 
-    flow = ReportFlow(config, rank=0, world_size=1, incarnation="ab12", warn=WarnOnce(),
+    flow = ReportFlow(config.reports, directives=config.directives, spikes=config.spikes, local_log=config.log,
+                      run_id="r1", collector=None, token=None, rank=0, world_size=1, incarnation="ab12", warn=WarnOnce(),
                       directive_state=state, expects_logits=lambda: True)
     flow.capture(rec.flat(), step, StepContext(rec.swap(), state.mode, state.version, time.time()))
     flow.last_report()
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import DirectivesConfig, LocalLogConfig, ReportsConfig, SpikesConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.directives.local_rules import LocalRuleEngine
 from nanwatch.hooks.failsafe import WarnOnce
@@ -58,40 +59,48 @@ class Built:
     """A training step's raw RLHF slots, for the job reduction (None: no RLHF stats, or no training step)."""
 
 
-def spike_detector(config: MonitorConfig) -> SpikeDetector | None:
-    """The running baselines ``config`` asks for (None: ``spike_factor=0``, spikes off)."""
-    if not config.spike_factor:
+def spike_detector(spikes: SpikesConfig) -> SpikeDetector | None:
+    """The running baselines ``spikes`` asks for (None: ``spike_factor=0``, spikes off)."""
+    if not spikes.factor:
         return None
-    return SpikeDetector(factor=config.spike_factor, window=config.spike_window, warmup=config.spike_warmup)
+    return SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup)
 
 
 class ReportFlow:
-    """The reporter thread's side of one Monitor: the thread, the builder, the rules, the sender, the callback."""
+    """The reporter thread's side of one Monitor: the thread, the builder, the rules, the sender, the callback.
 
-    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
-                 directive_state: DirectiveState, expects_logits: Callable[[], bool],
-                 on_mismatch: Callable[[RolloutEvent], None] | None = None) -> None:
+    It receives the sections it runs (``reports``; ``directives`` for the local rules and the agreement's
+    cadence, ``spikes`` for the baselines, ``local_log`` for the local record) and, from the run's identity, its
+    ``run_id``, ``collector`` (whether there is one decides ``directive_source="auto"``) and ``token`` (the
+    weight sync's verdicts are asked of the collector with it)."""
+
+    def __init__(self, config: ReportsConfig, *, directives: DirectivesConfig, spikes: SpikesConfig,
+                 local_log: LocalLogConfig, run_id: str, collector: str | None, token: str | None, rank: int,
+                 world_size: int,
+                 incarnation: str, warn: WarnOnce, directive_state: DirectiveState,
+                 expects_logits: Callable[[], bool], on_mismatch: Callable[[RolloutEvent], None] | None = None
+                 ) -> None:
         self._on_report = config.on_report
         self._mismatch, self._on_mismatch = MismatchClassifier(), on_mismatch
         # the weight sync's verdicts, asked of the collector before a mismatch is called a drift or a jump
-        self._verdicts = (SyncVerdicts(config.collector, config.run_id, token=config.token)
-                          if config.collector else None)
+        self._verdicts = SyncVerdicts(collector, run_id, token=token) if collector else None
         self._directive_state = directive_state
         self._config, self._rank, self._world = config, rank, world_size
         self.incarnation = incarnation
         self._job: JobReporting | None = None
-        source = config.directive_source
-        local = source == "local" or (source == "auto" and not config.collector)
-        self._rules = LocalRuleEngine(run_id=config.run_id, directive_state=directive_state,
-                                      logit_tau=config.logit_tau) if local else None
+        source = directives.source
+        local = source == "local" or (source == "auto" and not collector)
+        self._rules = LocalRuleEngine(run_id=run_id, directive_state=directive_state,
+                                      logit_tau=directives.logit_tau) if local else None
         self._sender = None
-        self._local = LocalLog(config, rank=rank, incarnation=incarnation, warn=warn)  # log lines, JSONL file
+        self._local = LocalLog(local_log, run_id=run_id, rank=rank, incarnation=incarnation,
+                               warn=warn)  # log lines, JSONL file
         self._builder = ReportBuilder(
-            run_id=config.run_id, rank=rank, world_size=world_size, incarnation=incarnation, warn=warn,
-            expects_logits=expects_logits, agree_every=config.directive_check_every if world_size > 1 else None,
-            spikes=spike_detector(config))
-        self._job_spikes = spike_detector(config)  # job scope: the job report's sites (each the ranks' max)
-        self._reporter = Reporter(max_pending=config.max_pending_reports)
+            run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation, warn=warn,
+            expects_logits=expects_logits, agree_every=directives.check_every if world_size > 1 else None,
+            spikes=spike_detector(spikes))
+        self._job_spikes = spike_detector(spikes)  # job scope: the job report's sites (each the ranks' max)
+        self._reporter = Reporter(max_pending=config.max_pending)
         self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
         self._thread.start()
 
@@ -99,8 +108,8 @@ class ReportFlow:
         """Training thread, at attach, on every rank together (a collective when the scope is ``job``): report
         per job from now on (``nanwatch.hooks.report.job``). False: per rank."""
         cfg = self._config
-        self._job = open_job_reporting(scope=cfg.report_scope, rank=self._rank, world_size=self._world,
-                                       heartbeat_s=cfg.heartbeat_s, timeout_s=cfg.report_reduce_timeout_s)
+        self._job = open_job_reporting(scope=cfg.scope, rank=self._rank, world_size=self._world,
+                                       heartbeat_s=cfg.heartbeat_s, timeout_s=cfg.reduce_timeout_s)
         return self._job is not None
 
     def send_to(self, sender) -> None:

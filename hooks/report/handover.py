@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import DirectivesConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder, StepState
@@ -85,17 +85,19 @@ class StepHandover:
             contained(self._flow.final, self.reported_step or 0, final)
 
 
-def connect(config: MonitorConfig, *, rank: int, flow: ReportFlow, directive_state: DirectiveState) -> None:
+def connect(directives: DirectivesConfig, *, run_id: str, collector: str | None, token: str | None,
+            log_dir: str | None, rank: int, flow: ReportFlow, directive_state: DirectiveState) -> None:
     """With a collector: every report goes to it too (a ``ReportSender``, closed with the flow, which keeps
     what it could not deliver in the undelivered folder: ``nanwatch.hooks.report.spool``), and rank 0
     polls it for directives (a ``DirectivePoller``, closed with the directive state; the other ranks follow
-    rank 0 by agreement). The transport is imported here: a Monitor without a collector never loads it."""
-    if not config.collector:
+    rank 0 by agreement). The transport is imported here: a Monitor without a collector never loads it.
+    ``collector``, ``token``: the resolved config's (one shard); ``log_dir``: its ``log.dir``."""
+    if not collector:
         return
     from nanwatch.hooks.report.spool import Spool, undelivered_root
     from nanwatch.hooks.report.transport import DirectivePoller, ReportSender
 
-    spool = Spool(undelivered_root(config.log_dir), run_id=config.run_id, rank=rank, incarnation=flow.incarnation)
-    flow.send_to(ReportSender(config.collector, token=config.token, spool=spool))
-    if config.directive_source in ("auto", "collector") and rank == 0:
-        directive_state.follow(DirectivePoller(config.collector, config.run_id, token=config.token))
+    spool = Spool(undelivered_root(log_dir), run_id=run_id, rank=rank, incarnation=flow.incarnation)
+    flow.send_to(ReportSender(collector, token=token, spool=spool))
+    if directives.source in ("auto", "collector") and rank == 0:
+        directive_state.follow(DirectivePoller(collector, run_id, token=token))

@@ -37,7 +37,7 @@ __all__ = ["AUTO_JOB_WORLD", "JobReporting", "heartbeat_interval", "open_job_rep
 
 log = logging.getLogger("nanwatch")
 
-#: ``report_scope="auto"`` reports per job from this world size on (see ``MonitorConfig.report_scope``).
+#: ``report_scope="auto"`` reports per job from this world size on (see ``MonitorConfig.reports.scope``).
 AUTO_JOB_WORLD = 16
 
 _CLOSING, _BROKEN = 4, 5
@@ -57,8 +57,8 @@ def report_scope(scope: str, world_size: int) -> str:
 
 
 def heartbeat_interval(heartbeat_s: float | None, world_size: int) -> float:
-    """``MonitorConfig.heartbeat_s``, or its default: 30 s, longer for jobs past 3,000 ranks so that one
-    job's heartbeats stay under 100 requests a second (``MonitorConfig.heartbeat_s`` says why)."""
+    """``MonitorConfig.reports.heartbeat_s``, or its default: 30 s, longer for jobs past 3,000 ranks so that one
+    job's heartbeats stay under 100 requests a second (``MonitorConfig.reports.heartbeat_s`` says why)."""
     return heartbeat_s if heartbeat_s is not None else max(30.0, world_size / 100)
 
 

@@ -9,7 +9,7 @@ from ``rank`` and ``job`` reports (in job scope rank 0 speaks for the job):
 a non-finite *episode* starting (the first non-finite step after clean ones, not every NaN step of a NaN
 run), an incident classified, a spike (a site's value ``spike_factor``× over its running baseline, before
 any overflow: ``nanwatch.hooks.measure.spikes``), the step raising, the attention mode changing, and the values turning
-finite again. ``MonitorConfig.log_every`` adds an INFO summary every N training steps. A loss-scale overflow
+finite again. ``log_every`` (``MonitorConfig.log.every``) adds an INFO summary every N training steps. A loss-scale overflow
 that a GradScaler handled (``scaler_overflow``) is no episode: one quieter INFO line ("loss scale overflow at
 step k; scale 65536 -> 32768"), and a WARNING when the scale falls below 1 (fp16 gradients underflow then).
 
@@ -37,7 +37,7 @@ import time
 from logging.handlers import RotatingFileHandler
 
 from nanwatch import readable
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import LocalLogConfig
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.wire import StepReport
 
@@ -200,23 +200,23 @@ class LocalLog:
 
     Example usage::
 
-        local = LocalLog(config, rank=0, incarnation="ab12", warn=WarnOnce())
+        local = LocalLog(config.log, run_id="r1", rank=0, incarnation="ab12", warn=WarnOnce())
         local.observe(report)   # each report the flow delivers
         local.close()
     """
 
-    def __init__(self, config: MonitorConfig, *, rank: int, incarnation: str, warn: WarnOnce) -> None:
-        self._who = {"run_id": config.run_id, "rank": rank, "incarnation": incarnation}
-        self._lines = (_Lines(incidents=config.log_incidents, every=config.log_every)
-                       if config.log_incidents or config.log_every else None)
+    def __init__(self, config: LocalLogConfig, *, run_id: str, rank: int, incarnation: str, warn: WarnOnce) -> None:
+        self._who = {"run_id": run_id, "rank": rank, "incarnation": incarnation}
+        self._lines = (_Lines(incidents=config.incidents, every=config.every)
+                       if config.incidents or config.every else None)
         self._file = None
-        if config.log_dir:
-            self._file = _Jsonl(log_path(config.log_dir, run_id=config.run_id, rank=rank, incarnation=incarnation),
-                                max_bytes=config.log_max_bytes, backups=config.log_backups, warn=warn)
+        if config.dir:
+            self._file = _Jsonl(log_path(config.dir, run_id=run_id, rank=rank, incarnation=incarnation),
+                                max_bytes=config.max_bytes, backups=config.backups, warn=warn)
         self._last_step: int | None = None
         self._final = False  # the final report was written: it ends the file (no closing record)
-        if config.log_every and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
-            warn(f"log_every={config.log_every}: the summary lines are logged at INFO, which the 'nanwatch' "
+        if config.every and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+            warn(f"log_every={config.every}: the summary lines are logged at INFO, which the 'nanwatch' "
                  "logger does not show now (e.g. logging.basicConfig(level=logging.INFO))")
 
     @property

@@ -1,6 +1,6 @@
 """Reports the collector did not take, kept on disk for ``nanwatch push`` (no torch: the CLI imports this).
 
-Where: ``<log_dir>/undelivered`` when ``MonitorConfig.log_dir`` (``NANWATCH_LOG_DIR``) is set, else
+Where: ``<log_dir>/undelivered`` when ``MonitorConfig.log.dir`` (``NANWATCH_LOG_DIR``) is set, else
 ``$XDG_STATE_HOME/nanwatch/undelivered``, else ``~/.local/state/nanwatch/undelivered``; under it one folder
 per run (:func:`run_folder_name`: ``run-`` and the run id, percent-encoded, so that no run id reaches
 outside the folder and no two run ids share one) and one file per rank and incarnation,
@@ -21,7 +21,7 @@ given: it is the user's own choice. POSIX only (``dir_fd`` and ``O_NOFOLLOW``).
 
 Example usage::
 
-    spool = Spool(undelivered_root(config.log_dir), run_id="r1", rank=0, incarnation="ab12")
+    spool = Spool(undelivered_root(config.log.dir), run_id="r1", rank=0, incarnation="ab12")
     spool.keep([report])          # -> 1 (kept), on the sender's thread or at close
     spool.close()
     [f.path for f in spool_files([undelivered_root(None)])]   # what nanwatch push would send

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from support import TinyNet, free_port, token_ids
 
 import nanwatch
-from nanwatch.hooks.config import MonitorConfig
+from nanwatch.hooks.config import WeightsConfig
 from nanwatch.hooks.forensics.rerun import rerun
 from nanwatch.hooks.measure import recorder as recorder_module
 from nanwatch.hooks.measure.collective import FlagReduction, collective_forward, reduction_active
@@ -67,7 +67,7 @@ def test_the_rerun_declines_under_such_a_forward_and_says_why():
 
 def test_process_group_must_be_a_process_group():
     with pytest.raises(ValueError, match="process_group"):
-        MonitorConfig(run_id="r", process_group="dp")
+        WeightsConfig(process_group="dp")
 
 
 def test_a_failed_reduction_is_a_warning_and_the_rank_still_skips_on_its_own_flag(monkeypatch):

@@ -144,7 +144,7 @@ def test_deepspeed_zero_keeps_every_rank_finite_and_the_guard_never_hangs(runs, 
 
 @pytest.mark.slow
 def test_each_rank_its_own_process_group_decides_alone(runs):
-    """``MonitorConfig.process_group`` reaches the guard: ranks that share no gradients, each its own group,
+    """``MonitorConfig.weights.process_group`` reaches the guard: ranks that share no gradients, each its own group,
     do not skip for each other."""
     rank0, rank1 = runs["subgroups"]
     assert [r["skipped"] for r in rank1] == [n == K for n in range(len(rank1))]

@@ -15,7 +15,7 @@ import torch
 from support import step_reports, tiny_qwen3, token_ids
 
 import nanwatch
-from nanwatch.hooks.config import MonitorConfig, resolve_config
+from nanwatch.hooks.config import LocalLogConfig, MonitorConfig, resolve_config
 from nanwatch.wire import StepReport
 
 
@@ -115,15 +115,15 @@ def test_an_unwritable_folder_is_one_warning_and_the_run_goes_on(tmp_path):
 
 def test_log_settings_are_validated():
     with pytest.raises(ValueError, match="log_every"):
-        MonitorConfig(run_id="x", log_every=0)
+        LocalLogConfig(every=0)
     with pytest.raises(ValueError, match="log_backups"):
-        MonitorConfig(run_id="x", log_backups=0)
+        MonitorConfig.from_options(run_id="x", log_backups=0)
 
 
 def test_log_dir_defaults_to_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("NANWATCH_LOG_DIR", str(tmp_path))
-    assert MonitorConfig(run_id="x").log_dir is None  # constructing a config reads nothing
-    assert resolve_config(MonitorConfig(run_id="x")).log_dir == str(tmp_path)
-    assert resolve_config(MonitorConfig(run_id="x", log_dir="given")).log_dir == "given"
+    assert MonitorConfig(run_id="x").log.dir is None  # constructing a config reads nothing
+    assert resolve_config(MonitorConfig(run_id="x")).log.dir == str(tmp_path)
+    assert resolve_config(MonitorConfig(run_id="x", log=LocalLogConfig(dir="given"))).log.dir == "given"
     monkeypatch.delenv("NANWATCH_LOG_DIR")
-    assert resolve_config(MonitorConfig(run_id="x")).log_dir is None
+    assert resolve_config(MonitorConfig(run_id="x")).log.dir is None

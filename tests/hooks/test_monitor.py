@@ -415,18 +415,20 @@ def test_the_ingest_token_comes_from_the_environment_or_a_secret_file(tmp_path, 
 
 
 def test_attach_with_a_config_refuses_arguments_that_say_otherwise():
-    from nanwatch.hooks.config import MonitorConfig
+    from nanwatch.hooks.config import MeasureConfig, MonitorConfig
 
     model = tiny_qwen3()
-    cfg = MonitorConfig(run_id="cfg", grads=False)
+    cfg = MonitorConfig(run_id="cfg", measure=MeasureConfig(grads=False))
     for kwargs, field in [({"run_id": "other"}, "run_id"), ({"collector": "http://127.0.0.1:1"}, "collector"),
-                          ({"grads": True}, "grads"), ({"no_such_option": 1}, "no_such_option")]:
+                          ({"grads": True}, "measure.grads")]:
         with pytest.raises(ValueError, match=field):
             nanwatch.attach(model, config=cfg, **kwargs)
+    with pytest.raises(TypeError, match="no_such_option"):  # an unknown name, with a config or without
+        nanwatch.attach(model, config=cfg, no_such_option=1)
     assert _hook_dicts(model) == {}
     with nanwatch.attach(model, run_id="cfg", config=cfg, grads=False) as mon:  # the same values are fine
-        assert (mon.config.run_id, mon.config.grads) == ("cfg", False)
-        assert mon.config is not cfg and cfg.capsule is None  # resolved into a new config, the given one unchanged
+        assert (mon.config.run_id, mon.config.measure.grads) == ("cfg", False)
+        assert mon.config is not cfg and cfg.forensics.capsule is None  # resolved into a new config, the given one unchanged
     with pytest.raises(TypeError, match="run_id"):
         nanwatch.attach(model)
 
@@ -437,8 +439,8 @@ def test_the_old_names_are_gone():
 
     for old in ({"policy": "off"}, {"replay": False}):
         with pytest.raises(TypeError, match=next(iter(old))):
-            MonitorConfig(run_id="old", **old)
+            MonitorConfig.from_options(run_id="old", **old)
     with pytest.raises(ValueError, match="directive_source"):
-        MonitorConfig(run_id="old", directive_source="sometimes")
+        MonitorConfig.from_options(run_id="old", directive_source="sometimes")
     with nanwatch.attach(tiny_qwen3(), run_id="old", directive_source="off") as mon:
         assert not hasattr(mon, "directives")

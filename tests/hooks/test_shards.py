@@ -57,7 +57,7 @@ def test_a_bad_collector_list_is_refused_with_what_is_expected(bad):
 def test_report_options_are_checked_at_construction():
     for kw in ({"report_scope": "node"}, {"heartbeat_s": 0}, {"report_reduce_timeout_s": -1}):
         with pytest.raises(ValueError):
-            MonitorConfig(run_id="r", **kw)
+            MonitorConfig.from_options(run_id="r", **kw)
 
 
 

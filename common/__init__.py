@@ -1,7 +1,7 @@
 """nanwatch: numerical-health monitoring for PyTorch training.
 
 ``nanwatch.attach`` is the trainer-side entry point, and ``nanwatch.fingerprint`` the weight fingerprint
-(``nanwatch.hooks.measure.weight_fingerprint``); both are imported lazily so that the collector, which
+(``nanwatch.hooks.rollout.weight_fingerprint``); both are imported lazily so that the collector, which
 imports ``nanwatch.wire``, never pulls in torch: importing the package imports nothing. The public API is declared in one
 place, ``nanwatch.public_api`` (docs/api.md lists it).
 """

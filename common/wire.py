@@ -273,7 +273,7 @@ class Spike(_Wire):
 class RolloutStat(_Wire):
     """The rollout (sampler) and the trainer scoring the same tokens: Δlogp = trainer − rollout, over the
     unmasked tokens where both are finite. Sums and maxima reduced exactly across ranks; ``abs_p99`` is read
-    from a fixed log-spaced histogram (``nanwatch.hooks.measure.rollout``), within one bin (×1.33).
+    from a fixed log-spaced histogram (``nanwatch.hooks.rollout.compare``), within one bin (×1.33).
 
     Every figure is computed over finite tokens, so it is finite (1.13): a non-finite, negative or out-of-range
     figure is refused (422 naming the field), never combined with another rank's (#37, #36)."""

@@ -2,7 +2,7 @@
 
 ``attach(model, run_id=...)`` returns a :class:`Monitor`; see its docstring for an example.
 ``rollout_logprobs(generate_output)``: the rollout logprobs of a plain HF ``generate()``, for
-``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.measure.generated``). ``record_routes(model)``: the MoE
+``Monitor.rlhf(rollout_logprobs=...)`` (``nanwatch.hooks.rollout.generated``). ``record_routes(model)``: the MoE
 routes a plain HF rollout took, for ``Monitor.rlhf(rollout_routes=...)`` (``nanwatch.hooks.moe.routes``).
 
 The names below are imported lazily (module ``__getattr__``, as in the root package), so that importing a
@@ -19,14 +19,14 @@ __all__ = ["Monitor", "MonitorConfig", "attach", "fingerprint", "record_routes",
 
 #: public name -> the module that defines it
 _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
-          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.measure.generated",
-          "fingerprint": "nanwatch.hooks.measure.weight_fingerprint", "record_routes": "nanwatch.hooks.moe.routes"}
+          "MonitorConfig": "nanwatch.hooks.config", "rollout_logprobs": "nanwatch.hooks.rollout.generated",
+          "fingerprint": "nanwatch.hooks.rollout.weight_fingerprint", "record_routes": "nanwatch.hooks.moe.routes"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
-    from nanwatch.hooks.measure.generated import rollout_logprobs
-    from nanwatch.hooks.measure.weight_fingerprint import fingerprint
+    from nanwatch.hooks.rollout.generated import rollout_logprobs
+    from nanwatch.hooks.rollout.weight_fingerprint import fingerprint
     from nanwatch.hooks.moe.routes import record_routes
 
 

@@ -186,7 +186,7 @@ class WeightsConfig:
     is not needed to name the tensor: every localising site is read every step, so a non-finite weight is
     met at its next use, at the module holding it (the first offender; a NaN ``exp_avg`` reaches the weight
     at the next update), and the differential rerun reads every parameter and optimizer-state tensor once
-    on that incident and names it (``nanwatch.hooks.remedies.incident_tensors``). On, it reads all of them
+    on that incident and names it (``nanwatch.hooks.forensics.incident_tensors``). On, it reads all of them
     every N steps (~6 GB a step at 8B with N=8)."""
 
     replica_check_every: int = 500
@@ -224,20 +224,20 @@ class WeightsConfig:
 @dataclass(kw_only=True, slots=True)
 class ForensicsConfig:
     """What happens after a first non-finite step: the differential rerun that classifies it, and the
-    incident capsule it writes (``nanwatch.hooks.remedies.rerun``, ``nanwatch.hooks.remedies.capsule``)."""
+    incident capsule it writes (``nanwatch.hooks.forensics.rerun``, ``nanwatch.hooks.forensics.capsule``)."""
 
     rerun: bool | None = None
-    """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.remedies.rerun``)
+    """Classify the run's first non-finite step by the differential rerun (``nanwatch.hooks.forensics.rerun``)
     while a weight guard is effective, on every device; None (the default) or True: on, False: off. On the CPU
     the step is decided at its end (reading its non-finite flag there is free). On an accelerator nothing is
     read on the host in the step: the flag is copied asynchronously with an event, and the step is decided
     at the next step start, or else at the next optimizer pre-step, once the flag has landed, on the weights
     the step saw (the guard skipped its update); its inputs are kept (by reference) one step longer, and the
     incident lands in that later step's report with its own ``step``. A flag that lands only after the
-    weights may have moved gives ``not_classified``, saying so (``nanwatch.hooks.remedies.rerun_flags``)."""
+    weights may have moved gives ``not_classified``, saying so (``nanwatch.hooks.forensics.rerun_flags``)."""
 
     capsule: bool | None = None
-    """Write an incident capsule (``nanwatch.hooks.remedies.capsule``) when the differential re-run drills a
+    """Write an incident capsule (``nanwatch.hooks.forensics.capsule``) when the differential re-run drills a
     non-finite step down to its birth module: the module, its faulting call's inputs, RNG and settings in
     one safetensors file that ``nanwatch replay`` re-runs anywhere. None: on unless ``NANWATCH_CAPSULE=0``.
     Costs nothing on clean steps (it runs only inside the re-run of an incident)."""

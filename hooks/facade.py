@@ -33,7 +33,7 @@ from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.flow import ReportFlow
 from nanwatch.hooks.report.handover import CloseTimeout, StepHandover, connect
-from nanwatch.hooks.report.weight_publish import publish_weights
+from nanwatch.hooks.rollout.weight_publish import publish_weights
 from nanwatch.wire import StepReport
 
 __all__ = ["Monitor", "attach"]

@@ -152,8 +152,9 @@ def test_the_root_package_imports_nothing_at_import_time():
 #: of its own (``nanwatch.hooks.facade``), a subpackage is one with everything under it.
 LAYERS: dict[str, list[tuple[str, ...]]] = {
     "hooks": [("nanwatch.hooks.failsafe",), ("nanwatch.hooks.config",), ("nanwatch.hooks.measure",),
-              ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
-              ("nanwatch.hooks.moe",), ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
+              ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.forensics",),
+              ("nanwatch.hooks.remedies",),
+              ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
     "monitor": [("nanwatch.monitor.data",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
@@ -165,8 +166,32 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
 }
 
 
+#: A feature room: one subpackage that holds a feature's parts across the stages (its measure, classify and
+#: report parts), so that a change to the feature is made in one folder. Each of its modules counts as part of
+#: the stage group it works at, so the one-way rule holds for a room's parts as for the stage folders, inside the
+#: room too (its measure part never imports its report part). A room's module missing here is in no group, which
+#: the layer test below names.
+ROOM_STAGES: dict[str, str] = {
+    "nanwatch.hooks.rollout": "nanwatch.hooks.measure",  # the front door imports nothing
+    "nanwatch.hooks.rollout.compare": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.generated": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.weight_fingerprint": "nanwatch.hooks.measure",
+    "nanwatch.hooks.rollout.attribution": "nanwatch.hooks.forensics",
+    "nanwatch.hooks.rollout.mismatch": "nanwatch.hooks.report",
+    "nanwatch.hooks.rollout.sync_verdict": "nanwatch.hooks.report",
+    "nanwatch.hooks.rollout.weight_publish": "nanwatch.hooks.report",
+    "nanwatch.hooks.moe": "nanwatch.hooks.measure",  # the front door imports nothing
+    "nanwatch.hooks.moe.routers": "nanwatch.hooks.measure",
+    "nanwatch.hooks.moe.routes": "nanwatch.hooks.measure",
+    "nanwatch.hooks.moe.taps": "nanwatch.hooks.instrument",
+    "nanwatch.hooks.moe.report": "nanwatch.hooks.report",
+}
+
+
 def _group(module: str, layers: list[tuple[str, ...]]) -> tuple[int, str] | None:
-    """(layer index, group) of ``module``: the longest group name that is the module or a package above it."""
+    """(layer index, group) of ``module``: the longest group name that is the module or a package above it
+    (a feature room's module: its stage's group, ``ROOM_STAGES``)."""
+    module = ROOM_STAGES.get(module, module)
     found = [(len(g), i, g) for i, groups in enumerate(layers) for g in groups
              if module == g or module.startswith(g + ".")]
     return max(found)[1:] if found else None
@@ -209,6 +234,64 @@ def test_the_layer_check_can_fail():
     layers = [("a",), ("b", "c"), ("d",)]
     graph = {"a.x": {"b.y"}, "b.y": {"a.x", "c.z"}, "c.z": {"a.x"}, "d": {"b.y", "c.z"}}
     assert back_edges(graph, layers) == ["a.x -> b.y", "b.y -> c.z"]
+
+
+#: What ``hooks/report`` may import besides itself, and why: the report reads a step's measurements and speaks the
+#: wire; a pure helper it needs belongs below it (``measure/``), never in ``remedies/`` or ``forensics/`` (#38).
+REPORT_MAY_IMPORT: dict[str, str] = {
+    "nanwatch.hooks.measure": "the step's values, decoded, and the pure checks read from them",
+    "nanwatch.wire": "the one contract",
+    "nanwatch.hooks.failsafe": "monitoring never breaks training: every room's warn-and-carry-on",
+    "nanwatch.hooks.config": "the options (each part its own section)",
+    "nanwatch.hooks.rollout.mismatch": "the rollout room's classify part, at the report stage",
+    "nanwatch.hooks.rollout.sync_verdict": "what the weight sync says, asked by the classify part",
+    "nanwatch.hooks.moe.report": "the MoE room's report part: the routers' counts into the wire",
+    "nanwatch.readable": "the wording of figures and file names (stdlib only)",
+    "nanwatch.addresses": "the transport's collector URL check (stdlib only)",
+    "nanwatch.tokens": "the transport's bearer token (stdlib only)",
+}
+#: The way back, by module: the flow feeds the directive state's clean streak and the local rule engine with
+#: each report, and the hand-over reads the directive in force at step end. That is the design's loop from
+#: reports to directives, not a helper to move down.
+REPORT_WAY_BACK: dict[str, set[str]] = {
+    "nanwatch.hooks.report.flow": {"nanwatch.hooks.directives.directive_state", "nanwatch.hooks.directives.local_rules"},
+    "nanwatch.hooks.report.handover": {"nanwatch.hooks.directives.directive_state"},
+}
+
+
+def outside_imports(graph: dict[str, set[str]], package: str, allowed: dict[str, str],
+                    per_module: dict[str, set[str]]) -> list[str]:
+    """Imports of ``package``'s modules that are neither inside it, nor under an ``allowed`` name, nor in the
+    module's own ``per_module`` set, nor outside the project and its declared third-party packages (the
+    standard library, torch and numpy pass)."""
+    bad = []
+    for mod, imports in graph.items():
+        if not (mod == package or mod.startswith(package + ".")):
+            continue
+        for imp in imports:
+            if imp == package or imp.startswith(package + ".") or imp in per_module.get(mod, set()):
+                continue
+            if any(imp == a or imp.startswith(a + ".") for a in allowed):
+                continue
+            top = imp.split(".")[0]
+            if top == "nanwatch" or (top in THIRD_PARTY and top not in ("torch", "numpy")):
+                bad.append(f"{mod} -> {imp}")
+    return sorted(bad)
+
+
+def test_the_report_imports_only_measure_and_the_wire():
+    """Every import counts, lazy ones too; the few other names each say why (``REPORT_MAY_IMPORT``)."""
+    assert outside_imports(GRAPH, "nanwatch.hooks.report", REPORT_MAY_IMPORT, REPORT_WAY_BACK) == []
+
+
+def test_the_report_import_check_can_fail():
+    graph = {"nanwatch.hooks.report.a": {"nanwatch.hooks.remedies.x", "nanwatch.hooks.measure.y", "torch", "json",
+                                         "fastapi", "nanwatch.hooks.report.b", "nanwatch.hooks.directives.z"},
+             "nanwatch.hooks.report.b": {"nanwatch.hooks.directives.z"}, "nanwatch.hooks.measure.y": {"nanwatch.hooks.x"}}
+    assert outside_imports(graph, "nanwatch.hooks.report", {"nanwatch.hooks.measure": ""},
+                           {"nanwatch.hooks.report.b": {"nanwatch.hooks.directives.z"}}) == [
+        "nanwatch.hooks.report.a -> fastapi", "nanwatch.hooks.report.a -> nanwatch.hooks.directives.z",
+        "nanwatch.hooks.report.a -> nanwatch.hooks.remedies.x"]
 
 
 def test_each_top_level_holds_at_most_ten_modules():
@@ -327,6 +410,43 @@ SIDE_DEPS = {
 
 
 IMPORT_TIME = {name: _imports(name, path, import_time=True) for name, path in MODULES.items()}
+
+
+# ---- how deep the trainer's imports go -------------------------------------------------------------------
+def longest_chain(graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    """The longest path of imports among ``members``, as module names, first the importer (the graph has no
+    cycle: tested above). Its length is how many modules a change at its bottom can ripple through."""
+    memo: dict[str, list[str]] = {}
+
+    def walk(mod: str) -> list[str]:
+        if mod not in memo:
+            memo[mod] = [mod, *max((walk(i) for i in sorted(graph[mod]) if i in members and i != mod), key=len,
+                                   default=[])]
+        return memo[mod]
+
+    return max((walk(m) for m in sorted(members)), key=len)
+
+
+#: The trainer's modules: the hooks side and the shared modules it imports (not the CLI, benches or collector).
+TRAINER = {m for m in MODULES if not m.startswith(("nanwatch.monitor", "nanwatch.cli", "nanwatch.bench"))}
+#: An alarm, not a target: a longer chain asks whether a module imports what it should not. #38 measured 13 at
+#: import time (integrations -> facade -> handover -> flow -> job -> job_stats -> loss_scaling -> weight_guard ->
+#: directive_state -> mode_effects -> recorder -> optimizer_check -> wire), 14 counting lazy imports; 10 and 11 once the
+#: pure helpers moved down (the report reaches no remedy, the recorder no optimizer check).
+MAX_CHAIN = {"import time": 10, "every import": 11}
+
+
+def test_the_trainers_longest_import_chain_stays_short():
+    """Printed with ``-s``: both chains, for the record."""
+    for name, graph in (("import time", IMPORT_TIME), ("every import", GRAPH)):
+        chain = longest_chain(graph, TRAINER)
+        print(f"{name}: {len(chain)} modules: {' -> '.join(chain)}")
+        assert len(chain) <= MAX_CHAIN[name], f"{name}: {len(chain)} modules: {' -> '.join(chain)}"
+
+
+def test_the_chain_finder_finds_the_longest():
+    graph = {"a": {"b", "c"}, "b": {"d"}, "c": set(), "d": {"e", "x"}, "e": set(), "x": set()}
+    assert longest_chain(graph, {"a", "b", "c", "d", "e"}) == ["a", "b", "d", "e"]
 
 
 def own_dependencies(module: str) -> set[str]:
@@ -587,7 +707,7 @@ def _identifiers(tree: ast.AST) -> set[str]:
 WORD_PLACES: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "guard": (("nanwatch.hooks.remedies.weight_guard", "nanwatch.bench.guard"),
               {"GUARD_SKIPPED", "GuardChoice", "guard", "guard_reduce", "guard_skipped"}),
-    "replay": (("nanwatch.hooks.remedies.replay", "nanwatch.hooks.remedies.capsule", "nanwatch.cli"),
+    "replay": (("nanwatch.hooks.forensics.replay", "nanwatch.hooks.forensics.capsule", "nanwatch.cli"),
                {"REPLAY_TRY", "replay_command", "routing_replay", "RoutingReplay", "MOE_REPLAY_NOT_APPLIED"}),
     "beat": ((), set()),
 }
@@ -616,10 +736,17 @@ def test_the_word_check_can_fail():
 
 
 # ---- small pieces: a class one sitting can hold, a function one screen can -----------------------------------
+#: Alarms, not targets. A class over ``MAX_METHODS`` methods or a function over ``MAX_FUNCTION_LINES`` lines
+#: asks for a review of its concerns, nothing more: split it where it holds two responsibilities (as the
+#: recorder's evaluation windows went to ``instrument/eval_windows.py``), or, where the review finds one concern,
+#: list it in ``REVIEWED`` with what the review found. Never cut a class or pad one to land under a number: a
+#: class at exactly the limit is the smell these numbers were meant to catch (#38).
 MAX_METHODS, MAX_FUNCTION_LINES = 20, 60
-#: reviewed exceptions: the Monitor is the public facade, one method per user-facing verb; #39 added ``routes``
-#: (the rollout's MoE routes before the first forward), its 21st. Review with the public-API declaration (#38).
-METHODS_ALLOWED = {"Monitor": 21}
+#: "module: class Name" or "module: function_name" -> what the review found (one concern, and why it is large)
+REVIEWED: dict[str, str] = {
+    "nanwatch.hooks.facade: class Monitor": "the public facade: one method per user-facing verb (attach, step, "
+    "watch, rlhf, publish_weights, guard, ..., and #39's routes); its bodies are one-line hand-offs to the parts",
+}
 
 
 def oversized(tree: ast.AST, where: str) -> list[str]:
@@ -628,7 +755,7 @@ def oversized(tree: ast.AST, where: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             methods = [b for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            if len(methods) > METHODS_ALLOWED.get(node.name, MAX_METHODS):
+            if len(methods) > MAX_METHODS:
                 found.append(f"{where}: class {node.name} has {len(methods)} methods")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             lines = node.end_lineno - node.lineno + 1
@@ -638,8 +765,10 @@ def oversized(tree: ast.AST, where: str) -> list[str]:
 
 
 def test_no_class_over_twenty_methods_and_no_function_over_sixty_lines():
+    """The alarm: what it names wants a review (see ``MAX_METHODS``), not a trim to the number."""
     found = [f for name, path in MODULES.items() for f in oversized(ast.parse(path.read_text()), name)]
-    assert found == []
+    assert [f for f in found if f.rsplit(" has ", 1)[0].rsplit(" is ", 1)[0] not in REVIEWED] == [], (
+        "review each: split by responsibility, or list it in REVIEWED with why it is one concern")
 
 
 def test_the_size_check_can_fail():

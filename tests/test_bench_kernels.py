@@ -101,7 +101,7 @@ def test_the_meta_device_counts_what_the_cpu_counts_but_where_nanwatch_branches_
     # optimizer check runs every step on the CPU and one step in 16 elsewhere (16 here too); and its
     # largest-|x| runs one aminmax per tensor on the CPU and one foreach norm elsewhere. Everything else
     # agrees, op for op.
-    from nanwatch.hooks.remedies import rerun as rerun_module
+    from nanwatch.hooks.forensics import rerun as rerun_module
 
     monkeypatch.setattr(rerun_module, "defers", lambda device: True)
     cpu = count_shape(TINY, 2, device="cpu", dtype=torch.float32,

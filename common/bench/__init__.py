@@ -39,7 +39,7 @@ these are the internal seams, the only ones: a change to one of them changes its
   by name (its ``ENTRY_POINTS`` table, private methods included: ``_after_sdpa``, ``Probes._grad_hook``,
   ``OptimizerCheck._check``); ``profile``: ``hooks.report.reporter.Reporter`` (the reporter thread's
   time);
-* ``fingerprint_cost``: ``hooks.measure.weight_fingerprint.fingerprint_with_casts`` and
+* ``fingerprint_cost``: ``hooks.rollout.weight_fingerprint.fingerprint_with_casts`` and
   ``DEFAULT_CHUNK_ELEMENTS`` (``Monitor.publish_weights``'s cast fingerprints, timed alone);
 * ``guard``: ``hooks.measure.collective.FlagReduction``; ``replica``: ``hooks.measure.recorder.Recorder``,
   ``hooks.remedies.replica_check.ReplicaCheck``, ``hooks.failsafe.WarnOnce``; ``spike_cost``:

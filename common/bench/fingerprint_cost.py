@@ -44,7 +44,7 @@ def run(*, device: str = "cpu", params: int = 4_000_000, hidden: int = 256, roun
     import torch
 
     import nanwatch
-    from nanwatch.hooks.measure.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS, fingerprint_with_casts
+    from nanwatch.hooks.rollout.weight_fingerprint import DEFAULT_CHUNK_ELEMENTS, fingerprint_with_casts
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

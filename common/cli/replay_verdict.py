@@ -1,5 +1,5 @@
 """``nanwatch replay CAPSULE``: re-run an incident capsule's birth module under several settings, anywhere,
-and say what reproduced (the replay itself: ``nanwatch.hooks.remedies.replay``). This module is the command:
+and say what reproduced (the replay itself: ``nanwatch.hooks.forensics.replay``). This module is the command:
 its arguments, and the table (or ``--json``) it prints.
 
 Every string a capsule carries reaches the terminal through ``printable`` (no escape sequence, bidi override
@@ -101,7 +101,7 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from nanwatch.hooks.remedies.replay import SETTINGS, Bounds, CapsuleError, offline, replay_capsule
+    from nanwatch.hooks.forensics.replay import SETTINGS, Bounds, CapsuleError, offline, replay_capsule
 
     p = argparse.ArgumentParser(prog="nanwatch replay", description="Re-run an incident capsule's birth module's "
                                 "forward under several settings; exit 0 if the non-finite value reproduced, 1 if "

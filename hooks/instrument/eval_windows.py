@@ -7,6 +7,10 @@ mode starts outside any training step (HF's Trainer evaluates between ``on_step_
 training step or ``close``. The Monitor says which training step is open (:meth:`EvalWindows.training`), and
 the windows key themselves by it; the data flows one way: Monitor -> window -> recorder -> hand-over.
 Training thread.
+
+A window has a record of its own: while it is open the recorder writes into the evaluation's record and
+buffers (``Recorder.write_into``), the training step's (open or not) put aside untouched, so an evaluation run
+inside or between training steps never reaches the training step's first offender or the weight guard's flag.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import TypeVar
 
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure import compiled
-from nanwatch.hooks.measure.recorder import Recorder
+from nanwatch.hooks.measure.recorder import Recorder, Records
 from nanwatch.wire import MAX_INT
 
 __all__ = ["EvalWindows", "check_step", "window"]
@@ -77,6 +81,8 @@ class EvalWindows:
         self.open_step: int | None = None
         #: the last training step opened: what an evaluation between steps follows
         self.last_step: int | None = None
+        self._eval: Records | None = None  # the evaluation's own record and buffers, kept between windows
+        self._aside: Records | None = None  # while a window is open: the training record it put aside
 
     @property
     def open(self) -> bool:
@@ -97,7 +103,7 @@ class EvalWindows:
         self._step = step if step is not None else open_step if open_step is not None else (last_step or 0)
         self._implicit = implicit
         self._raised = None
-        self._rec.enter_eval()
+        self._enter()
         self._new_window()
 
     def end(self, *, active: bool) -> None:
@@ -112,8 +118,25 @@ class EvalWindows:
         try:
             self._hand_over(n, raised)
         finally:
-            self._rec.leave_eval()
+            self._leave()
             self._new_window()
+
+    def _enter(self) -> None:
+        """The recorder writes into the evaluation's record from now on (made at the first window, reused)."""
+        if self._aside is not None:
+            return
+        if self._eval is None:
+            self._eval = Records.fresh(self._rec.buf.device)
+        self._eval.last = None
+        self._aside = self._rec.write_into(self._eval)
+        self._rec.state.stage = "eval"
+
+    def _leave(self) -> None:
+        """Back to the training record put aside by :meth:`_enter` (the window's record was handed over first)."""
+        if self._aside is None:
+            return
+        self._eval = self._rec.write_into(self._aside)
+        self._aside = None
 
     def outside_step(self, stage: str) -> None:
         """A model forward of ``stage`` starts outside any training step (``Probes.outside_step``, while the

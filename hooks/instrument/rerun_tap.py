@@ -1,4 +1,4 @@
-"""What the differential rerun (``nanwatch.hooks.remedies.rerun``) needs of the probes, kept apart from the
+"""What the differential rerun (``nanwatch.hooks.forensics.rerun``) needs of the probes, kept apart from the
 measuring: each training forward's inputs, by reference, while a rerun could need them; and, while the rerun
 re-runs a forward, whether each attention call stayed finite (nothing else is measured then).
 

@@ -3,6 +3,6 @@ inputs' fingerprint, attention-backend prediction and the logit bound, and the p
 copy. Imports nothing above it in ``nanwatch.hooks``.
 """
 
-__all__ = ["call_stack", "collective", "compiled", "decode", "dtypes", "generated", "inputs", "kept_forward",
-           "logit", "observations", "optimizer_check", "param_sweep", "recorder", "rlhf", "sdpa_backend",
-           "sdpa_rules", "slot_buffer", "structure"]
+__all__ = ["call_stack", "collective", "compiled", "decode", "dtypes", "inputs", "kept_forward",
+           "logit", "observations", "optimizer_check", "param_sweep", "recorder", "replica_verdict", "rlhf",
+           "scaler_overflow", "sdpa_backend", "sdpa_rules", "slot_buffer", "structure"]

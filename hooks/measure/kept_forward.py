@@ -1,4 +1,4 @@
-"""What the differential rerun (``nanwatch.hooks.remedies.rerun``) needs of a training forward to re-run it:
+"""What the differential rerun (``nanwatch.hooks.forensics.rerun``) needs of a training forward to re-run it:
 references to its arguments (nothing is copied) and the RNG state at its start.
 
 An HF key/value cache among a call's arguments (``past_key_values``, a ``transformers`` ``Cache``) is the one

@@ -12,7 +12,7 @@ When: after every step on the CPU, where it is cheap; on an accelerator after th
 a step (16.4 GB at 8B in bf16). A value an unchecked update writes is not missed: every localising site is
 read every step, so the next forward sees the weight at its first use, at the module holding it; the weight
 guard skips that step, and the differential rerun reads every parameter once and names the one written
-(class ``optimizer``, kind ``param``: ``nanwatch.hooks.remedies.incident_tensors``). :attr:`OptimizerCheck.unread`
+(class ``optimizer``, kind ``param``: ``nanwatch.hooks.forensics.incident_tensors``). :attr:`OptimizerCheck.unread`
 tells the rerun that an update ran since the last check.
 
 How: a step post-hook on the optimizer (``Optimizer.register_step_post_hook``: it runs after the real
@@ -53,14 +53,15 @@ from typing import Any, Protocol
 import torch
 
 from nanwatch.hooks.failsafe import contained
+from nanwatch.hooks.measure.recorder import ParamBatch
 from nanwatch.wire import Incident, dtype_name
 
-__all__ = ["MAX_NAMED", "BatchSeen", "NonfiniteParams", "OptimizerCheck", "ParamBatch", "optimizer_incident",
+__all__ = ["MAX_NAMED", "BatchSeen", "NonfiniteParams", "OptimizerCheck", "optimizer_incident",
            "read_batch"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (as ``nanwatch.hooks.instrument.probes.local_shard``; not imported from there:
-    the probes import the recorder, which imports this module)."""
+    ``instrument`` sits above ``measure``)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -80,24 +81,6 @@ def _largest_abs(group: list[torch.Tensor]) -> torch.Tensor:
 
 #: Non-finite parameters of one batch named as sites in a report (the rest are counted).
 MAX_NAMED = 16
-
-
-@dataclass(slots=True)
-class ParamBatch:
-    """Parameters read together by one device op, one value each (the largest magnitude; NaN or Inf when
-    the parameter holds one). Training thread until handed over with the step."""
-
-    pos: int
-    """Where in the step's execution order it was recorded (the number of rows before it)."""
-    phase: str
-    """``optimizer``: read right after the update; ``forward``: the same values, as the next step starts."""
-    owner: str
-    """The optimizer's class name."""
-    names: list[str]
-    dtypes: list[str]
-    numels: list[int]
-    values: torch.Tensor
-    """``[len(names)]`` float32 on the recorder's device (set by ``Recorder.param_batch``)."""
 
 
 @dataclass(frozen=True, slots=True)

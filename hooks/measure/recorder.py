@@ -21,11 +21,11 @@ import torch
 from nanwatch.hooks.measure.collective import FlagReduction, reduction_active
 from nanwatch.hooks.measure.max_rows import MaxRows
 from nanwatch.hooks.measure.observations import BufKey, ObservationLog
-from nanwatch.hooks.measure.optimizer_check import ParamBatch
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
 from nanwatch.wire import Incident, RolloutAttribution, dtype_name
 
-__all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "Recorder", "SiteKey", "SiteMeta", "StepState"]
+__all__ = ["GUARD_SKIPPED", "NONFINITE_RANK", "Counts", "ForwardMeta", "ParamBatch", "Recorder", "Records", "SiteKey",
+           "SiteMeta", "StepState"]
 
 #: A site's key in one step: (site, pass, stage).
 SiteKey = tuple[str, str, str]
@@ -82,6 +82,24 @@ class Counts:
 
 
 @dataclass(slots=True)
+class ParamBatch:
+    """Parameters read together by one device op, one value each (the largest magnitude; NaN or Inf when
+    the parameter holds one). Training thread until handed over with the step."""
+
+    pos: int
+    """Where in the step's execution order it was recorded (the number of rows before it)."""
+    phase: str
+    """``optimizer``: read right after the update; ``forward``: the same values, as the next step starts."""
+    owner: str
+    """The optimizer's class name."""
+    names: list[str]
+    dtypes: list[str]
+    numels: list[int]
+    values: torch.Tensor
+    """``[len(names)]`` float32 on the recorder's device (set by ``Recorder.param_batch``)."""
+
+
+@dataclass(slots=True)
 class StepState:
     """Host-side record of one step; handed to the reporter thread at step end and never touched again."""
 
@@ -105,11 +123,12 @@ class StepState:
     coverage: Counts = field(default_factory=lambda: Counts())
     #: SDPA attention layers measured in a training forward (each should get a logit figure)
     attention_layers: set[str] = field(default_factory=set)
-    #: the differential rerun's verdict on this step (``nanwatch.hooks.remedies.rerun``), when it ran
+    #: the differential rerun's verdict on this step (``nanwatch.hooks.forensics.rerun``), when it ran
     incident: Incident | None = None
-    #: the rollout attribution that ran at this step's end (``nanwatch.hooks.remedies.attribution``), if any
+    #: the rollout attribution that ran at this step's end (``nanwatch.hooks.rollout.attribution``), if any
     rollout_attribution: RolloutAttribution | None = None
-    #: ``train``: a training step; ``eval``: an evaluation window's own record (``Recorder.enter_eval``)
+    #: ``train``: a training step; ``eval``: an evaluation window's own record
+    #: (``nanwatch.hooks.instrument.eval_windows``)
     stage: str = "train"
     #: the slot buffer the step wrote into (its slot index decodes the copy); set when handed over
     slots: SlotBuffer | None = None
@@ -124,11 +143,29 @@ class StepState:
     #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
     #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
     loss_scaling: bool = False
-    #: the replica check ran in this step: its layout (``nanwatch.hooks.remedies.replica_check.ReplicaLayout``),
+    #: the replica check ran in this step: its layout (``nanwatch.hooks.measure.replica_verdict.ReplicaLayout``),
     #: which names the verdict in the step's slots
     replica: object = None
     #: the step's MoE record (``nanwatch.hooks.moe.taps.MoeStep``): routers that ran, routes compared; None: none
     moe: object = None
+
+
+@dataclass(slots=True)
+class Records:
+    """Where a recorder writes: one record (a :class:`StepState`) and the buffers its values go to, with the
+    last-read memo, which is only good against those buffers. A recorder writes into one at a time
+    (:meth:`Recorder.write_into`); an evaluation window gives it its own (``nanwatch.hooks.instrument.eval_windows``)."""
+
+    state: StepState
+    obs: dict[str, ObservationLog]
+    buf: SlotBuffer
+    maxes: MaxRows
+    last: tuple | None = None
+
+    @classmethod
+    def fresh(cls, device: torch.device) -> Records:
+        """An empty record, with buffers of its own on ``device``."""
+        return cls(StepState(), {"train": ObservationLog(), "other": ObservationLog()}, SlotBuffer(device), MaxRows())
 
 
 class Recorder:
@@ -154,10 +191,6 @@ class Recorder:
         #: the last tensor read, its version and row: a tensor read twice in a row, unchanged, is read once
         #: (in backward the same gradient flows into a block's output and its MLP's, through the residual)
         self._last: tuple[weakref.ref, int, str, BufKey, int] | None = None
-        #: an evaluation's own record and buffers, kept for reuse between windows (``enter_eval``)
-        self._eval_set: tuple[StepState, dict[str, ObservationLog], SlotBuffer, MaxRows] | None = None
-        #: while an eval window is open: the training record it put aside (state, logs, buffer, last read)
-        self._aside: tuple | None = None
 
     # ---- hot path -------------------------------------------------------------------------------
     def tensor(self, site: str, kind: str, phase: str, x: torch.Tensor, stage: str = "train") -> None:
@@ -321,29 +354,13 @@ class Recorder:
         c = self.state.coverage
         return bool(c.train_forwards or c.compiled_forwards)
 
-    # ---- evaluation windows ------------------------------------------------------------------------
-    def enter_eval(self) -> None:
-        """Record into an evaluation's own record and buffers from now on, the training step's (open or not)
-        put aside untouched: an evaluation run inside or between training steps is reported on its own, its
-        values never reach the training step's first offender or the weight guard's flag."""
-        if self._aside is not None:
-            return
-        if self._eval_set is None:
-            self._eval_set = (StepState(), {"train": ObservationLog(), "other": ObservationLog()},
-                              SlotBuffer(self.buf.device), MaxRows())
-        self._aside = (self.state, self.obs, self.buf, self.maxes, self._last)
-        self.state, self.obs, self.buf, self.maxes = self._eval_set
-        self.state.stage = "eval"
-        self._last = None
-
-    def leave_eval(self) -> None:
-        """Back to the training record put aside by :meth:`enter_eval` (call :meth:`swap` first to hand the
-        evaluation's record over)."""
-        if self._aside is None:
-            return
-        self._eval_set = (self.state, self.obs, self.buf, self.maxes)
-        self.state, self.obs, self.buf, self.maxes, self._last = self._aside
-        self._aside = None
+    def write_into(self, records: Records) -> Records:
+        """Write into ``records`` from now on; returns what was written into so far, untouched (its last-read
+        memo included, so that writing into it again resumes exactly where it was)."""
+        out = Records(self.state, self.obs, self.buf, self.maxes, self._last)
+        self.state, self.obs, self.buf, self.maxes, self._last = (records.state, records.obs, records.buf,
+                                                                 records.maxes, records.last)
+        return out
 
     # ---- step boundary ---------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.rollout import (
+from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
+from nanwatch.hooks.rollout.compare import (
     HIST_KEYS,
     ROLLOUT_MAX_KEYS,
     ROLLOUT_SLOTS,
@@ -25,7 +26,6 @@ from nanwatch.hooks.measure.rollout import (
     rollout_rows,
     rollout_sequences,
 )
-from nanwatch.hooks.measure.token_rows import TokenRows, device_constant
 from nanwatch.wire import RlhfStat
 
 __all__ = ["RLHF_SLOTS", "RLHF_TENSORS", "checked_kl", "decode_rlhf", "record_rlhf", "rlhf_probe",
@@ -96,7 +96,7 @@ def record_rlhf(rec: Recorder, *, logprobs: torch.Tensor, ref_logprobs: torch.Te
     the KL estimator the trainer's loss uses (``k3_ratio``: k3 weighted by the importance ratio, TRL's
     GRPO default); it is reported as such, and ``k3_ratio`` is computed too. ``advantages`` may be per
     token (the mask's shape) or per sequence (``[B]``, as GRPO's are). ``rollout_logprobs``: the sampler's
-    logprobs of the same tokens (``logprobs``' shape), compared by ``nanwatch.hooks.measure.rollout`` with
+    logprobs of the same tokens (``logprobs``' shape), compared by ``nanwatch.hooks.rollout.compare`` with
     the truncation cap ``rollout_cap``.
 
     Few kernels whatever was passed (``nanwatch.hooks.measure.token_rows``): the inputs stacked and checked

@@ -4,7 +4,7 @@ A NaN born between two attention layers used to be blamed on the next one. With 
 every decoder block (the residual stream) and of each of its direct parts (attention, MLP or MoE block,
 norms), plus the input embedding and the final norm, the first offender is the part where the value
 first appeared; MoE blocks add their router (its logits also give a logit max) and experts. The drill-down
-on the incident (``nanwatch.hooks.remedies.rerun``) then pins the exact module and parameter.
+on the incident (``nanwatch.hooks.forensics.rerun``) then pins the exact module and parameter.
 
 Decoder blocks are the modules HF names in ``_no_split_modules``; otherwise the elements of the longest
 ``ModuleList`` of same-class modules.

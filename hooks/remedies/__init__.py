@@ -1,8 +1,8 @@
-"""Remedies: what keeps a bad step out of the weights (the weight guard and the optimizers' other hooks, loss
-scaling), and what explains it afterwards (the differential rerun, the incident capsule and its replay, the rollout
-attribution).
-Imports ``measure``, ``directives`` and ``instrument``; nothing above it.
+"""Remedies: what changes training: the weight guard that keeps a bad step out of the weights, the optimizers'
+other hooks (the optimizer check, the replica check and its repair), loss scaling seen through, and what runs at
+each step boundary in order (``step_remedies``, which also starts the forensics of ``nanwatch.hooks.forensics``).
+Imports ``measure``, ``directives``, ``instrument`` and ``forensics``; nothing above it.
 """
 
-__all__ = ["attribution", "capsule", "incident_tensors", "loss_scaling", "optimizer_discovery", "optimizer_hooks", "replay",
-           "rerun", "rerun_flags", "weight_guard"]
+__all__ = ["loss_scaling", "optimizer_discovery", "optimizer_hooks", "replica_check", "step_remedies",
+           "weight_guard"]

@@ -27,7 +27,7 @@ The one host read: in rerun mode on the CPU (``MonitorConfig.forensics.rerun``) 
 non-finite flag on the host; when it is set and the scaler found inf, the found flag and the open step's
 phases are read too (``# sync-ok``), so that an overflow does not start the differential rerun. On an
 accelerator the rerun decides a step later, from the step's decoded values (``SCALER_FOUND`` and the phases,
-``handled_by_scaler``): no read in the step.
+``nanwatch.hooks.measure.scaler_overflow``): no read in the step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,18 +44,12 @@ import torch
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
 from nanwatch.hooks.measure.decode import nonfinite_phases
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.remedies.optimizer_discovery import steps_model
-from nanwatch.hooks.remedies.weight_guard import inner_optimizer
-from nanwatch.wire import SiteStat
+from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND
+from nanwatch.hooks.remedies.optimizer_discovery import inner_optimizer, steps_model
 
-__all__ = ["LOSS_SCALE", "SCALER_FOUND", "LossScaling", "ScalerWatch", "handled_by_scaler", "is_scaler"]
+__all__ = ["LossScaling", "ScalerWatch", "is_scaler"]
 
 log = logging.getLogger("nanwatch")
-
-#: The max slot holding 1 when a watched scaler found inf/NaN gradients in the step (any optimizer).
-SCALER_FOUND = ("scaler", "found_inf")
-#: The slot holding the scaler's scale at the step's end (assigned, not accumulated).
-LOSS_SCALE = ("scaler", "scale")
 
 _GradScaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
 _ORIGINAL_STEP = _GradScaler.step if _GradScaler is not None else None
@@ -68,13 +62,6 @@ _watched: weakref.WeakKeyDictionary[Any, ScalerWatch] = weakref.WeakKeyDictionar
 def is_scaler(obj: object) -> bool:
     """A dynamic loss scaler nanwatch can read: a ``torch.amp.GradScaler`` (or subclass)."""
     return _GradScaler is not None and isinstance(obj, _GradScaler)
-
-
-def handled_by_scaler(found_inf: bool, sites: Iterable[SiteStat]) -> bool:
-    """The step's non-finite values were dynamic loss scaling at work: the scaler found inf/NaN gradients
-    and every non-finite training site was a gradient (backward). A non-finite forward value (activations,
-    logits, the loss), parameter or optimizer output makes it a real incident."""
-    return found_inf and all(s.phase == "backward" for s in sites if s.stage == "train" and (s.nan or s.inf))
 
 
 class ScalerWatch:

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanwatch.hooks.failsafe import probe_failed
 
-__all__ = ["UNFOUND_AFTER_STEPS", "OptimizerDiscovery", "steps_model"]
+__all__ = ["UNFOUND_AFTER_STEPS", "OptimizerDiscovery", "inner_optimizer", "steps_model"]
 
 #: Training steps (a training forward in the step) after which a Monitor that found no optimizer says so.
 #: More than one, since a loop whose nanwatch steps are micro-batches steps its optimizer every few.
@@ -42,6 +42,17 @@ def steps_model(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer)
         return False
     ids = {id(p) for p in model.parameters()}
     return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers: Accelerate's ``AcceleratedOptimizer`` (itself an Optimizer
+    subclass) keeps it in ``.optimizer`` and its ``step`` calls the inner one, through the GradScaler when
+    there is one."""
+    seen = set()
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class OptimizerDiscovery:

@@ -22,13 +22,16 @@ from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.spikes import SpikeDetector, SpikeSkip
-from nanwatch.hooks.remedies.optimizer_discovery import UNFOUND_AFTER_STEPS, OptimizerDiscovery
+from nanwatch.hooks.remedies.optimizer_discovery import (
+    UNFOUND_AFTER_STEPS,
+    OptimizerDiscovery,
+    inner_optimizer,
+)
 from nanwatch.hooks.remedies.replica_check import ReplicaCheck
 from nanwatch.hooks.remedies.weight_guard import (
     WeightGuard,
     drop_grads_if_flagged,
     guard_of,
-    inner_optimizer,
     run_closure,
 )
 

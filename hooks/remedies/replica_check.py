@@ -12,7 +12,7 @@ How, at the post-step hook of the first optimizer a Monitor covers, at the same 
 every rank (the optimizer steps together on every replica; a step the weight guard skips is the job's
 decision, so skipped everywhere):
 
-* each tensor's integer fingerprint (``nanwatch.hooks.measure.weight_fingerprint``'s exact kernel, its two
+* each tensor's integer fingerprint (``nanwatch.hooks.rollout.weight_fingerprint``'s exact kernel, its two
   lane sums, kept on the device) makes one int64 ``[P, 2]`` table: the model's parameters in
   ``named_parameters()`` order, then each covered optimizer's tensor state (``param:exp_avg``...);
 * one collective gathers the replicas' tables (``all_gather_single``, async; on CUDA the stream waits for
@@ -20,7 +20,7 @@ decision, so skipped everywhere):
 * on the device: per tensor, how many replicas hold each replica's value; a replica is out when at most
   half agree with it (with two replicas that disagree, both are), and the verdict (ranks out, the first
   16 differing tensors, whether a majority exists) goes into the step's slot buffer, which the reporter
-  thread decodes from the step's one copy (:func:`replica_incident`). No host read.
+  thread decodes from the step's one copy (``nanwatch.hooks.measure.replica_verdict``). No host read.
 
 Which replicas: DDP and ZeRO-1/2 compare over ``MonitorConfig.weights.process_group`` (the default group when
 None); FSDP2 HSDP (``fully_shard`` on a 2-D mesh, replicate x shard) over the mesh's replicate dimension,
@@ -44,11 +44,9 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import socket
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,36 +54,12 @@ import torch
 from nanwatch.hooks.config import WeightsConfig
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.weight_fingerprint import fingerprint_rows
-from nanwatch.wire import Incident
+from nanwatch.hooks.measure.replica_verdict import REPAIRED, ReplicaLayout, verdict, verdict_keys
+from nanwatch.hooks.rollout.weight_fingerprint import fingerprint_rows
 
-__all__ = ["MAX_NAMED", "REPAIRED", "ReplicaCheck", "ReplicaLayout", "replica_group", "replica_incident",
-           "verdict"]
+__all__ = ["ReplicaCheck", "replica_group"]
 
 log = logging.getLogger("nanwatch")
-
-#: the differing tensors an incident names, first in the table's order (the wire's limit)
-MAX_NAMED = 16
-#: the slot holding 1 when a repair made the replicas agree again, 0 when it did not or could not
-REPAIRED = ("replica", "repaired")
-
-
-def _keys(replicas: int) -> tuple:
-    """The verdict's slots, in :func:`verdict`'s order (one block, written at once)."""
-    return (("replica", "checked"), ("replica", "differ"), ("replica", "no_majority"),
-            *(("replica", "rank", j) for j in range(replicas)),
-            *(("replica", "param", k) for k in range(MAX_NAMED)))
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLayout:
-    """What the reporter thread needs to name a verdict: the table's tensor names, the replicas' global
-    ranks and hosts (by index in the group), and whether repair is on. Made once; never changed."""
-
-    names: tuple[str, ...]
-    ranks: tuple[int, ...]
-    hosts: tuple[str, ...]
-    repair: bool
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -114,29 +88,6 @@ def replica_group(model: torch.nn.Module, group: Any) -> tuple[Any, str | None]:
     if d.get_world_size(group) < 2:
         return None, "one replica in the data-parallel group: nothing to compare"
     return group, None
-
-
-def verdict(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The replicas' fingerprint tables (int64 ``[R, P, 2]``) -> (the verdict's slot values in ``_keys``'s
-    order, float64: checked, differing tensors, no majority for some, then per replica 1 when it is out,
-    then the first ``MAX_NAMED`` differing tensors' index + 1 (0: none); the majority replica to copy
-    each tensor from, int64 ``[P]``, -1 where the tensor agrees or has no majority). Device ops only."""
-    r, p = table.shape[0], table.shape[1]
-    agree = (table[:, None] == table[None, :]).all(-1).sum(0)  # [R, P]: replicas holding replica j's value
-    differs = (agree < r).any(0)
-    majority = agree * 2 > r
-    has_majority = majority.any(0)
-    out = (~majority & differs).any(1)
-    index = torch.where(differs, torch.arange(p, device=table.device), p)
-    first = torch.full((MAX_NAMED,), p, dtype=torch.int64, device=table.device)
-    n = min(MAX_NAMED, p)
-    first[:n] = index.sort().values[:n]
-    first = torch.where(first < p, first + 1, 0)
-    head = torch.stack((torch.ones((), dtype=torch.int64, device=table.device), differs.sum(),
-                        (differs & ~has_majority).any().long()))
-    values = torch.cat((head, out.long(), first)).to(torch.float64)
-    src = torch.where(differs & has_majority, majority.long().argmax(0), -1)
-    return values, src
 
 
 class ReplicaCheck:
@@ -168,7 +119,7 @@ class ReplicaCheck:
         hosts: list[Any] = [None] * len(self._ranks)
         d.all_gather_object(hosts, socket.gethostname(), group=self._group)  # once, at attach: every rank
         self._hosts = tuple(str(h)[:255] for h in hosts)
-        self._keys = _keys(len(self._ranks))
+        self._keys = verdict_keys(len(self._ranks))
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
     @property
@@ -274,29 +225,3 @@ class ReplicaCheck:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-
-
-def replica_incident(layout: ReplicaLayout | None, get: Callable[..., float | None], step: int) -> Incident | None:
-    """The step's replica verdict, decoded (reporter thread): an incident when some tensor differed across
-    replicas, else None. ``get``: the step's slot reader (``StepStats.slot``)."""
-    if layout is None or (get("max", ("replica", "checked"), -math.inf) or 0) <= 0:
-        return None
-    differ = int(get("max", ("replica", "differ"), 0) or 0)
-    if differ <= 0:
-        return None
-    out = [j for j in range(len(layout.ranks)) if (get("max", ("replica", "rank", j), 0) or 0) > 0]
-    firsts = [int(v) - 1 for k in range(MAX_NAMED) if (v := get("max", ("replica", "param", k), 0) or 0) >= 1]
-    params = [layout.names[i][:256] for i in firsts if i < len(layout.names)]
-    no_majority = (get("max", ("replica", "no_majority"), 0) or 0) > 0
-    repaired_value = get("max", REPAIRED, -math.inf)
-    repaired = None if not layout.repair else bool(repaired_value is not None and repaired_value > 0)
-    ranks = [layout.ranks[j] for j in out]
-    note = (f"{differ} of {len(layout.names)} tensors differ across {len(layout.ranks)} data-parallel replicas; "
-            f"rank(s) {', '.join(map(str, ranks[:16]))} disagree with the majority")
-    if no_majority:
-        note += ("; no majority for some tensor (two replicas, or a tie): every disagreeing replica is named"
-                 + (", and repair is impossible" if layout.repair else ""))
-    elif repaired is not None:
-        note += "; repaired from the majority" if repaired else "; the repair did not make them agree"
-    return Incident(cls="replica_divergence", step=step, ranks=ranks[:1024],
-                    hosts=[layout.hosts[j] for j in out][:64], params=params, repaired=repaired, note=note[:1024])

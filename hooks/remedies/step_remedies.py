@@ -1,7 +1,7 @@
 """The remedies one Monitor applies around each training step, in one place: the optimizers' hooks (weight
 guards, post-step checks, discovery: ``nanwatch.hooks.remedies.optimizer_hooks``), the GradScalers watched
 (``nanwatch.hooks.remedies.loss_scaling``), the differential rerun with its capsules
-(``nanwatch.hooks.remedies.rerun``), and at each step start the rotating read of the parameters and of the
+(``nanwatch.hooks.forensics.rerun``), and at each step start the rotating read of the parameters and of the
 covered optimizers' state (``nanwatch.hooks.measure.param_sweep``).
 
 The Monitor says when (attach, step start, step end, close); this knows in which order the remedies act,
@@ -31,14 +31,14 @@ import torch
 from nanwatch.hooks.config import ForensicsConfig, RolloutConfig, SpikesConfig, WeightsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained
+from nanwatch.hooks.forensics.rerun import DifferentialRerun
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.remedies.attribution import RolloutAttributor
 from nanwatch.hooks.remedies.loss_scaling import LossScaling
 from nanwatch.hooks.remedies.optimizer_hooks import OptimizerHooks
-from nanwatch.hooks.remedies.rerun import DifferentialRerun
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.hooks.rollout.attribution import RolloutAttributor
 from nanwatch.wire import RolloutEvent
 
 __all__ = ["ACCELERATOR_CHECK_EVERY", "StepRemedies"]

@@ -60,24 +60,14 @@ import torch
 
 from nanwatch.hooks.failsafe import probe_failed
 from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, Recorder
+from nanwatch.hooks.remedies.optimizer_discovery import inner_optimizer
 
-__all__ = ["FirstResult", "WeightGuard", "asks_skip", "drop_grads_if_flagged", "guard_of", "inner_optimizer", "run_closure"]
+__all__ = ["FirstResult", "WeightGuard", "asks_skip", "drop_grads_if_flagged", "guard_of", "run_closure"]
 
 log = logging.getLogger("nanwatch")
 
 #: optimizer -> its guard (weak both ways: the guard holds its optimizer, and its Monitor holds the guard)
 _guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[WeightGuard]] = weakref.WeakKeyDictionary()
-
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside wrappers: Accelerate's ``AcceleratedOptimizer`` (itself an Optimizer
-    subclass) keeps it in ``.optimizer`` and its ``step`` calls the inner one, through the GradScaler when
-    there is one."""
-    seen = set()
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def guard_of(optimizer: Any) -> WeightGuard | None:

@@ -14,10 +14,10 @@ from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
 from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
+from nanwatch.hooks.measure.replica_verdict import replica_incident
+from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.moe.report import moe_stat
-from nanwatch.hooks.remedies.loss_scaling import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
-from nanwatch.hooks.remedies.replica_check import replica_incident
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
 __all__ = ["ReportBuilder", "StepContext"]

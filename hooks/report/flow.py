@@ -38,9 +38,9 @@ from nanwatch.hooks.moe.report import explained
 from nanwatch.hooks.report.build import ReportBuilder, StepContext
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
-from nanwatch.hooks.report.mismatch import MismatchClassifier
 from nanwatch.hooks.report.reporter import Landed, Reporter
-from nanwatch.hooks.report.sync_verdict import SyncVerdicts
+from nanwatch.hooks.rollout.mismatch import MismatchClassifier
+from nanwatch.hooks.rollout.sync_verdict import SyncVerdicts
 from nanwatch.wire import RolloutEvent, StepReport
 
 __all__ = ["Built", "ReportFlow", "spike_detector"]

@@ -63,7 +63,7 @@ class StepHandover:
         """The recorder's current record, under ``step`` (``raised``: the exception type the step or window
         raised), to the reporter; no host sync. Dropped, with a warning, when the reporter is too far
         behind: training never waits for reporting. Returns what was handed over: the values on the device
-        and the record (a rerun decided a step later decodes them, ``nanwatch.hooks.remedies.rerun``)."""
+        and the record (a rerun decided a step later decodes them, ``nanwatch.hooks.forensics.rerun``)."""
         self.reported_step = step
         data = self._rec.flat()
         state = self._rec.swap()

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import get_args
 
 from nanwatch.hooks.measure.rlhf import RLHF_SLOTS, decode_rlhf
+from nanwatch.hooks.measure.scaler_overflow import handled_by_scaler
 from nanwatch.hooks.moe.report import moe_layout, moe_vectors, read_moe
-from nanwatch.hooks.remedies.loss_scaling import handled_by_scaler
 from nanwatch.wire import (
     MODES,
     Coverage,

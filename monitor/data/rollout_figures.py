@@ -44,7 +44,7 @@ __all__ = ["STATS", "TOKEN_SPREAD", "Combined", "combine", "combined", "latest",
 STATS = ("abs_mean", "abs_max", "abs_p99", "mean", "rms", "k3_mean", "seq_ratio_max", "seq_ratio_min",
          "truncated_fraction", "prob_correlation", "logprob_slope", "seq_abs_mean_max")
 #: ranks' token counts further apart than this factor are not believed as weights (the outlier factor of
-#: ``nanwatch.hooks.measure.rollout``: honest ranks' counts differ by the lengths of their completions)
+#: ``nanwatch.hooks.rollout.compare``: honest ranks' counts differ by the lengths of their completions)
 TOKEN_SPREAD = 8
 
 _WEIGHTED = ("abs_mean", "mean", "k3_mean", "truncated_fraction")

@@ -148,7 +148,7 @@ def _lifecycle(r: StepReport, rank: RankState | None, previous_mode: str | None,
         key = (f"replica_divergence:{inc.step}" if inc.cls == "replica_divergence"
                else f"incident:{events.who}:{inc.step}")
         # stamped with the incident's own step: on a GPU the rerun decides a step later, and the incident
-        # arrives in a later step's report (nanwatch.hooks.remedies.rerun_flags)
+        # arrives in a later step's report (nanwatch.hooks.forensics.rerun_flags)
         events.add("incident", key, inc.model_dump(mode="json", exclude={"site", "step"}),
                    site=inc.site or (inc.params[0] if inc.params else None), step=inc.step)
     if previous_mode is not None and rank is not None and rank.attention_mode != previous_mode:

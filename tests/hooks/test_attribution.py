@@ -30,8 +30,8 @@ import torch
 from support import tiny_qwen3
 
 from nanwatch.cli.replay_verdict import main as replay_main
-from nanwatch.hooks.remedies.attribution import RolloutAttributor, attribute_mismatch, units_of
-from nanwatch.hooks.remedies.capsule import CapsuleWriter
+from nanwatch.hooks.forensics.capsule import CapsuleWriter
+from nanwatch.hooks.rollout.attribution import RolloutAttributor, attribute_mismatch, units_of
 
 pytest.importorskip("transformers")
 
@@ -168,7 +168,7 @@ def test_a_sharded_model_is_refused_without_a_forward(monkeypatch):
     ids, rollout = _rollout(trainer, "lm_head")
     calls = []
     trainer.register_forward_pre_hook(lambda m, a: calls.append(1))
-    monkeypatch.setattr("nanwatch.hooks.remedies.attribution.collective_forward",
+    monkeypatch.setattr("nanwatch.hooks.rollout.attribution.collective_forward",
                         lambda m: "FSDP2 (fully_shard) all-gathers parameters in every forward")
     a = attribute_mismatch(trainer, ids, rollout)
     assert a.module is None and a.lowered_abs_mean is None and "FSDP2" in a.note and "hang" in a.note

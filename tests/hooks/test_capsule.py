@@ -266,7 +266,7 @@ class _UserScale(torch.nn.Module):
 
 
 def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="user", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)
@@ -279,7 +279,7 @@ def test_a_user_module_capsule_says_what_replay_needs(tmp_path):
 
 
 def test_one_capsule_per_class_and_at_most_capsule_max(tmp_path):
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="cap", rank=3, directory=str(tmp_path), max_count=2, max_bytes=1 << 20)
@@ -321,7 +321,7 @@ def test_a_backward_birth_gets_no_capsule_and_replay_refuses_one_saying_why(tmp_
     assert not (tmp_path / "capsules").exists()
     # a capsule that says its incident was first seen in backward (crafted: the trainer writes none) is
     # refused, not replayed forward as if the forward were the faulting call
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="bwd", rank=0, directory=str(tmp_path / "crafted"), max_count=4, max_bytes=1 << 20)
@@ -389,8 +389,8 @@ def _capture_attention(model, layer: int, **call) -> tuple[tuple, dict, torch.Te
 def test_a_cache_is_recorded_as_it_stood_at_the_call_and_replays_to_the_same_output(tmp_path, filled):
     from transformers import DynamicCache
 
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
-    from nanwatch.hooks.remedies.replay import call_inputs, open_capsule, rebuild
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.replay import call_inputs, open_capsule, rebuild
     from nanwatch.wire import Incident
 
     model = tiny_qwen3("eager", dtype=torch.float32, vocab_size=64)  # use_cache at its default
@@ -446,7 +446,7 @@ def test_a_kept_forward_reruns_with_its_cache_as_it_stood_at_the_call(tmp_path):
 def test_an_input_not_recorded_is_named_in_the_log_and_by_the_replay(tmp_path, caplog):
     from transformers import StaticCache
 
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     config = tiny_qwen3("sdpa", vocab_size=64).config
@@ -471,7 +471,7 @@ def _tensor_span(path: Path, key: str) -> tuple[int, int]:
 
 
 def test_a_flipped_byte_inside_a_tensor_is_found_damaged(tmp_path):
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
     from nanwatch.wire import Incident
 
     w = CapsuleWriter(run_id="flip", rank=0, directory=str(tmp_path), max_count=4, max_bytes=1 << 20)

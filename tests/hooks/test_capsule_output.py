@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from nanwatch.cli.replay_verdict import main as replay_main
-from nanwatch.hooks.remedies.capsule import META_KEY, CapsuleWriter, digest
+from nanwatch.hooks.forensics.capsule import META_KEY, CapsuleWriter, digest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -120,7 +120,7 @@ def _header_file(path: Path, n: int, body: bytes = b"") -> Path:
 
 
 def test_a_header_length_over_the_limit_is_refused_before_any_of_it_is_read(tmp_path, capsys, monkeypatch):
-    from nanwatch.hooks.remedies import replay
+    from nanwatch.hooks.forensics import replay
 
     assert replay._MAX_HEADER <= 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE)
     # 99 MiB as the header length: the 8 bytes alone decide (the file is sparse: its size matches the claim)
@@ -137,7 +137,7 @@ def test_a_header_length_over_the_limit_is_refused_before_any_of_it_is_read(tmp_
 
 
 def test_a_real_header_just_over_the_limit_is_refused_in_one_line(tmp_path, capsys):
-    from nanwatch.hooks.remedies import replay
+    from nanwatch.hooks.forensics import replay
 
     n = replay._MAX_HEADER + 1
     header = b'{"__metadata__": {"pad": "' + b"x" * (n - 29) + b'"}}'
@@ -150,7 +150,7 @@ def test_a_real_header_just_over_the_limit_is_refused_in_one_line(tmp_path, caps
 
 def test_the_writer_refuses_a_header_over_the_replays_limit(tmp_path, monkeypatch, caplog):
     """A capsule the replay would refuse is never written: the writer warns instead (training goes on)."""
-    from nanwatch.hooks.remedies import capsule
+    from nanwatch.hooks.forensics import capsule
 
     monkeypatch.setattr(capsule, "MAX_HEADER_BYTES", 512)
     lin = torch.nn.Linear(4, 3)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanwatch.cli.replay_verdict import main
-from nanwatch.hooks.remedies.capsule import FORMAT, META_KEY, digest
+from nanwatch.hooks.forensics.capsule import FORMAT, META_KEY, digest
 
 
 def _meta(build: dict, **extra) -> dict:
@@ -210,7 +210,7 @@ def _long_attribution_capsule(tmp_path: Path, *, sequences: int = 32, length: in
     ``length`` tokens, as #37's finding 8 made it (about 3 MiB): built in a blink, minutes to redo."""
     from support import tiny_qwen3
 
-    from nanwatch.hooks.remedies.capsule import CapsuleWriter
+    from nanwatch.hooks.forensics.capsule import CapsuleWriter
 
     model = tiny_qwen3("sdpa", seed=0, max_position_embeddings=length)
     g = torch.Generator().manual_seed(0)
@@ -246,7 +246,7 @@ def test_a_capsule_is_never_written_through_a_planted_link(tmp_path):
     writer once used (``<path>.<pid>.tmp``), is never followed; the victim keeps its bytes."""
     import os
 
-    from nanwatch.hooks.remedies.capsule import _write_new
+    from nanwatch.hooks.forensics.capsule import _write_new
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")

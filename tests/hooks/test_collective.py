@@ -14,11 +14,11 @@ from support import TinyNet, free_port, token_ids
 
 import nanwatch
 from nanwatch.hooks.config import WeightsConfig
+from nanwatch.hooks.forensics.rerun import rerun
 from nanwatch.hooks.measure import recorder as recorder_module
 from nanwatch.hooks.measure.collective import FlagReduction, collective_forward, reduction_active
 from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.recorder import NONFINITE_RANK, Recorder
-from nanwatch.hooks.remedies.rerun import rerun
 
 
 @pytest.fixture

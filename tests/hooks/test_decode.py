@@ -8,8 +8,14 @@ import math
 import torch
 
 from nanwatch.hooks.measure.decode import Offender, decode_step
-from nanwatch.hooks.measure.optimizer_check import ParamBatch
-from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, NONFINITE_RANK, ForwardMeta, SiteMeta, StepState
+from nanwatch.hooks.measure.recorder import (
+    GUARD_SKIPPED,
+    NONFINITE_RANK,
+    ForwardMeta,
+    ParamBatch,
+    SiteMeta,
+    StepState,
+)
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
 
 ATTN = ("model.layers.0.self_attn", "forward", "train")

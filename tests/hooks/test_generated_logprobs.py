@@ -11,7 +11,7 @@ import torch
 from support import SMALL, tiny_qwen3, token_ids
 
 import nanwatch.hooks
-from nanwatch.hooks.measure.generated import completion_mask
+from nanwatch.hooks.rollout.generated import completion_mask
 
 PAD = 0
 

@@ -370,7 +370,8 @@ def test_the_step_a_parameter_first_went_non_finite_is_named_when_it_is_known():
     non-finite at step 3, first found by an optimizer check at step 4 whose update was skipped, is told at
     step 4 as non-finite since step 3; a finite check ends the episode; an update writing it at step 7 is
     told as written by the update."""
-    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, ParamBatch, read_batch
+    from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, read_batch
+    from nanwatch.hooks.measure.recorder import ParamBatch
     from nanwatch.wire import SiteStat
 
     names = ["a.weight", "b.weight"]
@@ -421,7 +422,7 @@ def test_an_update_the_amortised_check_did_not_read_is_named_at_its_parameter(de
     1 is finite. Step 2's forward meets the weight at the module holding it (the first offender), the guard
     skips step 2 and every later one, and the rerun reads every parameter once: class ``optimizer``, born at
     the parameter. With ``defer`` the accelerator's path (the step decided at the next step start)."""
-    from nanwatch.hooks.remedies import rerun as rerun_module
+    from nanwatch.hooks.forensics import rerun as rerun_module
 
     monkeypatch.setattr(rerun_module, "defers", lambda device: defer)
     caplog.set_level(logging.WARNING, logger="nanwatch")

@@ -111,7 +111,7 @@ def test_a_rank_raising_in_the_checks_step_leaves_the_other_warned_not_hung(tmp_
 def test_the_verdict_names_the_minority_and_says_when_there_is_no_majority():
     import torch
 
-    from nanwatch.hooks.remedies.replica_check import MAX_NAMED, verdict
+    from nanwatch.hooks.measure.replica_verdict import MAX_NAMED, verdict
 
     table = torch.zeros((3, 5, 2), dtype=torch.int64)
     table[1, 3, 0] = 7  # replica 1 differs in tensor 3

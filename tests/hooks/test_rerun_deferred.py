@@ -1,6 +1,6 @@
 """The differential rerun on an accelerator's path (issue #35): the step's flag reaches the host without a
 read in the step, and the step is classified a step later, at the next step start (or the next optimizer
-pre-step), on the weights it saw. Forced on the CPU (``nanwatch.hooks.remedies.rerun.defers``), it must give
+pre-step), on the weights it saw. Forced on the CPU (``nanwatch.hooks.forensics.rerun.defers``), it must give
 the same class, birth and capsule as the immediate path, for a precision overflow, a data NaN and a
 not-reproducible NaN; its incident lands in the next step's report with its own step, and the log line and
 ``nanwatch status`` still tell it. A flag that lands only after the weights may have moved gives
@@ -21,8 +21,8 @@ from support import overflow_attention, tiny_qwen3, token_ids
 
 import nanwatch
 from nanwatch.cli import main
-from nanwatch.hooks.remedies import rerun as rerun_module
-from nanwatch.hooks.remedies import rerun_flags
+from nanwatch.hooks.forensics import rerun as rerun_module
+from nanwatch.hooks.forensics import rerun_flags
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

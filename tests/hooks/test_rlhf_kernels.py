@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanwatch
 from nanwatch.hooks.measure.rlhf import RLHF_TENSORS, decode_rlhf
-from nanwatch.hooks.measure.rollout import EDGES, OUTLIER_FACTOR, OUTLIER_FLOOR
+from nanwatch.hooks.rollout.compare import EDGES, OUTLIER_FACTOR, OUTLIER_FLOOR
 
 #: ops that launch no device work: views, aliases, allocations (``empty`` allocates, it does not fill)
 _FREE = {"detach", "alias", "empty", "empty_strided", "empty_like", "lift_fresh", "_reshape_alias", "view",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import nanwatch
-from nanwatch.hooks.measure.rollout import EDGES
-from nanwatch.hooks.report.mismatch import MismatchClassifier
-from nanwatch.hooks.report.sync_verdict import verdict_of
+from nanwatch.hooks.rollout.compare import EDGES
+from nanwatch.hooks.rollout.mismatch import MismatchClassifier
+from nanwatch.hooks.rollout.sync_verdict import verdict_of
 from nanwatch.wire import RolloutStat
 
 

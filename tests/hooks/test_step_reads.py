@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nanwatch
-from nanwatch.hooks.remedies import rerun as rerun_module
+from nanwatch.hooks.forensics import rerun as rerun_module
 
 pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ import torch
 from support import TinyNet
 
 import nanwatch
-from nanwatch.hooks.measure.weight_fingerprint import BLOCK, fingerprint
+from nanwatch.hooks.rollout.weight_fingerprint import BLOCK, fingerprint
 
 M64 = (1 << 64) - 1
 SEEDS = ((0x243F6A8885A308D3, 0x13198A2E03707344), (0xA4093822299F31D0, 0x082EFA98EC4E6C89))
@@ -165,7 +165,7 @@ def test_the_answer_carries_dtypes_and_shapes_and_the_casts_are_the_cast_tensors
     """#36: ``nanwatch.fingerprint`` is still a plain mapping to its readers, and also says each tensor's dtype
     and shape; ``fingerprint_casts`` gives what a copy cast with ``.to(dtype)`` (or loaded into a model of that
     dtype) fingerprints to, for the floating tensors of another dtype only."""
-    from nanwatch.hooks.measure.weight_fingerprint import fingerprint_casts
+    from nanwatch.hooks.rollout.weight_fingerprint import fingerprint_casts
 
     g = torch.Generator().manual_seed(6)
     sd = {"w": torch.randn(8, 5, generator=g), "h": torch.randn(7, generator=g).half(), "n": torch.arange(6)}
@@ -188,7 +188,7 @@ def test_the_answer_carries_dtypes_and_shapes_and_the_casts_are_the_cast_tensors
 def test_a_cast_on_cuda_fingerprints_as_on_the_cpu(dtype):
     """Not run here (no GPU lent to this work): a trainer on CUDA publishes the casts a CPU (or other GPU)
     loader makes, bit for bit, or a right sync would read as a mismatch."""
-    from nanwatch.hooks.measure.weight_fingerprint import fingerprint_casts
+    from nanwatch.hooks.rollout.weight_fingerprint import fingerprint_casts
 
     t = torch.randn(3 * BLOCK + 11, generator=torch.Generator().manual_seed(5)) * 300  # fp8's range exceeded too
     assert fingerprint_casts({"t": t.cuda()}, [dtype]) == fingerprint_casts({"t": t}, [dtype])

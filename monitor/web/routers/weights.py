@@ -1,7 +1,7 @@
 """``PUT /v1/runs/{run_id}/weights/{version}``: one side's weight fingerprints of a weight version, compared
 with the other side's (``nanwatch.monitor.write.weight_compare``; docs/weight_sync.md). ``GET
 /v1/runs/{run_id}/weights``: where the run's syncs stand, which the trainer's rollout classification asks
-before it calls a mismatch a drift or a jump (``nanwatch.hooks.report.sync_verdict``)."""
+before it calls a mismatch a drift or a jump (``nanwatch.hooks.rollout.sync_verdict``)."""
 
 from __future__ import annotations
 

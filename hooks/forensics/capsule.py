@@ -1,7 +1,7 @@
 """The incident capsule (issue #20): the birth module of a run's first non-finite step, in one file that
 ``nanwatch replay CAPSULE`` re-runs anywhere.
 
-The drill-down (``nanwatch.hooks.remedies.rerun._drill``) re-runs the culprit micro-batch with every module
+The drill-down (``nanwatch.hooks.forensics.rerun._drill``) re-runs the culprit micro-batch with every module
 watched; it knows the birth module and the exact positional and keyword arguments of its faulting call.
 This module copies them, with the module's own parameters and buffers and the CPU RNG state at the call's
 start, to the CPU on the training thread (they are needed before the step moves on: the next optimizer
@@ -367,7 +367,7 @@ class CapsuleWriter:
                       extra: dict[str, Any]) -> str | None:
         """A capsule of a whole model (its config and state, tied parameters named once) with named input
         tensors, for a replay that redoes a computation on it (``kind``: ``attribution``, the rollout
-        attribution, ``nanwatch.hooks.remedies.attribution``). The inputs first; the state only when all of
+        attribution, ``nanwatch.hooks.rollout.attribution``). The inputs first; the state only when all of
         it fits the size limit (a partial state redoes nothing: it is then named as not recorded and the
         replay refuses, exit 2). ``extra``: JSON merged into the metadata. Never raises."""
         if not self.wants(kind):

@@ -47,7 +47,7 @@ after (tested bit-exact, with the RNG state and the training flags). A deep copy
 its memory; casting the whole model in place would need its fp32 copy at once. Parameters held directly by
 a module that is no unit (rare) stay fp32 in every run. An exception mid-forward restores every swap.
 
-**Collective-safe, like the differential re-run** (``nanwatch.hooks.remedies.rerun``): it runs on one rank
+**Collective-safe, like the differential re-run** (``nanwatch.hooks.forensics.rerun``): it runs on one rank
 alone, outside the step, so a forward must issue no collective. Under DDP it runs the inner module (whose
 forward communicates nothing); a model whose forward gathers (FSDP/FSDP2, DTensor parameters, DeepSpeed
 ZeRO-3, SyncBatchNorm: ``nanwatch.hooks.measure.collective.collective_forward``) is refused, with no forward

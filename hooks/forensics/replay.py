@@ -1,7 +1,7 @@
 """Replaying an incident capsule: re-run its birth module under several settings, anywhere (the command,
 ``nanwatch replay CAPSULE``, is ``nanwatch.cli.replay_verdict``).
 
-The capsule (``nanwatch.hooks.remedies.capsule``) is a safetensors file; it is checked to be one (its 8-byte header
+The capsule (``nanwatch.hooks.forensics.capsule``) is a safetensors file; it is checked to be one (its 8-byte header
 length and JSON header, read by hand) before ``safetensors.safe_open`` reads its tensors, which never
 unpickles: a pickle, a ``torch.save`` zip or any other file is refused and never loaded. Classes are
 imported only from ``transformers.`` and ``torch.nn.``: an arbitrary class path from someone else's file
@@ -37,8 +37,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+from nanwatch.hooks.forensics.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
 from nanwatch.hooks.measure.kept_forward import build_cache
-from nanwatch.hooks.remedies.capsule import FORMATS, MAX_HEADER_BYTES, META_KEY, digest
 
 __all__ = ["Bounds", "CapsuleError", "SETTINGS", "call_inputs", "offline", "open_capsule", "rebuild", "replay_capsule"]
 
@@ -605,12 +605,12 @@ def replay_capsule(path: str, *, device: str = "cpu", settings: Sequence[str] = 
 
 def _redo_attribution(path: str, meta: dict[str, Any], tensors: dict[str, Any], device: str, bounds: Bounds
                       ) -> dict[str, Any]:
-    """An attribution capsule (``nanwatch.hooks.remedies.attribution``): the model rebuilt from its config and
+    """An attribution capsule (``nanwatch.hooks.rollout.attribution``): the model rebuilt from its config and
     state, the attribution redone on the recorded sequences; exit 0 when it names the recorded module, 1 when
     it names another here."""
     import torch
 
-    from nanwatch.hooks.remedies.attribution import attribute_mismatch
+    from nanwatch.hooks.rollout.attribution import attribute_mismatch
 
     inputs, recorded = meta.get("inputs"), meta.get("attribution")
     _need(isinstance(inputs, dict) and all(isinstance(k, str) and v in tensors for k, v in inputs.items())
@@ -653,7 +653,7 @@ def _within_run(model, ids, rollout, trainer_logprobs: bool, device: str, bounds
     forward's activations against ``--max-bytes``: CapsuleError (exit 2, one line) before anything runs."""
     import torch
 
-    from nanwatch.hooks.remedies.attribution import attribution_cost
+    from nanwatch.hooks.rollout.attribution import attribution_cost
 
     _need(ids.dim() == 2 and rollout.dim() == 2 and rollout.shape[0] == ids.shape[0]
           and rollout.shape[1] <= ids.shape[1], "the recorded sequences' shapes do not match")

@@ -1,5 +1,5 @@
 """``Monitor.publish_weights``: the trainer's side of a verified weight sync. Fingerprints the weights it
-publishes (``nanwatch.hooks.measure.weight_fingerprint``) and posts them to the collector as the trainer's
+publishes (``nanwatch.hooks.rollout.weight_fingerprint``) and posts them to the collector as the trainer's
 set of that version (``nanwatch.weight_sync``); each rollout worker posts its own, and the collector
 compares them (docs/weight_sync.md).
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from nanwatch.hooks.config import RolloutConfig
-from nanwatch.hooks.measure.weight_fingerprint import fingerprint_with_casts
+from nanwatch.hooks.rollout.weight_fingerprint import fingerprint_with_casts
 from nanwatch.weight_sync import post_weights
 
 __all__ = ["publish_weights"]

@@ -3,7 +3,7 @@ is posted (the job's under job reports, so every classification speaks for the j
 
 Six causes, each an event with its figures and the remedy that fits; none of them ever asks for a precision
 directive, since the trainer's attention is not where any of them comes from. What the weight sync knows
-comes first (``nanwatch.hooks.report.sync_verdict``, asked of the collector only when a pattern is about to
+comes first (``nanwatch.hooks.rollout.sync_verdict``, asked of the collector only when a pattern is about to
 raise an event):
 
 * **stale_weights**: the pattern would be a jump, a drift or an offset, and the weight sync's verdict is stale
@@ -43,7 +43,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 
-from nanwatch.hooks.report.sync_verdict import UNTRACKED, SyncVerdict
+from nanwatch.hooks.rollout.sync_verdict import UNTRACKED, SyncVerdict
 from nanwatch.wire import RolloutEvent, RolloutStat
 
 __all__ = ["DRIFT_FLOOR", "JUMP_FACTOR", "JUMP_FLOOR", "MismatchClassifier", "SUSTAIN"]

@@ -21,14 +21,14 @@ enclosing module's own arithmetic (the attention kernel inside ``self_attn``), w
 were already non-finite and the exact count of non-finite elements it produced, and the path the value then
 took. That module's
 faulting call (its arguments, parameters, RNG and settings) is what an incident capsule holds
-(``nanwatch.hooks.remedies.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
+(``nanwatch.hooks.forensics.capsule``; ``nanwatch replay CAPSULE`` re-runs it anywhere).
 
 Non-finite means: at the first offender's module, at any attention call's query or output, or at the
 model's output. The cost is up to three forwards of one micro-batch without grad (activation memory of one
 forward, no more), once per run, plus, to decide when to run it, the step's non-finite flag on the host
 (``MonitorConfig.forensics.rerun``, on by default): read at the step's end on the CPU, where it is free; on an
-accelerator copied without a host read and decided a step later (``nanwatch.hooks.remedies.rerun_flags``).
-First, every parameter and optimizer-state tensor is read once (``nanwatch.hooks.remedies.incident_tensors``):
+accelerator copied without a host read and decided a step later (``nanwatch.hooks.forensics.rerun_flags``).
+First, every parameter and optimizer-state tensor is read once (``nanwatch.hooks.forensics.incident_tensors``):
 a parameter an unchecked optimizer update wrote non-finite is class ``optimizer``, with no rerun. It does
 not run when it cannot be sound: a NaN born in backward (the rerun
 re-runs forwards), no kept forward, compiled code in the step (the probes, and so the fp32 path, are off
@@ -63,17 +63,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanwatch.hooks.config import ForensicsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.forensics import rerun_flags
+from nanwatch.hooks.forensics.capsule import CapsuleWriter, capsule_settings
+from nanwatch.hooks.forensics.incident_tensors import optimizer_birth, read_tensors, state_note
+from nanwatch.hooks.forensics.rerun_flags import FlagsInFlight
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
 from nanwatch.hooks.measure.decode import StepSoFar, decode_step, step_facts, step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.remedies import rerun_flags
-from nanwatch.hooks.remedies.capsule import CapsuleWriter, capsule_settings
-from nanwatch.hooks.remedies.incident_tensors import optimizer_birth, read_tensors, state_note
-from nanwatch.hooks.remedies.loss_scaling import SCALER_FOUND, handled_by_scaler
-from nanwatch.hooks.remedies.rerun_flags import FlagsInFlight
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler
 from nanwatch.wire import Incident
 
 __all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "rerun"]
@@ -359,14 +359,14 @@ def rerun(*, model: torch.nn.Module, probes: Probes, directive_state: DirectiveS
           ) -> Incident:
     """Classify the step; see the module docstring. Never raises into training: a rerun that fails is
     ``not_classified`` with the error in ``note``. With ``capsules`` (a
-    ``nanwatch.hooks.remedies.capsule.CapsuleWriter``), a drilled-down incident also gets a capsule of its
+    ``nanwatch.hooks.forensics.capsule.CapsuleWriter``), a drilled-down incident also gets a capsule of its
     birth module's faulting call (``Incident.capsule``), and a not-reproducible one a capsule of its first
     offender's call in the re-run. ``weight_guard_on``: a weight guard kept the step out of the weights (else
     the weights moved, and a rerun would not be that step); ``stale``: why the weights may have moved since
-    all the same (a flag that reached the host late, ``nanwatch.hooks.remedies.rerun_flags``).
+    all the same (a flag that reached the host late, ``nanwatch.hooks.forensics.rerun_flags``).
 
     First every parameter and the state of ``optimizers`` are read once
-    (``nanwatch.hooks.remedies.incident_tensors``): a parameter non-finite after an optimizer update the
+    (``nanwatch.hooks.forensics.incident_tensors``): a parameter non-finite after an optimizer update the
     optimizer check did not read (``unread_updates``) is an ``optimizer`` birth, no rerun needed."""
     verdict = _Verdict(step=step, site=site, phase=phase, masked_rows=masked_rows, rank=rank,
                        capsules=capsules, device=next((p.device.type for p in model.parameters()), "cpu"))
@@ -443,7 +443,7 @@ class DifferentialRerun:
     that step by a rerun before its weights move. Holds the capsule writer the rerun fills. Training thread.
 
     When: on the CPU reading the flag is free, so the step is decided at its end. On an accelerator the flag
-    goes to the host without a read (``nanwatch.hooks.remedies.rerun_flags``) and the step is decided at the
+    goes to the host without a read (``nanwatch.hooks.forensics.rerun_flags``) and the step is decided at the
     next step start, or else at the next optimizer pre-step, once it has landed (never waiting for it); its
     incident then lands in that later step's report, with its own ``step``. ``defer`` says which (a test may
     set it, to run the accelerator's path on the CPU).

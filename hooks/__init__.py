@@ -25,9 +25,9 @@ _HOMES = {"Monitor": "nanwatch.hooks.facade", "attach": "nanwatch.hooks.facade",
 if TYPE_CHECKING:  # pragma: no cover
     from nanwatch.hooks.config import MonitorConfig
     from nanwatch.hooks.facade import Monitor, attach
+    from nanwatch.hooks.moe.routes import record_routes
     from nanwatch.hooks.rollout.generated import rollout_logprobs
     from nanwatch.hooks.rollout.weight_fingerprint import fingerprint
-    from nanwatch.hooks.moe.routes import record_routes
 
 
 def __getattr__(name: str) -> Any:

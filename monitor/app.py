@@ -43,8 +43,20 @@ __all__ = ["create_app"]
 log = logging.getLogger("nanwatch.monitor")
 
 
+def _open_store(settings: Settings) -> Store:
+    """SQLite (``db_path``), or PostgreSQL when ``database_url`` is set: the same methods (``nanwatch.monitor.pg``,
+    imported only then, so a collector without the ``postgres`` extra never needs psycopg)."""
+    if settings.database_url is None:
+        return Store(settings.db_path)
+    try:
+        from nanwatch.monitor.pg import PgStore
+    except ImportError as e:
+        raise ValueError(f"--database-url needs the postgres extra (pip install 'nanwatch[postgres]'): {e}") from None
+    return PgStore(settings.database_url.get_secret_value())  # type: ignore[return-value]
+
+
 def _resources(settings: Settings) -> Resources:
-    store = Store(settings.db_path)
+    store = _open_store(settings)
     loaded = store.load()
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
@@ -123,7 +135,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
-    if settings.db_path != ":memory:":
+    if settings.database_url is not None:
+        _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening
+    elif settings.db_path != ":memory:":
         try:  # fail now on a foreign or newer database, or a path that cannot be opened, before listening
             Store(settings.db_path).close()
         except sqlite3.Error as e:
@@ -135,14 +149,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.resources = res
         every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, settings.weight_sync_wait_s / 4,
                               30.0))
-        sweeper = asyncio.create_task(_sweep(res, every, settings.run_retention_s))
-        log.info("nanwatch collector ready: db=%s runs=%d", settings.db_path, len(res.state.runs))
+        tasks = [asyncio.create_task(_sweep(res, every, settings.run_retention_s))]
+        if settings.database_url is not None:  # other replicas write too: follow them
+            from nanwatch.monitor.pg.follow import follow
+
+            tasks.append(asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
+                                                    every_s=settings.database_refresh_s)))
+        log.info("nanwatch collector ready: db=%s runs=%d", getattr(res.store, "where", settings.db_path),
+                 len(res.state.runs))
         try:
             yield
         finally:
-            sweeper.cancel()
-            with suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
             app.state.resources = None
             res.store.close()
 

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     db_path: str = "nanwatch.db"
     """SQLite file (WAL) holding events, directives, ingest high-water marks and counter totals."""
+    database_url: SecretStr | None = None
+    """``postgresql://user:password@host/db``: keep that state in PostgreSQL instead of ``db_path``, shared by
+    any number of collector replicas (docs/replicas.md; needs the ``postgres`` extra). Unset: SQLite."""
+    database_refresh_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """With ``database_url``: at most this long before what another replica accepted shows here (a
+    ``NOTIFY`` usually wakes the replica sooner)."""
     token: SecretStr | None = None
     """Ingest token (``NANWATCH_TOKEN``), audit name ``ingest``; trainers send it as a bearer token."""
     admin_token: SecretStr | None = None

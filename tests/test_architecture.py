@@ -158,7 +158,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
               ("nanwatch.hooks.directives",), ("nanwatch.hooks.instrument",), ("nanwatch.hooks.remedies",),
               ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
-    "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
+    "monitor": [("nanwatch.monitor.model",), ("nanwatch.monitor.pg",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
     "common": [("nanwatch._aliases",), ("nanwatch.wire",), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",

@@ -218,12 +218,15 @@ class Ledger:
         log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
         return True
 
-    def resync(self) -> bool:
+    def resync(self, written_elsewhere: set[str] = frozenset()) -> bool:
         """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
         hold what was never committed, until a reload succeeds (tried here: before every write, and before
-        every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
-        if self._unsynced is not None:
-            self._restore(self._unsynced, set())
+        every read through the app's dependencies and /readyz, which say "not ready" meanwhile).
+        ``written_elsewhere``: runs other collector replicas wrote (a shared PostgreSQL database,
+        ``nanwatch.monitor.pg``), re-read too; between requests, never inside a transaction."""
+        runs = set(written_elsewhere) - self._forgetting
+        if self._unsynced is not None or runs:
+            self._restore(runs | (self._unsynced or set()), set())
         return self._unsynced is None
 
     # ---- inside a transaction: folding, and carrying out what the fold and the rules return ------------
@@ -387,7 +390,8 @@ class Ledger:
         """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
         latest views come back with their next reports; other runs are not touched). If the store cannot be
         read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
-        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
+        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``); a newer version
+        another replica committed (a shared database) is taken, and wakes this replica's pollers."""
         runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
         try:
             loaded = self.store.load(runs)
@@ -396,6 +400,10 @@ class Ledger:
             self._unsynced, self._unsynced_marks = runs, marks
             return
         self.state.reload(loaded, touched=runs, marks=marks)
+        for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
+            if d.version > self.directive_log.current(run_id).version:
+                self.directive_log.put(d)
+                self.directive_log.commit(run_id)  # wakes the run's pollers here too
         self._unsynced, self._unsynced_marks = None, set()
         self.state.wrote()
 

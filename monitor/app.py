@@ -29,7 +29,7 @@ from nanwatch.monitor.model.refusal import Refused
 from nanwatch.monitor.model.state import CollectorState, HostCaps
 from nanwatch.monitor.model.store import EventRow, Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
-from nanwatch.monitor.settings import Settings, get_settings
+from nanwatch.monitor.settings import Settings, database_url_of, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
 from nanwatch.monitor.web.exception_handlers import install_exception_handlers
 from nanwatch.monitor.web.middleware import IngressGate
@@ -46,13 +46,14 @@ log = logging.getLogger("nanwatch.monitor")
 def _open_store(settings: Settings) -> Store:
     """SQLite (``db_path``), or PostgreSQL when ``database_url`` is set: the same methods (``nanwatch.monitor.pg``,
     imported only then, so a collector without the ``postgres`` extra never needs psycopg)."""
-    if settings.database_url is None:
+    url = database_url_of(settings)
+    if url is None:
         return Store(settings.db_path)
     try:
         from nanwatch.monitor.pg import PgStore
     except ImportError as e:
         raise ValueError(f"--database-url needs the postgres extra (pip install 'nanwatch[postgres]'): {e}") from None
-    return PgStore(settings.database_url.get_secret_value())  # type: ignore[return-value]
+    return PgStore(url)  # type: ignore[return-value]
 
 
 def _resources(settings: Settings) -> Resources:
@@ -135,7 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
-    if settings.database_url is not None:
+    if database_url_of(settings) is not None:
         _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening
     elif settings.db_path != ":memory:":
         try:  # fail now on a foreign or newer database, or a path that cannot be opened, before listening
@@ -150,7 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, settings.weight_sync_wait_s / 4,
                               30.0))
         tasks = [asyncio.create_task(_sweep(res, every, settings.run_retention_s))]
-        if settings.database_url is not None:  # other replicas write too: follow them
+        if database_url_of(settings) is not None:  # other replicas write too: follow them
             from nanwatch.monitor.pg.follow import follow
 
             tasks.append(asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]

@@ -36,9 +36,14 @@ JOB = "nanwatch-collector"
 #: shards publish nginx's TLS ports (nginx lives in their network namespace), never the collector's 8000.
 PUBLISHED = {"collector": {8443: True, 9443: True}, "collector-1": {8444: True, 9444: True},
              "grafana": {3000: True}, "prometheus": {9090: False}, "alertmanager": {9093: False},
-             "nginx": {}, "nginx-1": {}, "trainer": {}}
-#: nginx in front of each shard: nginx service -> its shard
-NGINX = {"nginx": "collector", "nginx-1": "collector-1"}
+             "nginx": {}, "nginx-1": {}, "trainer": {},
+             # profile "replicas" (docs/replicas.md): PostgreSQL is reached on the compose network only
+             "postgres": {}, "replica": {8445: True, 9445: True}, "replica-1": {8446: True, 9446: True},
+             "nginx-replica": {}, "nginx-replica-1": {}}
+#: nginx in front of each shard or replica: nginx service -> its collector
+NGINX = {"nginx": "collector", "nginx-1": "collector-1", "nginx-replica": "replica", "nginx-replica-1": "replica-1"}
+#: the services of the "replicas" profile, not started by a plain `docker compose up`
+REPLICAS_PROFILE = {"postgres", "replica", "replica-1", "nginx-replica", "nginx-replica-1"}
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
 CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
@@ -198,7 +203,7 @@ def test_nginx_fronts_each_shard_with_the_shipped_config(compose):
     """One nginx per shard, in the shard's network namespace (its upstream is 127.0.0.1:8000, as in the k8s
     pod), with deploy/nginx/nginx.conf and the TLS pair where the config reads them."""
     services = compose["services"]
-    shards = sorted(n for n in services if n == "collector" or n.startswith("collector-"))
+    shards = sorted(n for n in services if n == "collector" or n.startswith(("collector-", "replica")))
     assert sorted(NGINX.values()) == shards
     conf = NGINX_CONF.read_text()
     assert "server 127.0.0.1:8000;" in conf
@@ -279,6 +284,31 @@ def test_prometheus_config_matches_the_stack(compose):
     assert [t for sc in jobs["prometheus"]["static_configs"] for t in sc["targets"]] == ["localhost:9090"]
     assert [t for sc in jobs["alertmanager"]["static_configs"] for t in sc["targets"]] == am
     assert {"collector", "alertmanager"} <= set(services)
+
+
+def test_replicas_profile_shares_one_postgres(compose):
+    """Profile "replicas": two collector replicas of the collector's image and tokens on one PostgreSQL,
+    its URL (which carries the password) from a secret file, no SQLite volume, one name on the compose
+    network for both; nothing in the default stack waits for them."""
+    services = compose["services"]
+    assert {n for n, svc in services.items() if svc.get("profiles")} == REPLICAS_PROFILE
+    assert all(services[n]["profiles"] == ["replicas"] for n in REPLICAS_PROFILE)
+    for name in set(services) - REPLICAS_PROFILE:
+        assert not set(services[name].get("depends_on", {})) & REPLICAS_PROFILE, name
+    pg = services["postgres"]
+    assert pg["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/nanwatch_postgres_password"
+    assert pg["secrets"] == ["nanwatch_postgres_password"]
+    assert [v["target"] for v in _volumes(pg)] == ["/var/lib/postgresql/data"]
+    for name in ("replica", "replica-1"):
+        svc = services[name]
+        assert svc["image"] == services["collector"]["image"] and svc["build"] == services["collector"]["build"]
+        env = svc["environment"]
+        assert {k: v for k, v in env.items() if k != "NANWATCH_DATABASE_URL_FILE"} == services["collector"]["environment"]
+        assert env["NANWATCH_DATABASE_URL_FILE"].removeprefix("/run/secrets/") in svc["secrets"]
+        assert svc["volumes"] == [] and svc["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+        assert svc["networks"]["default"]["aliases"] == ["collector-replicas"]
+    readme = (SECRETS / "README.md").read_text()
+    assert "postgresql://nanwatch:" in readme and "@postgres:5432/nanwatch" in readme
 
 
 def test_grafana_provisioning_matches_the_stack(compose):
@@ -396,7 +426,7 @@ def test_collector_image():
                                                     "--db", "/data/nanwatch.db"]
     assert _last("collector", "VOLUME") == "/data"
     runs = _build_runs("collector")
-    assert 'pip install --no-cache-dir ".[monitor]"' in runs
+    assert 'pip install --no-cache-dir ".[monitor,postgres]"' in runs  # one image: SQLite or a replica
     assert "torch" not in runs and "[demo]" not in runs
     # /data belongs to the image's user (set before VOLUME, or it would not stick)
     uid = _last("collector", "USER").split(":")[0]

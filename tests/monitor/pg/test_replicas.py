@@ -135,3 +135,14 @@ def test_sqlite_stays_the_default_and_never_imports_the_postgres_store(tmp_path)
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "n.db")], capture_output=True, text=True,
                           timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_database_url_comes_from_a_file_as_a_mounted_secret(tmp_path):
+    from nanwatch.monitor.settings import Settings, database_url_of
+
+    assert database_url_of(Settings()) is None
+    (tmp_path / "url").write_text("postgresql://u:p@db/nanwatch\n")
+    assert database_url_of(Settings(database_url_file=tmp_path / "url")) == "postgresql://u:p@db/nanwatch"
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        database_url_of(Settings(database_url_file=tmp_path / "empty"))

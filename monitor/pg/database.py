@@ -8,8 +8,8 @@ What replicas need on top, inside the same transactions (docs/replicas.md):
 * every write of a run bumps its revision in ``runs`` (``touch``), under that row's lock. A replica that
   finds a revision other than the one it last read or wrote has an older memory of the run than the
   database: its transaction raises ``StaleRun`` and rolls back, the ledger re-reads the run (``load``,
-  which records the revision it read) and answers 503, and the client's retry is folded against the
-  database's truth -- a resend already accepted elsewhere is then a duplicate, a total never overwrites
+  which records the revision it read) and applies the request again, once (then 503, and the client
+  retries), now folded against the database's truth -- a resend already accepted elsewhere is then a duplicate, a total never overwrites
   another replica's increments, and a directive version is never issued twice;
 * events keep their unique (run_id, dedupe) key and directives their (run_id, version) key: a second
   replica's insert of either conflicts, whatever its memory says;
@@ -55,7 +55,10 @@ class StoreError(sqlite3.DatabaseError):
 
 
 class StaleRun(StoreError):
-    """Another replica wrote the run since this one last read it: re-read it, and retry."""
+    """Another replica wrote the run since this one last read it: re-read it, and retry (the ledger does,
+    once, inside the request; a second conflict is the client's 503)."""
+
+    reread_and_retry = True
 
 
 def redact(url: str) -> str:
@@ -236,8 +239,15 @@ class PgStore:
         self._db.executemany("DELETE FROM hwm WHERE run_id = %s AND rank = %s AND incarnation = %s", keys)
 
     def put_directive(self, d: Directive) -> None:
-        """A new version; a version another replica already issued conflicts on the primary key."""
-        self._db.execute("INSERT INTO directives VALUES (%s,%s,%s)", (d.run_id, d.version, d.model_dump_json()))
+        """A new version; a version another replica already issued conflicts on the primary key: this
+        replica's memory of the run is stale (``StaleRun``: re-read, and the next version is above it)."""
+        try:
+            self._db.execute("INSERT INTO directives VALUES (%s,%s,%s)", (d.run_id, d.version, d.model_dump_json()))
+        except StoreError as e:
+            if isinstance(e.__cause__, psycopg.errors.UniqueViolation):
+                raise StaleRun(f"run {d.run_id!r}: directive version {d.version} was issued by another replica; "
+                               "re-read, retry") from e.__cause__
+            raise
 
     # ---- reads --------------------------------------------------------------------------------------
 

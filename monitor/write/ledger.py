@@ -371,8 +371,20 @@ class Ledger:
             raise StoreUnavailable(f"run {sorted(runs & self._forgetting)[0]!r} is being deleted; nothing was "
                                    "applied, retry")
         try:
-            with self.store.transaction():
-                result = write()
+            try:
+                with self.store.transaction():
+                    result = write()
+            except Exception as e:
+                if not getattr(e, "reread_and_retry", False):
+                    raise
+                # another collector replica wrote these runs (a shared database): re-read them, once, and
+                # apply the request to what the database holds, as the client's retry would
+                self.directive_log.rollback()
+                self._restore(runs, marks)
+                if self._unsynced is not None:
+                    raise
+                with self.store.transaction():
+                    result = write()
         except Exception as e:
             self.directive_log.rollback()
             self._restore(runs, marks)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import APIRouter, FastAPI, Request
@@ -100,6 +100,33 @@ def _left_out_events(ledger: Ledger, runs: dict[str, str]) -> None:
             pass
 
 
+def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], Callable[[], None]]:
+    """With a shared PostgreSQL database: follow what the other replicas write, and hold the leases that
+    decide which replica exports a run (none until leased: a run is never shown by two). Returns the
+    follower's task (none with SQLite) and what lets go of the leases."""
+    if database_url_of(settings) is None:
+        return [], lambda: None
+    from nanwatch.monitor.pg.follow import follow
+    from nanwatch.monitor.pg.leases import RunLeases
+
+    leases = RunLeases(res.store.url)  # type: ignore[attr-defined]
+    res.state.exported_runs = set()
+    task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
+                                      every_s=settings.database_refresh_s,
+                                      tick=lambda: _lease_runs(res.state, leases)))
+    return [task], leases.close
+
+
+def _lease_runs(state: CollectorState, leases) -> None:
+    """Hold the leases of the runs live here (a shared PostgreSQL database): this replica shows the series
+    of those it holds, and of no other (``CollectorState.exported_runs``)."""
+    now = time.monotonic()
+    held = leases.update({run_id for run_id, run in state.runs.items() if state.is_live(run, now)})
+    if held != state.exported_runs:
+        state.exported_runs = held
+        state.wrote()  # a cached render is stale
+
+
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
@@ -150,12 +177,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.resources = res
         every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, settings.weight_sync_wait_s / 4,
                               30.0))
-        tasks = [asyncio.create_task(_sweep(res, every, settings.run_retention_s))]
-        if database_url_of(settings) is not None:  # other replicas write too: follow them
-            from nanwatch.monitor.pg.follow import follow
-
-            tasks.append(asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
-                                                    every_s=settings.database_refresh_s)))
+        follower, close_leases = _replicas(settings, res)
+        tasks = [asyncio.create_task(_sweep(res, every, settings.run_retention_s)), *follower]
         log.info("nanwatch collector ready: db=%s runs=%d", getattr(res.store, "where", settings.db_path),
                  len(res.state.runs))
         try:
@@ -165,6 +188,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
+            close_leases()
             app.state.resources = None
             res.store.close()
 

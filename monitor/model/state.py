@@ -430,16 +430,24 @@ class CollectorState:
         self.hosts = hosts if hosts is not None else HostCaps()
         #: events each namespace's runs hold, against ``max_events_per_namespace``
         self.namespace_events = NamespaceEvents(cap=max_events_per_namespace, namespace_of=self.hosts.namespace_of)
+        #: the runs whose series this collector shows: None, every live run (one collector); a set, only
+        #: these (replicas on a shared PostgreSQL database: the runs whose lease this one holds,
+        #: ``nanwatch.monitor.pg.leases``); any other run shows as if not live
+        self.exported_runs: set[str] | None = None
         self._writes = 0
         if loaded is not None:
             _restore(self, loaded)
 
-    def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
+    def reload(self, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None,
+               keep_views: bool = False) -> None:
         """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
         when memory may hold changes the database does not: they lose their per-rank latest views (they come
         back with the next reports); every other run is left as it is, since the write did not change it.
         ``marks``: the only high-water marks the write may have added (else every mark of the touched runs
-        is looked for, a walk over all of memory's marks)."""
+        is looked for, a walk over all of memory's marks). ``keep_views``: the runs were re-read because
+        another collector replica wrote them (a shared database), not after a failed write of this one: their
+        per-rank views, this replica's own and all committed, stay (``_VIEWS``)."""
+        kept = {r: self.runs[r] for r in touched if r in self.runs} if keep_views else {}
         for run_id in touched:
             self.runs.pop(run_id, None)
         self.namespace_events.recount()
@@ -449,6 +457,11 @@ class CollectorState:
             for key in marks:
                 self.hwm.pop(key, None)
         _restore(self, loaded)
+        for run_id, old in kept.items():
+            run = self.runs.get(run_id)
+            if run is not None:  # (a run another replica deleted stays deleted)
+                for name in _VIEWS:
+                    setattr(run, name, getattr(old, name))
 
     def wrote(self) -> None:
         """Something a scrape shows changed (a committed write, ranks or runs gone)."""
@@ -614,6 +627,13 @@ class CollectorState:
         self.hwm = {k: v for k, v in self.hwm.items() if k[0] not in gone}
         self.exposed -= {("series_dropped", run_id) for run_id in run_ids}
         self.wrote()
+
+
+#: what a run holds that the store does not: the per-rank latest views and what this collector decided from
+#: them (``CollectorState.reload(keep_views=True)``)
+_VIEWS = ("ranks", "shown", "worlds", "job", "job_poster", "intervals", "heartbeat_s", "last_seen", "newborn",
+          "exposed_ranks", "latest_offenders", "latest_incidents", "math_fallback", "counted_once", "latest_spikes",
+          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent")
 
 
 def _restore(state: CollectorState, loaded: Loaded) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -28,9 +29,12 @@ async def _listener(url: str) -> psycopg.AsyncConnection | None:
         return None
 
 
-async def follow(store: PgStore, refresh: Callable[[set[str]], object], *, every_s: float) -> None:
-    """Forever: wait for a notification or ``every_s``, then ``refresh`` the runs that changed elsewhere."""
+async def follow(store: PgStore, refresh: Callable[[set[str]], object], *, every_s: float,
+                 tick: Callable[[], object] | None = None) -> None:
+    """Forever: wait for a notification or ``every_s``, then ``refresh`` the runs that changed elsewhere,
+    and call ``tick`` (the run leases' update)."""
     conn = await _listener(store.url)
+    ticked = -every_s
     try:
         while True:
             if conn is None or conn.closed:
@@ -49,6 +53,9 @@ async def follow(store: PgStore, refresh: Callable[[set[str]], object], *, every
                     refresh(changed)
             except StoreError as e:
                 log.warning("nanwatch collector: cannot read what other replicas wrote (%s); retrying", e)
+            if tick is not None and time.monotonic() - ticked >= every_s / 2:  # not on every notification
+                ticked = time.monotonic()
+                tick()
     finally:
         if conn is not None:
             await conn.close()

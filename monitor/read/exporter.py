@@ -143,7 +143,8 @@ class _Runs(NamedTuple):
 def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
                   late_s: float) -> tuple[RunSnapshot, float, bool]:
     """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
-    live = state.is_live(run, now)
+    # replicas on one database: one shows a run (``CollectorState.exported_runs``)
+    live = state.is_live(run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = state.ranks_view(run, now, late_s) if live else (0, [])
     job = state.live_job(run, now) if live else None
     until = math.inf

@@ -224,9 +224,11 @@ class Ledger:
         every read through the app's dependencies and /readyz, which say "not ready" meanwhile).
         ``written_elsewhere``: runs other collector replicas wrote (a shared PostgreSQL database,
         ``nanwatch.monitor.pg``), re-read too; between requests, never inside a transaction."""
+        if self._unsynced is not None:
+            self._restore(self._unsynced, set())
         runs = set(written_elsewhere) - self._forgetting
-        if self._unsynced is not None or runs:
-            self._restore(runs | (self._unsynced or set()), set())
+        if runs and self._unsynced is None:
+            self._restore(runs, set(), keep_views=True)
         return self._unsynced is None
 
     # ---- inside a transaction: folding, and carrying out what the fold and the rules return ------------
@@ -398,7 +400,7 @@ class Ledger:
         self.state.wrote()
         return result
 
-    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]]) -> None:
+    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]], *, keep_views: bool = False) -> None:
         """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
         latest views come back with their next reports; other runs are not touched). If the store cannot be
         read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
@@ -411,7 +413,7 @@ class Ledger:
             log.exception("nanwatch collector: could not reload the store after a failed write")
             self._unsynced, self._unsynced_marks = runs, marks
             return
-        self.state.reload(loaded, touched=runs, marks=marks)
+        self.state.reload(loaded, touched=runs, marks=marks, keep_views=keep_views)
         for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
             if d.version > self.directive_log.current(run_id).version:
                 self.directive_log.put(d)

@@ -46,3 +46,15 @@ def test_a_stale_replica_rereads_and_applies_once_inside_the_request(pg_url):
     assert b.directive_log.current("r").version == 2  # b learns of 3 through its follower (or its next write)
     b.resync({"r"})
     assert b.directive_log.current("r").version == 3
+
+
+def test_rereading_a_run_another_replica_wrote_keeps_this_replicas_rank_views(pg_url):
+    a, b = replica(pg_url), replica(pg_url)
+    one = ReportBatch(reports=[step_report(run_id="v", rank=1, seq=0, step=0, nan_at=SITE, nan=1, dtype="float32")])
+    zero = ReportBatch(reports=[step_report(run_id="v", rank=0, seq=0, step=0, nan_at=SITE, nan=1, dtype="float32")])
+    assert b.ingest(one).accepted == 1 and a.ingest(zero).accepted == 1
+    assert set(b.state.runs["v"].ranks) == {1}
+    b.resync({"v"})  # as its follower does after a's commit
+    run = b.state.runs["v"]
+    assert set(run.ranks) == {1} and b.state.is_live(run, run.last_seen)  # still live here: rank 1's view
+    assert sum(v for (fam, _), v in run.counters.items() if fam == "site") == 2  # and a's report counted

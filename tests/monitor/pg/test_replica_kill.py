@@ -65,3 +65,24 @@ def test_kill_9_of_one_replica_under_load_loses_nothing_acknowledged(pg_url, tmp
         for c in (a, b, restarted):
             if c is not None:
                 c.stop()
+
+
+def _exported(url: str) -> float:
+    from support import scrape
+
+    return scrape(url).get(("nanwatch_site_nonfinite_values_total",
+                            frozenset({("run_id", "lease"), ("site", SITE), ("pass", "forward")})), 0.0)
+
+
+def test_a_runs_series_move_to_the_other_replica_when_its_exporter_is_killed(pg_url, tmp_path):
+    env = {"NANWATCH_DATABASE_URL": pg_url, "NANWATCH_DATABASE_REFRESH_S": "0.2"}
+    with CollectorProcess(db_path=tmp_path / "a.db", env=env) as a, \
+            CollectorProcess(db_path=tmp_path / "b.db", env=env) as b:
+        for rank, replica in ((0, a), (1, b)):  # the run is live on both
+            body = ReportBatch(reports=[step_report(run_id="lease", rank=rank, seq=0, step=0, nan_at=SITE, nan=1,
+                                                    dtype="float32")]).model_dump_json()
+            assert httpx.post(f"{replica.url}/v1/reports", content=body, headers=JSON).status_code == 200
+        _wait(lambda: sorted((_exported(a.url), _exported(b.url))) == [0, 2], "one replica to export the run")
+        owner, other = (a, b) if _exported(a.url) else (b, a)
+        owner.kill()
+        _wait(lambda: _exported(other.url) == 2, "the other replica to take the run's lease and export it")

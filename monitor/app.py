@@ -14,7 +14,7 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import APIRouter, FastAPI, Request
@@ -29,7 +29,7 @@ from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.data.state import CollectorState, HostCaps
 from nanwatch.monitor.data.store import EventRow, Store
 from nanwatch.monitor.read.exporter import MetricsRenderer
-from nanwatch.monitor.settings import Settings, get_settings
+from nanwatch.monitor.settings import Settings, database_url_of, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
 from nanwatch.monitor.web.exception_handlers import install_exception_handlers
 from nanwatch.monitor.web.middleware import IngressGate
@@ -44,8 +44,21 @@ __all__ = ["create_app"]
 log = logging.getLogger("nanwatch.monitor")
 
 
+def _open_store(settings: Settings) -> Store:
+    """SQLite (``db_path``), or PostgreSQL when ``database_url`` is set: the same methods (``nanwatch.monitor.pg``,
+    imported only then, so a collector without the ``postgres`` extra never needs psycopg)."""
+    url = database_url_of(settings)
+    if url is None:
+        return Store(settings.db_path)
+    try:
+        from nanwatch.monitor.pg import PgStore
+    except ImportError as e:
+        raise ValueError(f"--database-url needs the postgres extra (pip install 'nanwatch[postgres]'): {e}") from None
+    return PgStore(url)  # type: ignore[return-value]
+
+
 def _resources(settings: Settings) -> Resources:
-    store = Store(settings.db_path)
+    store = _open_store(settings)
     loaded = store.load()
     scopes = settings.ingest_namespaces()
     tokens = TokenTable(ingest={k: (v, scopes.get(k)) for k, v in settings.ingest_tokens().items()},
@@ -89,6 +102,33 @@ def _left_out_events(ledger: Ledger, runs: dict[str, str]) -> None:
             pass
 
 
+def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], Callable[[], None]]:
+    """With a shared PostgreSQL database: follow what the other replicas write, and hold the leases that
+    decide which replica exports a run (none until leased: a run is never shown by two). Returns the
+    follower's task (none with SQLite) and what lets go of the leases."""
+    if database_url_of(settings) is None:
+        return [], lambda: None
+    from nanwatch.monitor.pg.follow import follow
+    from nanwatch.monitor.pg.leases import RunLeases
+
+    leases = RunLeases(res.store.url)  # type: ignore[attr-defined]
+    res.state.exported_runs = set()
+    task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
+                                      every_s=settings.database_refresh_s,
+                                      tick=lambda: _lease_runs(res.state, leases)))
+    return [task], leases.close
+
+
+def _lease_runs(state: CollectorState, leases) -> None:
+    """Hold the leases of the runs live here (a shared PostgreSQL database): this replica shows the series
+    of those it holds, and of no other (``CollectorState.exported_runs``)."""
+    now = time.monotonic()
+    held = leases.update({run_id for run_id, run in state.runs.items() if state.is_live(run, now)})
+    if held != state.exported_runs:
+        state.exported_runs = held
+        state.wrote()  # a cached render is stale
+
+
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
@@ -125,7 +165,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
-    if settings.db_path != ":memory:":
+    if database_url_of(settings) is not None:
+        _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening
+    elif settings.db_path != ":memory:":
         try:  # fail now on a foreign or newer database, or a path that cannot be opened, before listening
             Store(settings.db_path).close()
         except sqlite3.Error as e:
@@ -137,14 +179,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.resources = res
         every = max(0.05, min(settings.rank_ttl_s / 4, settings.run_retention_s / 4, settings.weight_sync_wait_s / 4,
                               30.0))
-        sweeper = asyncio.create_task(_sweep(res, every, settings.run_retention_s))
-        log.info("nanwatch collector ready: db=%s runs=%d", settings.db_path, len(res.state.runs))
+        follower, close_leases = _replicas(settings, res)
+        tasks = [asyncio.create_task(_sweep(res, every, settings.run_retention_s)), *follower]
+        log.info("nanwatch collector ready: db=%s runs=%d", getattr(res.store, "where", settings.db_path),
+                 len(res.state.runs))
         try:
             yield
         finally:
-            sweeper.cancel()
-            with suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+            close_leases()
             app.state.resources = None
             res.store.close()
 

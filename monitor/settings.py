@@ -18,7 +18,7 @@ from nanwatch.monitor.data.memory import default_limit_bytes
 from nanwatch.policy import DEFAULT_LOGIT_TAU, Rule, default_rules
 from nanwatch.tokens import check_token, read_token_file
 
-__all__ = ["Rule", "RunGlob", "ScopedToken", "Settings", "TokenName", "get_settings", "is_loopback"]
+__all__ = ["Rule", "RunGlob", "ScopedToken", "Settings", "TokenName", "database_url_of", "get_settings", "is_loopback"]
 
 #: A token's audit name (the key of ``NANWATCH_TOKENS`` / ``NANWATCH_ADMIN_TOKENS``), written to the audit
 #: log of every directive change it makes.
@@ -56,6 +56,14 @@ class Settings(BaseSettings):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     db_path: str = "nanwatch.db"
     """SQLite file (WAL) holding events, directives, ingest high-water marks and counter totals."""
+    database_url: SecretStr | None = None
+    """``postgresql://user:password@host/db``: keep that state in PostgreSQL instead of ``db_path``, shared by
+    any number of collector replicas (docs/replicas.md; needs the ``postgres`` extra). Unset: SQLite."""
+    database_url_file: Path | None = None
+    """File holding ``database_url`` (a mounted secret: the URL carries the database password)."""
+    database_refresh_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """With ``database_url``: at most this long before what another replica accepted shows here (a
+    ``NOTIFY`` usually wakes the replica sooner)."""
     token: SecretStr | None = None
     """Ingest token (``NANWATCH_TOKEN``), audit name ``ingest``; trainers send it as a bearer token."""
     admin_token: SecretStr | None = None
@@ -242,6 +250,21 @@ def _collect(name: str, token: SecretStr | None, path: Path | None, named: dict[
     if path is not None:
         out[f"{name}-file"] = read_token_file(name, path)
     return out
+
+
+def database_url_of(settings: Settings) -> str | None:
+    """The PostgreSQL URL from ``database_url`` or ``database_url_file`` (None: the SQLite store)."""
+    if settings.database_url is not None and settings.database_url.get_secret_value():
+        return settings.database_url.get_secret_value()
+    if settings.database_url_file is None:
+        return None
+    try:
+        url = settings.database_url_file.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the database URL file {str(settings.database_url_file)!r}: {e}") from None
+    if not url:
+        raise ValueError(f"the database URL file {str(settings.database_url_file)!r} is empty")
+    return url
 
 
 @lru_cache

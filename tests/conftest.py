@@ -23,3 +23,20 @@ def collector(tmp_path_factory):
     with CollectorProcess(db_path=db, env=env) as c:
         c.token, c.admin_token = TOKEN, ADMIN
         yield c
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A private PostgreSQL cluster (tests/pg_cluster.py), one per test process, started by the first test
+    that asks for it; skipped without the server binaries unless NANWATCH_REQUIRE_TOOLS=1."""
+    pytest.importorskip("psycopg")
+    from pg_cluster import PgCluster
+
+    with PgCluster.start() as pg:
+        yield pg
+
+
+@pytest.fixture
+def pg_url(pg_cluster) -> str:
+    """A fresh, empty database on the private cluster: its URL."""
+    return pg_cluster.create_database()

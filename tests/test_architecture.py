@@ -156,7 +156,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
               ("nanwatch.hooks.remedies",),
               ("nanwatch.hooks.report",), ("nanwatch.hooks.facade",), ("nanwatch.hooks",),
               ("nanwatch.hooks.integrations",)],
-    "monitor": [("nanwatch.monitor.data",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
+    "monitor": [("nanwatch.monitor.data",), ("nanwatch.monitor.pg",), ("nanwatch.monitor.write", "nanwatch.monitor.read"),
                 ("nanwatch.monitor.settings",), ("nanwatch.monitor.web",),
                 ("nanwatch.monitor.app",), ("nanwatch.monitor.server",), ("nanwatch.monitor",)],
     "common": [("nanwatch.public_api", "nanwatch.wire"), ("nanwatch.policy", "nanwatch.tokens", "nanwatch.readable", "nanwatch.addresses",

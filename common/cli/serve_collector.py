@@ -4,6 +4,7 @@ The web stack is imported when the command runs, never when the CLI starts.
 Example usage::
 
     nanwatch serve --host 0.0.0.0 --port 8000 --db /var/lib/nanwatch/nanwatch.db
+    nanwatch serve --database-url postgresql://nanwatch@db/nanwatch     # replicas on one PostgreSQL
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def add_parser(sub) -> None:
     s.add_argument("--host", help="listen address (default 127.0.0.1; beyond loopback tokens are required)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
     s.add_argument("--db", help="SQLite file for events, directives and counters (default nanwatch.db)")
+    s.add_argument("--database-url", metavar="URL",
+                   help="postgresql://... : keep that state in PostgreSQL instead, shared by collector replicas "
+                        "(default: NANWATCH_DATABASE_URL, else SQLite)")
     s.add_argument("--tls-cert", metavar="PATH", help="serve HTTPS with this PEM certificate (chain); with --tls-key")
     s.add_argument("--tls-key", metavar="PATH", help="the certificate's PEM private key")
     s.set_defaults(func=serve_command)
@@ -30,8 +34,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from nanwatch.monitor import Settings
     from nanwatch.monitor.server import serve
 
-    given = (("host", args.host), ("port", args.port), ("db_path", args.db), ("tls_cert_file", args.tls_cert),
-             ("tls_key_file", args.tls_key))
+    given = (("host", args.host), ("port", args.port), ("db_path", args.db), ("database_url", args.database_url),
+             ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key))
     overrides = {k: v for k, v in given if v is not None}
     try:
         settings = Settings(**overrides)

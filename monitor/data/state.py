@@ -275,7 +275,7 @@ class CollectorState:
     data: ``nanwatch.monitor.write`` alone changes it, and the views of it are functions
     (``nanwatch.monitor.data.liveness``, ``nanwatch.monitor.read.views``)."""
 
-    __slots__ = ("caps_hit", "exposed", "hosts", "hwm", "max_events", "max_incarnations",
+    __slots__ = ("caps_hit", "exported_runs", "exposed", "hosts", "hwm", "max_events", "max_incarnations",
                  "max_incarnations_per_namespace", "max_runs", "namespace_events", "render_errors", "requests",
                  "runs", "series_cap", "silent_keep_s", "ttl_s", "writes")
 
@@ -307,3 +307,7 @@ class CollectorState:
         self.namespace_events = NamespaceEvents(cap=max_events_per_namespace, namespace_of=self.hosts.namespace_of)
         #: committed writes that a scrape may show (a render is reused only while unchanged: ``read.views``)
         self.writes = 0
+        #: the runs whose series this collector shows: None, every live run (one collector); a set, only
+        #: these (replicas on a shared PostgreSQL database: the runs whose lease this one holds,
+        #: ``nanwatch.monitor.pg.leases``); any other run shows as if not live
+        self.exported_runs: set[str] | None = None

@@ -145,7 +145,8 @@ class _Runs(NamedTuple):
 def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
                   late_s: float) -> tuple[RunSnapshot, float, bool]:
     """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
-    live = is_live(state, run, now)
+    # replicas on one database: one shows a run (``CollectorState.exported_runs``)
+    live = is_live(state, run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
     job = live_job(state, run, now) if live else None
     until = math.inf

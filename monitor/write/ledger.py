@@ -257,12 +257,17 @@ class Ledger:
         log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
         return True
 
-    def resync(self) -> bool:
+    def resync(self, written_elsewhere: set[str] = frozenset()) -> bool:
         """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
         hold what was never committed, until a reload succeeds (tried here: before every write, and before
-        every read through the app's dependencies and /readyz, which say "not ready" meanwhile)."""
+        every read through the app's dependencies and /readyz, which say "not ready" meanwhile).
+        ``written_elsewhere``: runs other collector replicas wrote (a shared PostgreSQL database,
+        ``nanwatch.monitor.pg``), re-read too; between requests, never inside a transaction."""
         if self._unsynced is not None:
             self._restore(self._unsynced, set())
+        runs = set(written_elsewhere) - self._forgetting
+        if runs and self._unsynced is None:
+            self._restore(runs, set(), keep_views=True)
         return self._unsynced is None
 
     # ---- inside a transaction: folding, and carrying out what the fold and the directive rules return ------------
@@ -382,8 +387,20 @@ class Ledger:
             raise StoreUnavailable(f"run {sorted(runs & self._forgetting)[0]!r} is being deleted; nothing was "
                                    "applied, retry")
         try:
-            with self.store.transaction():
-                result = write()
+            try:
+                with self.store.transaction():
+                    result = write()
+            except Exception as e:
+                if not getattr(e, "reread_and_retry", False):
+                    raise
+                # another collector replica wrote these runs (a shared database): re-read them, once, and
+                # apply the request to what the database holds, as the client's retry would
+                self.directive_log.rollback()
+                self._restore(runs, marks)
+                if self._unsynced is not None:
+                    raise
+                with self.store.transaction():
+                    result = write()
         except Exception as e:
             self.directive_log.rollback()
             self._restore(runs, marks)
@@ -397,11 +414,12 @@ class Ledger:
         self.state.writes += 1
         return result
 
-    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]]) -> None:
+    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]], *, keep_views: bool = False) -> None:
         """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
         latest views come back with their next reports; other runs are not touched). If the store cannot be
         read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
-        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``)."""
+        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``); a newer version
+        another replica committed (a shared database) is taken, and wakes this replica's pollers."""
         runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
         try:
             loaded = self.store.load(runs)
@@ -409,6 +427,10 @@ class Ledger:
             log.exception("nanwatch collector: could not reload the store after a failed write")
             self._unsynced, self._unsynced_marks = runs, marks
             return
-        reload(self.state, loaded, touched=runs, marks=marks)
+        reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
+        for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
+            if d.version > self.directive_log.current(run_id).version:
+                self.directive_log.put(d)
+                self.directive_log.commit(run_id)  # wakes the run's pollers here too
         self._unsynced, self._unsynced_marks = None, set()
         self.state.writes += 1

@@ -80,12 +80,16 @@ def _run_ids(loaded: Loaded) -> set[str]:
             *(k[0] for k in loaded.hwm), *(c[0] for c in loaded.counters), *(k[0] for k in loaded.event_counts)}
 
 
-def reload(state: CollectorState, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None) -> None:
+def reload(state: CollectorState, loaded: Loaded, *, touched: set[str], marks: set[tuple[str, int, str]] | None = None,
+           keep_views: bool = False) -> None:
     """Take the store's view of the runs a failed write ``touched`` (``loaded`` holds those runs alone),
     when memory may hold changes the database does not: they lose their per-rank latest views (they come
     back with the next reports); every other run is left as it is, since the write did not change it.
     ``marks``: the only high-water marks the write may have added (else every mark of the touched runs
-    is looked for, a walk over all of memory's marks)."""
+    is looked for, a walk over all of memory's marks). ``keep_views``: the runs were re-read because
+    another collector replica wrote them (a shared database), not after a failed write of this one: their
+    per-rank views, this replica's own and all committed, stay (``_VIEWS``)."""
+    kept = {r: state.runs[r] for r in touched if r in state.runs} if keep_views else {}
     for run_id in touched:
         state.runs.pop(run_id, None)
     recount_events(state)
@@ -95,6 +99,18 @@ def reload(state: CollectorState, loaded: Loaded, *, touched: set[str], marks: s
         for key in marks:
             state.hwm.pop(key, None)
     restore(state, loaded)
+    for run_id, old_run in kept.items():
+        run = state.runs.get(run_id)
+        if run is not None:  # (a run another replica deleted stays deleted)
+            for name in _VIEWS:
+                setattr(run, name, getattr(old_run, name))
+
+
+#: what a run holds that the store does not: the per-rank latest views and what this collector decided from
+#: them (``reload(keep_views=True)``)
+_VIEWS = ("ranks", "shown", "worlds", "job", "job_poster", "intervals", "heartbeat_s", "last_seen", "newborn",
+          "exposed_ranks", "latest_offenders", "latest_incidents", "math_fallback", "counted_once", "latest_spikes",
+          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent")
 
 
 def forget_incarnations(state: CollectorState, keys: list[tuple[str, int, str]]) -> None:

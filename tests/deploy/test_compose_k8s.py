@@ -36,9 +36,14 @@ JOB = "nanwatch-collector"
 #: shards publish nginx's TLS ports (nginx lives in their network namespace), never the collector's 8000.
 PUBLISHED = {"collector": {8443: True, 9443: True}, "collector-1": {8444: True, 9444: True},
              "grafana": {3000: True}, "prometheus": {9090: False}, "alertmanager": {9093: False},
-             "nginx": {}, "nginx-1": {}, "trainer": {}}
-#: nginx in front of each shard: nginx service -> its shard
-NGINX = {"nginx": "collector", "nginx-1": "collector-1"}
+             "nginx": {}, "nginx-1": {}, "trainer": {},
+             # profile "replicas" (docs/replicas.md): PostgreSQL is reached on the compose network only
+             "postgres": {}, "replica": {8445: True, 9445: True}, "replica-1": {8446: True, 9446: True},
+             "nginx-replica": {}, "nginx-replica-1": {}}
+#: nginx in front of each shard or replica: nginx service -> its collector
+NGINX = {"nginx": "collector", "nginx-1": "collector-1", "nginx-replica": "replica", "nginx-replica-1": "replica-1"}
+#: the services of the "replicas" profile, not started by a plain `docker compose up`
+REPLICAS_PROFILE = {"postgres", "replica", "replica-1", "nginx-replica", "nginx-replica-1"}
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 #: API groups whose kinds kubernetes-validate has no schema for (CRDs): checked by structure instead
 CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
@@ -198,7 +203,7 @@ def test_nginx_fronts_each_shard_with_the_shipped_config(compose):
     """One nginx per shard, in the shard's network namespace (its upstream is 127.0.0.1:8000, as in the k8s
     pod), with deploy/nginx/nginx.conf and the TLS pair where the config reads them."""
     services = compose["services"]
-    shards = sorted(n for n in services if n == "collector" or n.startswith("collector-"))
+    shards = sorted(n for n in services if n == "collector" or n.startswith(("collector-", "replica")))
     assert sorted(NGINX.values()) == shards
     conf = NGINX_CONF.read_text()
     assert "server 127.0.0.1:8000;" in conf
@@ -279,6 +284,31 @@ def test_prometheus_config_matches_the_stack(compose):
     assert [t for sc in jobs["prometheus"]["static_configs"] for t in sc["targets"]] == ["localhost:9090"]
     assert [t for sc in jobs["alertmanager"]["static_configs"] for t in sc["targets"]] == am
     assert {"collector", "alertmanager"} <= set(services)
+
+
+def test_replicas_profile_shares_one_postgres(compose):
+    """Profile "replicas": two collector replicas of the collector's image and tokens on one PostgreSQL,
+    its URL (which carries the password) from a secret file, no SQLite volume, one name on the compose
+    network for both; nothing in the default stack waits for them."""
+    services = compose["services"]
+    assert {n for n, svc in services.items() if svc.get("profiles")} == REPLICAS_PROFILE
+    assert all(services[n]["profiles"] == ["replicas"] for n in REPLICAS_PROFILE)
+    for name in set(services) - REPLICAS_PROFILE:
+        assert not set(services[name].get("depends_on", {})) & REPLICAS_PROFILE, name
+    pg = services["postgres"]
+    assert pg["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/nanwatch_postgres_password"
+    assert pg["secrets"] == ["nanwatch_postgres_password"]
+    assert [v["target"] for v in _volumes(pg)] == ["/var/lib/postgresql/data"]
+    for name in ("replica", "replica-1"):
+        svc = services[name]
+        assert svc["image"] == services["collector"]["image"] and svc["build"] == services["collector"]["build"]
+        env = svc["environment"]
+        assert {k: v for k, v in env.items() if k != "NANWATCH_DATABASE_URL_FILE"} == services["collector"]["environment"]
+        assert env["NANWATCH_DATABASE_URL_FILE"].removeprefix("/run/secrets/") in svc["secrets"]
+        assert svc["volumes"] == [] and svc["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+        assert svc["networks"]["default"]["aliases"] == ["collector-replicas"]
+    readme = (SECRETS / "README.md").read_text()
+    assert "postgresql://nanwatch:" in readme and "@postgres:5432/nanwatch" in readme
 
 
 def test_grafana_provisioning_matches_the_stack(compose):
@@ -396,7 +426,7 @@ def test_collector_image():
                                                     "--db", "/data/nanwatch.db"]
     assert _last("collector", "VOLUME") == "/data"
     runs = _build_runs("collector")
-    assert 'pip install --no-cache-dir ".[monitor]"' in runs
+    assert 'pip install --no-cache-dir ".[monitor,postgres]"' in runs  # one image: SQLite or a replica
     assert "torch" not in runs and "[demo]" not in runs
     # /data belongs to the image's user (set before VOLUME, or it would not stick)
     uid = _last("collector", "USER").split(":")[0]
@@ -716,3 +746,79 @@ def test_prometheusrule_spec_passes_promtool(tmp_path):
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- deploy/k8s-replicas: collector replicas on PostgreSQL (docs/replicas.md), an overlay of deploy/k8s ---
+#: beside deploy/k8s, not in it: kustomize refuses an overlay inside its base's folder
+REPLICAS = ROOT / "deploy" / "k8s-replicas"
+
+
+def _yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_replicas_deployment_is_the_statefulsets_pod_on_postgres(manifests):
+    """Two replicas of the shards' pod (same collector, nginx, probes, limits, hardening), without the SQLite
+    volume, with the database URL from a Secret file; it validates as a core object."""
+    dep, sts = _yaml(REPLICAS / "deployment.yaml"), _of_kind(manifests, "StatefulSet")
+    kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert dep["metadata"] == sts["metadata"] and dep["spec"]["selector"] == sts["spec"]["selector"]
+    pod, spod = dep["spec"]["template"]["spec"], sts["spec"]["template"]["spec"]
+    assert dep["spec"]["template"]["metadata"] == sts["spec"]["template"]["metadata"]
+    assert _container(dep, "nginx") == _container(sts, "nginx")
+    c, sc = _container(dep, "collector"), _container(sts, "collector")
+    assert "--db" not in c["args"] and c["args"] == sc["args"][:sc["args"].index("--db")]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert {k: v for k, v in env.items() if k != "NANWATCH_DATABASE_URL_FILE"} == \
+        {e["name"]: e["value"] for e in sc["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert "data" not in mounts and env["NANWATCH_DATABASE_URL_FILE"] == mounts["database"] + "/uri"
+    same = {k: v for k, v in c.items() if k not in ("args", "env", "volumeMounts")}
+    assert same == {k: v for k, v in sc.items() if k not in ("args", "env", "volumeMounts")}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert [i["key"] for i in volumes["database"]["secret"]["items"]] == ["uri"]
+    assert {k: v for k, v in volumes.items() if k != "database"} == {v["name"]: v for v in spod["volumes"]}
+    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == \
+        {k: v for k, v in spod.items() if k not in ("containers", "volumes")}
+
+
+def test_replicas_overlay_swaps_the_shards_for_the_deployment_and_reaches_its_database(manifests):
+    k = _yaml(REPLICAS / "kustomization.yaml")
+    assert k["kind"] == "Kustomization" and k["resources"] == ["../k8s", "deployment.yaml"]
+    patches = [yaml.safe_load(p["patch"]) for p in k["patches"]]
+    [delete] = [p for p in patches if p.get("$patch") == "delete"]
+    sts = _of_kind(manifests, "StatefulSet")
+    assert (delete["kind"], delete["metadata"]["name"]) == ("StatefulSet", sts["metadata"]["name"])
+    [egress] = [p for p in patches if p["kind"] == "NetworkPolicy"]
+    assert egress["metadata"]["name"] == _of_kind(manifests, "NetworkPolicy")["metadata"]["name"]
+    cluster = _yaml(REPLICAS / "postgres.example.yaml")
+    assert (cluster["apiVersion"], cluster["kind"]) == ("postgresql.cnpg.io/v1", "Cluster")
+    name = cluster["metadata"]["name"]
+    to_db = [r for r in egress["spec"]["egress"]
+             if r["to"][0].get("podSelector", {}).get("matchLabels") == {"cnpg.io/cluster": name}]
+    assert [p["port"] for r in to_db for p in r["ports"]] == [5432]
+    assert any(p["port"] == 53 for r in egress["spec"]["egress"] for p in r["ports"])
+    # the Secret CloudNativePG makes for the bootstrapped database is the one the Deployment mounts
+    dep = _yaml(REPLICAS / "deployment.yaml")
+    [db] = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "database"]
+    assert db["secret"]["secretName"] == f"{name}-app"
+    assert cluster["spec"]["bootstrap"]["initdb"] == {"database": "nanwatch", "owner": "nanwatch"}
+    assert cluster["spec"]["instances"] >= 2 and cluster["spec"]["storage"]["size"]
+
+
+def test_replicas_overlay_builds_where_kubectl_is_installed():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    r = subprocess.run([kubectl, "kustomize", str(REPLICAS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "NetworkPolicy", "PrometheusRule",
+                                               "Service", "ServiceMonitor"]
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["egress"] and policy["spec"]["ingress"]  # the patch added egress, kept ingress
+    for d in docs:
+        if d["apiVersion"].split("/")[0] not in CRD_GROUPS:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)

@@ -24,6 +24,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanwatch.monitor.data.auth import TokenTable
 from nanwatch.monitor.data.directive_log import DirectiveLog
+from nanwatch.monitor.data.liveness import is_live
 from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.data.state import CollectorState, HostCaps
@@ -112,21 +113,19 @@ def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], C
     from nanwatch.monitor.pg.leases import RunLeases
 
     leases = RunLeases(res.store.url)  # type: ignore[attr-defined]
-    res.state.exported_runs = set()
+    res.ledger.export_only(set())  # none until leased
     task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
                                       every_s=settings.database_refresh_s,
-                                      tick=lambda: _lease_runs(res.state, leases)))
+                                      tick=lambda: _lease_runs(res.ledger, leases)))
     return [task], leases.close
 
 
-def _lease_runs(state: CollectorState, leases) -> None:
+def _lease_runs(ledger: Ledger, leases) -> None:
     """Hold the leases of the runs live here (a shared PostgreSQL database): this replica shows the series
-    of those it holds, and of no other (``CollectorState.exported_runs``)."""
+    of those it holds, and of no other (``CollectorState.exported_runs``, set through the ledger)."""
     now = time.monotonic()
-    held = leases.update({run_id for run_id, run in state.runs.items() if state.is_live(run, now)})
-    if held != state.exported_runs:
-        state.exported_runs = held
-        state.wrote()  # a cached render is stale
+    state = ledger.state
+    ledger.export_only(leases.update({run_id for run_id, run in state.runs.items() if is_live(state, run, now)}))
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:

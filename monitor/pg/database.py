@@ -1,7 +1,7 @@
-"""The collector's durable state in PostgreSQL (``--database-url``): the SQLite ``Store``'s methods and
-semantics, method for method, so the ledger writes through either. Plain SQL over psycopg 3; connections
-come from a psycopg_pool pool, which replaces one the server dropped (a restart, a failover), and a
-transaction holds its connection from BEGIN to COMMIT.
+"""The collector's durable state in PostgreSQL (``--database-url``): a ``DurableStore``
+(``nanwatch.monitor.data.durable``) as the SQLite ``Store`` is, method for method, so the ledger writes
+through either. Plain SQL over psycopg 3; connections come from a psycopg_pool pool, which replaces one the
+server dropped (a restart, a failover), and a transaction holds its connection from BEGIN to COMMIT.
 
 What replicas need on top, inside the same transactions (docs/replicas.md):
 
@@ -18,15 +18,14 @@ What replicas need on top, inside the same transactions (docs/replicas.md):
   touched a run) wakes it.
 
 All calls happen on the event-loop thread, as the SQLite store's do: each is one round trip on loopback.
-Errors come out as ``StoreError``, a ``sqlite3.DatabaseError``, so the ledger's handling of a failed write
-(roll back, re-read, 503) covers both stores until the store interface names its own error type.
+Errors come out as ``StoreError``, the store's ``failures`` (``DurableStore``): the ledger's handling of a
+failed write (roll back, re-read, 503) is the same for both stores.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,7 +49,7 @@ NOTIFY_CHANNEL = "nanwatch_runs"
 _PAYLOAD_MAX = 7000
 
 
-class StoreError(sqlite3.DatabaseError):
+class StoreError(Exception):
     """The database refused or could not be reached (the psycopg error is its ``__cause__``)."""
 
 

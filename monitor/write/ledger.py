@@ -44,7 +44,15 @@ from nanwatch.monitor.write.caps import Caps
 from nanwatch.monitor.write.directive_rules import DirectiveRuleEngine, Intents, Issue
 from nanwatch.monitor.write.events import EventLog
 from nanwatch.monitor.write.fold import Folded, Mark, fold
-from nanwatch.monitor.write.lifetimes import ensure_run, expired, forget, forget_incarnations, reload, sweep
+from nanwatch.monitor.write.lifetimes import (
+    ensure_run,
+    expired,
+    export_only,
+    forget,
+    forget_incarnations,
+    reload,
+    sweep,
+)
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch, StepReport
 
@@ -198,6 +206,11 @@ class Ledger:
     def sweep(self, now: float) -> int:
         """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
         return sweep(self.state, now)
+
+    def export_only(self, run_ids: set[str]) -> None:
+        """Show the series of these runs alone (replicas on a shared database: the runs whose lease this one
+        holds), memory only."""
+        export_only(self.state, run_ids)
 
     async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
         """Forget runs past retention (at most ``limit`` a call). Returns how many went."""

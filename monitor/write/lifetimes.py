@@ -1,7 +1,8 @@
 """The runs' lives in memory, as the ledger changes them outside a report's fold: a run made by its first
 write (``ensure_run``: the ledger makes a batch's runs before folding it), runs read back from the
 store (``restore``, at start-up, and ``reload`` after a failed write), their silent ranks swept past their TTL (``sweep``), their high-water marks or whole history forgotten
-(``forget_incarnations``, ``forget``), and the runs past retention found (``expired``).
+(``forget_incarnations``, ``forget``), the runs past retention found (``expired``), and, with replicas on
+a shared database, the runs whose series this one shows (``export_only``: the runs whose lease it holds).
 
 Example usage::
 
@@ -19,7 +20,7 @@ from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.events import recount_events
 from nanwatch.monitor.write.rank_views import drop
 
-__all__ = ["ensure_run", "expired", "forget", "forget_incarnations", "reload", "restore", "sweep"]
+__all__ = ["ensure_run", "expired", "export_only", "forget", "forget_incarnations", "reload", "restore", "sweep"]
 
 
 def ensure_run(state: CollectorState, run_id: str) -> RunState:
@@ -167,3 +168,12 @@ def forget(state: CollectorState, run_ids: list[str]) -> None:
     state.hwm = {k: v for k, v in state.hwm.items() if k[0] not in gone}
     state.exposed -= {("series_dropped", run_id) for run_id in run_ids}
     state.writes += 1
+
+
+def export_only(state: CollectorState, run_ids: set[str]) -> None:
+    """Show the series of these runs alone (``CollectorState.exported_runs``: replicas on a shared PostgreSQL
+    database, each showing the runs whose lease it holds, ``nanwatch.monitor.pg.leases``); a change makes a
+    cached render stale."""
+    if run_ids != state.exported_runs:
+        state.exported_runs = set(run_ids)
+        state.writes += 1

@@ -10,6 +10,7 @@ from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.pg import PgStore
 from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.wire import DirectiveSpec, ReportBatch
 
 SITE = "model.layers.0.self_attn"
@@ -18,10 +19,12 @@ SITE = "model.layers.0.self_attn"
 def replica(url: str) -> Ledger:
     store = PgStore(url)
     loaded = store.load()
-    return Ledger(store=store, state=CollectorState(ttl_s=60.0, series_cap=10_000, loaded=loaded),
+    state = CollectorState(ttl_s=60.0, series_cap=10_000)
+    restore(state, loaded)
+    return Ledger(store=store, state=state,
                   directive_log=DirectiveLog(polls=LongPoll(), current=loaded.directives,
                                              floor=loaded.directive_floor),
-                  rules=[], logit_tau=100.0, margin_steps=0)
+                  directive_rules=[], logit_tau=100.0, margin_steps=0)
 
 
 def batch(*seqs: int) -> ReportBatch:

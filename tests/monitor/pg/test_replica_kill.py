@@ -70,7 +70,7 @@ def test_kill_9_of_one_replica_under_load_loses_nothing_acknowledged(pg_url, tmp
 def _exported(url: str) -> float:
     from support import scrape
 
-    return scrape(url).get(("nanwatch_site_nonfinite_values_total",
+    return scrape(url).get(("nanwatch_site_nonfinite_calls_total",
                             frozenset({("run_id", "lease"), ("site", SITE), ("pass", "forward")})), 0.0)
 
 

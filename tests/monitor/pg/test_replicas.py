@@ -45,7 +45,7 @@ def _post(url: str, *reports) -> dict:
 
 
 def _site_total(url: str, run_id: str) -> float:
-    return scrape(url).get(("nanwatch_site_nonfinite_values_total",
+    return scrape(url).get(("nanwatch_site_nonfinite_calls_total",
                             frozenset({("run_id", run_id), ("site", SITE), ("pass", "forward")})), 0.0)
 
 

@@ -5,8 +5,10 @@ other."""
 import psycopg
 import pytest
 
+from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.data.store import EventRow
 from nanwatch.monitor.pg import PG_SCHEMA_VERSION, PgStore, SchemaRefused, StaleRun, StoreError, redact
+from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.wire import Directive
 
 
@@ -62,7 +64,9 @@ def test_forgetting_runs_raises_the_directive_floor(pg_url):
     with store.transaction():
         assert store.delete_events("a") == 1
         store.delete_runs(["a"])
-    assert store.directive_floor() == 5 and store.load().run_ids() == set()
+    state = CollectorState(ttl_s=60.0, series_cap=100)
+    restore(state, store.load())  # every run something is read back for becomes a run in memory
+    assert store.directive_floor() == 5 and state.runs == {}
 
 
 def test_a_replica_with_an_older_memory_of_a_run_is_refused_until_it_rereads(pg_url):

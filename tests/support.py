@@ -26,8 +26,8 @@ from nanwatch.bench.serve import free_port
 from nanwatch.bench.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "RolloutEngine", "TinyNet",
-           "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_qwen3",
-           "grpo_step", "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
+           "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_moe", "tiny_qwen3",
+           "MOE_EXPERTS", "MOE_LAYERS", "MOE_TOP_K", "MOE_VOCAB", "grpo_step", "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -301,6 +301,27 @@ class RolloutEngine:
 
     def close(self) -> None:
         self._thread.shutdown()
+
+
+#: the tiny MoE's shape: decoder layers (each with a router), experts, experts per token, vocabulary
+MOE_LAYERS, MOE_EXPERTS, MOE_TOP_K, MOE_VOCAB = 2, 8, 2, 64
+
+
+def tiny_moe(seed: int = 0, *, router_scale: float = 1.0):
+    """A tiny ``Qwen3MoeForCausalLM`` from a config (#39); ``router_scale`` widens the router logits (large ones
+    make bf16 rounding flip near-ties)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=MOE_VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=MOE_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, max_position_embeddings=128, norm_topk_prob=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0).mul_(router_scale)
+    return model
 
 
 def grpo_step(mon, policy: torch.nn.Module, opt: torch.optim.Optimizer, step: int, sequences: torch.Tensor,

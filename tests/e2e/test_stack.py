@@ -12,6 +12,7 @@ shortened), and three tiny training runs:
   after 10 sustained minutes, which promtool's tests cover);
 * ``e2e-healthy``: fp32, fused attention: it pages nobody;
 * ``e2e-amp``: fp16 autocast under a real GradScaler whose first steps overflow by design: no ticket opens;
+* ``e2e-moe``: a tiny Qwen3-MoE whose bf16 rollout copy's routes are compared (#39): the MoE row's run;
 * ``e2e-rollout``: a tiny Qwen3 trained in fp32 on the samples of a copy generating on its own thread (#28);
   the trainer publishes each weight version and the copy posts its weight fingerprints; from step 4 the copy
   is no longer synced (stale weights, since its fingerprints mismatch: a sync mismatch) and at step 6 its
@@ -23,6 +24,7 @@ loads the shipped rule file as it is.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -40,6 +42,7 @@ import pytest
 import torch
 import yaml
 from support import (
+    MOE_VOCAB,
     CollectorProcess,
     RolloutEngine,
     free_port,
@@ -47,12 +50,14 @@ from support import (
     load_script,
     require_tool,
     rollout_policy,
+    tiny_moe,
     tiny_qwen3,
     token_ids,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nanwatch
+from nanwatch.hooks import record_routes
 from nanwatch.weight_sync import post_weights
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -232,6 +237,7 @@ def _train(collector: str, prometheus: str) -> dict:
                 assert mon.last_report().first_offender is None
         _train_amp(collector, marks)
         _train_rollout(collector, marks, prometheus)
+        _train_moe(collector)
     return marks
 
 
@@ -286,6 +292,29 @@ def _train_rollout(collector: str, marks: dict, prometheus: str, *, stale_from: 
         for alertname in ("NanwatchRolloutStaleWeights", "NanwatchWeightSyncMismatch", "NanwatchSamplerNonfinite"):
             _wait_for(_firing(prometheus, alertname, "e2e-rollout"), LIVE_UNTIL_FIRING_S, alertname)
     engine.close()
+
+
+def _train_moe(collector: str) -> None:
+    """e2e-moe (#39): a tiny Qwen3-MoE trained on the samples of a bf16 copy whose routes were recorded while it
+    generated (``record_routes``), the trainer claiming to replay them (``routing_replay="verify"``, which it
+    does not): the MoE routing row's panels have their run."""
+    policy = tiny_moe(0, router_scale=30.0)  # large router logits: bf16 rounding flips near-ties
+    rollout = copy.deepcopy(policy).to(torch.bfloat16).eval()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    with nanwatch.attach(policy, run_id="e2e-moe", collector=collector, optimizer=opt, routing_replay="verify") as mon:
+        for n in range(4):
+            prompt = torch.randint(1, MOE_VOCAB, (2, 6), generator=torch.Generator().manual_seed(n))
+            with torch.no_grad(), record_routes(rollout) as rec:
+                seq = rollout.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                                       do_sample=False, pad_token_id=0)
+            with mon.step(n):
+                logits = policy(input_ids=seq).logits[:, :-1].float()
+                lp = logits.log_softmax(-1).gather(-1, seq[:, 1:, None])[..., 0]
+                mon.rlhf(logprobs=lp, rollout_routes=rec.routes())
+                lp.sum().backward()
+                opt.step()
+                opt.zero_grad()
+            time.sleep(0.5)
 
 
 def _wait_for(condition, within_s: float, what: str):
@@ -426,8 +455,9 @@ def _panels(gen) -> list[tuple[str, str, str]]:
     out = []
     for name, dashboard in gen.dashboards().items():
         for title, expr in gen.panel_queries(dashboard):
+            moe = "nanwatch_moe_" in expr  # the MoE routing row: the MoE run's
             for var, value in VARIABLES.items():
-                expr = expr.replace(var, value)
+                expr = expr.replace(var, "e2e-moe" if moe and "run_id" in var else value)
             out.append((name, title, expr))
     return out
 

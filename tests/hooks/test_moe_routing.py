@@ -13,25 +13,14 @@ import warnings
 import pytest
 import torch
 import transformers
-from support import step_reports
+from support import MOE_EXPERTS as E
+from support import MOE_LAYERS as L
+from support import MOE_TOP_K as K
+from support import MOE_VOCAB as VOCAB
+from support import step_reports, tiny_moe
 
 import nanwatch
 from nanwatch.hooks import record_routes
-
-L, E, K, VOCAB = 2, 8, 2, 64
-
-
-def tiny_moe(seed: int = 0, *, router_scale: float = 1.0) -> transformers.Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=L,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=K,
-        max_position_embeddings=128, norm_topk_prob=True)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 1.0).mul_(router_scale)
-    return model
 
 
 def gates(model) -> list[torch.nn.Module]:

@@ -153,7 +153,7 @@ def test_the_transport_imports_without_torch():
         "import nanwatch.hooks.directives.local_rules, nanwatch.hooks.measure.compiled, nanwatch.hooks.failsafe\n"
         "import nanwatch.bench.tiny_models\n"
         "from nanwatch.hooks import __all__ as names\n"
-        "assert names == ['Monitor', 'MonitorConfig', 'attach', 'fingerprint', 'rollout_logprobs'], names\n"
+        "assert names == ['Monitor', 'MonitorConfig', 'attach', 'fingerprint', 'record_routes', 'rollout_logprobs'], names\n"
         "assert 'torch' not in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=60)

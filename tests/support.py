@@ -10,6 +10,7 @@ import importlib.util
 import math
 import os
 import shutil
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,7 @@ from nanwatch.bench.tiny_models import TINY_QWEN3, tiny_causal_lm, tiny_qwen3
 
 __all__ = ["ADMIN", "SMALL", "TINY_QWEN3", "TOKEN", "VOCAB", "CollectorProcess", "Mixer", "RolloutEngine", "TinyNet",
            "free_port", "guarded_step", "require_tool", "save_tiny_lm", "scrape", "step_report", "tiny_causal_lm", "tiny_moe", "tiny_qwen3",
-           "MOE_EXPERTS", "MOE_LAYERS", "MOE_TOP_K", "MOE_VOCAB", "grpo_step", "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids"]
+           "MOE_EXPERTS", "MOE_LAYERS", "MOE_TOP_K", "MOE_VOCAB", "grpo_step", "overflow_attention", "rollout_policy", "step_reports", "tiny_tokenizer", "token_ids", "wait_until"]
 
 #: the tokens of the ``collector`` fixture (conftest.py)
 TOKEN, ADMIN = "ingest-secret", "admin-secret"
@@ -99,6 +100,15 @@ class TinyNet(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)
+
+
+def wait_until(cond, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``cond()`` until it is truthy; fail naming ``what`` after ``timeout_s`` seconds (a bound on a
+    process's answer, not a timing that is asserted)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def require_tool(name: str) -> str:

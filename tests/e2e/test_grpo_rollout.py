@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import warnings
@@ -31,7 +30,17 @@ import pytest
 import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from support import AUTH, TOKEN, RolloutEngine, grpo_step, require_tool, rollout_policy, run_view, step_report
+from support import (
+    AUTH,
+    TOKEN,
+    RolloutEngine,
+    grpo_step,
+    require_tool,
+    rollout_policy,
+    run_view,
+    step_report,
+    wait_until,
+)
 
 import nanwatch
 from nanwatch.weight_sync import WeightSyncRefused, post_weights
@@ -88,7 +97,7 @@ def _grpo(url: str, run_id: str, *, steps: int, stale_from: int | None = None, s
             sequences, rollout = engine.sample(n)
             grpo_step(mon, policy, opt, n, sequences, rollout)
             out["reports"].append(mon.last_report())
-            _until(lambda n=n: run_view(url, run_id)["latest_step"] >= n, f"step {n} at the collector")
+            wait_until(lambda n=n: run_view(url, run_id)["latest_step"] >= n, f"step {n} at the collector")
             out["scrapes"].append(_metrics(url))
             out["views"].append(_weights(url, run_id))
     finally:
@@ -96,12 +105,6 @@ def _grpo(url: str, run_id: str, *, steps: int, stale_from: int | None = None, s
         engine.close()
     return out
 
-
-def _until(condition, what: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not arrive within {within_s} s"
-        time.sleep(0.05)
 
 
 def _events(run: dict) -> list[tuple[int, str]]:
@@ -246,7 +249,7 @@ def test_a_plain_mlp_is_guarded_through_the_collector(collector, tmp_path):
                 model(x).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
-            _until(lambda n=n: run_view(collector.url, "grpo-mlp")["latest_step"] >= n, f"step {n}")
+            wait_until(lambda n=n: run_view(collector.url, "grpo-mlp")["latest_step"] >= n, f"step {n}")
             scrapes.append(_metrics(collector.url))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     view = run_view(collector.url, "grpo-mlp")
@@ -279,7 +282,7 @@ def test_a_rollout_worker_cannot_post_the_trainers_side(collector):
         with mon.step(0):
             policy(torch.randint(1, 50, (2, 8))).logits.float().mean().backward()
             opt.step()
-        _until(lambda: run_view(collector.url, run_id)["latest_step"] >= 0, "step 0")
+        wait_until(lambda: run_view(collector.url, run_id)["latest_step"] >= 0, "step 0")
         mon.publish_weights(0)  # the trainer's real set of version 0: its weights moved on
     answer = post_weights(collector.url, run_id, 0, fps_stale, worker="rollout-0", token=TOKEN)
     assert [v["verified"] for v in answer["compared"]] == [False]
@@ -300,7 +303,7 @@ def test_a_worker_lagging_more_than_eight_publishes_is_still_compared(collector)
                 policy(torch.randint(1, 50, (2, 8))).logits.float().mean().backward()
                 opt.step()
                 opt.zero_grad()
-            _until(lambda n=n: run_view(collector.url, run_id)["latest_step"] >= n, f"step {n}")
+            wait_until(lambda n=n: run_view(collector.url, run_id)["latest_step"] >= n, f"step {n}")
             sets.append(nanwatch.fingerprint(policy))
             mon.publish_weights(n)
             if n == 0:

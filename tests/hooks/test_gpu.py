@@ -19,6 +19,18 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _count_syncs(step) -> int:
+    """The host synchronisations ``step()`` made, as CUDA's sync debug mode warns of them."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(x.message) for x in w)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_monitored_step_makes_zero_host_syncs(dtype):
@@ -59,21 +71,11 @@ def test_hf_model_syncs_no_more_with_nanwatch_than_without():
                        max_position_embeddings=4096).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 64), device="cuda")
 
-    def count_syncs(step):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(x.message) for x in w)
-
     def bare():
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
     bare()
-    baseline = count_syncs(bare)
+    baseline = _count_syncs(bare)
     with nanwatch.attach(model, run_id="gpu-hf") as mon:
         with mon.step(0):
             bare()
@@ -85,7 +87,7 @@ def test_hf_model_syncs_no_more_with_nanwatch_than_without():
                 bare()
 
         monitored()
-        added = count_syncs(monitored)
+        added = _count_syncs(monitored)
         assert mon.last_report().first_offender is None
     assert added == baseline, f"HF step synced {baseline}x bare, {added}x with nanwatch"
 
@@ -227,22 +229,12 @@ def test_moe_routes_measured_compared_and_applied_sync_no_more_than_the_bare_mod
         model(input_ids=ids, use_cache=False)
     R = rec.routes()
 
-    def count_syncs(step):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(x.message) for x in w)
-
     def bare():
         out = model(input_ids=ids, use_cache=False)
         out.logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
 
     bare()
-    baseline = count_syncs(bare)
+    baseline = _count_syncs(bare)
     with nanwatch.attach(model, run_id="gpu-moe", routing_replay="apply") as mon:
         for n in range(3):  # step 0 allocates the slots; steps 1-2 are the steady state
             mon.begin_step(n)
@@ -254,7 +246,7 @@ def test_moe_routes_measured_compared_and_applied_sync_no_more_than_the_bare_mod
                 mon.rlhf(logprobs=lp, rollout_logprobs=lp.detach(), rollout_routes=R)
                 lp.sum().backward()
 
-            syncs = count_syncs(monitored) if n else (monitored() or 0)
+            syncs = _count_syncs(monitored) if n else (monitored() or 0)
             mon.end_step()
             r = mon.last_report()
             assert r.moe is not None and r.moe.tokens_compared == 2 * 63 and r.moe.tokens_rerouted == 0

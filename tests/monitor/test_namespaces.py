@@ -5,11 +5,10 @@ writes, reads and polls its own runs only, the run cap counts per namespace, an 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
-from support import ADMIN, JSON, CollectorProcess, scrape, step_report
+from support import ADMIN, JSON, CollectorProcess, scrape, step_report, wait_until
 
 from nanwatch.cli import main as cli_main
 from nanwatch.hooks.report.transport import ReportSender
@@ -151,12 +150,6 @@ def test_an_admin_deletes_a_run(tmp_path):
         assert httpx.get(f"{c.url}/v1/runs/team-a-next", headers=ADMIN_H).status_code == 200
 
 
-def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
 
 @pytest.mark.slow
 def test_sigkill_with_namespaced_tokens_loses_nothing_and_crosses_nothing(tmp_path):
@@ -173,14 +166,14 @@ def test_sigkill_with_namespaced_tokens_loses_nothing_and_crosses_nothing(tmp_pa
         for team, sender in senders.items():
             for r in reports[team][: n // 2]:
                 assert sender.submit(r)
-        _wait(lambda: all(s.delivered == n // 2 for s in senders.values()), "the first half")
+        wait_until(lambda: all(s.delivered == n // 2 for s in senders.values()), "the first half")
         first.kill()
         for team, sender in senders.items():
             assert all(sender.submit(r) for r in reports[team][n // 2:])
         second = CollectorProcess(db_path=db, port=first.port, env=_env()).start()
         foreign = _post(second.url, B_H, step_report(run_id="team-a-kill", seq=MAX_INT, nan_at=SITE, nan=1))
         assert foreign.status_code == 403
-        _wait(lambda: all(s.delivered == n for s in senders.values()), "the reports queued while it was down")
+        wait_until(lambda: all(s.delivered == n for s in senders.values()), "the reports queued while it was down")
         assert all(s.close(timeout_s=10) and s.dropped == 0 for s in senders.values())
         s = scrape(second.url, READER)
         for team in senders:

@@ -1,10 +1,9 @@
 """The collector is SIGKILLed mid-run and restarted on the same SQLite file."""
 
-import time
 
 import httpx
 import pytest
-from support import JSON, CollectorProcess, scrape, step_report
+from support import JSON, CollectorProcess, scrape, step_report, wait_until
 
 from nanwatch.hooks.report.transport import ReportSender
 from nanwatch.wire import ReportBatch
@@ -12,12 +11,6 @@ from nanwatch.wire import ReportBatch
 pytestmark = pytest.mark.slow
 SITE = "model.layers.1.self_attn"
 
-
-def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _site_total(url: str) -> float:
@@ -34,7 +27,7 @@ def test_sigkill_and_restart_loses_nothing_and_counts_nothing_twice(tmp_path):
     try:
         for r in reports[:100]:
             assert sender.submit(r)
-        _wait(lambda: sender.delivered == 100, "the first 100 reports")
+        wait_until(lambda: sender.delivered == 100, "the first 100 reports")
         put = httpx.put(f"{first.url}/v1/directives/crash", json={"mode": "fused", "reason": "before the crash"})
         assert put.status_code == 200
         first.kill()
@@ -46,7 +39,7 @@ def test_sigkill_and_restart_loses_nothing_and_counts_nothing_twice(tmp_path):
 
         second = CollectorProcess(db_path=db, port=first.port).start()
         try:
-            _wait(lambda: sender.delivered == 400, "the reports queued while the collector was down")
+            wait_until(lambda: sender.delivered == 400, "the reports queued while the collector was down")
             assert sender.close(timeout_s=10) and sender.dropped == 0
             assert _site_total(second.url) == 400
             # a resend of reports applied before the crash is acknowledged, and not counted again

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from support import JSON, CollectorProcess, background_collector, failing, scrape, step_report
+from support import JSON, CollectorProcess, background_collector, failing, scrape, step_report, wait_until
 
 from nanwatch.wire import MAX_INT, ReportBatch
 
@@ -43,12 +43,6 @@ def _stored_total(db, run_id: str, family: str = "site") -> int:
         conn.close()
     return int(value) if isinstance(value, str) else value
 
-
-def _until(cond, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 # ---- finding 14: counters never saturate ----------------------------------------------------------------
@@ -200,7 +194,7 @@ def test_directive_versions_never_restart_for_a_run_id(tmp_path):
         for mode in ("fp32", "fused", "fp32"):
             d = httpx.put(f"{c.url}/v1/directives/v", json={"mode": mode}, timeout=30).json()
         assert d["version"] == 3
-        _until(lambda: httpx.get(f"{c.url}/v1/runs/v", timeout=30).status_code == 404, "never forgotten")
+        wait_until(lambda: httpx.get(f"{c.url}/v1/runs/v", timeout=30).status_code == 404, "never forgotten")
     with CollectorProcess(db_path=db) as c:
         polled: dict = {}
         poller = threading.Thread(target=lambda: polled.update(httpx.get(

@@ -1,11 +1,10 @@
 """kill -9 of one replica while reports of one run flow through both: nothing acknowledged is lost, nothing
 is counted twice, and the other replica went on serving the run throughout (docs/replicas.md)."""
 
-import time
 
 import httpx
 import pytest
-from support import JSON, CollectorProcess, step_report
+from support import JSON, CollectorProcess, step_report, wait_until
 
 from nanwatch.hooks.report.transport import ReportSender
 from nanwatch.wire import ReportBatch
@@ -14,12 +13,6 @@ pytestmark = pytest.mark.slow
 SITE = "model.layers.1.self_attn"
 N = 200  # reports per sender
 
-
-def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _run(url: str) -> dict:
@@ -42,17 +35,17 @@ def test_kill_9_of_one_replica_under_load_loses_nothing_acknowledged(pg_url, tmp
             assert to_a.submit(r)
         for r in reports["b"]:
             assert to_b.submit(r)
-        _wait(lambda: to_a.delivered >= 60, "a to acknowledge 60")
+        wait_until(lambda: to_a.delivered >= 60, "a to acknowledge 60")
         a.kill()  # mid-flow: a's sender has batches in flight, b's is still delivering
         acknowledged = to_a.delivered
         assert all(to_a.submit(r) for r in reports["a"][150:])
-        _wait(lambda: to_b.delivered == N, "b to go on serving the run while a is dead")
+        wait_until(lambda: to_b.delivered == N, "b to go on serving the run while a is dead")
         restarted = CollectorProcess(db_path=tmp_path / "a.db", port=a.port, env=env).start()  # its pod replaced
-        _wait(lambda: to_a.delivered == N, "the reports a's trainers held while it was dead")
+        wait_until(lambda: to_a.delivered == N, "the reports a's trainers held while it was dead")
         assert to_a.close(timeout_s=10) and to_b.close(timeout_s=10)
         assert to_a.dropped == to_b.dropped == 0
         # every report once, seen alike through both replicas
-        _wait(lambda: _run(b.url)["nonfinite_total"] == _run(restarted.url)["nonfinite_total"] == 2 * N,
+        wait_until(lambda: _run(b.url)["nonfinite_total"] == _run(restarted.url)["nonfinite_total"] == 2 * N,
               "both replicas to count every report once")
         # what a acknowledged before its death, resent to b: duplicates, all of them
         resend = ReportBatch(reports=reports["a"][:acknowledged]).model_dump_json()
@@ -82,7 +75,7 @@ def test_a_runs_series_move_to_the_other_replica_when_its_exporter_is_killed(pg_
             body = ReportBatch(reports=[step_report(run_id="lease", rank=rank, seq=0, step=0, nan_at=SITE, nan=1,
                                                     dtype="float32")]).model_dump_json()
             assert httpx.post(f"{replica.url}/v1/reports", content=body, headers=JSON).status_code == 200
-        _wait(lambda: sorted((_exported(a.url), _exported(b.url))) == [0, 2], "one replica to export the run")
+        wait_until(lambda: sorted((_exported(a.url), _exported(b.url))) == [0, 2], "one replica to export the run")
         owner, other = (a, b) if _exported(a.url) else (b, a)
         owner.kill()
-        _wait(lambda: _exported(other.url) == 2, "the other replica to take the run's lease and export it")
+        wait_until(lambda: _exported(other.url) == 2, "the other replica to take the run's lease and export it")

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from support import JSON, CollectorProcess, scrape, step_report
+from support import JSON, CollectorProcess, scrape, step_report, wait_until
 
 from nanwatch.bench.serve import free_port
 from nanwatch.wire import ReportBatch
@@ -18,12 +18,6 @@ from nanwatch.wire import ReportBatch
 pytestmark = pytest.mark.slow
 SITE = "model.layers.1.self_attn"
 
-
-def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _until_answered(call):
@@ -73,11 +67,11 @@ def test_a_run_written_through_both_replicas_adds_up_and_a_resend_is_a_duplicate
         # (the run's latest step and ranks are each replica's own views: docs/replicas.md)
         return run["nonfinite_total"], [e["kind"] for e in run["events"]].count("first_nonfinite")
 
-    _wait(lambda: seen(a.url) == seen(b.url) == (10, 1), "both replicas to show the ten reports, each once")
+    wait_until(lambda: seen(a.url) == seen(b.url) == (10, 1), "both replicas to show the ten reports, each once")
     # the run is live on both: one replica (its lease holder) exports its totals, the database's, so the
     # sum over replicas is the true count
     assert _post(b.url, _report(10)) == {"accepted": 1, "duplicates": 0}
-    _wait(lambda: sorted((_site_total(a.url, "shared"), _site_total(b.url, "shared"))) == [0, 11],
+    wait_until(lambda: sorted((_site_total(a.url, "shared"), _site_total(b.url, "shared"))) == [0, 11],
           "one replica to export the run's eleven")
 
 
@@ -100,14 +94,14 @@ def test_concurrent_directive_changes_get_one_increasing_sequence(replicas):
     for t in threads:
         t.join()
     assert sorted(versions) == list(range(1, 17))  # distinct, none skipped, none issued twice
-    _wait(lambda: all(httpx.get(f"{r.url}/v1/directives/dir").json()["version"] == 16 for r in (a, b)),
+    wait_until(lambda: all(httpx.get(f"{r.url}/v1/directives/dir").json()["version"] == 16 for r in (a, b)),
           "both replicas to serve the latest version")
 
 
 def test_a_long_poll_on_one_replica_is_answered_by_a_change_through_the_other(replicas):
     a, b = replicas
     assert httpx.put(f"{a.url}/v1/directives/poll", json={"mode": "fused"}).json()["version"] == 1
-    _wait(lambda: httpx.get(f"{b.url}/v1/directives/poll").json()["version"] == 1, "b to see version 1")
+    wait_until(lambda: httpx.get(f"{b.url}/v1/directives/poll").json()["version"] == 1, "b to see version 1")
     got = {}
 
     def poll() -> None:

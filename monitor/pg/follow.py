@@ -53,9 +53,14 @@ async def follow(store: PgStore, refresh: Callable[[set[str]], object], *, every
                     refresh(changed)
             except StoreError as e:
                 log.warning("nanwatch collector: cannot read what other replicas wrote (%s); retrying", e)
+            except Exception:  # the follower must outlive any one failure: it is how this replica stays current
+                log.exception("nanwatch collector: re-reading what other replicas wrote failed; retrying")
             if tick is not None and time.monotonic() - ticked >= every_s / 2:  # not on every notification
                 ticked = time.monotonic()
-                tick()
+                try:
+                    tick()
+                except Exception:
+                    log.exception("nanwatch collector: updating the run leases failed; retrying")
     finally:
         if conn is not None:
             await conn.close()

@@ -97,22 +97,22 @@ def admit(run: RunState, key: tuple, cost: int, cap: int) -> bool:
 def count_once(run: RunState, key: tuple) -> bool:
     """Whether ``key`` (a spike's or a replica divergence's step, and what it is of) is seen for the first
     time lately: the ranks of one job may each report the same step, which counts once."""
-    if key in run.counted_once:
-        return False
-    run.counted_once[key] = None
-    if len(run.counted_once) > _COUNTED_ONCE:
-        del run.counted_once[next(iter(run.counted_once))]
-    return True
+    return _first_seen(run.counted_once, key, _COUNTED_ONCE)
 
 
 def _count_overflow(run: RunState, step: int) -> bool:
     """Whether a loss-scale overflow at ``step`` is the step's first (ranks of one job report the same
     step: it counts once)."""
-    if step in run.overflow_steps:
+    return _first_seen(run.overflow_steps, step, _OVERFLOW_STEPS)
+
+
+def _first_seen(seen: dict, key: object, keep: int) -> bool:
+    """Whether ``key`` is new to ``seen`` (an insertion-ordered set of the latest ``keep``); notes it."""
+    if key in seen:
         return False
-    run.overflow_steps[step] = None
-    if len(run.overflow_steps) > _OVERFLOW_STEPS:
-        del run.overflow_steps[next(iter(run.overflow_steps))]
+    seen[key] = None
+    if len(seen) > keep:
+        del seen[next(iter(seen))]
     return True
 
 

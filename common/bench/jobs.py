@@ -93,13 +93,16 @@ def heartbeat(*, run_id: str, rank: int, world_size: int, seq: int, step: int, i
 @dataclass(frozen=True, slots=True)
 class Sender:
     """One stream of POSTs on one connection: body ``n`` at ``offset + n * every`` seconds from the start
-    (``reports`` reports per body; ``kind`` labels its latency: rank, job or heartbeat)."""
+    (``reports`` reports per body; ``kind`` labels its latency: rank, job or heartbeat; ``run(n)``: body ``n``'s
+    run id)."""
 
     kind: str
     every: float
     offset: float
     reports: int
     body: Callable[[int], bytes]
+    run: Callable[[int], str]
+    """The run id of body ``n`` (a load balancer routing by run id reads it: ``--route sticky``)."""
 
 
 class _Template:
@@ -132,15 +135,16 @@ def _round_robin(templates: list[_Template], *, first: int = 0) -> Callable[[int
     return lambda n: templates[n % k].fill(first + n // k)
 
 
-def priming(args: argparse.Namespace) -> list[bytes]:
+def priming(args: argparse.Namespace) -> list[tuple[str, bytes]]:
     """Job mode: every rank's heartbeat once (seq 0, 256 to a request), posted before the clock starts, so
     that the collector holds every rank from the first measured second, as it does a job in its stride
-    (the timed heartbeats start at seq 1)."""
+    (the timed heartbeats start at seq 1). Each body with its run id (for routing)."""
     if args.scope != "job":
         return []
     runs = [args.run_id if args.jobs == 1 else f"{args.run_id}-{j}" for j in range(args.jobs)]
-    return [ReportBatch(reports=[heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0, every_s=args.heartbeat_every)
-                                 for k in range(a, min(a + 256, args.ranks))]).model_dump_json().encode()
+    return [(run_id, ReportBatch(reports=[heartbeat(run_id=run_id, rank=k, world_size=args.ranks, seq=0, step=0,
+                                                    every_s=args.heartbeat_every)
+                                          for k in range(a, min(a + 256, args.ranks))]).model_dump_json().encode())
             for run_id in runs for a in range(0, args.ranks, 256)]
 
 
@@ -155,17 +159,18 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
     runs = [args.run_id if args.jobs == 1 else f"{args.run_id}-{j}" for j in range(args.jobs)]
     if args.scope == "rank":  # every rank of every job, spread over the connections
         templates = {run_id: _RankTemplate(rank_report(run_id, 0)) for run_id in runs}
-        streams = [(templates[run_id], rank) for run_id in runs for rank in range(args.ranks)]
+        streams = [(templates[run_id], rank, run_id) for run_id in runs for rank in range(args.ranks)]
         lanes = min(len(streams), args.connections)
         out = []
         for i in range(lanes):
             mine = streams[i::lanes]
 
             def body(n: int, mine: list = mine) -> bytes:
-                template, rank = mine[n % len(mine)]
+                template, rank, _ = mine[n % len(mine)]
                 return template.fill(rank, n // len(mine))
 
-            out.append(Sender("rank", 1.0 / (args.rate * len(mine)), i / lanes / args.rate, 1, body))
+            out.append(Sender("rank", 1.0 / (args.rate * len(mine)), i / lanes / args.rate, 1, body,
+                              lambda n, mine=mine: mine[n % len(mine)][2]))
         return out
     out = []
     heartbeat_lanes = max(1, (args.connections - len(runs)) // len(runs))
@@ -175,7 +180,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
         job, details = job_step(reports)
         job = job.model_copy(update={"ranks_reporting": args.ranks})
         out.append(Sender("job", 1.0 / args.rate, j / len(runs) / args.rate, 1 + len(details),
-                          _round_robin([_Template([job, *details])])))
+                          _round_robin([_Template([job, *details])]), lambda n, run_id=run_id: run_id))
         groups = [list(range(a, min(a + args.heartbeat_batch, args.ranks)))
                   for a in range(0, args.ranks, args.heartbeat_batch)]
         lanes = min(len(groups), heartbeat_lanes)
@@ -185,7 +190,7 @@ def senders(args: argparse.Namespace, report: Callable[..., StepReport]) -> list
                                     for k in g]) for g in mine]
             out.append(Sender("heartbeat", args.heartbeat_every / len(mine),
                               (j + i / lanes) * args.heartbeat_every / len(runs) / max(1, len(mine)),
-                              args.heartbeat_batch, _round_robin(templates, first=1)))
+                              args.heartbeat_batch, _round_robin(templates, first=1), lambda n, run_id=run_id: run_id))
     return out
 
 

@@ -14,6 +14,9 @@ Example usage::
 
     nanwatch bench collector --ranks 1024 --sites 64 --duration 30
     nanwatch bench collector --url http://127.0.0.1:8000   # an already running collector
+    nanwatch bench collector --replicas 1,2,4 --scope job --ranks 1024 --jobs-sweep 8,32   # on PostgreSQL
+
+With ``--replicas`` the collectors are replicas on one PostgreSQL (:mod:`nanwatch.bench.collector_replicas`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import statistics
 import tempfile
 import time
 import urllib.parse
+import zlib
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from nanwatch.bench.http1 import REQUEST_TIMEOUT_S, auth_line, count, get_once, request
@@ -33,7 +38,7 @@ from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
 from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
 __all__ = ["AttackerSeam", "against_collector", "describe_load", "main", "new_phase", "parser", "phase_lines", "quantiles",
-           "synthetic_report"]
+           "run_load", "synthetic_report", "target_of"]
 
 IDLE_REUSE_S = 4.0
 """A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
@@ -86,31 +91,47 @@ def new_phase(name: str, t_from: float, t_to: float) -> dict:
             "rss": None, "fds": None, "cpu_s": None}
 
 
-async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace, stats: dict, stop: float,
-                  start_at: float) -> None:
+def target_of(route: str, replicas: int, index: int, n: int, run_id: str) -> int:
+    """Which of ``replicas`` collectors behind one address gets body ``n`` of sender ``index``: ``rr``,
+    round-robin per request (each sender starting at its own, as nginx's default spreads requests);
+    ``sticky``, by the run id (CRC-32, as nginx's ``hash $arg_run_id`` keeps a run on one replica)."""
+    if replicas == 1:
+        return 0
+    if route == "sticky":
+        return zlib.crc32(run_id.encode()) % replicas
+    return (index + n) % replicas
+
+
+async def _sender(targets: list[tuple[str, int]], sender: Sender, index: int, args: argparse.Namespace, stats: dict,
+                  stop: float, start_at: float) -> None:
     """One stream of POSTs (a rank, a job's poster, or ranks' heartbeats; ``nanwatch.bench.jobs``) on a
-    keep-alive connection, reopened (inside the timed request) when the server closes it. A stream that
-    falls behind sends at once, so the sustained rate shows what the collector took. Latency is recorded
-    for the phase in which the request was sent; a request unanswered after ``REQUEST_TIMEOUT_S`` counts as
-    status ``timeout`` with its wait as latency."""
+    keep-alive connection to each of ``targets`` (one collector, or replicas: ``target_of`` picks per
+    request), reopened (inside the timed request) when the server closes it. A stream that falls behind
+    sends at once, so the sustained rate shows what the collectors took. Latency is recorded for the phase
+    in which the request was sent; a request unanswered after ``REQUEST_TIMEOUT_S`` counts as status
+    ``timeout`` with its wait as latency. A 503 is counted, not retried (each is a retry the trainer's
+    sender would make)."""
     auth = auth_line(args.token)
-    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None] = [None] * len(targets)
     loop = asyncio.get_running_loop()
-    n, last = 0, -math.inf
+    n, last = 0, [-math.inf] * len(targets)
+    route = getattr(args, "route", "rr")
     try:
         while True:
             await asyncio.sleep(max(0.0, start_at + sender.offset + n * sender.every - loop.time()))
             if loop.time() >= stop:
                 return
+            t = target_of(route, len(targets), index, n, sender.run(n))
+            host, port = targets[t]
             body = sender.body(n)
             head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
                     f"Content-Length: {len(body)}\r\n\r\n").encode()
             t0 = loop.time()
-            if conn is not None and t0 - last > IDLE_REUSE_S:  # the server closes idle keep-alives (5 s)
-                conn[1].close()
-                conn = None
-            status, conn = await _send_report(host, port, conn, head, body)
-            t1 = last = loop.time()
+            if conns[t] is not None and t0 - last[t] > IDLE_REUSE_S:  # the server closes idle keep-alives (5 s)
+                conns[t][1].close()
+                conns[t] = None
+            status, conns[t] = await _send_report(host, port, conns[t], head, body)
+            t1 = last[t] = loop.time()
             if (phase := _phase_at(stats, t0)) is not None:
                 phase["lat"].append(t1 - t0)
                 phase["by_kind"].setdefault(sender.kind, []).append(t1 - t0)
@@ -118,21 +139,30 @@ async def _sender(host: str, port: int, sender: Sender, args: argparse.Namespace
                 count(phase["status"], status)
             n += 1
     finally:
-        if conn is not None:
-            conn[1].close()
+        for conn in conns:
+            if conn is not None:
+                conn[1].close()
 
 
-async def _prime(host: str, port: int, args: argparse.Namespace) -> None:
-    """Post ``nanwatch.bench.jobs.priming``'s bodies, one after another, before the clock starts."""
-    conn = None
-    for body in priming(args):
+async def _prime(targets: list[tuple[str, int]], args: argparse.Namespace) -> None:
+    """Post ``nanwatch.bench.jobs.priming``'s bodies, one after another, before the clock starts (routed as
+    the load is; a 503 from replicas catching up with each other is retried)."""
+    conns: list[tuple | None] = [None] * len(targets)
+    for n, (run_id, body) in enumerate(priming(args)):
+        t = target_of(getattr(args, "route", "rr"), len(targets), 0, n, run_id)
+        host, port = targets[t]
         head = (f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                 f"{auth_line(args.token)}Content-Length: {len(body)}\r\n\r\n").encode()
-        status, conn = await _send_report(host, port, conn, head, body)
+        for _ in range(50):
+            status, conns[t] = await _send_report(host, port, conns[t], head, body)
+            if status != 503:
+                break
+            await asyncio.sleep(0.1)
         if status != 200:
             raise SystemExit(f"nanwatch bench: priming the collector got {status}")
-    if conn is not None:
-        conn[1].close()
+    for conn in conns:
+        if conn is not None:
+            conn[1].close()
 
 
 async def _send_report(host: str, port: int, conn: tuple | None, head: bytes,
@@ -204,14 +234,18 @@ class AttackerSeam(Protocol):
     def result(self) -> tuple[list[dict], float]: ...
 
 
-async def _run(url: str, args: argparse.Namespace, pid: int | None = None, attacker: AttackerSeam | None = None) -> dict:
+async def _run(url: str | list[str], args: argparse.Namespace, pid: int | None = None,
+               attacker: AttackerSeam | None = None,
+               probes: Callable[[dict, float], list[Awaitable]] | None = None) -> dict:
     """Warmup, then the measured windows: one unloaded, or (with an ``attacker``) ``args.rounds`` pairs of an
     unloaded and an attacked window, alternating so that drift on the machine falls on both alike, each pair
-    followed by ``args.settle`` unmeasured seconds."""
-    u = urllib.parse.urlsplit(url)
+    followed by ``args.settle`` unmeasured seconds. ``url``: one collector, or replicas (the load spread
+    over them, each scraped); ``probes(stats, stop)``: more samplers to run beside the load (the replicas
+    bench's CPU and database samplers)."""
+    targets = [(u.hostname, u.port) for u in map(urllib.parse.urlsplit, [url] if isinstance(url, str) else url)]
     loop = asyncio.get_running_loop()
-    await _prime(u.hostname, u.port, args)
-    primed = await attacker.prime(u.hostname, u.port) if attacker is not None else None
+    await _prime(targets, args)
+    primed = await attacker.prime(*targets[0]) if attacker is not None else None
     start = loop.time() + 0.5
     t = start + args.warmup
     phases = []
@@ -223,13 +257,15 @@ async def _run(url: str, args: argparse.Namespace, pid: int | None = None, attac
             t += args.settle
     stop = phases[-1]["to"]
     stats: dict = {"phases": phases, "attacks": [], "primed": primed}
-    tasks = [_sender(u.hostname, u.port, s, args, stats, stop, start) for s in senders(args, synthetic_report)]
-    tasks.append(_scraper(u.hostname, u.port, stats, stop, args.scrape_every, args.token))
+    tasks = [_sender(targets, s, i, args, stats, stop, start) for i, s in enumerate(senders(args, synthetic_report))]
+    tasks += [_scraper(host, port, stats, stop, args.scrape_every, args.token) for host, port in targets]
     tasks.append(_loop_lag(stats, stop))
     if pid is not None:
         tasks.append(_sample_collector(pid, stats))
+    if probes is not None:
+        tasks += probes(stats, stop)
     if attacker is not None:
-        attacker.start(u.hostname, u.port, [(p["from"], p["to"]) for p in phases if p["name"] == "under attack"])
+        attacker.start(*targets[0], [(p["from"], p["to"]) for p in phases if p["name"] == "under attack"])
     await asyncio.gather(*tasks)
     if attacker is not None:
         stats["attacks"], stats["attacker_cpu_s"] = await loop.run_in_executor(None, attacker.result)
@@ -361,6 +397,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--matrix-scrapes", type=lambda v: [float(x) for x in v.split(",")], default=[5.0, 15.0])
     p.add_argument("--jobs-sweep", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="job mode: these numbers of concurrent --ranks jobs in turn, then one table")
+    replicas = p.add_argument_group(
+        "replicas", "nanwatch serve replicas on one PostgreSQL (docs/replicas.md): each count in turn, the load "
+        "spread over them, each scraped; CPU of the replicas and the database server, lock waits and "
+        "conflicts, and a projection to more cores")
+    replicas.add_argument("--replicas", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                          metavar="N[,N...]", help="start N replicas (e.g. 1,2,4) for each configuration")
+    replicas.add_argument("--database-url", metavar="URL",
+                          help="the PostgreSQL the replicas share (default with --replicas: a private server the "
+                               "bench starts, initdb in a temp dir on loopback, a fresh database each "
+                               "configuration; needs PostgreSQL's server binaries)")
+    replicas.add_argument("--route", choices=("rr", "sticky", "both"), default="rr",
+                          help="spread the load round-robin per request (rr), by run id as nginx's hash "
+                               "$arg_run_id (sticky), or each configuration both ways")
+    replicas.add_argument("--total-ranks", type=int, default=None, metavar="N",
+                          help="with --jobs-sweep: split N ranks over the sweep's jobs (ranks = N / jobs) and keep "
+                               "--scope, so the load stays fixed while fewer runs share it (1 job: every write "
+                               "under one run's row lock)")
     return p
 
 
@@ -388,6 +441,13 @@ def _table(rows: list[dict]) -> str:
             f"{r['requests']:.0f}", f"{r['p50']:.1f}", f"{r['p99']:.1f}", f"{r['cpu']:.0f}",
             f"{r['metrics_ms']:.0f}, {r['metrics_mb']:.2f}", str(r["errors"]), f"{r['lag']:.0f}")))
     return "\n".join(f"| {line} |" for line in lines)
+
+
+def run_load(urls: list[str], args: argparse.Namespace,
+             probes: Callable[[dict, float], list[Awaitable]] | None = None) -> dict:
+    """One configuration's load against ``urls`` (replicas behind one address: ``args.route`` spreads it),
+    with ``probes`` beside it; its stats (``new_phase``'s, one measured window)."""
+    return asyncio.run(_run(urls, args, probes=probes))
 
 
 def against_collector(args: argparse.Namespace, *, attacker: AttackerSeam | None = None,
@@ -418,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     from nanwatch.monitor.server import raise_fd_limit
 
     raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
+    if args.replicas:
+        from nanwatch.bench import collector_replicas
+
+        return collector_replicas.main(args)
+    if args.database_url or args.total_ranks:
+        print("nanwatch bench collector: --database-url and --total-ranks go with --replicas")
+        return 2
     if not args.matrix and not args.jobs_sweep:
         _one(args)
         return 0

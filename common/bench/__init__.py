@@ -5,6 +5,12 @@
 * ``nanwatch bench collector [options]``: a load generator against a real collector, many ranks
   reporting at once (:mod:`nanwatch.bench.load`; the collector runs as a child process,
   :mod:`nanwatch.bench.serve`);
+* ``nanwatch bench collector --replicas 1,2,4 [options]``: the same load spread over collector replicas on one
+  PostgreSQL, the database's share of the time and a projection to more cores
+  (:mod:`nanwatch.bench.collector_replicas`; the database: :mod:`nanwatch.bench.pg_server`, its CPU and
+  waits: :mod:`nanwatch.bench.pg_probe`);
+* ``nanwatch bench durability [options]``: kill -9 of collector replicas while reports flow through all of
+  them, then acknowledged, lost and double-counted reports (:mod:`nanwatch.bench.durability`);
 * ``nanwatch bench fallback [options]``: steps and seconds from the first non-finite step to the
   fallback, for one rank and two gloo ranks, at defaults (:mod:`nanwatch.bench.fallback`);
 * ``nanwatch bench guard [options]``: what the weight guard's cross-rank reduction costs a data-parallel
@@ -50,6 +56,8 @@ these are the internal seams, the only ones: a change to one of them changes its
   (``torch.optim.optimizer._get_fused_kernels_supported_devices``, the flash kernel's meta op);
   ``dispatch_count``: ``torch.utils._python_dispatch.TorchDispatchMode`` and an op's ``_schema``;
 * ``step``: an ``nn.Module``'s ``_forward_hooks`` dicts (``DebugUnderflowOverflow`` keeps no handle);
+* ``durability``: the PostgreSQL store's ``counters`` table (family ``site``: the per-site non-finite totals
+  it checks against what was acknowledged);
 * ``load``: ``monitor.server.raise_fd_limit``. ``load`` is itself a seam: ``against_collector``'s
   ``attacker`` (``AttackerSeam``) and its renderers are what the project's hostile client
   (``tests/collector_attack_bench.py``, not shipped) runs through, and ``http1`` the raw HTTP/1.1 client
@@ -69,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanwatch.bench import load
 
         return load.main(argv[1:])
+    if argv[:1] == ["durability"]:
+        from nanwatch.bench import durability
+
+        return durability.main(argv[1:])
     if argv[:1] == ["fallback"]:
         from nanwatch.bench import fallback
 

@@ -74,8 +74,10 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv or ())
     if argv[:1] == ["collector"]:
-        from nanwatch.bench import load
+        from nanwatch.bench import collector_replicas, load
 
+        if load.parser().parse_args(argv[1:]).replicas:
+            return collector_replicas.main(load.parser().parse_args(argv[1:]))
         return load.main(argv[1:])
     if argv[:1] == ["durability"]:
         from nanwatch.bench import durability

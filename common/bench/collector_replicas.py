@@ -30,7 +30,7 @@ import time
 import uuid
 from contextlib import ExitStack
 
-from nanwatch.bench.load import describe_load, quantiles, run_load
+from nanwatch.bench.load import describe_load, quantiles, run_load, target_rate
 from nanwatch.bench.pg_probe import ServerProbe
 from nanwatch.bench.pg_server import databases
 from nanwatch.bench.serve import CollectorProcess
@@ -151,8 +151,9 @@ def main(args: argparse.Namespace) -> int:
     if min(args.replicas) < 1:
         print("nanwatch bench collector: --replicas needs counts >= 1")
         return 2
-    from nanwatch.bench.load import _target
+    from nanwatch.monitor.server import raise_fd_limit
 
+    raise_fd_limit()  # before the replicas start, so that they inherit the raised limit
     rows = []
     with ExitStack() as stack:
         try:
@@ -172,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(0.5)  # the replicas' first lease and follow rounds, before the clock starts
                 probe = ServerProbe(url, replica_pids=[c.proc.pid for c in started])
                 stats = run_load([c.url for c in started], one, probes=lambda stats, stop, probe=probe: [probe.run(stats)])
-            stats["target"] = _target(one)
+            stats["target"] = target_rate(one)
             rows.append(r := row(one, stats))
             print(f"reports/s {r['reports']:.0f} (target {r['target']:.0f}), p99 {r['p99']:.1f} ms, statuses "
                   f"{stats['phases'][0]['status']}, replicas {r['replica_ms']:.2f} + PostgreSQL {r['db_ms']:.2f} "

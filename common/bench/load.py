@@ -16,7 +16,8 @@ Example usage::
     nanwatch bench collector --url http://127.0.0.1:8000   # an already running collector
     nanwatch bench collector --replicas 1,2,4 --scope job --ranks 1024 --jobs-sweep 8,32   # on PostgreSQL
 
-With ``--replicas`` the collectors are replicas on one PostgreSQL (:mod:`nanwatch.bench.collector_replicas`).
+With ``--replicas`` the collectors are replicas on one PostgreSQL (:mod:`nanwatch.bench.collector_replicas`, which
+``nanwatch bench collector`` hands the parsed options to; this parser holds its options).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from nanwatch.bench.jobs import Sender, matrix_configs, priming, senders
 from nanwatch.wire import LogitStat, SdpaCall, SiteStat, StepReport
 
 __all__ = ["AttackerSeam", "against_collector", "describe_load", "main", "new_phase", "parser", "phase_lines", "quantiles",
-           "run_load", "synthetic_report", "target_of"]
+           "run_load", "synthetic_report", "target_of", "target_rate"]
 
 IDLE_REUSE_S = 4.0
 """A sender idle longer reconnects first, as HTTP clients do: uvicorn closes keep-alives idle for 5 s."""
@@ -328,7 +329,7 @@ def phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[s
     lat = quantiles(phase["lat"])
     lines = [
         f"sustained: {phase['reports'] / seconds:.0f} reports/s in {len(phase['lat']) / seconds:.0f} requests/s "
-        f"over {seconds:.0f} s (target {_target(args):.0f} reports/s); statuses {phase['status']}",
+        f"over {seconds:.0f} s (target {target_rate(args):.0f} reports/s); statuses {phase['status']}",
         f"ingest latency: p50 {lat[0] * 1e3:.1f} ms, p99 {lat[1] * 1e3:.1f} ms, max {lat[2] * 1e3:.1f} ms"
         if lat else "ingest latency: no samples",
     ]
@@ -344,7 +345,7 @@ def phase_lines(phase: dict, seconds: float, args: argparse.Namespace) -> list[s
     return lines
 
 
-def _target(args: argparse.Namespace) -> float:
+def target_rate(args: argparse.Namespace) -> float:
     """Reports a second the configuration sends when the collector keeps up."""
     if args.scope == "rank":
         return args.jobs * args.ranks * args.rate
@@ -423,7 +424,7 @@ def _row(args: argparse.Namespace, stats: dict) -> dict:
     lat = quantiles(phase["lat"]) or (math.nan,) * 3
     scrapes = phase["scrape"]
     return dict(ranks=args.ranks, jobs=args.jobs, scope=args.scope, scrape=args.scrape_every,
-                target=_target(args), reports=phase["reports"] / seconds, requests=len(phase["lat"]) / seconds,
+                target=target_rate(args), reports=phase["reports"] / seconds, requests=len(phase["lat"]) / seconds,
                 p50=lat[0] * 1e3, p99=lat[1] * 1e3, cpu=100 * (phase["cpu_s"] or math.nan) / seconds,
                 metrics_ms=statistics.median(t for t, _, _ in scrapes) * 1e3 if scrapes else math.nan,
                 metrics_mb=scrapes[-1][1] / 1e6 if scrapes else math.nan,
@@ -478,11 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanwatch.monitor.server import raise_fd_limit
 
     raise_fd_limit()  # before the collector starts, so that it inherits the raised limit
-    if args.replicas:
-        from nanwatch.bench import collector_replicas
-
-        return collector_replicas.main(args)
-    if args.database_url or args.total_ranks:
+    if args.replicas or args.database_url or args.total_ranks:  # nanwatch.bench dispatches --replicas
         print("nanwatch bench collector: --database-url and --total-ranks go with --replicas")
         return 2
     if not args.matrix and not args.jobs_sweep:

@@ -175,9 +175,11 @@ def main(args: argparse.Namespace) -> int:
                 stats = run_load([c.url for c in started], one, probes=lambda stats, stop, probe=probe: [probe.run(stats)])
             stats["target"] = target_rate(one)
             rows.append(r := row(one, stats))
+            each = (stats["phases"][0].get("db") or {}).get("replica_cpu_each") or []
             print(f"reports/s {r['reports']:.0f} (target {r['target']:.0f}), p99 {r['p99']:.1f} ms, statuses "
                   f"{stats['phases'][0]['status']}, replicas {r['replica_ms']:.2f} + PostgreSQL {r['db_ms']:.2f} "
-                  f"CPU ms/report, rollbacks {r['rollbacks_k']:.1f}/1k reports", flush=True)
+                  f"CPU ms/report, rollbacks {r['rollbacks_k']:.1f}/1k reports; each replica's CPU "
+                  f"{', '.join('-' if c is None else f'{100 * c / one.duration:.0f}%' for c in each)}", flush=True)
     print(f"\n{args.duration:g} s measured per configuration after {args.warmup:g} s warmup; {args.sites} sites a "
           "report; CPU from /proc (the bench's own sampling backend left out); waits sampled from "
           "pg_stat_activity every 20 ms; rollbacks from pg_stat_database")

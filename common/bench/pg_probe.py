@@ -20,7 +20,7 @@ Example usage::
 
     probe = ServerProbe(url, replica_pids=[c.proc.pid for c in replicas])
     stats = run_load(urls, args, probes=lambda stats, stop: [probe.run(stats)])
-    stats["phases"][0]["db"]   # {"server_cpu_s": ..., "replica_cpu_s": ..., "lock_s": ..., "rollbacks": ...}
+    stats["phases"][0]["db"]   # {"server_cpu_s": ..., "replica_cpu_s": ..., "replica_cpu_each": [...], "lock_s": ...}
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class ServerProbe:
             def cpu() -> dict:
                 pids = [cpu_s(p) for p in self.replica_pids]
                 return {"server_cpu_s": None if postmaster is None else server_cpu_s(postmaster, exclude=exclude),
-                        "replica_cpu_s": None if None in pids else sum(pids)}
+                        "replica_cpu_s": None if None in pids else sum(pids), "replica_cpu_each": pids}
 
             async def xact() -> dict:
                 await conn.execute("SELECT pg_stat_clear_snapshot()")
@@ -124,7 +124,11 @@ class ServerProbe:
                 await asyncio.sleep(1.1)
                 after.update(await xact())
                 seconds = phase["to"] - phase["from"]
-                db = {k: (None if before[k] is None or after[k] is None else after[k] - before[k]) for k in before}
+                db = {k: (None if before[k] is None or after[k] is None else after[k] - before[k])
+                      for k in before if k != "replica_cpu_each"}
+                db["replica_cpu_each"] = [None if a is None or b is None else b - a
+                                          for a, b in zip(before["replica_cpu_each"], after["replica_cpu_each"],
+                                                          strict=True)]
                 # samples x interval would miss the queries' own time: scale the counts to the window
                 per = seconds / max(1, samples)
                 db.update(lock_s=counts[0] * per, io_s=counts[1] * per, active_s=counts[2] * per,

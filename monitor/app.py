@@ -104,28 +104,45 @@ def _left_out_events(ledger: Ledger, runs: dict[str, str]) -> None:
 
 
 def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], Callable[[], None]]:
-    """With a shared PostgreSQL database: follow what the other replicas write, and hold the leases that
-    decide which replica exports a run (none until leased: a run is never shown by two). Returns the
-    follower's task (none with SQLite) and what lets go of the leases."""
+    """With a shared PostgreSQL database: follow what the other replicas write, hold the leases that
+    decide which replica exports a run (none until leased: a run is never shown by two), and share what
+    the runs' metrics need across replicas (``nanwatch.monitor.pg.shared_metrics``: ranks' latest views,
+    where each export stood). Returns the follower's task (none with SQLite) and what lets go of both."""
     if database_url_of(settings) is None:
         return [], lambda: None
+    from nanwatch.monitor.data.tenures import Tenures
     from nanwatch.monitor.pg.follow import follow
     from nanwatch.monitor.pg.leases import RunLeases
+    from nanwatch.monitor.pg.shared_metrics import SharedMetrics
 
     leases = RunLeases(res.store.url)  # type: ignore[attr-defined]
+    shared = SharedMetrics(res.store.url)  # type: ignore[attr-defined]
+    res.ledger.state.tenures = Tenures()
     res.ledger.export_only(set())  # none until leased
+    res.metrics.on_rendered(lambda snap: shared.record({run.run_id: run.totals for run in snap.runs
+                                                       if run.totals is not None}))
     task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
                                       every_s=settings.database_refresh_s,
-                                      tick=lambda: _lease_runs(res.ledger, leases)))
-    return [task], leases.close
+                                      tick=lambda: _lease_runs(res.ledger, leases, shared)))
+
+    def close() -> None:
+        leases.close()
+        shared.close()
+
+    return [task], close
 
 
-def _lease_runs(ledger: Ledger, leases) -> None:
+def _lease_runs(ledger: Ledger, leases, shared) -> None:
     """Hold the leases of the runs live here (a shared PostgreSQL database): this replica shows the series
-    of those it holds, and of no other (``CollectorState.exported_runs``, set through the ledger)."""
+    of those it holds, and of no other (``CollectorState.exported_runs``, set through the ledger), each
+    from where its last export stood; publish this replica's ranks' latest views, and show those the other
+    replicas published of the runs it holds."""
     now = time.monotonic()
     state = ledger.state
-    ledger.export_only(leases.update({run_id for run_id, run in state.runs.items() if is_live(state, run, now)}))
+    shared.publish(state)
+    ledger.export_only(leases.update({run_id for run_id, run in state.runs.items() if is_live(state, run, now)}),
+                       shared.recorded, shared.foreign)
+    shared.clean()
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from nanwatch.monitor.data.auth import ANY_NAMESPACE
 from nanwatch.monitor.data.store import EventRow
+from nanwatch.monitor.data.tenures import Tenures
 from nanwatch.wire import MoeStat, RlhfStat
 
 __all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES",
@@ -275,9 +276,9 @@ class CollectorState:
     data: ``nanwatch.monitor.write`` alone changes it, and the views of it are functions
     (``nanwatch.monitor.data.liveness``, ``nanwatch.monitor.read.views``)."""
 
-    __slots__ = ("caps_hit", "exported_runs", "exposed", "hosts", "hwm", "max_events", "max_incarnations",
+    __slots__ = ("caps_hit", "exported_runs", "exposed", "foreign_views", "hosts", "hwm", "max_events", "max_incarnations",
                  "max_incarnations_per_namespace", "max_runs", "namespace_events", "render_errors", "requests",
-                 "runs", "series_cap", "silent_keep_s", "ttl_s", "writes")
+                 "runs", "series_cap", "silent_keep_s", "tenures", "ttl_s", "writes")
 
     def __init__(self, *, ttl_s: float, series_cap: int, max_runs: int = 10_000, max_incarnations: int = 65_536,
                  max_events: int = 10_000, silent_keep_s: float = 86_400.0, hosts: HostCaps | None = None,
@@ -311,3 +312,8 @@ class CollectorState:
         #: these (replicas on a shared PostgreSQL database: the runs whose lease this one holds,
         #: ``nanwatch.monitor.pg.leases``); any other run shows as if not live
         self.exported_runs: set[str] | None = None
+        #: replicas: where this one's counter series of a run start (``data.tenures``); None, one collector
+        self.tenures: Tenures | None = None
+        #: replicas: the latest views of the exported runs' ranks that reached other replicas, by run and
+        #: rank (-1: the job view), shown beside this one's own (``nanwatch.monitor.pg.shared_metrics``)
+        self.foreign_views: dict[str, dict[int, RankState]] = {}

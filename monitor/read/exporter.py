@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from nanwatch.monitor.data import metric_table as m
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
-from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
+from nanwatch.monitor.data.liveness import held_ranks, is_live, late_after, live_job, ttl, world_size
 from nanwatch.monitor.data.metric_table import METRICS, MetricSpec
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
@@ -117,6 +117,9 @@ class RunSnapshot:
     """The run-id namespace the run belongs to (``HostCaps.namespace_of``): the host series' label."""
     weight_lag: tuple[tuple[str, int], ...] = ()
     """Each rollout worker's weight-sync lag in versions (``RunState.weight_lag``)."""
+    totals: dict[tuple[str, tuple], int] | None = None
+    """Replicas: the totals this render's counters of the run stand for (``data.tenures``), recorded after
+    the render (``MetricsRenderer``'s ``on_rendered``); None: not exported here, or one collector."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,8 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
     live = is_live(state, run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
     job = live_job(state, run, now) if live else None
+    if live and run_id in state.foreign_views:  # ranks that report to other replicas (shared_views)
+        count, shown, job = _with_foreign(state, run, now, count, shown, job)
     until = math.inf
     # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
     born = frozenset(k for k in run.newborn if k[0] == "events")
@@ -166,15 +171,57 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
             born |= {("series_dropped", ())}
     scales = [st.loss_scale for st in (*shown, *([job] if job is not None else []))
               if st.loss_scale is not None]
+    counters, events, totals = _counted(state, run_id, run, live)
     snap = RunSnapshot(
-        run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
-        world_size(state, run, now), job, dict(run.counters) if live else {},
+        run_id, run.series_dropped, events, shown if live else None, count,
+        world_size(state, run, now), job, counters,
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(views.hung(state, run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
-        min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())))
+        min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())),
+        totals)
     return snap, until, bool(born) or bool(fresh)
+
+
+def _counted(state: CollectorState, run_id: str, run: RunState,
+             live: bool) -> tuple[dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None]:
+    """(the counters, the event counts a render shows, and with replicas the totals that is: this export's
+    record). One collector shows its totals, event counts whether or not the run is live (a directive set on an
+    idle run). Replicas: only the run's exporter shows its counters and event counts, from where its tenure's
+    series start (``data.tenures``), so that a sum of ``increase()`` over replicas counts each increment once."""
+    if state.tenures is None:
+        return (dict(run.counters) if live else {}), dict(run.event_counts), None
+    if not live:
+        return {}, {}, None
+    shown, totals = state.tenures.show(run_id, {**run.counters, **{("events", (kind,)): n
+                                                                    for kind, n in run.event_counts.items()}})
+    counters = {k: v for k, v in shown.items() if k[0] != "events"}
+    return counters, {k[1][0]: v for k, v in shown.items() if k[0] == "events"}, totals
+
+
+def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, shown: list[RankState],
+                  job: RankState | None) -> tuple[int, list[RankState], RankState | None]:
+    """This replica's views of a run it exports, with the newer views of its ranks that other replicas
+    received (``CollectorState.foreign_views``): each rank once, by its latest report; the live ranks count
+    those this replica does not hold itself."""
+    horizon = now - ttl(state, run)
+    by_rank = {st.rank: st for st in shown}
+    held = {st.rank for st in held_ranks(state, run, now)}
+    for rank, st in state.foreign_views[run.run_id].items():
+        if st.seen < horizon or st.crashed is not None:
+            continue
+        if rank < 0:
+            if job is None or st.received > job.received:
+                job = st
+            continue
+        own = by_rank.get(rank)
+        if own is None or st.received > own.received:
+            by_rank[rank] = st
+        if rank not in held:
+            held.add(rank)
+            count += 1
+    return count, sorted(by_rank.values(), key=lambda st: st.rank), job
 
 
 #: runs copied between two yields to the event loop (about 14 ms of copying on the 2-core benchmark machine)
@@ -535,8 +582,13 @@ class MetricsRenderer:
 
     def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
                  min_interval_s: float = 3.0, late_s: float = 90.0,
-                 on_left_out: Callable[[dict[str, str]], object] | None = None) -> None:
+                 on_left_out: Callable[[dict[str, str]], object] | None = None,
+                 on_rendered: Callable[[Snapshot], object] | None = None) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
+        #: called on the event loop with each render's snapshot once its scrapers have it (replicas record
+        #: what each export showed: ``data.tenures``); after, not before: should the replica die between
+        #: the two, the next exporter counts the last scrape's increments twice rather than lose them
+        self._on_rendered = on_rendered
         #: called on the event loop with {run_id: exception type} after a render left runs out (an event each)
         self._on_left_out = on_left_out
         self._min_interval_s = min_interval_s
@@ -577,8 +629,22 @@ class MetricsRenderer:
                 rnd.done.set_result(out.bodies)
                 if out.left_out:
                     self._left_out(out.left_out)
+                if self._on_rendered is not None:
+                    await asyncio.sleep(0)  # the waiting scrapers' responses go out first
+                    self._rendered(snap)
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
                 rnd.done.set_exception(e)
+
+    def on_rendered(self, call: Callable[[Snapshot], object]) -> None:
+        """Call ``call`` with each render's snapshot, once its scrapers have the render (replicas record
+        what each export showed: ``data.tenures``)."""
+        self._on_rendered = call
+
+    def _rendered(self, snap: Snapshot) -> None:
+        try:
+            self._on_rendered(snap)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - the render was served; its record is best effort
+            log.exception("nanwatch collector: could not record what the render exported")
 
     def _left_out(self, runs: dict[str, str]) -> None:
         log.warning("nanwatch collector: %d runs left out of /metrics, their figures could not be rendered: %s",

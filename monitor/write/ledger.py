@@ -37,7 +37,7 @@ from nanwatch.monitor.data.event_log import DirectiveChange
 from nanwatch.monitor.data.liveness import apply_step
 from nanwatch.monitor.data.memory import MemoryBudget
 from nanwatch.monitor.data.refusal import CapReached, StoreUnavailable, Unstorable
-from nanwatch.monitor.data.state import Applied, CollectorState
+from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.monitor.write.caps import Caps
@@ -51,6 +51,7 @@ from nanwatch.monitor.write.lifetimes import (
     forget,
     forget_incarnations,
     reload,
+    share_views,
     sweep,
 )
 from nanwatch.policy import Rule
@@ -207,10 +208,14 @@ class Ledger:
         """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
         return sweep(self.state, now)
 
-    def export_only(self, run_ids: set[str]) -> None:
+    def export_only(self, run_ids: set[str], recorded: Callable[[str], dict] | None = None,
+                    views: Callable[[set[str]], dict[str, dict[int, RankState]]] | None = None) -> None:
         """Show the series of these runs alone (replicas on a shared database: the runs whose lease this one
-        holds), memory only."""
-        export_only(self.state, run_ids)
+        holds; ``recorded``: where a newly shown run's series start; ``views``: the views other replicas
+        received of these runs' ranks, shown beside this one's), memory only."""
+        export_only(self.state, run_ids, recorded)
+        if views is not None:
+            share_views(self.state, views(set(run_ids)))
 
     async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
         """Forget runs past retention (at most ``limit`` a call). Returns how many went."""

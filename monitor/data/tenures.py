@@ -15,16 +15,17 @@ counted twice. So every export records, per run, the totals it showed (``nanwatc
   its last shown value, plus what happened since the recorded total: the increments the other holder's
   series counted meanwhile are not counted again.
 
-The first render of a tenure shows where the series start, the next the current figures (as born-at-zero
-does for a new key). A shown value never goes down (a replica whose memory lags the recorded total shows
+The first render of a tenure shows where the series start, the next the current figures; so does a key
+that appears later in the tenure (from 0 if no export showed it: born at zero, which the tenures do for
+replicas in place of ``RunState.newborn``). A shown value never goes down (a replica whose memory lags the recorded total shows
 its series flat until it catches up: never a counter reset, which ``increase()`` would count whole).
 
 Example usage::
 
     tenures = Tenures()
     tenures.begin("run-1", recorded={("site", ("l1", "forward")): 3})   # the previous holder's last export
-    shown, totals = tenures.show("run-1", {("site", ("l1", "forward")): 5})   # ({...: 3}, {...: 3}): the start
-    shown, totals = tenures.show("run-1", {("site", ("l1", "forward")): 5})   # ({...: 5}, {...: 5})
+    shown, totals, news = tenures.show("run-1", {("site", ("l1", "forward")): 5})   # {...: 3}: the start
+    shown, totals, news = tenures.show("run-1", {("site", ("l1", "forward")): 5})   # {...: 5}
 """
 
 from __future__ import annotations
@@ -72,20 +73,25 @@ class Tenures:
     def holds(self, run_id: str) -> bool:
         return run_id in self._runs
 
-    def show(self, run_id: str, totals: dict[Key, int]) -> tuple[dict[Key, int], dict[Key, int]]:
-        """(what this render shows for each key of ``totals``, and the totals that corresponds to: what to
-        record as this export's). A run without a tenure (never begun) shows its totals."""
+    def show(self, run_id: str, totals: dict[Key, int]) -> tuple[dict[Key, int], dict[Key, int], bool]:
+        """(what this render shows for each key of ``totals``, the totals that corresponds to: what to
+        record as this export's, and whether a key was shown at its start below its figure: the next render
+        must not reuse this one). A run without a tenure (never begun) shows its totals."""
         tenure = self._runs.get(run_id)
         if tenure is None:
-            return dict(totals), dict(totals)
+            return dict(totals), dict(totals), False
         last = self._last.setdefault(run_id, {})
-        shown, equivalent = {}, {}
+        shown, equivalent, news = {}, {}, False
         for key, total in totals.items():
-            if key not in tenure.base:
+            new = key not in tenure.base
+            if new:
                 tenure.base[key] = last[key] if key in last else tenure.recorded.get(key, 0)
             base, from_ = tenure.base[key], tenure.recorded.get(key, 0)
-            value = base if not tenure.started else max(last.get(key, base), total - from_ + base)
+            value = max(last.get(key, base), total - from_ + base)
+            if new or not tenure.started:  # where its series starts, this once
+                news = news or value != base
+                value = base
             shown[key] = last[key] = value
             equivalent[key] = value - base + from_
         tenure.started = True
-        return shown, equivalent
+        return shown, equivalent, news

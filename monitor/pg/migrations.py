@@ -55,7 +55,7 @@ MIGRATIONS: tuple[str, ...] = (
         run_id TEXT NOT NULL, rank INTEGER NOT NULL, replica TEXT NOT NULL, received DOUBLE PRECISION NOT NULL,
         version BIGINT NOT NULL, view TEXT NOT NULL, PRIMARY KEY (run_id, rank)
     );
-    CREATE INDEX rank_views_by_version ON rank_views (run_id, version);
+    CREATE INDEX rank_views_by_version ON rank_views (version);
     CREATE TABLE exported (run_id TEXT PRIMARY KEY, totals TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
     """,
 )

@@ -3,9 +3,10 @@
 
 * **every rank's gauges are in its export**, whichever replica the rank reports to: each replica publishes
   the latest views of the ranks it received (the ranks with per-rank series, and a job's view, as rank -1)
-  to ``rank_views``, one row per (run, rank), the newest report's; the exporter reads the rows other
-  replicas wrote for the runs it exports and shows them beside its own views (the newer of the two per
-  rank). Both happen on the lease tick (every half ``NANWATCH_DATABASE_REFRESH_S``): a rank's latest
+  of the runs it does not export to ``rank_views``, one row per (run, rank), the newest report's; the
+  exporter reads the rows other replicas wrote for the runs it exports and shows them beside its own views
+  (the newer of the two per rank). With a run's reports routed to one replica (its exporter), nothing is
+  published, and the exporter's read finds nothing new in one indexed ``max(version)``. Both happen on the lease tick (every half ``NANWATCH_DATABASE_REFRESH_S``): a rank's latest
   gauges reach the exporter within about one period. The views are latest gauges, not counts: written
   after the report's transaction, not in it (a kill -9 loses at most one period of them, and the rank's
   next report brings them back; its counts are in the totals, committed before the 200);
@@ -68,7 +69,7 @@ def decode_view(text: str, *, wall: float, mono: float) -> RankState:
 
 
 def _key_text(totals: dict[Key, int]) -> str:
-    return json.dumps(sorted([fam, list(labels), value] for (fam, labels), value in totals.items()))
+    return json.dumps([(fam, labels, value) for (fam, labels), value in totals.items()])
 
 
 class SharedMetrics:
@@ -81,9 +82,10 @@ class SharedMetrics:
         #: this process: the rows it publishes are its own, those of others it reads
         self.replica = replica or uuid.uuid4().hex[:12]
         self._published: dict[tuple[str, int], RankState] = {}
-        self._recorded: dict[str, str] = {}
-        #: the largest ``rank_views.version`` read, by exported run
+        self._recorded: dict[str, dict[Key, int]] = {}
+        #: the largest ``rank_views.version`` read, by exported run, and over the table
         self._read: dict[str, int] = {}
+        self._top = 0
         self._ticks = 0
 
     def _connection(self) -> psycopg.Connection:
@@ -102,7 +104,10 @@ class SharedMetrics:
         view, never mutates it); returns how many. Only the newest report's view of a rank is kept."""
         now = time.monotonic()
         rows, seen = [], set()
+        exported = state.exported_runs or set()
         for run_id, run in state.runs.items():
+            if run_id in exported:  # its exporter's own views: shown here, nobody else needs them
+                continue
             horizon = now - ttl(state, run)
             views = [(k, run.ranks[k]) for k in run.shown if k in run.ranks]
             if run.job is not None:
@@ -113,14 +118,16 @@ class SharedMetrics:
                 if st.seen >= horizon and self._published.get(key) is not st:
                     rows.append((key, st))
         try:
-            with self._connection().cursor() as cur:
-                cur.executemany(
+            if rows:  # one statement, one round trip, whatever the number of rows
+                self._connection().execute(
                     "INSERT INTO rank_views (run_id, rank, replica, received, version, view) "
-                    "VALUES (%s, %s, %s, %s, nextval('rank_views_version'), %s) "
+                    "SELECT r, k, %s, t, nextval('rank_views_version'), v "
+                    "FROM unnest(%s::text[], %s::int[], %s::float8[], %s::text[]) AS u(r, k, t, v) "
                     "ON CONFLICT (run_id, rank) DO UPDATE SET replica = EXCLUDED.replica, "
                     "received = EXCLUDED.received, version = EXCLUDED.version, view = EXCLUDED.view "
                     "WHERE rank_views.received <= EXCLUDED.received",
-                    [(run_id, rank, self.replica, st.received, encode_view(st)) for (run_id, rank), st in rows])
+                    (self.replica, [k[0] for k, _ in rows], [k[1] for k, _ in rows], [st.received for _, st in rows],
+                     [encode_view(st) for _, st in rows]))
         except psycopg.Error as e:
             self._fail("publish this replica's rank views", e)
             return 0
@@ -137,7 +144,11 @@ class SharedMetrics:
         out: dict[str, dict[int, RankState]] = {}
         wall, mono = time.time(), time.monotonic()
         try:
-            found = self._connection().execute(
+            conn = self._connection()
+            top = conn.execute("SELECT COALESCE(MAX(version), 0) FROM rank_views").fetchone()[0]
+            if top <= self._top and runs <= self._read.keys():
+                return {}  # nothing published since the last call, and no run new to it
+            found = conn.execute(
                 "SELECT v.run_id, v.rank, v.version, v.view FROM rank_views v "
                 "JOIN unnest(%s::text[], %s::bigint[]) AS r(run_id, since) ON v.run_id = r.run_id "
                 "WHERE v.version > r.since AND v.replica <> %s",
@@ -150,6 +161,7 @@ class SharedMetrics:
             self._read[run_id] = max(self._read.get(run_id, 0), version)
         for run_id in runs:
             self._read.setdefault(run_id, 0)
+        self._top = top
         return out
 
     def recorded(self, run_id: str) -> dict[Key, int]:
@@ -163,21 +175,19 @@ class SharedMetrics:
 
     def record(self, totals: dict[str, dict[Key, int]]) -> None:
         """Record what this render showed of each run (only the runs whose totals moved since the last)."""
-        rows = []
-        for run_id, counts in totals.items():
-            text = _key_text(counts)
-            if self._recorded.get(run_id) != text:
-                rows.append((run_id, text))
+        rows = {run_id: counts for run_id, counts in totals.items() if self._recorded.get(run_id) != counts}
         try:
-            with self._connection().cursor() as cur:
-                cur.executemany("INSERT INTO exported (run_id, totals, at) VALUES (%s, %s, %s) ON CONFLICT (run_id) "
-                                "DO UPDATE SET totals = EXCLUDED.totals, at = EXCLUDED.at",
-                                [(run_id, text, time.time()) for run_id, text in rows])
+            if rows:  # one statement, one round trip
+                self._connection().execute(
+                    "INSERT INTO exported (run_id, totals, at) SELECT r, t, %s FROM unnest(%s::text[], %s::text[]) "
+                    "AS u(r, t) ON CONFLICT (run_id) DO UPDATE SET totals = EXCLUDED.totals, at = EXCLUDED.at",
+                    (time.time(), list(rows), [_key_text(counts) for counts in rows.values()]))
         except psycopg.Error as e:
             self._fail("record what a render exported", e)
             self._recorded.clear()
             return
-        self._recorded.update(rows)
+        self._recorded = {run_id: counts for run_id, counts in {**self._recorded, **rows}.items()
+                          if run_id in totals}
 
     def clean(self) -> None:
         """Now and then: delete the rows of runs whose history the database no longer holds."""

@@ -171,7 +171,9 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
             born |= {("series_dropped", ())}
     scales = [st.loss_scale for st in (*shown, *([job] if job is not None else []))
               if st.loss_scale is not None]
-    counters, events, totals = _counted(state, run_id, run, live)
+    counters, events, totals, news = _counted(state, run_id, run, live)
+    if state.tenures is not None:  # replicas: the tenures start every counter series (born at zero included)
+        born = frozenset(k for k in born if k == ("series_dropped", ()))
     snap = RunSnapshot(
         run_id, run.series_dropped, events, shown if live else None, count,
         world_size(state, run, now), job, counters,
@@ -181,23 +183,24 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
         min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())),
         totals)
-    return snap, until, bool(born) or bool(fresh)
+    return snap, until, bool(born) or bool(fresh) or news
 
 
-def _counted(state: CollectorState, run_id: str, run: RunState,
-             live: bool) -> tuple[dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None]:
-    """(the counters, the event counts a render shows, and with replicas the totals that is: this export's
-    record). One collector shows its totals, event counts whether or not the run is live (a directive set on an
-    idle run). Replicas: only the run's exporter shows its counters and event counts, from where its tenure's
-    series start (``data.tenures``), so that a sum of ``increase()`` over replicas counts each increment once."""
+def _counted(state: CollectorState, run_id: str, run: RunState, live: bool) -> tuple[
+        dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None, bool]:
+    """(the counters, the event counts a render shows, with replicas the totals that is (this export's
+    record), and whether a series was shown at its start below its figure). One collector shows its totals,
+    event counts whether or not the run is live (a directive set on an idle run). Replicas: only the run's
+    exporter shows its counters and event counts, from where its tenure's series start (``data.tenures``),
+    so that a sum of ``increase()`` over replicas counts each increment once."""
     if state.tenures is None:
-        return (dict(run.counters) if live else {}), dict(run.event_counts), None
+        return (dict(run.counters) if live else {}), dict(run.event_counts), None, False
     if not live:
-        return {}, {}, None
-    shown, totals = state.tenures.show(run_id, {**run.counters, **{("events", (kind,)): n
-                                                                    for kind, n in run.event_counts.items()}})
+        return {}, {}, None, False
+    shown, totals, news = state.tenures.show(run_id, {**run.counters, **{("events", (kind,)): n
+                                                                          for kind, n in run.event_counts.items()}})
     counters = {k: v for k, v in shown.items() if k[0] != "events"}
-    return counters, {k[1][0]: v for k, v in shown.items() if k[0] == "events"}, totals
+    return counters, {k[1][0]: v for k, v in shown.items() if k[0] == "events"}, totals, news
 
 
 def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, shown: list[RankState],

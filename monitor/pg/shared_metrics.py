@@ -2,8 +2,8 @@
 (docs/replicas.md#metrics): one replica exports a run (``nanwatch.monitor.pg.leases``), yet
 
 * **every rank's gauges are in its export**, whichever replica the rank reports to: each replica publishes
-  the latest views of the ranks it received (the ranks with per-rank series, and a job's view, as rank -1)
-  of the runs it does not export to ``rank_views``, one row per (run, rank), the newest report's; the
+  the latest views of the ranks it received (each held rank's, heartbeat-only ones included, and a job's
+  view, as rank -1) of the runs it does not export to ``rank_views``, one row per (run, rank), the newest report's; the
   exporter reads the rows other replicas wrote for the runs it exports and shows them beside its own views
   (the newer of the two per rank). With a run's reports routed to one replica (its exporter), nothing is
   published, and the exporter's read finds nothing new in one indexed ``max(version)``. Both happen on the lease tick (every half ``NANWATCH_DATABASE_REFRESH_S``): a rank's latest
@@ -109,7 +109,7 @@ class SharedMetrics:
             if run_id in exported:  # its exporter's own views: shown here, nobody else needs them
                 continue
             horizon = now - ttl(state, run)
-            views = [(k, run.ranks[k]) for k in run.shown if k in run.ranks]
+            views = list(run.ranks.items())  # heartbeat-only ranks too: the exporter counts them live
             if run.job is not None:
                 views.append((JOB_RANK, run.job))
             for rank, st in views:

@@ -152,8 +152,10 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
     live = is_live(state, run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
     job = live_job(state, run, now) if live else None
-    if live and run_id in state.foreign_views:  # ranks that report to other replicas (shared_views)
+    world = world_size(state, run, now)
+    if live and run_id in state.foreign_views:  # ranks that report to other replicas (shared_metrics)
         count, shown, job = _with_foreign(state, run, now, count, shown, job)
+        world = job.world_size if job is not None else world  # the live job report's, as liveness.world_size
     until = math.inf
     # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
     born = frozenset(k for k in run.newborn if k[0] == "events")
@@ -176,7 +178,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         born = frozenset(k for k in born if k == ("series_dropped", ()))
     snap = RunSnapshot(
         run_id, run.series_dropped, events, shown if live else None, count,
-        world_size(state, run, now), job, counters,
+        world, job, counters,
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(views.hung(state, run, now)), run.ended,
@@ -207,7 +209,8 @@ def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, 
                   job: RankState | None) -> tuple[int, list[RankState], RankState | None]:
     """This replica's views of a run it exports, with the newer views of its ranks that other replicas
     received (``CollectorState.foreign_views``): each rank once, by its latest report; the live ranks count
-    those this replica does not hold itself."""
+    those this replica does not hold itself. A foreign heartbeat-only view gets the per-rank series such a
+    rank gets here (``_per_rank``: its report time once late, its mode when it differs, its drops)."""
     horizon = now - ttl(state, run)
     by_rank = {st.rank: st for st in shown}
     held = {st.rank for st in held_ranks(state, run, now)}

@@ -76,6 +76,27 @@ def test_each_ranks_gauges_are_exported_once_whichever_replica_it_reports_to(rep
     assert _of(_summed(a.url, b.url), "nanwatch_attention_mode", rank="1", mode="fused") == []
 
 
+def test_a_jobs_heartbeat_only_ranks_count_live_whichever_replica_they_reach(replicas):
+    from nanwatch.bench.jobs import heartbeat, job_step
+
+    a, b = replicas
+    world = 4
+    job, _details = job_step([step_report(run_id=RUN, rank=k, world_size=world, seq=1, step=1) for k in range(world)])
+    _post(a.url, job)  # rank 0 posts the job's report through a; every rank beats, ranks 2 and 3 through b
+    for k in range(world):
+        _post((a, b)[k // 2].url, heartbeat(run_id=RUN, rank=k, world_size=world, seq=0, step=1))
+
+    def live() -> list[float]:
+        return _of(_summed(a.url, b.url), "nanwatch_live_ranks")
+
+    wait_until(lambda: live() == [world], "one exporter counting the four ranks")
+    s = _summed(a.url, b.url)
+    assert _of(s, "nanwatch_run_world_size") == [world]
+    # no heartbeat-only rank gets per-rank series it would not get on one collector (none is late)
+    assert [k for (name, labels) in s if name == "nanwatch_last_report_timestamp_seconds"
+            and ("run_id", RUN) in labels for k in [dict(labels)["rank"]]] == ["0"]
+
+
 def _nan_total(url: str) -> float:
     return scrape(url, settled=False).get(("nanwatch_site_nonfinite_calls_total",
                                            frozenset({("run_id", RUN), ("site", SITE), ("pass", "forward")})), 0.0)

@@ -2,13 +2,13 @@
 ``StepStats``) plus what the training thread knew at step end (:class:`StepContext`) become one
 :class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no attention
 measured) attached and told once, and the step's spikes (``nanwatch.hooks.measure.spikes``: each site against
-its own running baseline, from the values the copy brought)."""
+its own running baseline, from the values the copy brought). (``StepContext`` is the hand-over's message:
+``nanwatch.hooks.report.step_context``.)"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
@@ -18,25 +18,12 @@ from nanwatch.hooks.measure.replica_verdict import replica_incident
 from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
 from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.moe.report import moe_stat
+from nanwatch.hooks.report.step_context import StepContext
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
 
-__all__ = ["ReportBuilder", "StepContext"]
+__all__ = ["ReportBuilder"]
 
 log = logging.getLogger("nanwatch")
-
-
-@dataclass(frozen=True, slots=True)
-class StepContext:
-    """What the training thread knew at step end, handed to the reporter thread with the copy."""
-
-    state: StepState
-    mode: str
-    directive_version: int
-    time: float
-    #: the exception type the step raised (it never finished), or None
-    raised: str | None = None
-    #: the Monitor closed normally: the incarnation's last report, of no measurements (``state`` is empty)
-    final: bool = False
 
 
 class ReportBuilder:

@@ -35,10 +35,11 @@ from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.moe.report import explained
-from nanwatch.hooks.report.build import ReportBuilder, StepContext
+from nanwatch.hooks.report.build import ReportBuilder
 from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
 from nanwatch.hooks.report.reporter import Landed, Reporter
+from nanwatch.hooks.report.step_context import StepContext
 from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.hooks.rollout.sync_verdict import SyncVerdicts
 from nanwatch.wire import RolloutEvent, StepReport

@@ -26,8 +26,8 @@ from nanwatch.hooks.config import DirectivesConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.report.build import StepContext
 from nanwatch.hooks.report.flow import ReportFlow
+from nanwatch.hooks.report.step_context import StepContext
 
 __all__ = ["CloseTimeout", "StepHandover", "connect"]
 

@@ -28,11 +28,14 @@ from nanwatch.hooks.instrument.probes import watch as watch_site
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.rlhf import rlhf_probe
+from nanwatch.hooks.measure.spikes import spike_observer
 from nanwatch.hooks.moe.taps import MoeTaps
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.hooks.report.build import ReportBuilder
 from nanwatch.hooks.report.flow import ReportFlow
 from nanwatch.hooks.report.handover import CloseTimeout, StepHandover, connect
+from nanwatch.hooks.report.job import open_job_reporting
 from nanwatch.hooks.rollout.weight_publish import publish_weights
 from nanwatch.wire import StepReport
 
@@ -96,12 +99,19 @@ class Monitor:
                                       reduce_timeout_s=config.reports.reduce_timeout_s, rank=self.rank,
                                       device=device, rec=rec, model=self._model, probes=probes,
                                       directive_state=state, warn=warn)
-        self._flow = ReportFlow(config.reports, directives=config.directives, spikes=config.spikes,
-                                local_log=config.log, run_id=config.run_id, collector=config.collector,
-                                token=config.token,
-                                rank=self.rank, world_size=self.world_size, warn=warn,
-                                incarnation=self.incarnation, directive_state=state,
+        reports = config.reports
+        builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
+                                incarnation=self.incarnation, warn=warn,
                                 expects_logits=partial(operator.is_not, probes.head, None),  # known by now
+                                agree_every=config.directives.check_every if self.world_size > 1 else None,
+                                spikes=spike_observer(config.spikes))
+        self._flow = ReportFlow(reports, directives=config.directives, local_log=config.log, run_id=config.run_id,
+                                collector=config.collector, token=config.token, rank=self.rank,
+                                incarnation=self.incarnation, warn=warn, directive_state=state, builder=builder,
+                                open_job=partial(open_job_reporting, scope=reports.scope, rank=self.rank,
+                                                 world_size=self.world_size, heartbeat_s=reports.heartbeat_s,
+                                                 timeout_s=reports.reduce_timeout_s),
+                                job_spikes=spike_observer(config.spikes),  # the job report's own baselines
                                 on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.reports.max_pending)

@@ -22,14 +22,16 @@ from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directives.agreement import rank_and_world
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
+from nanwatch.hooks.forensics.rerun import DifferentialRerun
 from nanwatch.hooks.instrument.eval_windows import EvalWindows, check_step, window
 from nanwatch.hooks.instrument.install import device_of, install, probes_for, user_model
 from nanwatch.hooks.instrument.probes import watch as watch_site
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.rlhf import rlhf_probe
-from nanwatch.hooks.measure.spikes import spike_observer
+from nanwatch.hooks.measure.spikes import spike_observer, spike_skip
 from nanwatch.hooks.moe.taps import MoeTaps
+from nanwatch.hooks.remedies.replica_check import ReplicaCheck
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.report.build import ReportBuilder
@@ -94,11 +96,13 @@ class Monitor:
                                                       check_every=config.directives.check_every)
         self._probes = probes = probes_for(model, config=config.measure, rec=rec, directive_state=state,
                                            model_ref=self._model)
-        self._remedies = StepRemedies(weights, forensics=config.forensics, spikes=config.spikes,
-                                      rollout=config.rollout, run_id=config.run_id,
-                                      reduce_timeout_s=config.reports.reduce_timeout_s, rank=self.rank,
-                                      device=device, rec=rec, model=self._model, probes=probes,
-                                      directive_state=state, warn=warn)
+        self._remedies = StepRemedies(
+            weights, rollout=config.rollout, device=device, rec=rec, model=self._model, probes=probes, warn=warn,
+            rerun=partial(DifferentialRerun, config.forensics, run_id=config.run_id, rank=self.rank, device=device,
+                          rec=rec, model=self._model, probes=probes, directive_state=state),
+            spiked=spike_skip(config.spikes, rec),  # spike_action="skip": shared by every weight guard
+            replicas=partial(ReplicaCheck, model=self._model, rec=rec, config=weights,
+                             timeout_s=config.reports.reduce_timeout_s, warn=warn))  # a peer's wait: the report's
         reports = config.reports
         builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
                                 incarnation=self.incarnation, warn=warn,

@@ -36,7 +36,7 @@ from nanwatch.hooks.measure.decode import QUIET_KINDS, decode_step
 from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.wire import SiteStat, Spike
 
-__all__ = ["MAX_SPIKES", "SpikeDetector", "SpikeSkip", "spike_observer"]
+__all__ = ["MAX_SPIKES", "SpikeDetector", "SpikeSkip", "spike_observer", "spike_skip"]
 
 #: At most this many spikes per report (the wire's bound), the largest factors.
 MAX_SPIKES = 64
@@ -130,3 +130,10 @@ def spike_observer(spikes: SpikesConfig) -> Callable[[object, Iterable[SiteStat]
         return None
     return SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup).observe
 
+
+def spike_skip(spikes: SpikesConfig, rec: Recorder) -> SpikeSkip | None:
+    """``spike_action="skip"``'s check on ``rec``'s open step, with its own baselines, for the weight guards
+    (None: not asked, or spikes off)."""
+    if spikes.action != "skip" or not spikes.factor:
+        return None
+    return SpikeSkip(rec, SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup))

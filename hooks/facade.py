@@ -2,6 +2,10 @@
 -> ``measure`` -> ``report``; ``remedies``; ``directives``, whose ``directive_state`` says which thread owns
 which field). Each part is built after the parts it needs and handed them as values; what the Monitor builds
 it owns through one ``contextlib.ExitStack``, closed in reverse order.
+
+This is the composition root: a part that sits in another room than the module using it is built here (the
+report flow's builder and job-level reporting, the remedies' rerun, spike check and replica check) and handed
+in, so that a room's module imports what it makes, not the siblings it is handed (#38).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ from nanwatch.hooks.forensics.incident_tensors import optimizer_birth, read_tens
 from nanwatch.hooks.forensics.rerun_flags import FlagsInFlight
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
-from nanwatch.hooks.measure.decode import StepSoFar, decode_step, step_facts, step_so_far
+from nanwatch.hooks.measure.decode import StepSoFar, decode_step, nonfinite_phases, step_facts, step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder, StepState
@@ -506,7 +506,9 @@ class DifferentialRerun:
             return None
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode on the CPU (free there)
             return None
-        if scaling is not None and scaling.handled_overflow():  # sync-ok: rerun mode, flag set
+        # an overflow the scaler handled (it found inf/NaN, and only gradients were non-finite): no incident
+        if (scaling is not None and scaling.overflow_found()  # sync-ok: rerun mode, flag set
+                and nonfinite_phases(self._rec) <= {"backward"}):
             return None
         self._done = True
         return classify(rec=self._rec, model=self._model(), probes=self._probes,

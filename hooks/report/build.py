@@ -2,13 +2,13 @@
 ``StepStats``) plus what the training thread knew at step end (:class:`StepContext`) become one
 :class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no attention
 measured) attached and told once, and the step's spikes (``nanwatch.hooks.measure.spikes``: each site against
-its own running baseline, from the values the copy brought)."""
+its own running baseline, from the values the copy brought). (``StepContext`` is the hand-over's message:
+``nanwatch.hooks.report.step_context``.)"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
@@ -16,27 +16,13 @@ from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_in
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.measure.replica_verdict import replica_incident
 from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
-from nanwatch.hooks.measure.spikes import SpikeDetector
 from nanwatch.hooks.moe.report import moe_stat
-from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
+from nanwatch.hooks.report.step_context import StepContext
+from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, Spike, StepReport
 
-__all__ = ["ReportBuilder", "StepContext"]
+__all__ = ["ReportBuilder"]
 
 log = logging.getLogger("nanwatch")
-
-
-@dataclass(frozen=True, slots=True)
-class StepContext:
-    """What the training thread knew at step end, handed to the reporter thread with the copy."""
-
-    state: StepState
-    mode: str
-    directive_version: int
-    time: float
-    #: the exception type the step raised (it never finished), or None
-    raised: str | None = None
-    #: the Monitor closed normally: the incarnation's last report, of no measurements (``state`` is empty)
-    final: bool = False
 
 
 class ReportBuilder:
@@ -45,14 +31,14 @@ class ReportBuilder:
 
     def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
                  expects_logits: Callable[[], bool], agree_every: int | None,
-                 spikes: SpikeDetector | None = None) -> None:
+                 spikes: Callable[[int, Sequence[SiteStat]], list[Spike]] | None = None) -> None:
         self._ids = dict(run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation,
                          agree_every=agree_every)
         self._expects_logits = expects_logits
         self._warn = warn
         self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
         self._params = NonfiniteParams()  # reporter thread only: non-finite parameters, told once per episode
-        self._spikes = spikes  # reporter thread only: the sites' running baselines (None: spikes off)
+        self._spikes = spikes  # reporter thread only: a SpikeDetector's observe, the sites' baselines (None: off)
 
     def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
         """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
@@ -84,7 +70,7 @@ class ReportBuilder:
             else:
                 self._warn(w)
         first = stats.first_offender
-        spikes = self._spikes.observe(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
+        spikes = self._spikes(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
         return StepReport(
             **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
             sites=stats.sites, sdpa=stats.sdpa, logits=stats.logits, fingerprints=stats.fingerprints,

@@ -25,7 +25,7 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "ENDED_FAMILY", "EVENTS", "FAMILIES", "FIRST_OFFENDER_INFO", "INCIDENTS", "JOB_SKIPPED", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
            "METRICS", "MOE_EXPERT_LOAD_MAX", "MOE_REPLAY_NOT_APPLIED", "MOE_ROUTER_LOGIT_MAX",
-           "MOE_ROUTING_DISAGREEMENT", "MOE_TOKENS_REROUTED", "MetricSpec", "NONFINITE_CALLS", "NOT_REPRODUCIBLE_INCIDENTS",
+           "MOE_ROUTING_DISAGREEMENT", "MOE_TOKENS_REROUTED", "MOE_OWN_TOKENS_REROUTED", "MetricSpec", "NONFINITE_CALLS", "NOT_REPRODUCIBLE_INCIDENTS",
            "RANK_CRASHED", "REPORT_FIGURES",
            "RENDER_ERRORS", "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
@@ -281,6 +281,13 @@ MOE_TOKENS_REROUTED = MetricSpec(
     "The fraction of unmasked tokens with at least one MoE router differing from the rollout's routes, in the "
     "latest step that compared.",
     path="moe.tokens_rerouted", reduce="sum", over="moe.tokens_compared")
+MOE_OWN_TOKENS_REROUTED = MetricSpec(
+    "nanwatch_moe_tokens_rerouted_before_replay", "gauge", ("run_id",),
+    "Under routing_replay=apply, the fraction of unmasked tokens whose trainer's own routers, before nanwatch gave "
+    "them the rollout's experts, chose another expert set than the rollout's in at least one router, in the latest "
+    "step that compared: what the replay corrected (nanwatch_moe_tokens_rerouted then verifies the replay itself). "
+    "About what routing without replay would show; near 1, the rollout's routes are another model's.",
+    path="moe.tokens_own_rerouted", reduce="sum", over="moe.tokens_compared")
 MOE_EXPERT_LOAD_MAX = MetricSpec(
     "nanwatch_moe_expert_load_max", "gauge", ("run_id", "layer"),
     "Per MoE router, the largest expert's share of the routed token slots times the number of experts, in the "
@@ -330,7 +337,7 @@ _SPECS = (
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
     SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,
-    MOE_ROUTING_DISAGREEMENT, MOE_TOKENS_REROUTED, MOE_EXPERT_LOAD_MAX, MOE_ROUTER_LOGIT_MAX, MOE_REPLAY_NOT_APPLIED,
+    MOE_ROUTING_DISAGREEMENT, MOE_TOKENS_REROUTED, MOE_OWN_TOKENS_REROUTED, MOE_EXPERT_LOAD_MAX, MOE_ROUTER_LOGIT_MAX, MOE_REPLAY_NOT_APPLIED,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT, RENDER_ERRORS,
 )
 

@@ -12,12 +12,13 @@ import torch
 from pydantic import BaseModel
 from support import step_report
 
+import nanwatch.hooks.moe.taps  # noqa: F401 - declares the MoE figures
 from nanwatch.hooks.measure.decode import decode_step
 from nanwatch.hooks.measure.figures import FIGURES, figure, fill
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE
 from nanwatch.hooks.report.job_stats import contribution, merge_tables, reduce_job
-from nanwatch.wire import StepReport
+from nanwatch.wire import MoeStat, StepReport
 
 
 def _wire_type(path: str) -> object:
@@ -52,6 +53,13 @@ def test_a_figure_written_in_the_step_reaches_its_place_in_the_report():
     assert decode_step(rec.swap(), values).figures == {}
 
 
+def test_a_figure_inside_a_part_the_report_lacks_is_left_out():
+    own = FIGURES["moe.tokens_own_rerouted"]
+    assert fill(step_report(), {own.path: 3.0}).moe is None
+    filled = fill(step_report().model_copy(update={"moe": MoeStat()}), {own.path: 3.0})
+    assert filled.moe.tokens_own_rerouted == 3 and isinstance(filled.moe.tokens_own_rerouted, int)
+
+
 def test_a_second_declaration_at_a_path_is_refused():
     assert figure("loss_scale", how="last", across="min") is not None  # the same again: a reloaded module
     with pytest.raises(ValueError, match="already declared"):
@@ -59,15 +67,18 @@ def test_a_second_declaration_at_a_path_is_refused():
 
 
 def test_a_job_report_reduces_each_figure_by_its_declaration():
-    """loss_scale: the lowest rank's (a collapsing scale is the incident), not the poster's; a rank without the
+    """loss_scale: the lowest rank's (a collapsing scale is the incident); a count: summed; a rank without the
     figure adds nothing."""
-    ranks = [step_report(rank=0, world_size=3).model_copy(update={"loss_scale": 1024.0}),
-             step_report(rank=1, world_size=3).model_copy(update={"loss_scale": 256.0}),
-             step_report(rank=2, world_size=3)]
+    ranks = [step_report(rank=0, world_size=3).model_copy(update={"loss_scale": 1024.0, "moe": MoeStat(
+                 tokens_compared=10, tokens_own_rerouted=2)}),
+             step_report(rank=1, world_size=3).model_copy(update={"loss_scale": 256.0, "moe": MoeStat(
+                 tokens_compared=20, tokens_own_rerouted=5)}),
+             step_report(rank=2, world_size=3).model_copy(update={"moe": MoeStat(tokens_compared=4)})]
     parts = [contribution(r, None, rank=r.rank) for r in ranks]
     table = merge_tables([p.table for p in parts])
-    assert table.figures == ("loss_scale",)
+    assert table.figures == ("loss_scale", "moe.tokens_own_rerouted")
     vectors = [p.vectors(table, world=3) for p in parts]
     sums = [sum(col) for col in zip(*(v[0] for v in vectors), strict=True)]
     maxes = [max(col) for col in zip(*(v[1] for v in vectors), strict=True)]
-    assert reduce_job(ranks[0], table, sums, maxes, world=3).report.loss_scale == 256.0
+    job = reduce_job(ranks[0], table, sums, maxes, world=3).report
+    assert job.loss_scale == 256.0 and job.moe.tokens_own_rerouted == 7 and job.moe.tokens_compared == 34

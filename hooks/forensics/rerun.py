@@ -73,7 +73,7 @@ from nanwatch.hooks.measure.decode import StepSoFar, decode_step, nonfinite_phas
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler, loss_scaling
 from nanwatch.wire import Incident
 
 __all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "rerun"]
@@ -527,7 +527,7 @@ class DifferentialRerun:
         if flag is None or flag.state is None or flag.data is None:
             return
         stats = decode_step(flag.state, flag.data.tolist())  # sync-ok: the incident path, once per run
-        if flag.state.loss_scaling and handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites):
+        if loss_scaling(flag.state) and handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites):
             return  # dynamic loss scaling at work: no incident (the scaler skipped the update)
         self._done = True
         self.flags.clear()

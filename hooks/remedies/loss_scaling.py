@@ -197,7 +197,7 @@ class LossScaling:
         if not live:
             return
         try:
-            self._rec.loss_scale(LOSS_SCALE, live[-1].scaler._scale.detach().float())
+            self._rec.figure(LOSS_SCALE, live[-1].scaler._scale.detach().float())
         except Exception as exc:  # noqa: BLE001
             self._warn(f"could not read the GradScaler's scale ({exc!r}); loss_scale is not reported")
 

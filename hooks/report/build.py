@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
+from nanwatch.hooks.measure.figures import fill
 from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.measure.replica_verdict import replica_incident
-from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler, loss_scaling
 from nanwatch.hooks.moe.report import moe_stat
 from nanwatch.hooks.report.step_context import StepContext
 from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, Spike, StepReport
@@ -44,10 +45,10 @@ class ReportBuilder:
         """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
         lost so far, carried by this one)."""
         state = ctx.state
-        loss_scale, overflow = _loss_scaling(state, stats)
+        overflow = _scaler_overflow(state, stats)
         warns = list(state.warnings)
         told = self._params.observe(stats.batches, stats.sites, step=step, skipped=bool(
-            stats.step_skipped or (state.loss_scaling and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
+            stats.step_skipped or (loss_scaling(state) and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
         warns.extend(told)
         incident = self._optimizer_incident(stats, state.incident, step, overflow=overflow)
         replicas = replica_incident(state.replica, stats.slot, step)  # type: ignore[arg-type]
@@ -71,7 +72,7 @@ class ReportBuilder:
                 self._warn(w)
         first = stats.first_offender
         spikes = self._spikes(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
-        return StepReport(
+        report = StepReport(
             **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
             sites=stats.sites, sdpa=stats.sdpa, logits=stats.logits, fingerprints=stats.fingerprints,
             coverage=coverage, rlhf=stats.rlhf, attention_mode=ctx.mode, directive_version=ctx.directive_version,
@@ -80,8 +81,10 @@ class ReportBuilder:
             first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
             rollout_attribution=state.rollout_attribution,
-            loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
+            scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
             spikes=spikes, moe=moe_stat(state.moe, stats.slot, stats.logits, step))
+        # the figures measure modules declared (``nanwatch.hooks.measure.figures``): a training step's alone
+        return fill(report, stats.figures) if state.stage == "train" else report
 
     def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,
                             overflow: bool | None) -> Incident | None:
@@ -146,11 +149,9 @@ class ReportBuilder:
         return unmeasured
 
 
-def _loss_scaling(state: StepState, stats: StepStats) -> tuple[float | None, bool | None]:
-    """(loss_scale, scaler_overflow) of a training step run under a watched GradScaler, else (None, None)
-    (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when)."""
-    if not state.loss_scaling or state.stage != "train":
-        return None, None
-    scale = stats.slot("max", LOSS_SCALE, -1.0)
-    found = stats.slot("max", SCALER_FOUND, 0.0)
-    return (scale if scale >= 0 else None), handled_by_scaler(found > 0, stats.sites)
+def _scaler_overflow(state: StepState, stats: StepStats) -> bool | None:
+    """``scaler_overflow`` of a training step run under a watched GradScaler, else None
+    (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when; its ``loss_scale`` is a report figure)."""
+    if not loss_scaling(state) or state.stage != "train":
+        return None
+    return handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites)

@@ -232,13 +232,22 @@ class PgStore:
         # GREATEST: a floor another replica raised meanwhile never goes down
         self._db.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = "
                    "GREATEST(meta.value::bigint, excluded.value::bigint)::text", (_FLOOR_KEY, str(top)))
-        for table in ("events", "directives", "hwm", "counters", "runs"):
+        for table in ("events", "directives", "hwm", "counters", "weight_syncs", "runs"):
             self._db.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
         for run_id in run_ids:
             self._revs.pop(run_id, None)
 
     def delete_hwm(self, keys: list[tuple[str, int, str]]) -> None:
         self._db.executemany("DELETE FROM hwm WHERE run_id = %s AND rank = %s AND incarnation = %s", keys)
+
+    def put_weights(self, rows: list[tuple[str, str, str, str]]) -> None:
+        """Weight-sync rows, upserted: written, like the counters, only by a replica whose memory of the run
+        holds every committed write of it (the revision check of ``touch``, in the same transaction)."""
+        self._db.executemany("INSERT INTO weight_syncs VALUES (%s,%s,%s,%s) ON CONFLICT (run_id, kind, key) "
+                             "DO UPDATE SET body = excluded.body", rows)
+
+    def delete_weights(self, keys: list[tuple[str, str, str]]) -> None:
+        self._db.executemany("DELETE FROM weight_syncs WHERE run_id = %s AND kind = %s AND key = %s", keys)
 
     def put_directive(self, d: Directive) -> None:
         """A new version; a version another replica already issued conflicts on the primary key: this
@@ -332,6 +341,8 @@ def _read(conn: psycopg.Connection, into: Loaded, where: str, args: tuple) -> di
     into.first_offenders.update((r[0], _event(r)) for r in conn.execute(
         "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events" + where + kind,
         (*args, "first_nonfinite")))
+    for run, kind, key, body in conn.execute("SELECT run_id, kind, key, body FROM weight_syncs" + where, args):
+        into.weights.setdefault(one(run, run), []).append((kind, key, body))
     now_wall, now_mono = time.time(), time.monotonic()
     revs = {}
     for run, wall, rev in conn.execute("SELECT run_id, touched, rev FROM runs" + where, args):

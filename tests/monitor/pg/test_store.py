@@ -101,6 +101,27 @@ def test_the_schema_is_upgraded_from_an_older_version_keeping_its_rows(pg_url):
     assert PgStore(pg_url).schema_found == PG_SCHEMA_VERSION  # and then left alone
 
 
+def test_schema_2_gains_the_weight_syncs_table_and_keeps_its_rows(pg_url):
+    """Migration 3 (the runs' weight syncs) on a database a collector of schema 2 left."""
+    old = PgStore(pg_url, schema_upto=2)
+    with old.transaction():
+        old.put_hwm([("r", 0, "inc", 4, 2)])
+        old.put_directive(directive("r", 3))
+        old.touch({"r"}, 1.0)
+    with pytest.raises(StoreError):  # no such table yet
+        with old.transaction():
+            old.put_weights([("r", "trainer", "", '"inc"')])
+    old.close()
+    new = PgStore(pg_url)
+    assert new.schema_found == 2 and new.schema_problem() is None
+    loaded = new.load()
+    assert loaded.hwm == {("r", 0, "inc"): 4} and loaded.directives["r"].version == 3 and loaded.weights == {}
+    with new.transaction():
+        new.put_weights([("r", "trainer", "", '"inc"')])
+        new.touch({"r"}, 2.0)
+    assert PgStore(pg_url).load().weights == {"r": [("trainer", "", '"inc"')]}
+
+
 def test_a_foreign_or_newer_database_is_refused(pg_cluster, pg_url):
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE events (id int)")

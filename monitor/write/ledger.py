@@ -329,6 +329,8 @@ class Ledger:
         if step is None:
             step = min(apply_step(self.state, run_id, time.monotonic()) + self._margin, MAX_INT)
         cur = self.directive_log.latest(run_id)
+        # the floor as committed now: another replica may have forgotten a run since this one last read it
+        self.directive_log.raise_floor(self.store.directive_floor())
         d = self.directive_log.successor(run_id, spec, apply_at_step=step, actor=actor)
         ensure_run(self.state, run_id).touched = time.monotonic()
         kind = "directive_cleared" if spec.mode == "none" else "directive_set"
@@ -444,6 +446,10 @@ class Ledger:
             return
         reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
         self.weight_syncs.replace(decode_all(loaded.weights), runs)
+        # a run the store no longer holds was forgotten (by another replica): its directive goes too, and the
+        # floor it raised is taken, so no version at or below it is issued here again
+        self.directive_log.forget([r for r in runs if r not in loaded.directives and self.directive_log.current(r).version])
+        self.directive_log.raise_floor(loaded.directive_floor)
         for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
             if d.version > self.directive_log.current(run_id).version:
                 self.directive_log.put(d)

@@ -165,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector. Raises ValueError for an exposed host without tokens or unreadable token files."""
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
+    settings.check_store()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
     if database_url_of(settings) is not None:
         _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening

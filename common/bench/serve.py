@@ -46,8 +46,9 @@ class CollectorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *, timeout_s: float = 30.0) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--db", self.db_path]
+        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if not (self.env.get("NANWATCH_DATABASE_URL") or self.env.get("NANWATCH_DATABASE_URL_FILE")):
+            cmd += ["--db", self.db_path]  # one store: ``nanwatch serve`` refuses --db beside a database URL
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)

@@ -109,7 +109,8 @@ class DurableStore(Protocol):
     def load(self, run_ids: set[str] | None = None) -> Loaded:
         """What the store holds of every run (start-up), or of ``run_ids`` alone (the repair after a failed
         write): marks, latest steps, counters, latest directives, crash keys, event counts, first offenders,
-        retention times, weight-sync rows and the directive floor."""
+        retention times, weight-sync rows and the directive floor. A run's weight rows may be left out when
+        they are what this store last read or wrote for it (``Loaded.weights_kept``: memory holds them)."""
 
     def close(self) -> None:
         """Release the store (its connection, its lock)."""

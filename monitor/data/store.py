@@ -95,6 +95,9 @@ class Loaded:
     directive_floor: int = 0
     #: each run's weight-sync rows, (kind, key, body) (``nanwatch.monitor.data.weight_rows.decode``)
     weights: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    #: runs whose weight rows were left unread: they are what this process last read or wrote (PostgreSQL's
+    #: weight revision), so memory keeps its own
+    weights_kept: set[str] = field(default_factory=set)
 
 
 class Store:

@@ -12,7 +12,8 @@ the data, and ``jsonb`` refuses ``NaN``). Migration 2 adds what replicas share: 
 under the run's row lock by every write, so a replica whose memory of a run is older than the database's
 finds out inside its transaction (``nanwatch.monitor.pg.database``). Migration 3 adds the runs' weight syncs
 (``weight_syncs``, rows of ``nanwatch.monitor.data.weight_rows``), so that a version published through one
-replica is compared with a rollout set posted through another.
+replica is compared with a rollout set posted through another, and a weight revision per run (``runs.wrev``),
+bumped by a write that changed the run's weight rows, so a replica re-reads them only when they changed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ MIGRATIONS: tuple[str, ...] = (
         run_id TEXT NOT NULL, kind TEXT NOT NULL, key TEXT NOT NULL, body TEXT NOT NULL,
         PRIMARY KEY (run_id, kind, key)
     );
+    ALTER TABLE runs ADD COLUMN wrev BIGINT NOT NULL DEFAULT 0;
     """,
 )
 PG_SCHEMA_VERSION = len(MIGRATIONS)
@@ -60,7 +62,7 @@ COLUMNS = {
     "directives": ["run_id", "version", "body"],
     "hwm": ["run_id", "rank", "incarnation", "seq", "step"],
     "counters": ["run_id", "family", "labels", "value"],
-    "runs": ["run_id", "touched", "rev"],
+    "runs": ["run_id", "touched", "rev", "wrev"],
     "meta": ["key", "value"],
     "weight_syncs": ["run_id", "kind", "key", "body"],
 }

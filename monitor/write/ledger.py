@@ -445,7 +445,7 @@ class Ledger:
             self._unsynced, self._unsynced_marks = runs, marks
             return
         reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
-        self.weight_syncs.replace(decode_all(loaded.weights), runs)
+        self.weight_syncs.replace(decode_all(loaded.weights), runs - loaded.weights_kept)
         # a run the store no longer holds was forgotten (by another replica): its directive goes too, and the
         # floor it raised is taken, so no version at or below it is issued here again
         self.directive_log.forget([r for r in runs if r not in loaded.directives and self.directive_log.current(r).version])

@@ -10,7 +10,7 @@ The tables mirror the SQLite store's (``nanwatch.monitor.data.schema``), in Post
 counter totals are ``NUMERIC`` (exact at any size), event detail stays JSON text (non-finite floats are
 the data, and ``jsonb`` refuses ``NaN``). Migration 2 adds what replicas share: a revision per run, bumped
 under the run's row lock by every write, so a replica whose memory of a run is older than the database's
-finds out inside its transaction (``nanwatch.monitor.pg.database``). Migration 3 adds the runs' weight syncs
+finds out inside its transaction (``nanwatch.monitor.pg.database``). The weight-sync migration adds the runs' weight syncs
 (``weight_syncs``, rows of ``nanwatch.monitor.data.weight_rows``), so that a version published through one
 replica is compared with a rollout set posted through another, and a weight revision per run (``runs.wrev``),
 bumped by a write that changed the run's weight rows, so a replica re-reads them only when they changed.

@@ -102,7 +102,8 @@ def test_the_schema_is_upgraded_from_an_older_version_keeping_its_rows(pg_url):
 
 
 def test_schema_2_gains_the_weight_syncs_and_keeps_its_rows(pg_url):
-    """Migration 3 (the runs' weight syncs and their revision) on a database a collector of schema 2 left."""
+    """The weight-sync migration (the runs' weight syncs and their revision) on a database a collector of
+    schema 2 left (before any later migration)."""
     old = PgStore(pg_url, schema_upto=2)
     with old._pool.connection() as conn:
         conn.execute("INSERT INTO runs VALUES ('r', 1.0, 7)")

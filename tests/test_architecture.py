@@ -751,6 +751,10 @@ MAX_METHODS, MAX_FUNCTION_LINES = 20, 60
 REVIEWED: dict[str, str] = {
     "nanwatch.hooks.facade: class Monitor": "the public facade: one method per user-facing verb (attach, step, "
     "watch, rlhf, publish_weights, guard, ..., and #39's routes); its bodies are one-line hand-offs to the parts",
+    "nanwatch.monitor.data.store: class Store": "the SQLite store: one method per operation of the DurableStore "
+    "interface (#40 added the weight-sync rows' put and delete), each a statement or two; one concern, the SQL",
+    "nanwatch.monitor.pg.database: class PgStore": "the PostgreSQL store: the same DurableStore operations as "
+    "Store, method for method, plus the replicas' changed_runs; one concern, the SQL",
 }
 
 

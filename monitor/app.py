@@ -29,6 +29,7 @@ from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.data.state import CollectorState, HostCaps
 from nanwatch.monitor.data.store import EventRow, Store
+from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, database_url_of, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
@@ -82,6 +83,7 @@ def _resources(settings: Settings) -> Resources:
                     weight_sync_expire_s=settings.weight_sync_expire_s,
                     weight_bytes_per_namespace=settings.max_weight_mib_per_namespace << 20,
                     weight_versions_per_namespace=settings.max_weight_versions_per_namespace)
+    ledger.weight_syncs.replace(decode_all(loaded.weights))
     metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
                               on_left_out=lambda runs: _left_out_events(ledger, runs))
@@ -180,6 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector. Raises ValueError for an exposed host without tokens or unreadable token files."""
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
+    settings.check_store()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
     if database_url_of(settings) is not None:
         _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening

@@ -33,21 +33,30 @@ class CollectorProcess:
 
         with CollectorProcess(db_path=tmp_path / "c.db", env={"NANWATCH_RANK_TTL_S": "1"}) as c:
             urllib.request.urlopen(c.url + "/metrics")
+        CollectorProcess(database_url="postgresql://nanwatch@db/nanwatch")  # a replica (docs/replicas.md)
     """
 
-    def __init__(self, *, db_path: str | Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None) -> None:
+    def __init__(self, *, db_path: str | Path | None = None, database_url: str | None = None, port: int | None = None,
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None) -> None:
+        if (db_path is None) == (database_url is None):
+            raise ValueError("CollectorProcess needs exactly one of db_path (SQLite) and database_url (PostgreSQL)")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.db_path = str(db_path)
+        self.db_path = None if db_path is None else str(db_path)
+        self.database_url = database_url
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
         self.env.update({"NANWATCH_LOG_LEVEL": "warning", **(env or {})})
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
     def start(self, *, timeout_s: float = 30.0) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--db", self.db_path]
+        if self.database_url:
+            store = ["--database-url", self.database_url]
+        elif self.env.get("NANWATCH_DATABASE_URL") or self.env.get("NANWATCH_DATABASE_URL_FILE"):
+            store = []  # the environment names the database: ``nanwatch serve`` refuses --db beside it
+        else:
+            store = ["--db", self.db_path]
+        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *store]
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)

@@ -108,12 +108,17 @@ class RankState:
     crashed: str | None = None
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
-    loss_scale: float | None = None
-    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling; a
-    heartbeat never changes it (liveness only)."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """The latest training step's report figures, by wire path (``nanwatch.monitor.data.report_figures``: the
+    table's gauges read off the report and their denominators); a heartbeat never changes them (liveness only)."""
     heartbeat_s: float = 0.0
     """The heartbeat interval this rank announced (wire 1.4 ``heartbeat_s``, at most ``MAX_HEARTBEAT_S``); 0:
     none."""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling."""
+        return self.figures.get("loss_scale")
 
     @property
     def logit_max(self) -> float | None:

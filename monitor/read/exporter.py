@@ -37,6 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data import report_figures
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
 from nanwatch.monitor.data.liveness import held_ranks, is_live, late_after, live_job, ttl, world_size
@@ -112,7 +113,6 @@ class RunSnapshot:
     latest_offenders: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     math_fallback: tuple[str, str, str] | None = None
     latest_incidents: tuple[tuple[str, tuple[str, str, str]], ...] = ()
-    loss_scale: float | None = None
     namespace: str = "*"
     """The run-id namespace the run belongs to (``HostCaps.namespace_of``): the host series' label."""
     weight_lag: tuple[tuple[str, int], ...] = ()
@@ -171,8 +171,6 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         if run.series_dropped and ("series_dropped", run_id) not in state.exposed:
             state.exposed.add(("series_dropped", run_id))
             born |= {("series_dropped", ())}
-    scales = [st.loss_scale for st in (*shown, *([job] if job is not None else []))
-              if st.loss_scale is not None]
     counters, events, totals, news = _counted(state, run_id, run, live)
     if state.tenures is not None:  # replicas: the tenures start every counter series (born at zero included)
         born = frozenset(k for k in born if k == ("series_dropped", ()))
@@ -183,8 +181,7 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(views.hung(state, run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
-        min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())),
-        totals)
+        state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())), totals)
     return snap, until, bool(born) or bool(fresh) or news
 
 
@@ -293,11 +290,12 @@ class _Families(dict):
         self[spec.name].add_metric(labels, value)
 
 
-#: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
+#: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec), the
+#: table's counter figures among them
 _AS_STORED = {spec.key: spec for spec in (
     m.SITE_NONFINITE_CALLS, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
-    m.ROLLOUT_NONFINITE_VALUES, m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED,
-    m.WEIGHT_SYNC_MISMATCHES, m.SPIKES, m.WEIGHT_SYNCS_UNVERIFIABLE)}
+    m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED, m.WEIGHT_SYNC_MISMATCHES, m.SPIKES,
+    m.WEIGHT_SYNCS_UNVERIFIABLE, *report_figures.COUNTER_FIGURES)}
 
 
 def _value(run: RunSnapshot, fam: MetricSpec, labels: tuple) -> int:
@@ -340,11 +338,9 @@ def _where(f: _Families, run: RunSnapshot) -> None:
 
 
 def _run_gauges(f: _Families, run: RunSnapshot) -> None:
-    """The live run's own gauges: loss scale, live ranks and world size (none once it ended: it holds no
-    ranks, so nothing is missing), its directive."""
+    """The live run's own gauges: live ranks and world size (none once it ended: it holds no ranks, so nothing
+    is missing), its directive."""
     run_id = run.run_id
-    if run.loss_scale is not None:
-        f.add(m.LOSS_SCALE, [run_id], run.loss_scale)
     if not run.ended:
         f.add(m.LIVE_RANKS, [run_id], run.live_count)
     d = run.directive
@@ -412,6 +408,15 @@ def _measured(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
          else [job.moe])
 
 
+def _figures(f: _Families, run: RunSnapshot) -> None:
+    """The table's report gauges (``MetricSpec.path``: the loss scale, the MoE rerouted fraction...), each
+    combined over the live views by its entry (``nanwatch.monitor.data.report_figures``)."""
+    for spec in report_figures.GAUGE_FIGURES:
+        value = report_figures.combined(spec, run.live, run.job)
+        if value is not None:
+            f.add(spec, [run.run_id], value)
+
+
 def _moe(f: _Families, run_id: str, stats: list[MoeStat]) -> None:
     """The MoE routers of the latest step: the job's, or the live ranks' merged exactly (``MoeStat.merged``)."""
     moe = MoeStat.merged(stats)
@@ -424,10 +429,8 @@ def _moe(f: _Families, run_id: str, stats: list[MoeStat]) -> None:
             f.add(m.MOE_ROUTER_LOGIT_MAX, [run_id, r.router], r.logit_max)
         if r.disagreement is not None:
             f.add(m.MOE_ROUTING_DISAGREEMENT, [run_id, r.router], r.disagreement)
-    if moe.rerouted_fraction is not None:
-        f.add(m.MOE_TOKENS_REROUTED, [run_id], moe.rerouted_fraction)
-        if moe.routing_replay != "off":
-            f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
+    if moe.rerouted_fraction is not None and moe.routing_replay != "off":
+        f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
 
 
 def _run_counters(f: _Families, run: RunSnapshot) -> None:
@@ -502,6 +505,7 @@ def _run_series(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
         return
     _where(f, run)
     _run_gauges(f, run)
+    _figures(f, run)
     _per_rank(f, run)
     _measured(f, run, notes)
     _run_counters(f, run)

@@ -39,6 +39,7 @@ from nanwatch.monitor.data.memory import MemoryBudget
 from nanwatch.monitor.data.refusal import CapReached, StoreUnavailable, Unstorable
 from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
+from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.monitor.write.caps import Caps
 from nanwatch.monitor.write.directive_rules import DirectiveRuleEngine, Intents, Issue
@@ -168,7 +169,8 @@ class Ledger:
         self._unsynced_marks: set[tuple[str, int, str]] = set()
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
-        #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
+        #: each run's recent weight versions and their comparisons (``write.weight_compare``), kept in the store
+        #: and read back with the run (``_restore``; at start-up, the app's ``weight_rows.decode_all``)
         self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s,
                                         max_bytes_per_namespace=weight_bytes_per_namespace,
                                         max_versions_per_namespace=weight_versions_per_namespace)
@@ -332,6 +334,8 @@ class Ledger:
         if step is None:
             step = min(apply_step(self.state, run_id, time.monotonic()) + self._margin, MAX_INT)
         cur = self.directive_log.latest(run_id)
+        # the floor as committed now: another replica may have forgotten a run since this one last read it
+        self.directive_log.raise_floor(self.store.directive_floor())
         d = self.directive_log.successor(run_id, spec, apply_at_step=step, actor=actor)
         ensure_run(self.state, run_id).touched = time.monotonic()
         kind = "directive_cleared" if spec.mode == "none" else "directive_set"
@@ -446,6 +450,11 @@ class Ledger:
             self._unsynced, self._unsynced_marks = runs, marks
             return
         reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
+        self.weight_syncs.replace(decode_all(loaded.weights), runs - loaded.weights_kept)
+        # a run the store no longer holds was forgotten (by another replica): its directive goes too, and the
+        # floor it raised is taken, so no version at or below it is issued here again
+        self.directive_log.forget([r for r in runs if r not in loaded.directives and self.directive_log.current(r).version])
+        self.directive_log.raise_floor(loaded.directive_floor)
         for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
             if d.version > self.directive_log.current(run_id).version:
                 self.directive_log.put(d)

@@ -90,6 +90,7 @@ def restore(state: CollectorState, loaded: Loaded) -> None:
 def _run_ids(loaded: Loaded) -> set[str]:
     """Every run something was read back for."""
     return {*loaded.latest_step, *loaded.directives, *loaded.event_keys, *loaded.first_offenders, *loaded.touched,
+            *loaded.weights,
             *(k[0] for k in loaded.hwm), *(c[0] for c in loaded.counters), *(k[0] for k in loaded.event_counts)}
 
 
@@ -123,7 +124,7 @@ def reload(state: CollectorState, loaded: Loaded, *, touched: set[str], marks: s
 #: them (``reload(keep_views=True)``)
 _VIEWS = ("ranks", "shown", "worlds", "job", "job_poster", "intervals", "heartbeat_s", "last_seen", "newborn",
           "exposed_ranks", "latest_offenders", "latest_incidents", "math_fallback", "counted_once", "latest_spikes",
-          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent")
+          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent", "weight_lag")
 
 
 def forget_incarnations(state: CollectorState, keys: list[tuple[str, int, str]]) -> None:

@@ -302,6 +302,9 @@ def test_replicas_profile_shares_one_postgres(compose):
     for name in ("replica", "replica-1"):
         svc = services[name]
         assert svc["image"] == services["collector"]["image"] and svc["build"] == services["collector"]["build"]
+        # the collector image's command without its --db (nanwatch serve refuses a file beside a URL)
+        image_cmd = json.loads(re.findall(r"^CMD (\[.*\])$", DOCKERFILE.read_text(), re.M)[-1])
+        assert "--db" not in svc["command"] and svc["command"] == image_cmd[:image_cmd.index("--db")]
         env = svc["environment"]
         assert {k: v for k, v in env.items() if k != "NANWATCH_DATABASE_URL_FILE"} == services["collector"]["environment"]
         assert env["NANWATCH_DATABASE_URL_FILE"].removeprefix("/run/secrets/") in svc["secrets"]

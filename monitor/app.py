@@ -121,8 +121,8 @@ def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], C
     shared = SharedMetrics(res.store.url)  # type: ignore[attr-defined]
     res.ledger.state.tenures = Tenures()
     res.ledger.export_only(set())  # none until leased
-    res.metrics.on_rendered(lambda snap: shared.record({run.run_id: run.totals for run in snap.runs
-                                                       if run.totals is not None}))
+    res.metrics.on_rendered(lambda snap: shared.record_later({run.run_id: run.totals for run in snap.runs
+                                                             if run.totals is not None}))
     task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
                                       every_s=settings.database_refresh_s,
                                       tick=lambda: _lease_runs(res.ledger, leases, shared)))

@@ -119,6 +119,15 @@ def or_none(expr: str, label: str) -> str:
     return f'{expr}\nor on () label_replace(vector(0), "{label}", "(none)", "", "")'
 
 
+def counted(spec: mt.MetricSpec, by: str, *, fn: str = "increase", select: str = RUN) -> str:
+    """A counter's ``fn`` (increase or rate) per interval, grouped ``by``, over every collector: the inner max by
+    its labels and ``instance`` counts one collector scraped by two jobs once, the sum adds the parts of
+    replicas that exported the run in turn (docs/replicas.md#querying-replicas). Never a max over instances
+    (it drops the old exporter's part after a handover), never a sum of raw counter values."""
+    inner = ", ".join((*spec.labels[1:], "instance"))
+    return f"sum by ({by}) (max by ({inner}) ({fn}({spec.name}{{{select}}}[$__rate_interval])))"
+
+
 def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
     """Absolute thresholds; the first step's value is None (the base colour)."""
     return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
@@ -217,10 +226,12 @@ def run_health_variables(d: db.Dashboard) -> db.Dashboard:
     return d.with_variable(run_id).with_variable(rank)
 
 
-def new_or_increased(series: str) -> str:
-    """Per series: its value if it is new within the interval (increase() needs an earlier sample, so a
-    counter's first event would be lost), else its increase over the interval (0 when nothing happened)."""
-    return f"({series} unless {series} offset $__rate_interval)\n  or increase({series}[$__rate_interval])"
+def new_or_increased(series: str, identity: str) -> str:
+    """Per series: its value if it is new within the interval on every collector (increase() needs an earlier
+    sample, so a counter's first event would be lost; a series another replica showed before is not new, it
+    moved), else its increase over the interval (0 when nothing happened)."""
+    return (f"({series} unless on ({identity}) {series} offset $__rate_interval)\n"
+            f"  or increase({series}[$__rate_interval])")
 
 
 def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
@@ -228,8 +239,8 @@ def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
 
     Both queries return a series (value 0) while nothing happens and a positive value in an interval where
     something did: Grafana's Prometheus annotations mark only the points above zero."""
-    counted = new_or_increased(f"{mt.EVENTS.name}{{{RUN}}}")
-    events = f"sum by (kind) (\n  {counted}\n)"
+    new = new_or_increased(f"{mt.EVENTS.name}{{{RUN}}}", "run_id, kind")
+    events = f"sum by (kind) (max by (kind, instance) (\n  {new}\n))"  # over collectors, as counted()
     directive = f"{mt.DIRECTIVE_INFO.name}{{{RUN}}}"
     # a new (mode, version) series is a directive change; "or 0 *" keeps the current one, at 0
     changes = (f"max by (mode, version) (\n  ({directive} unless {directive} offset $__rate_interval)\n"
@@ -271,14 +282,12 @@ def overview_panels() -> list[Any]:
 
 
 def nonfinite_panels() -> list[Any]:
-    # max by: one value per series however many jobs scrape the collector; counters are born at zero, so
-    # increase() shows the first NaN (a duplicate that missed the zero is covered by the other's max)
-    by_site = (f"max by (site, pass) (increase({mt.SITE_NONFINITE_CALLS.name}{{{RUN}}}"
-               "[$__rate_interval]))")
-    by_rank = (f"max by (rank, pass, kind) (increase({mt.NONFINITE_CALLS.name}{{{RUN_RANK}}}"
-               "[$__rate_interval]))")
-    by_stage = (f"sum by (stage) (max by (stage, pass, kind) (increase({mt.RUN_NONFINITE_CALLS.name}"
-                f"{{{RUN}}}[$__rate_interval])))")
+    # counted(): each collector's part once however many jobs scrape it, the replicas' parts summed; counters
+    # are born at zero (and a replica taking over a run starts them where the last export stood), so
+    # increase() shows the first NaN
+    by_site = counted(mt.SITE_NONFINITE_CALLS, "site, pass")
+    by_rank = counted(mt.NONFINITE_CALLS, "rank, pass, kind", select=RUN_RANK)
+    by_stage = counted(mt.RUN_NONFINITE_CALLS, "stage")
     latest = (
         _common(table.Panel(), "Latest offender by stage",
                 "Where the run's most recent non-finite step in each stage began (what the pages name).", 12, 6)
@@ -300,7 +309,7 @@ def nonfinite_panels() -> list[Any]:
 
 
 def attention_panels() -> list[Any]:
-    calls = f'sum by (backend) (rate({mt.SDPA_CALLS.name}{{{RUN}, stage="train"}}[$__rate_interval]))'
+    calls = counted(mt.SDPA_CALLS, "backend", fn="rate", select=f'{RUN}, stage="train"')
     share = (ts_panel("SDPA backend share (train)", "Share of training attention calls by the SDPA backend "
                       "that ran. Red is the math kernel: O(S^2) memory, and in half precision the silent "
                       "fallback.", query(calls, "{{backend}}"), unit="percentunit", w=8)
@@ -346,19 +355,16 @@ def rollout_stat(stat_re: str) -> prometheus.Dataquery:
     return query(f'max by (stat) ({mt.ROLLOUT_MISMATCH.name}{{{RUN}, stat=~"{stat_re}"}})', "{{stat}}")
 
 
-def weight_syncs(metric: str, legend: str, ref: str) -> prometheus.Dataquery:
+def weight_syncs(spec: mt.MetricSpec, legend: str, ref: str) -> prometheus.Dataquery:
     """Weight syncs per interval (0, not "No data", before the first one)."""
-    return query(f"sum(max by (run_id) (increase({metric}{{{RUN}}}[$__rate_interval])))\nor on () vector(0)",
-                 legend, ref=ref)
+    return query(f"{counted(spec, 'run_id')}\nor on () vector(0)", legend, ref=ref)
 
 
 def rollout_panels() -> list[Any]:
     """The rollout (sampler) against the trainer on the same tokens (#28): the figures over time, the
     classified events by cause, the sampler's own non-finite logprobs, and the weight syncs verified."""
-    events = or_none(f"max by (cause) (increase({mt.ROLLOUT_MISMATCH_EVENTS.name}"
-                     f"{{{RUN}}}[$__rate_interval]))", "cause")
-    nonfinite = or_none(f"max by (run_id) (increase({mt.ROLLOUT_NONFINITE_VALUES.name}{{{RUN}}}"
-                        "[$__rate_interval]))", "run_id")
+    events = or_none(counted(mt.ROLLOUT_MISMATCH_EVENTS, "cause"), "cause")
+    nonfinite = or_none(counted(mt.ROLLOUT_NONFINITE_VALUES, "run_id"), "run_id")
     drift = (ts_panel("Rollout mismatch |dlogp|", "Mean, 99th percentile and k3 KL of dlogp = trainer - rollout "
                       "on the same tokens, the latest step's (the job's, or combined over ranks). A synced run in "
                       "matching precision sits near 0.015; NanwatchRolloutDrift tickets above 0.05 for 30 "
@@ -383,8 +389,8 @@ def rollout_panels() -> list[Any]:
                  w=8),
         ts_panel("Weight syncs verified and mismatched", "Weight versions whose fingerprints the rollout side "
                  "confirmed, and those it did not (NanwatchWeightSyncMismatch pages), per interval.",
-                 weight_syncs(mt.WEIGHT_SYNCS_VERIFIED.name, "verified", "A"),
-                 weight_syncs(mt.WEIGHT_SYNC_MISMATCHES.name, "mismatched", "B"), w=8)
+                 weight_syncs(mt.WEIGHT_SYNCS_VERIFIED, "verified", "A"),
+                 weight_syncs(mt.WEIGHT_SYNC_MISMATCHES, "mismatched", "B"), w=8)
         .override_by_name("mismatched", [fixed_color(RED)]),
     ]
 
@@ -436,10 +442,10 @@ def guard_panels() -> list[Any]:
                        "a non-finite value (the weights stayed as they were). Under torch.distributed the skip is "
                        "the job's, so each rank shown counts the same steps; job mode shows the reporting rank "
                        "and the ranks with detail reports.",
-                       query(f"max by (rank) (increase({mt.SKIPPED_STEPS.name}{{{RUN_RANK}}}"
-                             "[$__rate_interval]))", "rank {{rank}}"), w=12)
+                       query(counted(mt.SKIPPED_STEPS, "rank", select=RUN_RANK), "rank {{rank}}"), w=12)
     # incidents exist only once a step was replayed
-    incidents = or_none(f"sum by (class) ({mt.INCIDENTS.name}{{{RUN}}})", "class")
+    # the run's totals: one collector shows them at a time (the database's), so the max over collectors
+    incidents = or_none(f"max by (class) ({mt.INCIDENTS.name}{{{RUN}}})", "class")
     # the capsule path is a label of a bounded info series (one per run and class, latest incident), never of
     # a counter: the dashboards read Prometheus only
     capsules = (
@@ -453,9 +459,8 @@ def guard_panels() -> list[Any]:
                                       rename={"class": "Class", "host": "Host", "rank": "Rank",
                                               "capsule": "Capsule"})))
     # both exist only once something happened (#29): "(none)" reads 0, not "No data"
-    spikes = or_none(f"sum by (site_kind) (increase({mt.SPIKES.name}{{{RUN}}}[$__rate_interval]))", "site_kind")
-    divergences = or_none(f'max by (class) (increase({mt.INCIDENTS.name}{{{RUN}, class="replica_divergence"}}'
-                          "[$__rate_interval]))", "class")
+    spikes = or_none(counted(mt.SPIKES, "site_kind"), "site_kind")
+    divergences = or_none(counted(mt.INCIDENTS, "class", select=f'{RUN}, class="replica_divergence"'), "class")
     precursors = [
         ts_panel("Spike steps by site kind", "Steps in which a site of a kind jumped k times (spike_factor, 10) "
                  "over its running baseline without overflowing (backward sites: grad): a precursor, not an "
@@ -483,11 +488,11 @@ def reporting_panels() -> list[Any]:
            .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
     dropped = ts_panel("Reports dropped", "Reports a trainer rank could not deliver (queue full or collector "
                        "unreachable): those steps were never checked.",
-                       query(f"sum by (rank) (increase({mt.REPORTS_DROPPED.name}{{{RUN_RANK}}}"
+                       # the trainer's own count: the same on every collector that shows the rank
+                       query(f"max by (rank) (increase({mt.REPORTS_DROPPED.name}{{{RUN_RANK}}}"
                              "[$__rate_interval]))", "rank {{rank}}"), w=8)
     # the counter exists only once a step went unmeasured
-    unmeasured = or_none(f"sum by (reason) (increase({mt.UNMEASURED_STEPS.name}{{{RUN}}}[$__rate_interval]))",
-                         "reason")
+    unmeasured = or_none(counted(mt.UNMEASURED_STEPS, "reason"), "reason")
     return [age, dropped,
             ts_panel("Unmeasured steps by reason", "Step reports in which part of the step went unmeasured, "
                      "summed over ranks. \"compiled\" is a configuration (attention inside torch.compile is "

@@ -37,6 +37,7 @@ from nanwatch.monitor.web.exception_handlers import install_exception_handlers
 from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
+from nanwatch.monitor.write import exposure
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.monitor.write.weight_compare import sweep_weights
@@ -84,7 +85,7 @@ def _resources(settings: Settings) -> Resources:
                     weight_bytes_per_namespace=settings.max_weight_mib_per_namespace << 20,
                     weight_versions_per_namespace=settings.max_weight_versions_per_namespace)
     ledger.weight_syncs.replace(decode_all(loaded.weights))
-    metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
+    metrics = MetricsRenderer(state, directive_log, exposure, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
                               on_left_out=lambda runs: _left_out_events(ledger, runs))
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,

@@ -45,31 +45,16 @@ RANK_SERIES = 8
 RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
 
 
+@dataclass(slots=True)
 class RequestCounters:
-    """Totals since the process started (they feed ``nanwatch_collector_*_total``)."""
+    """Totals since the process started (they feed ``nanwatch_collector_*_total``; ``write.requests`` counts)."""
 
-    __slots__ = ("accepted", "duplicates", "rejected")
-
-    def __init__(self) -> None:
-        self.accepted = 0
-        """Step reports applied to the state."""
-        self.duplicates = 0
-        """Step reports already applied (resent by the trainer), acknowledged and ignored."""
-        self.rejected: Counter[str] = Counter()
-        """Requests refused with a 4xx or 503, by reason."""
-
-    def applied(self, accepted: int, duplicates: int) -> None:
-        """A batch was committed: ``accepted`` new reports, ``duplicates`` resent ones."""
-        self.accepted += accepted
-        self.duplicates += duplicates
-
-    def reject(self, reason: str) -> None:
-        """A request was refused for ``reason``."""
-        self.rejected[reason] += 1
-
-    def version(self) -> tuple[int, int, int]:
-        """Changes whenever a count does (the exporter reuses a render only while nothing changed)."""
-        return self.accepted, self.duplicates, sum(self.rejected.values())
+    accepted: int = 0
+    """Step reports applied to the state."""
+    duplicates: int = 0
+    """Step reports already applied (resent by the trainer), acknowledged and ignored."""
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Requests refused with a 4xx or 503, by reason."""
 
 
 @dataclass(slots=True)

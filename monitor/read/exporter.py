@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -51,10 +51,27 @@ from nanwatch.monitor.read import views
 from nanwatch.readable import printable
 from nanwatch.wire import Directive, MoeStat
 
-__all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
+__all__ = ["FORMATS", "RENDER_ERRORS", "Exposure", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
            "snapshot", "snapshot_runs"]
 
 log = logging.getLogger("nanwatch.monitor")
+
+class Exposure(Protocol):
+    """The writes a render makes, handed in (``nanwatch.monitor.write.exposure``, wired by the app): this
+    module reads the state and never writes it. What a render shows for the first time is marked shown
+    (born at zero), a replica's counter series start where its tenure does, render errors are counted."""
+
+    def take_run(self, state: CollectorState, run_id: str, run: RunState, shown: list[RankState], *,
+                 live: bool) -> tuple[frozenset[tuple[str, tuple]], frozenset[int]]: ...
+
+    def take_counters(self, state: CollectorState, run_id: str, run: RunState, *, live: bool) -> tuple[
+        dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None, bool]: ...
+
+    def take_collector(self, state: CollectorState, rejected: dict[str, int], caps: dict[str, int], *,
+                       runs_consumed: bool) -> None: ...
+
+    def rendered(self, state: CollectorState, notes: Counter[str]) -> None: ...
+
 
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 
@@ -145,9 +162,10 @@ class _Runs(NamedTuple):
     consumed: bool
 
 
-def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
-                  late_s: float) -> tuple[RunSnapshot, float, bool]:
-    """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
+def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, run_id: str,
+                  run: RunState, now: float, late_s: float) -> tuple[RunSnapshot, float, bool]:
+    """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new); what
+    it shows for the first time is marked shown by ``exposure`` (the writes a render makes)."""
     # replicas on one database: one shows a run (``CollectorState.exported_runs``)
     live = is_live(state, run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
@@ -156,24 +174,9 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
     if live and run_id in state.foreign_views:  # ranks that report to other replicas (shared_metrics)
         count, shown, job = _with_foreign(state, run, now, count, shown, job)
         world = job.world_size if job is not None else world  # the live job report's, as liveness.world_size
-    until = math.inf
-    # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
-    born = frozenset(k for k in run.newborn if k[0] == "events")
-    run.newborn.difference_update(born)
-    fresh = frozenset()
-    if live:
-        until = views.next_late(run, now, late_s)
-        # born at zero: what this render shows for the first time is shown at 0, and the next at its value
-        born, run.newborn = born | run.newborn, set()
-        fresh = frozenset(st.rank for st in shown if st.rank not in run.exposed_ranks)
-        run.exposed_ranks.update(fresh)
-        run.exposed = True
-        if run.series_dropped and ("series_dropped", run_id) not in state.exposed:
-            state.exposed.add(("series_dropped", run_id))
-            born |= {("series_dropped", ())}
-    counters, events, totals, news = _counted(state, run_id, run, live)
-    if state.tenures is not None:  # replicas: the tenures start every counter series (born at zero included)
-        born = frozenset(k for k in born if k == ("series_dropped", ()))
+    until = views.next_late(run, now, late_s) if live else math.inf
+    born, fresh = exposure.take_run(state, run_id, run, shown, live=live)  # born at zero: shown at 0 now
+    counters, events, totals, news = exposure.take_counters(state, run_id, run, live=live)
     snap = RunSnapshot(
         run_id, run.series_dropped, events, shown if live else None, count,
         world, job, counters,
@@ -183,23 +186,6 @@ def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: st
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
         state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())), totals)
     return snap, until, bool(born) or bool(fresh) or news
-
-
-def _counted(state: CollectorState, run_id: str, run: RunState, live: bool) -> tuple[
-        dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None, bool]:
-    """(the counters, the event counts a render shows, with replicas the totals that is (this export's
-    record), and whether a series was shown at its start below its figure). One collector shows its totals,
-    event counts whether or not the run is live (a directive set on an idle run). Replicas: only the run's
-    exporter shows its counters and event counts, from where its tenure's series start (``data.tenures``),
-    so that a sum of ``increase()`` over replicas counts each increment once."""
-    if state.tenures is None:
-        return (dict(run.counters) if live else {}), dict(run.event_counts), None, False
-    if not live:
-        return {}, {}, None, False
-    shown, totals, news = state.tenures.show(run_id, {**run.counters, **{("events", (kind,)): n
-                                                                          for kind, n in run.event_counts.items()}})
-    counters = {k: v for k, v in shown.items() if k[0] != "events"}
-    return counters, {k[1][0]: v for k, v in shown.items() if k[0] == "events"}, totals, news
 
 
 def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, shown: list[RankState],
@@ -231,7 +217,8 @@ def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, 
 SNAPSHOT_CHUNK = 256
 
 
-async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, *, late_s: float) -> _Runs:
+async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *,
+                        late_s: float) -> _Runs:
     """Every run copied on the event loop, ``SNAPSHOT_CHUNK`` at a time with the loop given back between
     chunks: 9,000 live runs took 0.4-0.5 s in one go, a stall of every trainer's ingest once per scrape. A run
     forgotten meanwhile is left out; one written meanwhile is copied as it is then (newer than the scrape,
@@ -243,32 +230,25 @@ async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, *, l
             await asyncio.sleep(0)
         if state.runs.get(run_id) is not run:
             continue
-        snap, run_until, run_consumed = _run_snapshot(state, directive_log, run_id, run, now, late_s)
+        snap, run_until, run_consumed = _run_snapshot(state, directive_log, exposure, run_id, run, now, late_s)
         out.append(snap)
         until, consumed = min(until, run_until), consumed or run_consumed
     return _Runs(out, until, consumed)
 
 
-def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
+def snapshot(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *, logit_tau: float,
              late_s: float = math.inf, runs: _Runs | None = None) -> Snapshot:
     """What a scrape shows, copied on the event loop (cheap: no metric objects are built here, and a job's
     ranks known only by heartbeats are counted, not copied). ``runs``: the runs already copied
     (``snapshot_runs``, which the renderer awaits first), else they are copied here in one go."""
     if runs is None:
         now = time.monotonic()
-        parts = [_run_snapshot(state, directive_log, run_id, run, now, late_s) for run_id, run in state.runs.items()]
+        parts = [_run_snapshot(state, directive_log, exposure, run_id, run, now, late_s)
+                 for run_id, run in state.runs.items()]
         runs = _Runs([p[0] for p in parts], min((p[1] for p in parts), default=math.inf), any(p[2] for p in parts))
-    consumed = runs.consumed
     req = state.requests
     rejected, caps = dict(req.rejected), dict(state.caps_hit)
-    for kind, counts in (("rejected", rejected), ("caps", caps)):  # born at zero too
-        for label in counts:
-            if (kind, label) not in state.exposed:
-                state.exposed.add((kind, label))
-                counts[label] = 0
-                consumed = True
-    if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
-        state.writes += 1  # the renderer's own bookkeeping of births (state.exposed), not a report's
+    exposure.take_collector(state, rejected, caps, runs_consumed=runs.consumed)  # born at zero too
     return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until,
                     dict(state.render_errors))
 
@@ -590,11 +570,12 @@ class MetricsRenderer:
     answered at once from a cache would let a few scrape loops spin the collector at thousands of requests
     a second)."""
 
-    def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
+    def __init__(self, state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *, logit_tau: float,
                  min_interval_s: float = 3.0, late_s: float = 90.0,
                  on_left_out: Callable[[dict[str, str]], object] | None = None,
                  on_rendered: Callable[[Snapshot], object] | None = None) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
+        self._exposure = exposure
         #: called on the event loop with each render's snapshot once its scrapers have it (replicas record
         #: what each export showed: ``data.tenures``); after, not before: should the replica die between
         #: the two, the next exporter counts the last scrape's increments twice rather than lose them
@@ -628,14 +609,14 @@ class MetricsRenderer:
                 self._next = None  # from now on, new scrapes wait for the next render
             try:
                 started, version = time.monotonic(), views.version(self._state)
-                runs = await snapshot_runs(self._state, self._directive_log, late_s=self._late_s)
-                snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s,
-                                runs=runs)
+                runs = await snapshot_runs(self._state, self._directive_log, self._exposure, late_s=self._late_s)
+                snap = snapshot(self._state, self._directive_log, self._exposure, logit_tau=self._tau,
+                                late_s=self._late_s, runs=runs)
                 self._last_start = started
                 out = await asyncio.to_thread(_render_all, snap, frozenset(rnd.wanted))
                 for key, (body, content_type) in out.bodies.items():
                     self._last[key] = _Rendered(version, body, content_type, snap.until)
-                self._state.render_errors.update(out.notes)
+                self._exposure.rendered(self._state, out.notes)
                 rnd.done.set_result(out.bodies)
                 if out.left_out:
                     self._left_out(out.left_out)

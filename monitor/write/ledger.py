@@ -41,6 +41,7 @@ from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
 from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
+from nanwatch.monitor.write import requests
 from nanwatch.monitor.write.caps import Caps
 from nanwatch.monitor.write.directive_rules import DirectiveRuleEngine, Intents, Issue
 from nanwatch.monitor.write.events import EventLog
@@ -192,7 +193,7 @@ class Ledger:
         # above the memory limit, existing series keep moving; new ones are dropped and counted
         done = self.atomically(runs, marks,
                                 (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
-        self.state.requests.applied(done.accepted, done.duplicates)
+        requests.applied(self.state, accepted=done.accepted, duplicates=done.duplicates)
         return done
 
     def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:

@@ -36,7 +36,7 @@ from nanwatch.monitor.data.durable import DurableStore
 from nanwatch.monitor.data.event_log import DirectiveChange
 from nanwatch.monitor.data.liveness import apply_step
 from nanwatch.monitor.data.memory import MemoryBudget
-from nanwatch.monitor.data.refusal import CapReached, StoreUnavailable, Unstorable
+from nanwatch.monitor.data.refusal import CapReached, Refused, StoreUnavailable, Unstorable
 from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
 from nanwatch.monitor.data.weight_rows import decode_all
@@ -417,9 +417,11 @@ class Ledger:
                 if not getattr(e, "reread_and_retry", False):
                     raise
                 # another collector replica wrote these runs (a shared database): re-read them, once, and
-                # apply the request to what the database holds, as the client's retry would
+                # apply the request to what the database holds, as the client's retry would. This replica's
+                # rank views stay (the database holds none: a view the first try replaced is the request's
+                # own, applied again next): without them a trainer's weight set would no longer bind here
                 self.directive_log.rollback()
-                self._restore(runs, marks)
+                self._restore(runs, marks, keep_views=True)
                 if self._unsynced is not None:
                     raise
                 with self.store.transaction():
@@ -427,6 +429,8 @@ class Ledger:
         except Exception as e:
             self.directive_log.rollback()
             self._restore(runs, marks)
+            if isinstance(e, Refused):  # the write's own check refused it (the run as re-read): nothing applied
+                raise
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, self.store.failures):
                 raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
                                  f"{str(e)[:200]}); nothing was applied") from e

@@ -27,7 +27,7 @@ from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.data.store import EventRow
 from nanwatch.monitor.data.weight_rows import changes
 from nanwatch.monitor.data.weight_syncs import RunSyncs
-from nanwatch.monitor.data.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.data.weight_verdicts import SideSet, Verdict, side_set
 from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.monitor.write.lifetimes import ensure_run
@@ -126,18 +126,10 @@ def sweep_weights(ledger: Ledger, now: float) -> None:
             pass
 
 
-def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints) -> dict[str, Any]:
-    """Apply one side's set (``PUT /v1/runs/{run_id}/weights/{version}``) and return the answer: the new
-    or resent verdicts. Raises ``CapReached`` (429: the run cap, the memory limit, a version's waiting
-    sets), ``Refused`` (409: a second, different trainer set of a version) or ``StoreUnavailable`` (503)."""
-    over = ledger.caps.over(ledger.state, set(), {run_id}, namespace_of=ledger.namespace_of)
-    if over is not None:
-        raise CapReached(over)
-    if ledger.budget.over():
-        ledger.state.caps_hit["memory"] += 1
-        raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
-                         "fingerprints are kept until it is below", reason="memory")
-    syncs, kept = ledger.weight_syncs, side_set(body)
+def _check(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints, kept: SideSet) -> None:
+    """Whether the run may take the set: ``Refused`` (409: a second, different trainer set of a version) or
+    ``CapReached`` (429: a version's waiting sets, the namespace's sets), each refusal counted (#37)."""
+    syncs = ledger.weight_syncs
     try:
         syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
     except CapReached:
@@ -151,7 +143,27 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
                          "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE, NANWATCH_MAX_WEIGHT_VERSIONS_PER_NAMESPACE): "
                          "versions leave once compared or after NANWATCH_WEIGHT_SYNC_EXPIRE_S", reason="weight_sync")
 
+
+def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints) -> dict[str, Any]:
+    """Apply one side's set (``PUT /v1/runs/{run_id}/weights/{version}``) and return the answer: the new
+    or resent verdicts. Raises ``CapReached`` (429: the run cap, the memory limit, a version's waiting
+    sets), ``Refused`` (409: a second, different trainer set of a version) or ``StoreUnavailable`` (503)."""
+    over = ledger.caps.over(ledger.state, set(), {run_id}, namespace_of=ledger.namespace_of)
+    if over is not None:
+        raise CapReached(over)
+    if ledger.budget.over():
+        ledger.state.caps_hit["memory"] += 1
+        raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
+                         "fingerprints are kept until it is below", reason="memory")
+    syncs, kept = ledger.weight_syncs, side_set(body)
+    _check(ledger, run_id, version, body, kept)  # before the transaction: a refusal costs no store read
+    tries = 0
+
     def write() -> list[Any]:
+        nonlocal tries
+        if tries:  # a replica's retry, on the run as re-read from the database: checked again
+            _check(ledger, run_id, version, body, kept)
+        tries += 1
         now = time.time()
         before = syncs.save(run_id)  # at each try: a second one starts from the run as re-read
         run = ensure_run(ledger.state, run_id)

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = f"{SCHEMA_MAJOR}.16"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.17"  # 1.1 stages, coverage; 1.2 guard, incidents, cadence; 1.3 birth sites;
 #                                        1.4 job-level reports (scope), the guard's cross-rank verdict;
 #                                        1.5 report stage (eval reports), raised, optimizer phase, birth kind;
 #                                        1.6 final (a rank ended normally), loss scaling (scaler_overflow, scale)
@@ -86,6 +86,8 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.16"  # 1.1 stages, coverage; 1.2 guard, incide
 #                                             sync's verdicts classify a mismatch)
 #                                        1.16 StepReport.moe (#39): MoE routers' load, logit max, and their
 #                                             disagreement with the rollout's routes; routing events
+#                                        1.17 MoeStat.tokens_own_rerouted (#38): under routing_replay=apply, the
+#                                             tokens the trainer's own routers sent elsewhere than the rollout
 
 #: Who a report speaks for. ``rank``: one rank's own report (every pre-1.4 sender). ``job``: the job's
 #: report for a step, per-site figures reduced over ``ranks_reporting`` ranks, posted by one rank.
@@ -418,6 +420,10 @@ class MoeStat(_Wire):
     rerouted_scored: Count = Field(0, description="rerouted tokens with a finite Δlogp")
     agreeing_abs_dlogp: _Magnitude = Field(0.0, description="sum of |Δlogp| over tokens routed alike")
     agreeing_scored: Count = Field(0, description="tokens routed alike with a finite Δlogp")
+    tokens_own_rerouted: Count | None = Field(
+        None, description="routing_replay=apply (1.17): of tokens_compared, tokens whose trainer's own routers, before "
+        "the replay gave them the rollout's experts, chose another expert set in at least one router: what the replay "
+        "corrected (tokens_rerouted then verifies the replay itself). None: not under apply, or not compared")
     events: Annotated[list[RoutingEvent], Field(max_length=8, fail_fast=True)] = Field(default_factory=list)
 
     @property
@@ -455,6 +461,8 @@ class MoeStat(_Wire):
         sums = {k: sum(getattr(p, k) for p in parts) for k in (
             "tokens_compared", "tokens_rerouted", "rerouted_abs_dlogp", "rerouted_scored", "agreeing_abs_dlogp",
             "agreeing_scored")}
+        own = [p.tokens_own_rerouted for p in parts if p.tokens_own_rerouted is not None]
+        sums["tokens_own_rerouted"] = sum(own) if own else None
         sums["rerouted_abs_dlogp"] = min(sums["rerouted_abs_dlogp"], MAX_ROLLOUT_FIGURE)
         sums["agreeing_abs_dlogp"] = min(sums["agreeing_abs_dlogp"], MAX_ROLLOUT_FIGURE)
         return cls(routing_replay=parts[0].routing_replay, routers=list(routers.values()), **sums)

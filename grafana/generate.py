@@ -8,6 +8,10 @@ Regenerate the checked-in JSON after editing this file (from the repository root
 tests/deploy/test_grafana.py runs the check, and checks every query against the collector's metric table
 and the recording rules in deploy/prometheus/rules/, with promtool.
 
+Every metric name in a query comes from the collector's one metric table (``mt.X.name``,
+``nanwatch.monitor.data.metric_table``): a metric renamed there renames its queries here, on the next
+generation. The recording rules' names (``level:metric:operations``) are the rules file's, checked by the test.
+
 Every panel, target and annotation takes its data source from the dashboard variable ``datasource`` (type
 prometheus). Its default is the data source Grafana provisions with the fixed uid ``nanwatch-prometheus``
 (grafana/provisioning/datasources/prometheus.yml), so the dashboards open on it; any other Prometheus can
@@ -33,6 +37,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+from nanwatch.monitor.data import metric_table as mt
 
 __all__ = ["DATASOURCE_UID", "dashboards", "main", "panel_queries", "render"]
 
@@ -111,6 +117,15 @@ def or_none(expr: str, label: str) -> str:
     """``expr``, or one series ``{label="(none)"}`` at 0 while ``expr`` has none: a counter that exists only
     once something happened reads 0, not "No data"."""
     return f'{expr}\nor on () label_replace(vector(0), "{label}", "(none)", "", "")'
+
+
+def counted(spec: mt.MetricSpec, by: str, *, fn: str = "increase", select: str = RUN) -> str:
+    """A counter's ``fn`` (increase or rate) per interval, grouped ``by``, over every collector: the inner max by
+    its labels and ``instance`` counts one collector scraped by two jobs once, the sum adds the parts of
+    replicas that exported the run in turn (docs/replicas.md#querying-replicas). Never a max over instances
+    (it drops the old exporter's part after a handover), never a sum of raw counter values."""
+    inner = ", ".join((*spec.labels[1:], "instance"))
+    return f"sum by ({by}) (max by ({inner}) ({fn}({spec.name}{{{select}}}[$__rate_interval])))"
 
 
 def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
@@ -202,19 +217,21 @@ def builtin_annotation() -> db.AnnotationQuery:
 def run_health_variables(d: db.Dashboard) -> db.Dashboard:
     """``run_id`` (the runs seen in the time range) and ``rank`` (its ranks; multi, All = any rank)."""
     run_id = (db.QueryVariable("run_id").label("Run").datasource(DS)
-              .query("label_values(nanwatch_live_ranks, run_id)")
+              .query(f"label_values({mt.LIVE_RANKS.name}, run_id)")
               .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
     rank = (db.QueryVariable("rank").label("Rank").datasource(DS)
-            .query('label_values(nanwatch_last_report_timestamp_seconds{run_id="$run_id"}, rank)')
+            .query(f'label_values({mt.LAST_REPORT_TIMESTAMP.name}{{run_id="$run_id"}}, rank)')
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.NUMERICAL_ASC)
             .multi(True).include_all(True).all_value(".*").current(dm.VariableOption(text="All", value="$__all")))
     return d.with_variable(run_id).with_variable(rank)
 
 
-def new_or_increased(series: str) -> str:
-    """Per series: its value if it is new within the interval (increase() needs an earlier sample, so a
-    counter's first event would be lost), else its increase over the interval (0 when nothing happened)."""
-    return f"({series} unless {series} offset $__rate_interval)\n  or increase({series}[$__rate_interval])"
+def new_or_increased(series: str, identity: str) -> str:
+    """Per series: its value if it is new within the interval on every collector (increase() needs an earlier
+    sample, so a counter's first event would be lost; a series another replica showed before is not new, it
+    moved), else its increase over the interval (0 when nothing happened)."""
+    return (f"({series} unless on ({identity}) {series} offset $__rate_interval)\n"
+            f"  or increase({series}[$__rate_interval])")
 
 
 def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
@@ -222,9 +239,9 @@ def run_health_annotations(d: db.Dashboard) -> db.Dashboard:
 
     Both queries return a series (value 0) while nothing happens and a positive value in an interval where
     something did: Grafana's Prometheus annotations mark only the points above zero."""
-    counted = new_or_increased(f"nanwatch_events_total{{{RUN}}}")
-    events = f"sum by (kind) (\n  {counted}\n)"
-    directive = f"nanwatch_directive_info{{{RUN}}}"
+    new = new_or_increased(f"{mt.EVENTS.name}{{{RUN}}}", "run_id, kind")
+    events = f"sum by (kind) (max by (kind, instance) (\n  {new}\n))"  # over collectors, as counted()
+    directive = f"{mt.DIRECTIVE_INFO.name}{{{RUN}}}"
     # a new (mode, version) series is a directive change; "or 0 *" keeps the current one, at 0
     changes = (f"max by (mode, version) (\n  ({directive} unless {directive} offset $__rate_interval)\n"
                f"  or 0 * {directive}\n)")
@@ -242,41 +259,39 @@ def overview_panels() -> list[Any]:
     first_offender = (
         _common(table.Panel(), "First offender",
                 "Where the run's first non-finite value was seen (from the collector's event log).", 12, 5)
-        .with_target(query(f"nanwatch_first_offender_info{{{RUN}}}", instant=True, as_table=True))
+        .with_target(query(f"{mt.FIRST_OFFENDER_INFO.name}{{{RUN}}}", instant=True, as_table=True))
         .with_transformation(organize(exclude=["Time", "Value", "__name__", "run_id", "job", "instance"],
                                       order=["site", "pass", "stage", "rank"],
                                       rename={"site": "Site", "pass": "Pass", "stage": "Stage", "rank": "Rank"})))
     return [
         stat_panel("Live ranks", "Ranks that reported (a report or a heartbeat) within the collector's TTL.",
-                   query(f"nanwatch_live_ranks{{{RUN}}}"), thresholds((None, RED), (1, GREEN)), w=3),
+                   query(f"{mt.LIVE_RANKS.name}{{{RUN}}}"), thresholds((None, RED), (1, GREEN)), w=3),
         stat_panel("Ranks missing", "The run's world size less its live ranks: ranks that never reported, or "
                    "went silent past the TTL (NanwatchRanksMissing).",
-                   query(f"max(nanwatch_run_world_size{{{RUN}}}) - max(nanwatch_live_ranks{{{RUN}}})"),
+                   query(f"max({mt.RUN_WORLD_SIZE.name}{{{RUN}}}) - max({mt.LIVE_RANKS.name}{{{RUN}}})"),
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Non-finite values", "Calls that held a NaN or Inf so far, on every rank (forward and "
                    "backward): the run-level count, the same whether ranks report one by one or as a job.",
-                   query(f"sum(max by (stage, pass, kind) (nanwatch_run_nonfinite_calls_total{{{RUN}}}))"),
+                   query(f"sum(max by (stage, pass, kind) ({mt.RUN_NONFINITE_CALLS.name}{{{RUN}}}))"),
                    thresholds((None, GREEN), (1, RED)), w=3),
         stat_panel("Active directive", "The run's active directive (mode and version).",
-                   query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"),
+                   query(f"{mt.DIRECTIVE_INFO.name}{{{RUN}}}", "{{mode}} (v{{version}})"),
                    thresholds((None, "blue")), text_mode=cm.BigValueTextMode.NAME, w=3),
         first_offender,
     ]
 
 
 def nonfinite_panels() -> list[Any]:
-    # max by: one value per series however many jobs scrape the collector; counters are born at zero, so
-    # increase() shows the first NaN (a duplicate that missed the zero is covered by the other's max)
-    by_site = (f"max by (site, pass) (increase(nanwatch_site_nonfinite_calls_total{{{RUN}}}"
-               "[$__rate_interval]))")
-    by_rank = (f"max by (rank, pass, kind) (increase(nanwatch_nonfinite_calls_total{{{RUN_RANK}}}"
-               "[$__rate_interval]))")
-    by_stage = (f"sum by (stage) (max by (stage, pass, kind) (increase(nanwatch_run_nonfinite_calls_total"
-                f"{{{RUN}}}[$__rate_interval])))")
+    # counted(): each collector's part once however many jobs scrape it, the replicas' parts summed; counters
+    # are born at zero (and a replica taking over a run starts them where the last export stood), so
+    # increase() shows the first NaN
+    by_site = counted(mt.SITE_NONFINITE_CALLS, "site, pass")
+    by_rank = counted(mt.NONFINITE_CALLS, "rank, pass, kind", select=RUN_RANK)
+    by_stage = counted(mt.RUN_NONFINITE_CALLS, "stage")
     latest = (
         _common(table.Panel(), "Latest offender by stage",
                 "Where the run's most recent non-finite step in each stage began (what the pages name).", 12, 6)
-        .with_target(query(f"max by (stage, site, pass, rank) (nanwatch_latest_offender_info{{{RUN}}})",
+        .with_target(query(f"max by (stage, site, pass, rank) ({mt.LATEST_OFFENDER_INFO.name}{{{RUN}}})",
                            instant=True, as_table=True))
         .with_transformation(organize(exclude=["Time", "Value"], order=["stage", "site", "pass", "rank"],
                                       rename={"stage": "Stage", "site": "Site", "pass": "Pass", "rank": "Rank"})))
@@ -294,7 +309,7 @@ def nonfinite_panels() -> list[Any]:
 
 
 def attention_panels() -> list[Any]:
-    calls = f'sum by (backend) (rate(nanwatch_sdpa_calls_total{{{RUN}, stage="train"}}[$__rate_interval]))'
+    calls = counted(mt.SDPA_CALLS, "backend", fn="rate", select=f'{RUN}, stage="train"')
     share = (ts_panel("SDPA backend share (train)", "Share of training attention calls by the SDPA backend "
                       "that ran. Red is the math kernel: O(S^2) memory, and in half precision the silent "
                       "fallback.", query(calls, "{{backend}}"), unit="percentunit", w=8)
@@ -306,12 +321,12 @@ def attention_panels() -> list[Any]:
                 dm.DynamicConfigValue(id_val="custom.fillOpacity", value=0)]
     logits = (ts_panel("Attention-logit bound per layer vs tau", "Upper bound on the max scaled QK logit, max "
                        "over ranks and heads; the dashed red line is the collector's tau (NANWATCH_LOGIT_TAU).",
-                       query(f"nanwatch_attention_logit_max{{{RUN}}}", "{{layer}}"),
+                       query(f"{mt.ATTENTION_LOGIT_MAX.name}{{{RUN}}}", "{{layer}}"),
                        query(f"run_id:nanwatch_collector_logit_tau:max{{{RUN}}}", "tau", ref="B"), w=8)
               .override_by_name("tau", tau_line))
     headroom = (ts_panel("Headroom by site kind", "amax / finfo.max per site kind, max over sites and ranks "
                          "(log scale). 1 is the overflow edge; +Inf once an Inf was seen. The alert fires above "
-                         "0.1.", query(f"nanwatch_tensor_headroom_ratio{{{RUN}}}", "{{site_kind}}"), w=8)
+                         "0.1.", query(f"{mt.TENSOR_HEADROOM_RATIO.name}{{{RUN}}}", "{{site_kind}}"), w=8)
                 .scale_distribution(cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(10))
                 .thresholds(thresholds((None, GREEN), (0.1, ORANGE), (1, RED)))
                 .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
@@ -319,7 +334,7 @@ def attention_panels() -> list[Any]:
 
 
 def rlhf_stat(stat_re: str) -> prometheus.Dataquery:
-    return query(f'nanwatch_rlhf_stat{{{RUN}, stat=~"{stat_re}"}}', "{{stat}}")
+    return query(f'{mt.RLHF_STAT.name}{{{RUN}, stat=~"{stat_re}"}}', "{{stat}}")
 
 
 def rlhf_panels() -> list[Any]:
@@ -337,22 +352,19 @@ def rlhf_panels() -> list[Any]:
 
 def rollout_stat(stat_re: str) -> prometheus.Dataquery:
     """The rollout-vs-trainer figures (one line per stat however many jobs scrape the collector)."""
-    return query(f'max by (stat) (nanwatch_rollout_mismatch{{{RUN}, stat=~"{stat_re}"}})', "{{stat}}")
+    return query(f'max by (stat) ({mt.ROLLOUT_MISMATCH.name}{{{RUN}, stat=~"{stat_re}"}})', "{{stat}}")
 
 
-def weight_syncs(metric: str, legend: str, ref: str) -> prometheus.Dataquery:
+def weight_syncs(spec: mt.MetricSpec, legend: str, ref: str) -> prometheus.Dataquery:
     """Weight syncs per interval (0, not "No data", before the first one)."""
-    return query(f"sum(max by (run_id) (increase({metric}{{{RUN}}}[$__rate_interval])))\nor on () vector(0)",
-                 legend, ref=ref)
+    return query(f"{counted(spec, 'run_id')}\nor on () vector(0)", legend, ref=ref)
 
 
 def rollout_panels() -> list[Any]:
     """The rollout (sampler) against the trainer on the same tokens (#28): the figures over time, the
     classified events by cause, the sampler's own non-finite logprobs, and the weight syncs verified."""
-    events = or_none("max by (cause) (increase(nanwatch_rollout_mismatch_events_total"
-                     f"{{{RUN}}}[$__rate_interval]))", "cause")
-    nonfinite = or_none(f"max by (run_id) (increase(nanwatch_rollout_nonfinite_values_total{{{RUN}}}"
-                        "[$__rate_interval]))", "run_id")
+    events = or_none(counted(mt.ROLLOUT_MISMATCH_EVENTS, "cause"), "cause")
+    nonfinite = or_none(counted(mt.ROLLOUT_NONFINITE_VALUES, "run_id"), "run_id")
     drift = (ts_panel("Rollout mismatch |dlogp|", "Mean, 99th percentile and k3 KL of dlogp = trainer - rollout "
                       "on the same tokens, the latest step's (the job's, or combined over ranks). A synced run in "
                       "matching precision sits near 0.015; NanwatchRolloutDrift tickets above 0.05 for 30 "
@@ -377,8 +389,8 @@ def rollout_panels() -> list[Any]:
                  w=8),
         ts_panel("Weight syncs verified and mismatched", "Weight versions whose fingerprints the rollout side "
                  "confirmed, and those it did not (NanwatchWeightSyncMismatch pages), per interval.",
-                 weight_syncs("nanwatch_weight_syncs_verified_total", "verified", "A"),
-                 weight_syncs("nanwatch_weight_sync_mismatches_total", "mismatched", "B"), w=8)
+                 weight_syncs(mt.WEIGHT_SYNCS_VERIFIED, "verified", "A"),
+                 weight_syncs(mt.WEIGHT_SYNC_MISMATCHES, "mismatched", "B"), w=8)
         .override_by_name("mismatched", [fixed_color(RED)]),
     ]
 
@@ -391,36 +403,36 @@ def moe_panels() -> list[Any]:
         ts_panel("Router disagreement with the rollout", "Per MoE router, the fraction of unmasked tokens whose "
                  "expert set differs from the rollout's routes (rlhf(rollout_routes=)). Megatron-LM #4168 measured "
                  "about 10 % without replay; NanwatchRoutingDisagreement tickets above 5 % for 15 minutes.",
-                 query(per_layer.format(metric="nanwatch_moe_routing_disagreement"), "{{layer}}"),
+                 query(per_layer.format(metric=mt.MOE_ROUTING_DISAGREEMENT.name), "{{layer}}"),
                  unit="percentunit", w=8)
         .thresholds(thresholds((None, GREEN), (0.05, ORANGE)))
         .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)),
         ts_panel("Tokens rerouted, and replay not applied", "The fraction of unmasked tokens with at least one "
                  "router differing from the rollout's, and (under routing_replay verify/apply) 1 when a token "
                  "reached other experts than the rollout's: NanwatchRoutingReplayNotApplied pages.",
-                 query(f"max by (run_id) (nanwatch_moe_tokens_rerouted{{{RUN}}})", "rerouted", ref="A"),
-                 query(f"max by (run_id) (nanwatch_moe_replay_not_applied{{{RUN}}})", "replay not applied", ref="B"),
+                 query(f"max by (run_id) ({mt.MOE_TOKENS_REROUTED.name}{{{RUN}}})", "rerouted", ref="A"),
+                 query(f"max by (run_id) ({mt.MOE_REPLAY_NOT_APPLIED.name}{{{RUN}}})", "replay not applied", ref="B"),
                  unit="percentunit", w=8)
         .override_by_name("replay not applied", [fixed_color(RED)]),
         ts_panel("Expert load imbalance", "Per MoE router, the largest expert's share of the routed token slots "
                  "times the number of experts: 1 is balanced, the number of experts is one expert taking every "
                  "token (a collapsed router).",
-                 query(per_layer.format(metric="nanwatch_moe_expert_load_max"), "{{layer}}"), w=8),
+                 query(per_layer.format(metric=mt.MOE_EXPERT_LOAD_MAX.name), "{{layer}}"), w=8),
         ts_panel("Router logit max", "Per MoE router, its largest logit in the latest step (max over ranks): "
                  "large logits make bf16 rounding flip near-ties between rollout and trainer.",
-                 query(per_layer.format(metric="nanwatch_moe_router_logit_max"), "{{layer}}"), w=8),
+                 query(per_layer.format(metric=mt.MOE_ROUTER_LOGIT_MAX.name), "{{layer}}"), w=8),
     ]
 
 
 def mode_panels() -> list[Any]:
     modes = (timeline_panel("Attention mode per rank", "The attention path each selected rank applies (none, "
                             "fp32, fused, eager_to_sdpa, skip_step).",
-                            query(f"nanwatch_attention_mode{{{RUN_RANK}}}", "rank {{rank}}: {{mode}}"))
+                            query(f"{mt.ATTENTION_MODE.name}{{{RUN_RANK}}}", "rank {{rank}}: {{mode}}"))
              .override_by_regexp(".*: skip_step", [fixed_color(RED)])
              .override_by_regexp(".*: none", [fixed_color(GREEN)]))
     directive = (timeline_panel("Directive over time", "The run's directive over time (mode and version); its "
                                 "changes are also annotations on every panel.",
-                                query(f"nanwatch_directive_info{{{RUN}}}", "{{mode}} (v{{version}})"))
+                                query(f"{mt.DIRECTIVE_INFO.name}{{{RUN}}}", "{{mode}} (v{{version}})"))
                  .override_by_regexp("none .*", [fixed_color(GREEN)]))
     return [modes, directive]
 
@@ -430,10 +442,10 @@ def guard_panels() -> list[Any]:
                        "a non-finite value (the weights stayed as they were). Under torch.distributed the skip is "
                        "the job's, so each rank shown counts the same steps; job mode shows the reporting rank "
                        "and the ranks with detail reports.",
-                       query(f"max by (rank) (increase(nanwatch_skipped_steps_total{{{RUN_RANK}}}"
-                             "[$__rate_interval]))", "rank {{rank}}"), w=12)
+                       query(counted(mt.SKIPPED_STEPS, "rank", select=RUN_RANK), "rank {{rank}}"), w=12)
     # incidents exist only once a step was replayed
-    incidents = or_none(f"sum by (class) (nanwatch_incidents_total{{{RUN}}})", "class")
+    # the run's totals: one collector shows them at a time (the database's), so the max over collectors
+    incidents = or_none(f"max by (class) ({mt.INCIDENTS.name}{{{RUN}}})", "class")
     # the capsule path is a label of a bounded info series (one per run and class, latest incident), never of
     # a counter: the dashboards read Prometheus only
     capsules = (
@@ -441,15 +453,14 @@ def guard_panels() -> list[Any]:
                 "The run's latest incident of each class: the host and rank that saw it, and where its capsule "
                 "was written (empty: none was). Replay it anywhere with `nanwatch replay CAPSULE` (the runbook "
                 "says which --try to run for each class; `nanwatch status RUN` prints the command).", 24, 6)
-        .with_target(query(f"max by (class, host, rank, capsule) (nanwatch_latest_incident_info{{{RUN}}})",
+        .with_target(query(f"max by (class, host, rank, capsule) ({mt.LATEST_INCIDENT_INFO.name}{{{RUN}}})",
                            instant=True, as_table=True))
         .with_transformation(organize(exclude=["Time", "Value"], order=["class", "host", "rank", "capsule"],
                                       rename={"class": "Class", "host": "Host", "rank": "Rank",
                                               "capsule": "Capsule"})))
     # both exist only once something happened (#29): "(none)" reads 0, not "No data"
-    spikes = or_none(f"sum by (site_kind) (increase(nanwatch_spikes_total{{{RUN}}}[$__rate_interval]))", "site_kind")
-    divergences = or_none(f'max by (class) (increase(nanwatch_incidents_total{{{RUN}, class="replica_divergence"}}'
-                          "[$__rate_interval]))", "class")
+    spikes = or_none(counted(mt.SPIKES, "site_kind"), "site_kind")
+    divergences = or_none(counted(mt.INCIDENTS, "class", select=f'{RUN}, class="replica_divergence"'), "class")
     precursors = [
         ts_panel("Spike steps by site kind", "Steps in which a site of a kind jumped k times (spike_factor, 10) "
                  "over its running baseline without overflowing (backward sites: grad): a precursor, not an "
@@ -471,17 +482,17 @@ def reporting_panels() -> list[Any]:
     age = (ts_panel("Report age per rank", "Seconds since the collector last received a report from the rank "
                     "(the stale-rank alert fires above 120 s). In job mode a rank known only by its heartbeats "
                     "appears here once it is late (NANWATCH_RANK_LATE_S, 90 s).",
-                    query(f"time() - nanwatch_last_report_timestamp_seconds{{{RUN_RANK}}}", "rank {{rank}}"),
+                    query(f"time() - {mt.LAST_REPORT_TIMESTAMP.name}{{{RUN_RANK}}}", "rank {{rank}}"),
                     unit="s", w=8)
            .thresholds(thresholds((None, GREEN), (60, ORANGE), (120, RED)))
            .thresholds_style(cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)))
     dropped = ts_panel("Reports dropped", "Reports a trainer rank could not deliver (queue full or collector "
                        "unreachable): those steps were never checked.",
-                       query(f"sum by (rank) (increase(nanwatch_reports_dropped_total{{{RUN_RANK}}}"
+                       # the trainer's own count: the same on every collector that shows the rank
+                       query(f"max by (rank) (increase({mt.REPORTS_DROPPED.name}{{{RUN_RANK}}}"
                              "[$__rate_interval]))", "rank {{rank}}"), w=8)
     # the counter exists only once a step went unmeasured
-    unmeasured = or_none(f"sum by (reason) (increase(nanwatch_unmeasured_steps_total{{{RUN}}}[$__rate_interval]))",
-                         "reason")
+    unmeasured = or_none(counted(mt.UNMEASURED_STEPS, "reason"), "reason")
     return [age, dropped,
             ts_panel("Unmeasured steps by reason", "Step reports in which part of the step went unmeasured, "
                      "summed over ranks. \"compiled\" is a configuration (attention inside torch.compile is "
@@ -512,7 +523,7 @@ def run_health() -> db.Dashboard:
 # ----------------------------------------------------------------------------------- fleet
 
 #: one row per run: the query every column joins to; ``or 0 * LIVE`` gives a run without events a 0
-LIVE = "max by (run_id) (nanwatch_live_ranks)"
+LIVE = f"max by (run_id) ({mt.LIVE_RANKS.name})"
 
 
 class Column(NamedTuple):
@@ -543,10 +554,10 @@ FLEET_COLUMNS = (
     Column("E", "Max logit / tau", "max by (run_id) (run_id:nanwatch_attention_logit_max:max)\n"
            "/ on (run_id) run_id:nanwatch_collector_logit_tau:max",
            ((None, GREEN), (0.8, ORANGE), (1, RED)), unit="percentunit"),
-    Column("F", "Directive", "max by (run_id, mode) (nanwatch_directive_info)", label="mode"),
+    Column("F", "Directive", f"max by (run_id, mode) ({mt.DIRECTIVE_INFO.name})", label="mode"),
     Column("G", "Worst report age", "max by (run_id) (run_id_rank:nanwatch_report_age:seconds)",
            ((None, GREEN), (60, ORANGE), (120, RED)), unit="s"),
-    Column("H", "Ranks missing", f"max by (run_id) (nanwatch_run_world_size) - {LIVE}", ((None, GREEN), (1, RED))),
+    Column("H", "Ranks missing", f"max by (run_id) ({mt.RUN_WORLD_SIZE.name}) - {LIVE}", ((None, GREEN), (1, RED))),
 )
 
 
@@ -593,9 +604,9 @@ def fleet_table() -> table.Panel:
 def fleet() -> db.Dashboard:
     collector = ts_panel("Collector reports",
                          "Step reports the collector applied, and replays it acknowledged and ignored.",
-                         query("sum(rate(nanwatch_collector_reports_accepted_total[$__rate_interval]))",
+                         query(f"sum(rate({mt.REPORTS_ACCEPTED.name}[$__rate_interval]))",
                                "accepted"),
-                         query("sum(rate(nanwatch_collector_reports_duplicate_total[$__rate_interval]))",
+                         query(f"sum(rate({mt.REPORTS_DUPLICATE.name}[$__rate_interval]))",
                                "duplicate", ref="B"), unit="reqps", w=24)
     return (base_dashboard(FLEET_UID, "nanwatch fleet", "Every run the collector sees, its health at a glance.")
             .annotation(builtin_annotation()).annotation(alerts_annotation('alertname=~"Nanwatch.*"'))

@@ -2,6 +2,10 @@
 -> ``measure`` -> ``report``; ``remedies``; ``directives``, whose ``directive_state`` says which thread owns
 which field). Each part is built after the parts it needs and handed them as values; what the Monitor builds
 it owns through one ``contextlib.ExitStack``, closed in reverse order.
+
+This is the composition root: a part that sits in another room than the module using it is built here (the
+report flow's builder and job-level reporting, the remedies' rerun, spike check and replica check) and handed
+in, so that a room's module imports what it makes, not the siblings it is handed (#38).
 """
 
 from __future__ import annotations
@@ -22,17 +26,22 @@ from nanwatch.hooks.config import MonitorConfig, resolve_config
 from nanwatch.hooks.directives.agreement import rank_and_world
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
+from nanwatch.hooks.forensics.rerun import DifferentialRerun
 from nanwatch.hooks.instrument.eval_windows import EvalWindows, check_step, window
 from nanwatch.hooks.instrument.install import device_of, install, probes_for, user_model
 from nanwatch.hooks.instrument.probes import watch as watch_site
 from nanwatch.hooks.measure import compiled
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.rlhf import rlhf_probe
+from nanwatch.hooks.measure.spikes import spike_observer, spike_skip
 from nanwatch.hooks.moe.taps import MoeTaps
+from nanwatch.hooks.remedies.replica_check import ReplicaCheck
 from nanwatch.hooks.remedies.step_remedies import StepRemedies
 from nanwatch.hooks.remedies.weight_guard import WeightGuard
+from nanwatch.hooks.report.build import ReportBuilder
 from nanwatch.hooks.report.flow import ReportFlow
 from nanwatch.hooks.report.handover import CloseTimeout, StepHandover, connect
+from nanwatch.hooks.report.job import open_job_reporting
 from nanwatch.hooks.rollout.weight_publish import publish_weights
 from nanwatch.wire import StepReport
 
@@ -91,17 +100,26 @@ class Monitor:
                                                       check_every=config.directives.check_every)
         self._probes = probes = probes_for(model, config=config.measure, rec=rec, directive_state=state,
                                            model_ref=self._model)
-        self._remedies = StepRemedies(weights, forensics=config.forensics, spikes=config.spikes,
-                                      rollout=config.rollout, run_id=config.run_id,
-                                      reduce_timeout_s=config.reports.reduce_timeout_s, rank=self.rank,
-                                      device=device, rec=rec, model=self._model, probes=probes,
-                                      directive_state=state, warn=warn)
-        self._flow = ReportFlow(config.reports, directives=config.directives, spikes=config.spikes,
-                                local_log=config.log, run_id=config.run_id, collector=config.collector,
-                                token=config.token,
-                                rank=self.rank, world_size=self.world_size, warn=warn,
-                                incarnation=self.incarnation, directive_state=state,
+        self._remedies = StepRemedies(
+            weights, rollout=config.rollout, device=device, rec=rec, model=self._model, probes=probes, warn=warn,
+            rerun=partial(DifferentialRerun, config.forensics, run_id=config.run_id, rank=self.rank, device=device,
+                          rec=rec, model=self._model, probes=probes, directive_state=state),
+            spiked=spike_skip(config.spikes, rec),  # spike_action="skip": shared by every weight guard
+            replicas=partial(ReplicaCheck, model=self._model, rec=rec, config=weights,
+                             timeout_s=config.reports.reduce_timeout_s, warn=warn))  # a peer's wait: the report's
+        reports = config.reports
+        builder = ReportBuilder(run_id=config.run_id, rank=self.rank, world_size=self.world_size,
+                                incarnation=self.incarnation, warn=warn,
                                 expects_logits=partial(operator.is_not, probes.head, None),  # known by now
+                                agree_every=config.directives.check_every if self.world_size > 1 else None,
+                                spikes=spike_observer(config.spikes))
+        self._flow = ReportFlow(reports, directives=config.directives, local_log=config.log, run_id=config.run_id,
+                                collector=config.collector, token=config.token, rank=self.rank,
+                                incarnation=self.incarnation, warn=warn, directive_state=state, builder=builder,
+                                open_job=partial(open_job_reporting, scope=reports.scope, rank=self.rank,
+                                                 world_size=self.world_size, heartbeat_s=reports.heartbeat_s,
+                                                 timeout_s=reports.reduce_timeout_s),
+                                job_spikes=spike_observer(config.spikes),  # the job report's own baselines
                                 on_mismatch=self._remedies.on_mismatch)
         self._handover = StepHandover(self._flow, rec=rec, directive_state=state,
                                       max_pending=config.reports.max_pending)

@@ -29,6 +29,7 @@ from nanwatch.monitor.data.long_poll import LongPoll
 from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.data.state import CollectorState, HostCaps
 from nanwatch.monitor.data.store import EventRow, Store
+from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.read.exporter import MetricsRenderer
 from nanwatch.monitor.settings import Settings, database_url_of, get_settings
 from nanwatch.monitor.web.deps import ReaderToken, Resources
@@ -36,6 +37,7 @@ from nanwatch.monitor.web.exception_handlers import install_exception_handlers
 from nanwatch.monitor.web.middleware import IngressGate
 from nanwatch.monitor.web.openapi import document_models
 from nanwatch.monitor.web.routers import directives, health, metrics, reports, runs, weights
+from nanwatch.monitor.write import exposure
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.monitor.write.lifetimes import restore
 from nanwatch.monitor.write.weight_compare import sweep_weights
@@ -82,7 +84,8 @@ def _resources(settings: Settings) -> Resources:
                     weight_sync_expire_s=settings.weight_sync_expire_s,
                     weight_bytes_per_namespace=settings.max_weight_mib_per_namespace << 20,
                     weight_versions_per_namespace=settings.max_weight_versions_per_namespace)
-    metrics = MetricsRenderer(state, directive_log, logit_tau=settings.logit_tau,
+    ledger.weight_syncs.replace(decode_all(loaded.weights))
+    metrics = MetricsRenderer(state, directive_log, exposure, logit_tau=settings.logit_tau,
                               min_interval_s=settings.metrics_min_interval_s, late_s=settings.rank_late_s,
                               on_left_out=lambda runs: _left_out_events(ledger, runs))
     return Resources(store=store, state=state, polls=polls, directive_log=directive_log, ledger=ledger,
@@ -104,28 +107,45 @@ def _left_out_events(ledger: Ledger, runs: dict[str, str]) -> None:
 
 
 def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], Callable[[], None]]:
-    """With a shared PostgreSQL database: follow what the other replicas write, and hold the leases that
-    decide which replica exports a run (none until leased: a run is never shown by two). Returns the
-    follower's task (none with SQLite) and what lets go of the leases."""
+    """With a shared PostgreSQL database: follow what the other replicas write, hold the leases that
+    decide which replica exports a run (none until leased: a run is never shown by two), and share what
+    the runs' metrics need across replicas (``nanwatch.monitor.pg.shared_metrics``: ranks' latest views,
+    where each export stood). Returns the follower's task (none with SQLite) and what lets go of both."""
     if database_url_of(settings) is None:
         return [], lambda: None
+    from nanwatch.monitor.data.tenures import Tenures
     from nanwatch.monitor.pg.follow import follow
     from nanwatch.monitor.pg.leases import RunLeases
+    from nanwatch.monitor.pg.shared_metrics import SharedMetrics
 
     leases = RunLeases(res.store.url)  # type: ignore[attr-defined]
+    shared = SharedMetrics(res.store.url)  # type: ignore[attr-defined]
+    res.ledger.state.tenures = Tenures()
     res.ledger.export_only(set())  # none until leased
+    res.metrics.on_rendered(lambda snap: shared.record_later({run.run_id: run.totals for run in snap.runs
+                                                             if run.totals is not None}))
     task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
                                       every_s=settings.database_refresh_s,
-                                      tick=lambda: _lease_runs(res.ledger, leases)))
-    return [task], leases.close
+                                      tick=lambda: _lease_runs(res.ledger, leases, shared)))
+
+    def close() -> None:
+        leases.close()
+        shared.close()
+
+    return [task], close
 
 
-def _lease_runs(ledger: Ledger, leases) -> None:
+def _lease_runs(ledger: Ledger, leases, shared) -> None:
     """Hold the leases of the runs live here (a shared PostgreSQL database): this replica shows the series
-    of those it holds, and of no other (``CollectorState.exported_runs``, set through the ledger)."""
+    of those it holds, and of no other (``CollectorState.exported_runs``, set through the ledger), each
+    from where its last export stood; publish this replica's ranks' latest views, and show those the other
+    replicas published of the runs it holds."""
     now = time.monotonic()
     state = ledger.state
-    ledger.export_only(leases.update({run_id for run_id, run in state.runs.items() if is_live(state, run, now)}))
+    shared.publish(state)
+    ledger.export_only(leases.update({run_id for run_id, run in state.runs.items() if is_live(state, run, now)}),
+                       shared.recorded, shared.foreign)
+    shared.clean()
 
 
 async def _sweep(res: Resources, every_s: float, retention_s: float) -> None:
@@ -163,6 +183,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector. Raises ValueError for an exposed host without tokens or unreadable token files."""
     settings = settings if settings is not None else get_settings()
     settings.check_exposure()
+    settings.check_store()
     settings.ingest_tokens(), settings.admin_token_map(), settings.metrics_token_map()  # fail now on bad token files
     if database_url_of(settings) is not None:
         _open_store(settings).close()  # fail now on an unreachable or foreign database, before listening

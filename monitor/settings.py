@@ -7,6 +7,7 @@ use the cached ``get_settings()``.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Collection
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -228,6 +229,34 @@ class Settings(BaseSettings):
     def metrics_token_map(self) -> dict[str, str]:
         """Every accepted reader-only token, by audit name."""
         return _collect("metrics", self.metrics_token, self.metrics_token_file, {})
+
+    def check_store(self, *, flags: Collection[str] | None = None) -> None:
+        """Refuse two stores named at once: a SQLite file (``db_path``: ``--db``, ``NANWATCH_DB_PATH``) with a
+        PostgreSQL URL (``database_url``: ``--database-url``, ``NANWATCH_DATABASE_URL``; or
+        ``database_url_file``), from flags and the environment alike, and the URL in both its forms. The
+        collector keeps its state in one, and taking either silently leaves the other's runs unread (a
+        ``--db`` baked into an image, beside a URL the replicas' environment gives). ``flags``: the settings
+        that came from the command line, named as flags in the message (None: named both ways). A flag still
+        beats the environment for one setting (``--database-url`` over ``NANWATCH_DATABASE_URL``): that is
+        one value replacing another, never two stores."""
+        def name(field: str, flag: str, env: str) -> str:
+            if flags is None:
+                return f"{flag} / {env}" if flag else env
+            return flag if field in flags and flag else env
+
+        given = self.model_fields_set
+        url = self.database_url.get_secret_value() if self.database_url is not None else ""
+        urls = [label for field, present, label in (
+            ("database_url", bool(url), name("database_url", "--database-url", "NANWATCH_DATABASE_URL")),
+            ("database_url_file", self.database_url_file is not None,
+             name("database_url_file", "", "NANWATCH_DATABASE_URL_FILE"))) if field in given and present]
+        if "db_path" in given and urls:
+            raise ValueError(
+                f"both a SQLite file ({name('db_path', '--db', 'NANWATCH_DB_PATH')} {self.db_path!r}) and a "
+                f"PostgreSQL database ({urls[0]}) are given: the collector keeps its state in one of them; "
+                "drop the other (docs/operating.md#sqlite-or-postgresql)")
+        if len(urls) == 2:
+            raise ValueError(f"both {urls[0]} and {urls[1]} are given: name the PostgreSQL database once")
 
     def check_exposure(self) -> None:
         """Refuse an unauthenticated server that others can reach."""

@@ -50,8 +50,13 @@ class CollectorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *, timeout_s: float = 30.0) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *(["--db", self.db_path] if self.db_path else ["--database-url", self.database_url])]
+        if self.database_url:
+            store = ["--database-url", self.database_url]
+        elif self.env.get("NANWATCH_DATABASE_URL") or self.env.get("NANWATCH_DATABASE_URL_FILE"):
+            store = []  # the environment names the database: ``nanwatch serve`` refuses --db beside it
+        else:
+            store = ["--db", self.db_path]
+        cmd = [sys.executable, "-m", "nanwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *store]
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)

@@ -60,7 +60,9 @@ def _collector(url: str | None, db_dir: Path) -> Iterator[str]:
     from nanwatch.monitor.server import BackgroundServer
     from nanwatch.monitor.settings import Settings
 
-    settings = Settings(host="127.0.0.1", port=0, db_path=str(db_dir / "nanwatch.db"), log_level="warning")
+    # the embedded default: its own SQLite file, whatever database URL the environment names
+    settings = Settings(host="127.0.0.1", port=0, db_path=str(db_dir / "nanwatch.db"), log_level="warning",
+                        database_url=None, database_url_file=None)
     with BackgroundServer(settings) as srv:
         yield srv.url
 

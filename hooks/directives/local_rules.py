@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from nanwatch.policy import Rule, default_rules, matches, remedy
 from nanwatch.wire import Directive, StepReport
 
-if TYPE_CHECKING:  # pragma: no cover - an annotation only: the rules themselves need no torch
-    from nanwatch.hooks.directives.directive_state import DirectiveState
-
-__all__ = ["LocalRuleEngine"]
+__all__ = ["LocalRuleEngine", "Offers"]
 
 log = logging.getLogger("nanwatch")
+
+
+class Offers(Protocol):
+    """What the engine asks of the directive state it offers to (``DirectiveState`` is one, handed in by the
+    report flow): the mode and version in force, and ``offer``. The rules themselves need no torch."""
+
+    mode: str
+    version: int
+
+    def offer(self, directive: Directive) -> None: ...
 
 
 class LocalRuleEngine:
     """Evaluates the rules on each finished report and offers the first remedy one asks for."""
 
-    def __init__(self, *, run_id: str, directive_state: DirectiveState, logit_tau: float,
+    def __init__(self, *, run_id: str, directive_state: Offers, logit_tau: float,
                  rules: list[Rule] | None = None) -> None:
         self._run_id = run_id
         self._directive_state = directive_state

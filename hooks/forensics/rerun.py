@@ -69,11 +69,11 @@ from nanwatch.hooks.forensics.incident_tensors import optimizer_birth, read_tens
 from nanwatch.hooks.forensics.rerun_flags import FlagsInFlight
 from nanwatch.hooks.instrument.probes import Probes, first_tensor
 from nanwatch.hooks.measure.collective import collective_forward
-from nanwatch.hooks.measure.decode import StepSoFar, decode_step, step_facts, step_so_far
+from nanwatch.hooks.measure.decode import StepSoFar, decode_step, nonfinite_phases, step_facts, step_so_far
 from nanwatch.hooks.measure.inputs import dead_rows
 from nanwatch.hooks.measure.kept_forward import KeptForward, freeze
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler, loss_scaling
 from nanwatch.wire import Incident
 
 __all__ = ["DifferentialRerun", "classify", "defers", "open_capsules", "rerun"]
@@ -506,7 +506,9 @@ class DifferentialRerun:
             return None
         if not bool(self._rec.nonfinite_flag()):  # sync-ok: rerun mode on the CPU (free there)
             return None
-        if scaling is not None and scaling.handled_overflow():  # sync-ok: rerun mode, flag set
+        # an overflow the scaler handled (it found inf/NaN, and only gradients were non-finite): no incident
+        if (scaling is not None and scaling.overflow_found()  # sync-ok: rerun mode, flag set
+                and nonfinite_phases(self._rec) <= {"backward"}):
             return None
         self._done = True
         return classify(rec=self._rec, model=self._model(), probes=self._probes,
@@ -525,7 +527,7 @@ class DifferentialRerun:
         if flag is None or flag.state is None or flag.data is None:
             return
         stats = decode_step(flag.state, flag.data.tolist())  # sync-ok: the incident path, once per run
-        if flag.state.loss_scaling and handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites):
+        if loss_scaling(flag.state) and handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites):
             return  # dynamic loss scaling at work: no incident (the scaler skipped the update)
         self._done = True
         self.flags.clear()

@@ -4,7 +4,8 @@ put them on it (:func:`install`) and hand back every handle that takes them off.
 What is installed: the attention modules' pre/post hooks, the logits head, the coarse localisation sites,
 the root module's hooks (forward count, fingerprint, kept inputs), the rotary embeddings' position ids,
 the boundary of a wrapper (DDP, ``torch.compile``), a gradient hook per parameter, a wrapper around
-``model.generate``, and the patched attention functions (``nanwatch.hooks.instrument.patching``). Installation is all
+``model.generate``, and the patched attention functions (``nanwatch.hooks.instrument.patching``, routed to the
+SDPA probe's body and the scores probe, ``nanwatch.hooks.instrument.sdpa_probe``). Installation is all
 or nothing: if any step fails, what was done is undone before the error propagates. The handles are
 removed in reverse order (last installed, first removed), as ``contextlib.ExitStack`` does.
 
@@ -33,10 +34,9 @@ from functools import partial
 import torch
 
 from nanwatch.hooks.config import MeasureConfig
-from nanwatch.hooks.directives.directive_state import DirectiveState
-from nanwatch.hooks.instrument import patching
+from nanwatch.hooks.instrument import patching, sdpa_probe
 from nanwatch.hooks.instrument.module_hooks import ModuleHooks
-from nanwatch.hooks.instrument.probes import Probes
+from nanwatch.hooks.instrument.probes import DirectiveInForce, Probes
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.structure import coarse_sites
 
@@ -162,7 +162,7 @@ def _fallback_sites(model: torch.nn.Module, probes: Probes, hooks: ModuleHooks, 
 
 
 def probes_for(model: torch.nn.Module, *, config: MeasureConfig, rec: Recorder,
-               directive_state: DirectiveState, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
+               directive_state: DirectiveInForce, model_ref: Callable[[], torch.nn.Module | None]) -> Probes:
     """The Probes of one Monitor on ``model`` (the user's, inside any wrapper): its module names and output
     head, read once; no hook is registered (that is :func:`install`)."""
     # the root's FQN is "": name it by its class so a root that is itself attention gets a site name
@@ -183,7 +183,7 @@ def install(model: torch.nn.Module, probes: Probes, *, outer: torch.nn.Module | 
         _register(model, outer, config, probes, handles.append)
         handles.append(_Claim(model, owner))
         handles.append(probes.enable())
-        handles.append(patching.install(probes))
+        handles.append(patching.install(probes, patching.Route(sdpa_probe.sdpa_call, sdpa_probe.scores_probe)))
     except BaseException:
         for h in reversed(handles):
             h.remove()

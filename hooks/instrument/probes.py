@@ -33,22 +33,33 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.recorder import ForwardMeta, Recorder
 from nanwatch.wire import SiteKind, SiteName
 
-__all__ = ["Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top", "watch"]
+__all__ = ["DirectiveInForce", "Frame", "Probes", "first_tensor", "local_shard", "pop", "push", "recomputing", "top",
+           "watch"]
 
 _SITE_KINDS = frozenset(typing.get_args(SiteKind))
 _SITE_NAME = TypeAdapter(SiteName)
 _graph_task_id = torch._C._current_graph_task_id
 _tls = threading.local()
+
+
+class DirectiveInForce(Protocol):
+    """What the attention wrappers ask of the directive in force: its mode (which attention path runs) and, under
+    ``fused``, the call restricted to fused kernels. The Monitor hands in its ``DirectiveState``; the probes
+    never import the directive loop that keeps it (it sits above them: it reads the reports they feed)."""
+
+    mode: str
+
+    def fused_call(self, site: str, call: Callable[[], Any], upcast: Callable[[], None]) -> Any: ...
 
 
 def recomputing() -> bool:
@@ -142,7 +153,7 @@ class Probes:
     not ``active`` (see :meth:`enable`), and nothing inside ``torch.compile`` tracing (they would add graph
     breaks). Its flags are its own: others change them through the methods and context managers below."""
 
-    def __init__(self, *, rec: Recorder, directive_state: DirectiveState, fqns: dict[int, str], grads: bool,
+    def __init__(self, *, rec: Recorder, directive_state: DirectiveInForce, fqns: dict[int, str], grads: bool,
                  exact_every: int, exact_chunk_elems: int, model: Callable[[], torch.nn.Module | None],
                  head: str | None) -> None:
         self.rec = rec

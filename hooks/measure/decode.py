@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from nanwatch.hooks.measure.dtypes import finfo_max
+from nanwatch.hooks.measure.figures import FIGURES
 from nanwatch.hooks.measure.optimizer_check import MAX_NAMED, BatchSeen, read_batch
 from nanwatch.hooks.measure.recorder import GUARD_SKIPPED, NONFINITE_RANK, Recorder, SiteKey, StepState
 from nanwatch.hooks.measure.rlhf import decode_rlhf, rlhf_slots
@@ -84,7 +85,10 @@ class StepStats:
     rlhf: RlhfStat | None
     """The RLHF stats, when the step recorded any."""
     slot: SlotReader
-    """Any other slot of this copy: the slots a module above ``measure`` owns (loss scaling's)."""
+    """Any other slot of this copy: the slots a module above ``measure`` owns (the scaler's found flag)."""
+    figures: dict[str, float]
+    """The report figures the step wrote (``nanwatch.hooks.measure.figures``), by path: the builder puts each at
+    its place in the report."""
 
     @property
     def rlhf_slots(self) -> dict[tuple[str, str], float] | None:
@@ -139,7 +143,8 @@ def decode_step(state: StepState, values: Sequence[float], *, slots: SlotBuffer 
         first_offender=Offender(*first) if first is not None else None, batches=batches,
         step_skipped=None if skipped == -math.inf else skipped > 0,
         nonfinite_rank=int(-lowest) if math.isfinite(lowest) else None,
-        rlhf=decode_rlhf(get, kl) if state.rlhf else None, slot=get)
+        rlhf=decode_rlhf(get, kl) if state.rlhf else None, slot=get,
+        figures={path: get(FIGURES[path].kind, FIGURES[path].key) for path in sorted(state.figures)})
 
 
 def step_so_far(rec: Recorder) -> StepSoFar:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanwatch.hooks.measure.collective import FlagReduction, reduction_active
+from nanwatch.hooks.measure.figures import Figure
 from nanwatch.hooks.measure.max_rows import MaxRows
 from nanwatch.hooks.measure.observations import BufKey, ObservationLog
 from nanwatch.hooks.measure.slot_buffer import SlotBuffer
@@ -140,9 +141,8 @@ class StepState:
     #: where each part of the last ``flat()`` (rows, max rows, batches, slots, in that order) starts in it, and
     #: its length: the copy groups the parts by dtype (empty: in order, as a hand-written copy is)
     flat_order: list[tuple[int, int]] = field(default_factory=list)
-    #: a watched GradScaler was enabled at the step's end (``nanwatch.hooks.remedies.loss_scaling``): the report
-    #: carries ``loss_scale`` and ``scaler_overflow`` (None without one)
-    loss_scaling: bool = False
+    #: the report figures the step wrote (``nanwatch.hooks.measure.figures``), by path: the decode reads these
+    figures: set[str] = field(default_factory=set)
     #: the replica check ran in this step: its layout (``nanwatch.hooks.measure.replica_verdict.ReplicaLayout``),
     #: which names the verdict in the step's slots
     replica: object = None
@@ -254,11 +254,15 @@ class Recorder:
         else:
             self.buf.maximize(key, _to(self.buf, value))
 
-    def loss_scale(self, key, scale: torch.Tensor) -> None:
-        """This step ran under dynamic loss scaling, whose scale is ``scale`` (a device value, read at the
-        step's end into slot ``key``; the last write of the step wins)."""
-        self.buf.assign(key, _to(self.buf, scale))
-        self.state.loss_scaling = True
+    def figure(self, fig: Figure, value: torch.Tensor) -> None:
+        """The report figure ``fig``'s value in this step (a 0-d device value; ``nanwatch.hooks.measure.figures``):
+        added, maxed or assigned (the last write of the step wins) into its slot, by ``fig.how``; the step notes
+        that it wrote it (a slot, once allocated, is in every later copy)."""
+        if fig.how == "last":
+            self.buf.assign(fig.key, _to(self.buf, value))
+        else:
+            self.slot(fig.key, value, how=fig.how)
+        self.state.figures.add(fig.path)
 
     def mark_rlhf(self, kl_optimised: str | None) -> None:
         """This step has RLHF stats; ``kl_optimised`` names the KL estimator the loss uses, if known."""

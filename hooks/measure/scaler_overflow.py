@@ -8,14 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from nanwatch.hooks.measure.figures import figure
+from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.wire import SiteStat
 
-__all__ = ["LOSS_SCALE", "SCALER_FOUND", "handled_by_scaler"]
+__all__ = ["LOSS_SCALE", "SCALER_FOUND", "handled_by_scaler", "loss_scaling"]
 
 #: The max slot holding 1 when a watched scaler found inf/NaN gradients in the step (any optimizer).
 SCALER_FOUND = ("scaler", "found_inf")
-#: The slot holding the scaler's scale at the step's end (assigned, not accumulated).
-LOSS_SCALE = ("scaler", "scale")
+#: The scaler's scale at the step's end (assigned, not accumulated): the report's ``loss_scale``, a job's the
+#: lowest of its ranks' (a collapsing scale is the incident).
+LOSS_SCALE = figure("loss_scale", how="last", across="min")
+
+
+def loss_scaling(state: StepState) -> bool:
+    """The step ran under a watched, enabled GradScaler (its watch wrote the scale at the step's end): the report
+    carries ``loss_scale`` and ``scaler_overflow`` (None without one)."""
+    return LOSS_SCALE.path in state.figures
 
 
 def handled_by_scaler(found_inf: bool, sites: Iterable[SiteStat]) -> bool:

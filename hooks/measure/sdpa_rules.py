@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanwatch.hooks.measure.dtypes import HALF
-from nanwatch.wire import dtype_name
+from nanwatch.wire import dtype_name, is_half
 
 __all__ = [
     "DeviceProfile",
@@ -255,7 +254,7 @@ def _sm_in(p: DeviceProfile, lo: tuple[int, int], hi: tuple[int, int], what: str
 
 def _gemm_alignment(m: SdpaMeta, p: DeviceProfile) -> int:
     # minimum_gemm_alignment: tensor cores on sm80+, or sm70+ in half precision, want 128-bit rows.
-    half = m.q.dtype in HALF
+    half = is_half(m.q.dtype)
     use_tc = p.sm[0] >= 8 or (p.sm[0] >= 7 and half)
     align = 4 if p.sm[0] >= 8 else 1
     return max(align, 128 // (16 if half else 32)) if use_tc else align

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from nanwatch.hooks.config import SpikesConfig
 from nanwatch.hooks.measure.decode import QUIET_KINDS, decode_step
 from nanwatch.hooks.measure.recorder import Recorder, StepState
 from nanwatch.wire import SiteStat, Spike
 
-__all__ = ["MAX_SPIKES", "SpikeDetector", "SpikeSkip"]
+__all__ = ["MAX_SPIKES", "SpikeDetector", "SpikeSkip", "spike_observer", "spike_skip"]
 
 #: At most this many spikes per report (the wire's bound), the largest factors.
 MAX_SPIKES = 64
@@ -120,3 +121,19 @@ class SpikeSkip:
             self._state, self._steps = state, self._steps + 1
         self.last = self.detector.observe(self._steps, decode_step(state, values, slots=rec.buf).sites)
         return bool(self.last)
+
+
+def spike_observer(spikes: SpikesConfig) -> Callable[[object, Iterable[SiteStat]], list[Spike]] | None:
+    """The ``observe`` of fresh running baselines, as ``spikes`` asks for them (None: ``spike_factor=0``,
+    spikes off): what the report builder and the job report are handed."""
+    if not spikes.factor:
+        return None
+    return SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup).observe
+
+
+def spike_skip(spikes: SpikesConfig, rec: Recorder) -> SpikeSkip | None:
+    """``spike_action="skip"``'s check on ``rec``'s open step, with its own baselines, for the weight guards
+    (None: not asked, or spikes off)."""
+    if spikes.action != "skip" or not spikes.factor:
+        return None
+    return SpikeSkip(rec, SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup))

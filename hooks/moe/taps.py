@@ -12,7 +12,9 @@ tokens whose expert set differs (sorted along top-k, so order-insensitive); per 
 differing; and, with ``rollout_logprobs``, |Δlogp| summed apart over rerouted and agreeing tokens (the
 attribution). Under ``routing_replay="apply"`` the router's output is replaced: the rollout's experts, with the
 trainer's own probabilities over them (renormalised where the router renormalises its top-k; DeepSeek-V3's
-sigmoid scores, renormalised and scaled).
+sigmoid scores, renormalised and scaled); the routes its routers chose are kept too, and the comparison counts the
+tokens they sent elsewhere than the rollout (``TOKENS_OWN_REROUTED``, a report figure): what the replay corrected,
+which the experts' input, the rollout's by then, no longer shows.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ import torch
 
 from nanwatch.hooks.failsafe import contained, probe_failed
 from nanwatch.hooks.instrument.probes import Probes, recomputing
+from nanwatch.hooks.measure.figures import figure
 from nanwatch.hooks.moe.routers import Router, experts_input, find_routers
 from nanwatch.hooks.moe.routes import check_routes, offset, spread
 
-__all__ = ["MoeStep", "MoeTaps"]
+__all__ = ["TOKENS_OWN_REROUTED", "MoeStep", "MoeTaps"]
+
+#: Under ``routing_replay="apply"``: the compared tokens whose trainer's own routers (before the replay) chose
+#: another expert set than the rollout's in at least one router (``MoeStat.tokens_own_rerouted``; ranks sum).
+TOKENS_OWN_REROUTED = figure("moe.tokens_own_rerouted", how="sum", integer=True)
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -68,6 +75,7 @@ class MoeTaps:
         self._device = next((r.module.weight.device for r in self.routers), torch.device("cpu"))
         self._given: _Given | None = None
         self._kept: dict[int, torch.Tensor] = {}  # router index -> the last training forward's routes
+        self._own: dict[int, torch.Tensor] = {}  # under apply: the same forward's routes as its routers chose them
         self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._load_keys = {r.index: tuple(("moe", r.name, "load", e) for e in range(r.experts)) for r in self.routers}
         self._broken: set[int] = set()  # routers that broke the contract at run time (warned once)
@@ -138,6 +146,8 @@ class MoeTaps:
         if p.measuring and id(r.module) not in p.coarse_ids:
             contained(p.site, r.name, "router", logits)
         if self.routing_replay == "apply" and self._given is not None and stage != "generate":
+            if stage == "train" and p.measuring and not recomputing():  # the trainer's own routes, before replay
+                self._own[r.index] = idx.detach()
             replaced = _apply(r, self._given.routes, logits, weights, idx)
             if replaced is None:
                 p.rec.warn(f"routing_replay=apply: the routes given ({tuple(self._given.routes.shape[:2])}) do not "
@@ -174,7 +184,7 @@ class MoeTaps:
     def step_end(self) -> None:
         """Compare the routes given in the step with the last training forward's, into the step's slots (device
         ops only); then forget both (routes apply within one step)."""
-        given, kept, self._given, self._kept = self._given, self._kept, None, {}
+        given, kept, own, self._given, self._kept, self._own = self._given, self._kept, self._own, None, {}, {}
         rec = self._p.rec
         if given is None:
             if self.routing_replay != "off" and kept:
@@ -186,9 +196,9 @@ class MoeTaps:
                 rec.warn("rollout routes were given, but not every router ran in a training forward this step: "
                          "not compared")
             return
-        contained(self._compare, given, kept)
+        contained(self._compare, given, kept, own)
 
-    def _compare(self, given: _Given, kept: dict[int, torch.Tensor]) -> None:
+    def _compare(self, given: _Given, kept: dict[int, torch.Tensor], own: dict[int, torch.Tensor]) -> None:
         rec = self._p.rec
         R = given.routes
         B, S = R.shape[:2]
@@ -207,10 +217,19 @@ class MoeTaps:
                 return
             ok = ok & mask[:, off : off + S]
         # every router at once: [B, S, n_routers, top_k], sorted along top-k (order-insensitive), one compare
-        own = torch.stack([kept[r.index].reshape(B, s_fwd, -1)[:, off : off + S].long() for r in self.routers], dim=2)
-        differ = (own.sort(dim=-1).values != R.sort(dim=-1).values).any(dim=-1) & ok[..., None]  # [B, S, n]
+        given_sorted = R.sort(dim=-1).values
+
+        def differing(routes: dict[int, torch.Tensor]) -> torch.Tensor:  # [B, S, n]: a token's set differs
+            mine = torch.stack([routes[r.index].reshape(B, s_fwd, -1)[:, off : off + S].long() for r in self.routers],
+                               dim=2)
+            return (mine.sort(dim=-1).values != given_sorted).any(dim=-1) & ok[..., None]
+
+        differ = differing(kept)
         anyd = differ.any(dim=-1)
         n = ok.sum()
+        if len(own) == len(self.routers) and all(o.shape == kept[i].shape for i, o in own.items()):
+            # under apply: what the replay corrected, the tokens the trainer's own routers sent elsewhere
+            rec.figure(TOKENS_OWN_REROUTED, differing(own).any(dim=-1).sum().to(rec.acc_dtype))
         rec.slot(self._compare_keys, torch.cat([n.expand(len(self.routers)), differ.sum(dim=(0, 1))]),
                  how="sum", many=True)
         counts = [n, anyd.sum()]

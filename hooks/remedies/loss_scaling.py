@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from nanwatch.hooks.failsafe import WarnOnce, probe_failed
-from nanwatch.hooks.measure.decode import nonfinite_phases
 from nanwatch.hooks.measure.recorder import Recorder
 from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND
 from nanwatch.hooks.remedies.optimizer_discovery import inner_optimizer, steps_model
@@ -198,7 +197,7 @@ class LossScaling:
         if not live:
             return
         try:
-            self._rec.loss_scale(LOSS_SCALE, live[-1].scaler._scale.detach().float())
+            self._rec.figure(LOSS_SCALE, live[-1].scaler._scale.detach().float())
         except Exception as exc:  # noqa: BLE001
             self._warn(f"could not read the GradScaler's scale ({exc!r}); loss_scale is not reported")
 
@@ -206,12 +205,6 @@ class LossScaling:
         """Whether a watched scaler found inf/NaN gradients in the open step: a host read of its flag (the
         caller's ``# sync-ok``: rerun mode only)."""
         return any(bool(t) for t in self._found)  # sync-ok: rerun mode, a step whose flag is already set
-
-    def handled_overflow(self) -> bool:
-        """The open step's non-finite values were an overflow the scaler handled (it found inf/NaN, and only
-        gradients were non-finite): no incident, so no rerun. Host reads, as :meth:`overflow_found` (rerun
-        mode only)."""
-        return self.overflow_found() and nonfinite_phases(self._rec) <= {"backward"}
 
     def new_step(self) -> None:
         self._found = []

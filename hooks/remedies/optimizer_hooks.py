@@ -13,21 +13,20 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from nanwatch.hooks.config import SpikesConfig, WeightsConfig
+from nanwatch.hooks.config import WeightsConfig
 from nanwatch.hooks.failsafe import WarnOnce, contained, probe_failed
 from nanwatch.hooks.instrument.rerun_tap import RerunTap
 from nanwatch.hooks.measure.optimizer_check import OptimizerCheck
 from nanwatch.hooks.measure.recorder import Recorder
-from nanwatch.hooks.measure.spikes import SpikeDetector, SpikeSkip
 from nanwatch.hooks.remedies.optimizer_discovery import (
     UNFOUND_AFTER_STEPS,
     OptimizerDiscovery,
     inner_optimizer,
 )
-from nanwatch.hooks.remedies.replica_check import ReplicaCheck
 from nanwatch.hooks.remedies.weight_guard import (
     WeightGuard,
     drop_grads_if_flagged,
@@ -49,26 +48,29 @@ class OptimizerHooks:
     effective weight guard to protect the weights meanwhile). ``before_update``: called at each guarded
     optimizer's pre-step (the rerun's last chance to re-run a step on the weights it saw). ``check_every``:
     the optimizer checks' cadence (``MonitorConfig.weights.optimizer_check_every``, resolved for the device).
-    ``spikes``: for ``spike_action="skip"``; ``replica_timeout_s``: how long the replica check's collective
-    waits for a peer (``report_reduce_timeout_s``).
+    ``spiked``: ``spike_action="skip"``'s check, shared by every weight guard (``nanwatch.hooks.measure.spikes``'
+    ``SpikeSkip``; None: not asked). ``replicas``: makes the replica check on the first optimizer covered,
+    called as ``replicas(optimizer, optimizers=...)`` (``nanwatch.hooks.remedies.replica_check.ReplicaCheck``
+    with its options bound; None: no replica check). Both come built from the Monitor.
 
     Example usage::
 
-        hooks = OptimizerHooks(model_ref, config=cfg.weights, spikes=cfg.spikes, replica_timeout_s=60.0, rec=rec,
+        hooks = OptimizerHooks(model_ref, config=cfg.weights, spiked=None, replicas=None, rec=rec,
                                warn=WarnOnce(), rerun_tap=probes.rerun)
         hooks.guard(opt)   # weight guard on, and checked
         ...
         hooks.remove()
     """
 
-    def __init__(self, model: weakref.ref[torch.nn.Module], *, config: WeightsConfig, spikes: SpikesConfig,
-                 replica_timeout_s: float, rec: Recorder, warn: WarnOnce, rerun_tap: RerunTap | None,
+    def __init__(self, model: weakref.ref[torch.nn.Module], *, config: WeightsConfig,
+                 spiked: Callable[[], bool] | None, replicas: Callable[..., Any] | None, rec: Recorder,
+                 warn: WarnOnce, rerun_tap: RerunTap | None,
                  check_every: int = 1, before_update: Callable[[], None] | None = None) -> None:
         self._model = model
         self._check_every = check_every
         self._before_update = before_update
         self._config = config
-        self._replica_timeout_s = replica_timeout_s
+        self._replicas = replicas
         self._rec = rec
         self._warn = warn
         self._rerun_tap = rerun_tap
@@ -76,12 +78,10 @@ class OptimizerHooks:
         self._checks: dict[int, OptimizerCheck] = {}  # id(optimizer) -> its post-step check
         self._discovery: OptimizerDiscovery | None = None
         self._steps_unfound = 0  # training steps with no optimizer found (attach without optimizer=)
-        self.replicas: ReplicaCheck | None = None  # on the first optimizer covered (replica_check_every)
+        self.replicas: Any = None  # the replica check, on the first optimizer covered (replica_check_every)
         self._handles: list = []
         #: ``spike_action="skip"``: the open step's spike check, shared by every guard (None: not asked)
-        self._spike_skip = SpikeSkip(rec, SpikeDetector(factor=spikes.factor, window=spikes.window,
-                                                        warmup=spikes.warmup)
-                                     ) if spikes.action == "skip" and spikes.factor else None
+        self._spike_skip = spiked
 
     def discover(self, model: torch.nn.Module) -> None:
         """Find the optimizers stepping ``model``'s parameters at their first step (:meth:`found`), until
@@ -123,10 +123,8 @@ class OptimizerHooks:
     def _check_replicas(self, optimizer: torch.optim.Optimizer) -> None:
         """The replica check on the first optimizer covered (``replica_check_every``): every rank covers the
         same optimizer at the same point (attach, or its first step), so its collectives are issued alike."""
-        if self.replicas is None and self._config.replica_check_every:
-            self.replicas = ReplicaCheck(optimizer, model=self._model, rec=self._rec, config=self._config,
-                                         timeout_s=self._replica_timeout_s, optimizers=self.optimizers,
-                                         warn=self._warn)
+        if self.replicas is None and self._replicas is not None and self._config.replica_check_every:
+            self.replicas = self._replicas(optimizer, optimizers=self.optimizers)
             self._handles.append(self.replicas)
 
     def found(self, optimizer: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None

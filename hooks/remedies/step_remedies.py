@@ -5,13 +5,15 @@ guards, post-step checks, discovery: ``nanwatch.hooks.remedies.optimizer_hooks``
 covered optimizers' state (``nanwatch.hooks.measure.param_sweep``).
 
 The Monitor says when (attach, step start, step end, close); this knows in which order the remedies act,
-so that the facade stays wiring. Training thread.
+so that the facade stays wiring. The parts that sit in other rooms come from the Monitor, the composition
+root, already bound to their options: how to make the rerun (given the optimizers covered here), the spike
+check of ``spike_action="skip"``, how to make the replica check. Training thread.
 
 Example usage::
 
-    remedies = StepRemedies(cfg.weights, forensics=cfg.forensics, spikes=cfg.spikes, rollout=cfg.rollout,
-                            run_id="r1", reduce_timeout_s=60.0, rank=0, device=device, rec=rec,
-                            model=model_ref, probes=probes, directive_state=state, warn=WarnOnce())
+    remedies = StepRemedies(cfg.weights, rollout=cfg.rollout, device=device, rec=rec, model=model_ref,
+                            probes=probes, warn=WarnOnce(), rerun=partial(DifferentialRerun, cfg.forensics, ...),
+                            spiked=None, replicas=None)
     remedies.attach(model, optimizer=opt, scaler=None)
     remedies.at_step_start(41)
     ...                                   # the step
@@ -24,14 +26,12 @@ Example usage::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from nanwatch.hooks.config import ForensicsConfig, RolloutConfig, SpikesConfig, WeightsConfig
-from nanwatch.hooks.directives.directive_state import DirectiveState
+from nanwatch.hooks.config import RolloutConfig, WeightsConfig
 from nanwatch.hooks.failsafe import WarnOnce, contained
-from nanwatch.hooks.forensics.rerun import DifferentialRerun
 from nanwatch.hooks.instrument.probes import Probes
 from nanwatch.hooks.measure.param_sweep import ParamSweep
 from nanwatch.hooks.measure.recorder import Recorder, StepState
@@ -41,31 +41,47 @@ from nanwatch.hooks.remedies.weight_guard import WeightGuard
 from nanwatch.hooks.rollout.attribution import RolloutAttributor
 from nanwatch.wire import RolloutEvent
 
-__all__ = ["ACCELERATOR_CHECK_EVERY", "StepRemedies"]
+__all__ = ["ACCELERATOR_CHECK_EVERY", "Rerun", "StepRemedies"]
 
 #: ``optimizer_check_every``'s default on an accelerator: the check reads every weight (the model's size in
 #: bytes) after one optimizer step in this many, the first included; on the CPU, every step
 ACCELERATOR_CHECK_EVERY = 16
 
 
+class Rerun(Protocol):
+    """What the remedies ask of the differential rerun (``nanwatch.hooks.forensics.rerun.DifferentialRerun``)."""
+
+    on: bool
+    capsules: Any
+
+    def at_step_start(self, step: int | None = None) -> None: ...
+
+    def before_update(self) -> None: ...
+
+    def at_step_end(self, step: int, *, scaling: Any, weight_guard_on: bool) -> Any: ...
+
+    def handed_over(self, data: torch.Tensor, state: StepState) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+
 class StepRemedies:
     """The optimizers' hooks, the scalers' watch and the rerun of one Monitor.
 
     It receives the sections it runs: ``config`` (the weights: weight guards, optimizer and parameter
-    checks, the replica check), ``forensics`` (the rerun and its capsules), ``spikes`` (``spike_action="skip"``),
-    ``rollout`` (the attribution), the ``run_id`` the capsules are named for, and ``reduce_timeout_s`` (how
-    long the replica check's collective waits for a peer, ``report_reduce_timeout_s``)."""
+    checks) and ``rollout`` (the attribution); and, built by the Monitor, ``rerun`` (called with
+    ``optimizers=`` and ``unread_updates=``, the covered optimizers' callables, it makes the rerun), ``spiked``
+    (``spike_action="skip"``'s check, or None) and ``replicas`` (makes the replica check on the first optimizer
+    covered, or None)."""
 
-    def __init__(self, config: WeightsConfig, *, forensics: ForensicsConfig, spikes: SpikesConfig,
-                 rollout: RolloutConfig, run_id: str, reduce_timeout_s: float, rank: int, device: torch.device,
-                 rec: Recorder, model: Callable[[], torch.nn.Module | None], probes: Probes,
-                 directive_state: DirectiveState, warn: WarnOnce) -> None:
+    def __init__(self, config: WeightsConfig, *, rollout: RolloutConfig, device: torch.device, rec: Recorder,
+                 model: Callable[[], torch.nn.Module | None], probes: Probes, warn: WarnOnce,
+                 rerun: Callable[..., Rerun], spiked: Callable[[], bool] | None,
+                 replicas: Callable[..., Any] | None) -> None:
         self._config, self._rec, self._model, self._warn, self._probes = config, rec, model, warn, probes
-        self.rerun = DifferentialRerun(forensics, run_id=run_id, rank=rank, device=device, rec=rec, model=model, probes=probes,
-                                       directive_state=directive_state, optimizers=self._covered,
-                                       unread_updates=self._unread_updates)
+        self.rerun = rerun(optimizers=self._covered, unread_updates=self._unread_updates)
         every = config.optimizer_check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
-        self.optimizers = OptimizerHooks(model, config=config, spikes=spikes, replica_timeout_s=reduce_timeout_s,
+        self.optimizers = OptimizerHooks(model, config=config, spiked=spiked, replicas=replicas,
                                          rec=rec, warn=warn, rerun_tap=probes.rerun if self.rerun.on else None,
                                          check_every=every, before_update=self.rerun.before_update
                                          if self.rerun.on else None)

@@ -2,5 +2,6 @@
 reporter thread, the HTTP transport, the local log). Imports every group below it; nothing above it.
 """
 
-__all__ = ["build", "flow", "handover", "job", "job_stats", "local_log", "reporter", "transport"]
+__all__ = ["build", "flow", "handover", "job", "job_stats", "local_log", "reporter", "step_context",
+           "transport"]
 

@@ -2,41 +2,28 @@
 ``StepStats``) plus what the training thread knew at step end (:class:`StepContext`) become one
 :class:`~nanwatch.wire.StepReport`, with the warnings a user must see (cross-document leak, no attention
 measured) attached and told once, and the step's spikes (``nanwatch.hooks.measure.spikes``: each site against
-its own running baseline, from the values the copy brought)."""
+its own running baseline, from the values the copy brought). (``StepContext`` is the hand-over's message:
+``nanwatch.hooks.report.step_context``.)"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from nanwatch.hooks.failsafe import WarnOnce
 from nanwatch.hooks.measure.decode import StepStats
+from nanwatch.hooks.measure.figures import fill
 from nanwatch.hooks.measure.optimizer_check import NonfiniteParams, optimizer_incident
 from nanwatch.hooks.measure.recorder import StepState
 from nanwatch.hooks.measure.replica_verdict import replica_incident
-from nanwatch.hooks.measure.scaler_overflow import LOSS_SCALE, SCALER_FOUND, handled_by_scaler
-from nanwatch.hooks.measure.spikes import SpikeDetector
+from nanwatch.hooks.measure.scaler_overflow import SCALER_FOUND, handled_by_scaler, loss_scaling
 from nanwatch.hooks.moe.report import moe_stat
-from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, StepReport
+from nanwatch.hooks.report.step_context import StepContext
+from nanwatch.wire import Coverage, Incident, LogitStat, SiteStat, Spike, StepReport
 
-__all__ = ["ReportBuilder", "StepContext"]
+__all__ = ["ReportBuilder"]
 
 log = logging.getLogger("nanwatch")
-
-
-@dataclass(frozen=True, slots=True)
-class StepContext:
-    """What the training thread knew at step end, handed to the reporter thread with the copy."""
-
-    state: StepState
-    mode: str
-    directive_version: int
-    time: float
-    #: the exception type the step raised (it never finished), or None
-    raised: str | None = None
-    #: the Monitor closed normally: the incarnation's last report, of no measurements (``state`` is empty)
-    final: bool = False
 
 
 class ReportBuilder:
@@ -45,23 +32,23 @@ class ReportBuilder:
 
     def __init__(self, *, run_id: str, rank: int, world_size: int, incarnation: str, warn: WarnOnce,
                  expects_logits: Callable[[], bool], agree_every: int | None,
-                 spikes: SpikeDetector | None = None) -> None:
+                 spikes: Callable[[int, Sequence[SiteStat]], list[Spike]] | None = None) -> None:
         self._ids = dict(run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation,
                          agree_every=agree_every)
         self._expects_logits = expects_logits
         self._warn = warn
         self._optimizer_incident_done = False  # reporter thread only: the optimizer incident, once per run
         self._params = NonfiniteParams()  # reporter thread only: non-finite parameters, told once per episode
-        self._spikes = spikes  # reporter thread only: the sites' running baselines (None: spikes off)
+        self._spikes = spikes  # reporter thread only: a SpikeDetector's observe, the sites' baselines (None: off)
 
     def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport:
         """The report of the step ``ctx`` describes, whose values ``stats`` holds (``dropped``: the reports
         lost so far, carried by this one)."""
         state = ctx.state
-        loss_scale, overflow = _loss_scaling(state, stats)
+        overflow = _scaler_overflow(state, stats)
         warns = list(state.warnings)
         told = self._params.observe(stats.batches, stats.sites, step=step, skipped=bool(
-            stats.step_skipped or (state.loss_scaling and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
+            stats.step_skipped or (loss_scaling(state) and stats.slot("max", SCALER_FOUND, 0.0) > 0)))
         warns.extend(told)
         incident = self._optimizer_incident(stats, state.incident, step, overflow=overflow)
         replicas = replica_incident(state.replica, stats.slot, step)  # type: ignore[arg-type]
@@ -84,8 +71,8 @@ class ReportBuilder:
             else:
                 self._warn(w)
         first = stats.first_offender
-        spikes = self._spikes.observe(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
-        return StepReport(
+        spikes = self._spikes(step, stats.sites) if self._spikes is not None and state.stage == "train" else []
+        report = StepReport(
             **self._ids, seq=seq, step=step, stage=state.stage, raised=ctx.raised, time=ctx.time,
             sites=stats.sites, sdpa=stats.sdpa, logits=stats.logits, fingerprints=stats.fingerprints,
             coverage=coverage, rlhf=stats.rlhf, attention_mode=ctx.mode, directive_version=ctx.directive_version,
@@ -94,8 +81,10 @@ class ReportBuilder:
             first_offender_rank=self._ids["rank"] if first else None,
             step_skipped=stats.step_skipped, incident=incident, nonfinite_rank=stats.nonfinite_rank,
             rollout_attribution=state.rollout_attribution,
-            loss_scale=loss_scale, scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
+            scaler_overflow=overflow, dropped_reports=dropped, warnings=warns[:64],
             spikes=spikes, moe=moe_stat(state.moe, stats.slot, stats.logits, step))
+        # the figures measure modules declared (``nanwatch.hooks.measure.figures``): a training step's alone
+        return fill(report, stats.figures) if state.stage == "train" else report
 
     def _optimizer_incident(self, stats: StepStats, incident: Incident | None, step: int, *,
                             overflow: bool | None) -> Incident | None:
@@ -160,11 +149,9 @@ class ReportBuilder:
         return unmeasured
 
 
-def _loss_scaling(state: StepState, stats: StepStats) -> tuple[float | None, bool | None]:
-    """(loss_scale, scaler_overflow) of a training step run under a watched GradScaler, else (None, None)
-    (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when)."""
-    if not state.loss_scaling or state.stage != "train":
-        return None, None
-    scale = stats.slot("max", LOSS_SCALE, -1.0)
-    found = stats.slot("max", SCALER_FOUND, 0.0)
-    return (scale if scale >= 0 else None), handled_by_scaler(found > 0, stats.sites)
+def _scaler_overflow(state: StepState, stats: StepStats) -> bool | None:
+    """``scaler_overflow`` of a training step run under a watched GradScaler, else None
+    (``nanwatch.hooks.remedies.loss_scaling`` says what is read and when; its ``loss_scale`` is a report figure)."""
+    if not loss_scaling(state) or state.stage != "train":
+        return None
+    return handled_by_scaler(stats.slot("max", SCALER_FOUND, 0.0) > 0, stats.sites)

@@ -9,11 +9,17 @@ One way, as values: the flow owns the reporter thread and drives the hand-over (
 for the job reduction), and the consumers are fed from that value. Nothing is left on ``self`` from one
 stage to the next, and the reporter never calls back up.
 
+Its stages come built (the Monitor is the composition root): the report builder, the job-level reporting it
+opens at attach (``nanwatch.hooks.report.job``) and the job report's spike baselines are handed in, each
+typed here by what the flow asks of it.
+
 Example usage::
 
-    flow = ReportFlow(config.reports, directives=config.directives, spikes=config.spikes, local_log=config.log,
-                      run_id="r1", collector=None, token=None, rank=0, world_size=1, incarnation="ab12", warn=WarnOnce(),
-                      directive_state=state, expects_logits=lambda: True)
+    builder = ReportBuilder(run_id="r1", rank=0, world_size=1, incarnation="ab12", warn=warn,
+                            expects_logits=lambda: True, agree_every=None)
+    flow = ReportFlow(config.reports, directives=config.directives, local_log=config.log, run_id="r1",
+                      collector=None, token=None, rank=0, incarnation="ab12", warn=warn, directive_state=state,
+                      builder=builder, open_job=lambda: None)
     flow.capture(rec.flat(), step, StepContext(rec.swap(), state.mode, state.version, time.time()))
     flow.last_report()
 """
@@ -23,27 +29,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from nanwatch.hooks.config import DirectivesConfig, LocalLogConfig, ReportsConfig, SpikesConfig
+from nanwatch.hooks.config import DirectivesConfig, LocalLogConfig, ReportsConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.directives.local_rules import LocalRuleEngine
 from nanwatch.hooks.failsafe import WarnOnce
-from nanwatch.hooks.measure.decode import decode_step
-from nanwatch.hooks.measure.spikes import SpikeDetector
+from nanwatch.hooks.measure.decode import StepStats, decode_step
 from nanwatch.hooks.moe.report import explained
-from nanwatch.hooks.report.build import ReportBuilder, StepContext
-from nanwatch.hooks.report.job import JobReporting, open_job_reporting
 from nanwatch.hooks.report.local_log import LocalLog
 from nanwatch.hooks.report.reporter import Landed, Reporter
+from nanwatch.hooks.report.step_context import StepContext
 from nanwatch.hooks.rollout.mismatch import MismatchClassifier
 from nanwatch.hooks.rollout.sync_verdict import SyncVerdicts
-from nanwatch.wire import RolloutEvent, StepReport
+from nanwatch.wire import RolloutEvent, SiteStat, Spike, StepReport
 
-__all__ = ["Built", "ReportFlow", "spike_detector"]
+__all__ = ["Builds", "Built", "JobRoutes", "ReportFlow"]
 
 log = logging.getLogger("nanwatch")
 
@@ -60,35 +65,48 @@ class Built:
     """A training step's raw RLHF slots, for the job reduction (None: no RLHF stats, or no training step)."""
 
 
-def spike_detector(spikes: SpikesConfig) -> SpikeDetector | None:
-    """The running baselines ``spikes`` asks for (None: ``spike_factor=0``, spikes off)."""
-    if not spikes.factor:
-        return None
-    return SpikeDetector(factor=spikes.factor, window=spikes.window, warmup=spikes.warmup)
+class Builds(Protocol):
+    """What the flow asks of its report builder (``nanwatch.hooks.report.build.ReportBuilder``)."""
+
+    def build(self, stats: StepStats, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport: ...
+
+    def final(self, ctx: StepContext, *, seq: int, step: int, dropped: int) -> StepReport: ...
+
+
+class JobRoutes(Protocol):
+    """What the flow asks of job-level reporting (``nanwatch.hooks.report.job.JobReporting``)."""
+
+    def route(self, own: StepReport, rlhf: dict | None) -> list[StepReport]: ...
+
+    def own(self, report: StepReport) -> list[StepReport]: ...
+
+    def close(self) -> None: ...
 
 
 class ReportFlow:
     """The reporter thread's side of one Monitor: the thread, the builder, the rules, the sender, the callback.
 
-    It receives the sections it runs (``reports``; ``directives`` for the local rules and the agreement's
-    cadence, ``spikes`` for the baselines, ``local_log`` for the local record) and, from the run's identity, its
-    ``run_id``, ``collector`` (whether there is one decides ``directive_source="auto"``) and ``token`` (the
-    weight sync's verdicts are asked of the collector with it)."""
+    It receives the sections it runs (``reports``; ``directives`` for the local rules, ``local_log`` for the
+    local record) and, from the run's identity, its ``run_id``, ``collector`` (whether there is one decides
+    ``directive_source="auto"``) and ``token`` (the weight sync's verdicts are asked of the collector with it);
+    and its built stages: ``builder``, ``open_job`` (called at attach, on every rank together: the job-level
+    reporting, or None to report per rank) and ``job_spikes`` (a ``SpikeDetector.observe`` for the job
+    report's sites, or None: spikes off)."""
 
-    def __init__(self, config: ReportsConfig, *, directives: DirectivesConfig, spikes: SpikesConfig,
-                 local_log: LocalLogConfig, run_id: str, collector: str | None, token: str | None, rank: int,
-                 world_size: int,
-                 incarnation: str, warn: WarnOnce, directive_state: DirectiveState,
-                 expects_logits: Callable[[], bool], on_mismatch: Callable[[RolloutEvent], None] | None = None
-                 ) -> None:
+    def __init__(self, config: ReportsConfig, *, directives: DirectivesConfig, local_log: LocalLogConfig,
+                 run_id: str, collector: str | None, token: str | None, rank: int, incarnation: str,
+                 warn: WarnOnce, directive_state: DirectiveState, builder: Builds,
+                 open_job: Callable[[], JobRoutes | None],
+                 job_spikes: Callable[[int, Sequence[SiteStat]], list[Spike]] | None = None,
+                 on_mismatch: Callable[[RolloutEvent], None] | None = None) -> None:
         self._on_report = config.on_report
         self._mismatch, self._on_mismatch = MismatchClassifier(), on_mismatch
         # the weight sync's verdicts, asked of the collector before a mismatch is called a drift or a jump
         self._verdicts = SyncVerdicts(collector, run_id, token=token) if collector else None
         self._directive_state = directive_state
-        self._config, self._rank, self._world = config, rank, world_size
+        self._config, self._open_job = config, open_job
         self.incarnation = incarnation
-        self._job: JobReporting | None = None
+        self._job: JobRoutes | None = None
         source = directives.source
         local = source == "local" or (source == "auto" and not collector)
         self._rules = LocalRuleEngine(run_id=run_id, directive_state=directive_state,
@@ -96,11 +114,8 @@ class ReportFlow:
         self._sender = None
         self._local = LocalLog(local_log, run_id=run_id, rank=rank, incarnation=incarnation,
                                warn=warn)  # log lines, JSONL file
-        self._builder = ReportBuilder(
-            run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation, warn=warn,
-            expects_logits=expects_logits, agree_every=directives.check_every if world_size > 1 else None,
-            spikes=spike_detector(spikes))
-        self._job_spikes = spike_detector(spikes)  # job scope: the job report's sites (each the ranks' max)
+        self._builder = builder
+        self._job_spikes = job_spikes  # job scope: the job report's sites (each the ranks' max)
         self._reporter = Reporter(max_pending=config.max_pending)
         self._thread = threading.Thread(target=self._run, name="nanwatch-reporter", daemon=True)
         self._thread.start()
@@ -108,9 +123,7 @@ class ReportFlow:
     def open_job(self) -> bool:
         """Training thread, at attach, on every rank together (a collective when the scope is ``job``): report
         per job from now on (``nanwatch.hooks.report.job``). False: per rank."""
-        cfg = self._config
-        self._job = open_job_reporting(scope=cfg.scope, rank=self._rank, world_size=self._world,
-                                       heartbeat_s=cfg.heartbeat_s, timeout_s=cfg.reduce_timeout_s)
+        self._job = self._open_job()
         return self._job is not None
 
     def send_to(self, sender) -> None:
@@ -242,7 +255,7 @@ class ReportFlow:
         baselines; it came with the poster's own."""
         if report.scope != "job" or self._job_spikes is None:
             return report
-        return report.model_copy(update={"spikes": self._job_spikes.observe(report.step, report.sites)})
+        return report.model_copy(update={"spikes": self._job_spikes(report.step, report.sites)})
 
     def _closing(self) -> None:
         """Reporter thread, after its last report: the job's group and the local log close here, so that

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -26,12 +27,24 @@ from nanwatch.hooks.config import DirectivesConfig
 from nanwatch.hooks.directives.directive_state import DirectiveState
 from nanwatch.hooks.failsafe import contained
 from nanwatch.hooks.measure.recorder import Recorder, StepState
-from nanwatch.hooks.report.build import StepContext
-from nanwatch.hooks.report.flow import ReportFlow
+from nanwatch.hooks.report.step_context import StepContext
 
-__all__ = ["CloseTimeout", "StepHandover", "connect"]
+__all__ = ["CloseTimeout", "Reports", "StepHandover", "connect"]
 
 log = logging.getLogger("nanwatch")
+
+
+class Reports(Protocol):
+    """What the hand-over asks of the report flow it hands records to (``nanwatch.hooks.report.flow.ReportFlow``,
+    built by the Monitor and handed in)."""
+
+    incarnation: str
+
+    def capture(self, data: torch.Tensor, step: int, ctx: StepContext) -> bool: ...
+
+    def final(self, step: int, ctx: StepContext) -> None: ...
+
+    def send_to(self, sender: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +60,7 @@ class CloseTimeout:
 class StepHandover:
     """Hands one Monitor's records to its :class:`~nanwatch.hooks.report.flow.ReportFlow`."""
 
-    def __init__(self, flow: ReportFlow, *, rec: Recorder, directive_state: DirectiveState,
+    def __init__(self, flow: Reports, *, rec: Recorder, directive_state: DirectiveState,
                  max_pending: int) -> None:
         self._flow = flow
         self._rec = rec
@@ -86,7 +99,7 @@ class StepHandover:
 
 
 def connect(directives: DirectivesConfig, *, run_id: str, collector: str | None, token: str | None,
-            log_dir: str | None, rank: int, flow: ReportFlow, directive_state: DirectiveState) -> None:
+            log_dir: str | None, rank: int, flow: Reports, directive_state: DirectiveState) -> None:
     """With a collector: every report goes to it too (a ``ReportSender``, closed with the flow, which keeps
     what it could not deliver in the undelivered folder: ``nanwatch.hooks.report.spool``), and rank 0
     polls it for directives (a ``DirectivePoller``, closed with the directive state; the other ranks follow

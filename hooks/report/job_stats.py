@@ -3,7 +3,9 @@
 Each rank describes its step by a ``Table`` (which sites, SDPA signatures, logit layers and forwards it saw, in
 execution order) and, once the ranks agree on one table, by two fixed-size float64 vectors laid out by it: one
 reduced by SUM (counts: calls, NaN/Inf, tokens, coverage), one by MAX (amax, headroom, logit figures, flags;
-a minimum or the first offender travels negated). ``nanwatch.hooks.report.job`` runs the collectives and hands
+a minimum or the first offender travels negated). The report figures (``nanwatch.hooks.measure.figures``) ride
+at the end, each reduced as its declaration says, read off the ranks' reports by path: a new one needs nothing
+here. ``nanwatch.hooks.report.job`` runs the collectives and hands
 the reduced vectors back here. Kept apart so that the layout has one owner and the arithmetic is tested
 against per-rank reports in one process.
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import get_args
 
+from nanwatch.hooks.measure.figures import FIGURES, fill, value_at
 from nanwatch.hooks.measure.rlhf import RLHF_SLOTS, decode_rlhf
 from nanwatch.hooks.measure.scaler_overflow import handled_by_scaler
 from nanwatch.hooks.moe.report import moe_layout, moe_vectors, read_moe
@@ -55,6 +58,7 @@ class Table:
     logits: tuple[tuple[str, str, int], ...]  # (layer, source, heads)
     forwards: tuple[tuple[int, str, str], ...]  # (index, position_ids, mask)
     moe: tuple[tuple[str, int, int], ...] = ()  # (router, experts, top_k): ``nanwatch.hooks.moe.report``
+    figures: tuple[str, ...] = ()  # the report figures' paths (``nanwatch.hooks.measure.figures``), sorted
 
     def digest(self) -> int:
         """62 bits of a hash of the whole table: equal on every rank iff the tables are (an int64 all-reduce)."""
@@ -101,7 +105,8 @@ def merge_tables(tables: list[Table]) -> Table:
     return Table(sites=_merge([t.sites for t in tables], _site_key), sdpa=_merge([t.sdpa for t in tables], _whole),
                  logits=_merge([t.logits for t in tables], _first),
                  forwards=tuple(sorted(_merge([t.forwards for t in tables], _first))),
-                 moe=_merge([t.moe for t in tables], _first))
+                 moe=_merge([t.moe for t in tables], _first),
+                 figures=tuple(sorted({p for t in tables for p in t.figures})))
 
 
 def _nan_to(x: float) -> float:
@@ -169,7 +174,8 @@ class Contribution:
         maxes.append(-float(keys.index(first) * world + self.rank) if first in keys else _NONE)
         maxes.append(float(_directive_key(r.attention_mode, r.directive_version)))
         moe_sums, moe_maxes = moe_vectors(r.moe, table.moe)
-        return sums + moe_sums, maxes + moe_maxes
+        fig_sums, fig_maxes = _figure_vectors(r, table.figures)
+        return sums + moe_sums + fig_sums, maxes + moe_maxes + fig_maxes
 
     def differs(self, job: JobStep) -> str | None:
         """Why this rank's own report must go beside the job's (a ``detail``), or None."""
@@ -192,7 +198,8 @@ def contribution(report: StepReport, rlhf: dict[tuple[str, str], float] | None, 
         sdpa=tuple(dict.fromkeys((c.site, c.backend, c.predicted, c.confirmed, c.dtype, c.shape, c.reason, c.stage)
                                  for c in report.sdpa)),
         logits=tuple((lg.layer, lg.source, len(lg.per_head or ())) for lg in report.logits),
-        forwards=tuple((f.forward, f.position_ids, f.mask) for f in report.fingerprints), moe=moe_layout(report.moe))
+        forwards=tuple((f.forward, f.position_ids, f.mask) for f in report.fingerprints), moe=moe_layout(report.moe),
+        figures=tuple(p for p in sorted(FIGURES) if value_at(report, p) is not None))
     return Contribution(rank, report, rlhf, table)
 
 
@@ -241,6 +248,7 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
     first_at, first_rank = divmod(int(-first), world) if first != _NONE else (None, None)
     directive = int(m.one())
     moe = read_moe(table.moe, s.take, m.take, poster=poster.moe)
+    figures = _read_figures(table.figures, s, m)
     offender = table.sites[first_at][:3] if first_at is not None else (None, None, None)
     report = StepReport(**{
         **dict(poster), "scope": "job", "sites": sites, "sdpa": sdpa, "logits": logits, "fingerprints": prints,
@@ -251,7 +259,7 @@ def reduce_job(poster: StepReport, table: Table, sums: list[float], maxes: list[
         # the poster's scaler found inf (gradients are all-reduced: every rank's finds the same); still an
         # overflow only if no rank's forward was non-finite
         "scaler_overflow": None if poster.scaler_overflow is None else handled_by_scaler(poster.scaler_overflow, sites)})
-    return JobStep(report, backends, directive)
+    return JobStep(fill(report, figures), backends, directive)
 
 
 def _read_sites(table: Table, s: _Reader, m: _Reader) -> list[SiteStat]:
@@ -294,6 +302,43 @@ def _read_forwards(table: Table, s: _Reader, m: _Reader) -> list[Fingerprint]:
         prints.append(Fingerprint(forward=index, position_ids=position_ids, mask=mask, fully_masked_rows=rows,
                                   packed=packed, plain_causal=plain, cross_doc_leak=leak))
     return prints
+
+
+def _across(path: str) -> str:
+    fig = FIGURES.get(path)
+    return fig.across if fig is not None else "max"
+
+
+def _figure_vectors(r: StepReport, paths: tuple[str, ...]) -> tuple[list[float], list[float]]:
+    """This rank's report figures laid out by the job's ``paths``: a sum as (value, present) in the SUM vector, a
+    max as its value and a min negated in the MAX vector (``_NONE``: this rank has none)."""
+    sums: list[float] = []
+    maxes: list[float] = []
+    for path in paths:
+        v = value_at(r, path)
+        across = _across(path)
+        if across == "sum":
+            sums += [float(v or 0.0), float(v is not None)]
+        else:
+            maxes.append(_NONE if v is None else _nan_to(float(v) if across == "max" else -float(v)))
+    return sums, maxes
+
+
+def _read_figures(paths: tuple[str, ...], s: _Reader, m: _Reader) -> dict[str, float]:
+    """The job's report figures from the reduced vectors (ranks' sums summed, maxima maxed, minima by negation);
+    a figure no rank had is left out."""
+    out = {}
+    for path in paths:
+        across = _across(path)
+        if across == "sum":
+            total, present = s.take(2)
+            if present:
+                out[path] = total
+            continue
+        x = m.one()
+        if x != _NONE:
+            out[path] = x if across == "max" else -x
+    return out
 
 
 def _read_rlhf(s: _Reader, m: _Reader) -> RlhfStat | None:

@@ -29,17 +29,15 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from nanwatch.addresses import check_collector_url
 from nanwatch.tokens import token_from_env
 from nanwatch.wire import Directive, ReportBatch, StepReport
 
-if TYPE_CHECKING:
-    from nanwatch.hooks.report.spool import Spool
-
-__all__ = ["POLL_FLOOR_S", "KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender"]
+__all__ = ["POLL_FLOOR_S", "KeepAliveHttp", "Delivery", "DirectivePoller", "ReportSender", "Undelivered"]
 
 log = logging.getLogger("nanwatch.transport")
 
@@ -220,6 +218,19 @@ class Delivery(NamedTuple):
         return text
 
 
+class Undelivered(Protocol):
+    """Where the sender keeps what it could not deliver, as it uses it: ``nanwatch.hooks.report.spool.Spool``,
+    built by whoever connects the sender (``nanwatch.hooks.report.handover.connect``) and handed in."""
+
+    path: Path
+    kept: int
+    error: str | None
+
+    def keep(self, reports: Iterable[StepReport]) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class ReportSender:
     """Ships ``StepReport``s to ``POST {url}/v1/reports`` from a background thread.
 
@@ -241,7 +252,7 @@ class ReportSender:
 
     def __init__(self, url: str, *, token: str | None = None, max_queue: int = 1024, batch_max: int = 64,
                  timeout_s: float = 5.0, backoff_base_s: float = 0.1, backoff_max_s: float = 10.0,
-                 spool: Spool | None = None) -> None:
+                 spool: Undelivered | None = None) -> None:
         if max_queue < 1 or not 1 <= batch_max <= 256:
             raise ValueError(f"need max_queue >= 1 and 1 <= batch_max <= 256, got {max_queue}, {batch_max}")
         self._url = url.rstrip("/")

@@ -9,7 +9,9 @@ What a transaction puts is *pending* until its COMMIT succeeds (``commit``) and 
 (``rollback``): readers (polls, the scrape, ``/v1/runs``) see committed versions only, whatever happens to the
 store afterwards (a double fault -- the COMMIT fails, then re-reading the store fails too -- cannot leak a
 version that was never committed). Versions never restart for a run id: after a run is forgotten, its next
-version is above the store's floor (``Store.directive_floor``), so a poller holding an old index wakes.
+version is above the store's floor (``Store.directive_floor``), so a poller holding an old index wakes. With
+replicas on one PostgreSQL database the floor is the database's: read again when a version is issued and
+when a run is re-read (``raise_floor``), since another replica may have forgotten a run meanwhile.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ class DirectiveLog:
             d = self._current.pop(run_id, None)
             if d is not None:
                 self._floor = max(self._floor, d.version)
+
+    def raise_floor(self, floor: int) -> None:
+        """The store's floor (``DurableStore.directive_floor``), which another collector replica sharing its
+        database may have raised by forgetting a run: never lowered."""
+        self._floor = max(self._floor, floor)
 
     def current(self, run_id: str) -> Directive:
         """The active, committed directive; version 0, mode ``none`` when the run has none."""

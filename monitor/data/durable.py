@@ -5,7 +5,7 @@ issue #40) implements the same ``DurableStore`` and nothing above ``data/`` chan
 What is stored: the runs and their retention times, the (run, rank, incarnation) high-water marks of accepted
 reports (the dedupe keys), counter totals (incidents are counted there, by class and host, and recorded as
 events), events with their dedupe keys, directives and their versions (with a floor above every version a
-forgotten run had). Weight-sync sets are not stored today (``data.weight_syncs`` keeps them in memory).
+forgotten run had), and the runs' weight syncs (versions, sets, verdicts, workers: ``data.weight_rows``).
 
 The contract:
 
@@ -13,7 +13,7 @@ The contract:
   directives and retention rows commit together or not at all. A failure (of a statement, or of the COMMIT
   itself) rolls back the whole transaction and raises; what ``after_commit`` queued inside it is then dropped,
   and runs only after a successful COMMIT (so pollers are woken for what the store holds, never more).
-* **Idempotent.** ``put_hwm``, ``put_counters`` and ``touch`` are upserts: a row is written as the new value,
+* **Idempotent.** ``put_hwm``, ``put_counters``, ``put_weights`` and ``touch`` are upserts: a row is written as the new value,
   never added to (counter totals are exact integers, as decimal text where the engine has no big integers).
   ``add_event`` inserts only if the run holds no event with that dedupe key, and says whether it did, so a
   resent report's events are never stored twice. ``delete_*`` of what is gone is a no-op. ``put_directive``
@@ -81,6 +81,12 @@ class DurableStore(Protocol):
     def put_directive(self, d: Directive) -> None:
         """Insert a directive version (``(run_id, version)`` is unique)."""
 
+    def put_weights(self, rows: list[tuple[str, str, str, str]]) -> None:
+        """Upsert (run_id, kind, key) -> body weight-sync rows (``(run_id, kind, key)`` is unique)."""
+
+    def delete_weights(self, keys: list[tuple[str, str, str]]) -> None:
+        """Delete these (run_id, kind, key) weight-sync rows (versions dropped, sets compared)."""
+
     def touch(self, run_ids: set[str], wall: float) -> None:
         """Upsert the runs' last write time (retention counts from it)."""
 
@@ -103,7 +109,8 @@ class DurableStore(Protocol):
     def load(self, run_ids: set[str] | None = None) -> Loaded:
         """What the store holds of every run (start-up), or of ``run_ids`` alone (the repair after a failed
         write): marks, latest steps, counters, latest directives, crash keys, event counts, first offenders,
-        retention times and the directive floor."""
+        retention times, weight-sync rows and the directive floor. A run's weight rows may be left out when
+        they are what this store last read or wrote for it (``Loaded.weights_kept``: memory holds them)."""
 
     def close(self) -> None:
         """Release the store (its connection, its lock)."""

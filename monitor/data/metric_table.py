@@ -1,5 +1,7 @@
 """The one table of metrics: name, type, labels and help, and for each counter whose totals a report's fold
-keeps, the family it is stored as (``MetricSpec.key``). The fold counts through these entries, the state
+keeps, the family it is stored as (``MetricSpec.key``); for a report figure, the wire path it is read from and how
+it combines over ranks (``MetricSpec.path``, ``reduce``: the fold and the exporter need nothing else,
+``nanwatch.monitor.data.report_figures``). The fold counts through these entries, the state
 reads stored rows back by them, the API sums them, the exporter renders them, and the metric reference
 (``docs/generate.py``), the alerting and recording rules (``deploy/prometheus/generate.py``) and the
 dashboards (``grafana/generate.py``) are written from or checked against it.
@@ -23,8 +25,8 @@ __all__ = ["ATTENTION_LOGIT_MAX", "ATTENTION_MODE", "CAPS_HIT", "COLLECTOR_LOGIT
            "ENDED_FAMILY", "EVENTS", "FAMILIES", "FIRST_OFFENDER_INFO", "INCIDENTS", "JOB_SKIPPED", "LAST_REPORT_TIMESTAMP", "LATEST_INCIDENT_INFO",
            "LATEST_OFFENDER_INFO", "LIVE_RANKS", "LOSS_SCALE", "LOSS_SCALE_OVERFLOWS", "MATH_FALLBACK_INFO",
            "METRICS", "MOE_EXPERT_LOAD_MAX", "MOE_REPLAY_NOT_APPLIED", "MOE_ROUTER_LOGIT_MAX",
-           "MOE_ROUTING_DISAGREEMENT", "MOE_TOKENS_REROUTED", "MetricSpec", "NONFINITE_CALLS", "NOT_REPRODUCIBLE_INCIDENTS",
-           "RANK_CRASHED",
+           "MOE_ROUTING_DISAGREEMENT", "MOE_TOKENS_REROUTED", "MOE_OWN_TOKENS_REROUTED", "MetricSpec", "NONFINITE_CALLS", "NOT_REPRODUCIBLE_INCIDENTS",
+           "RANK_CRASHED", "REPORT_FIGURES",
            "RENDER_ERRORS", "REPORTS_ACCEPTED", "REPORTS_DROPPED", "REPORTS_DUPLICATE", "REQUESTS_REJECTED", "RLHF_STAT",
            "ROLLOUT_MISMATCH", "ROLLOUT_MISMATCH_EVENTS", "ROLLOUT_NONFINITE_VALUES", "RUN_ENDED",
            "RUN_NONFINITE_CALLS", "RUN_WORLD_SIZE", "SDPA_CALLS", "SERIES_DROPPED",
@@ -47,6 +49,32 @@ class MetricSpec:
     value, so never renamed, whatever the metric is called. None: rendered from the state, not stored."""
     stored_labels: tuple[str, ...] | None = None
     "''The stored labels, in order, where they are not the exposed ones after ``run_id``.''"
+    path: str | None = None
+    """A report figure: the ``StepReport`` field the metric is read from, dotted into a sub-model or a mapping
+    (``loss_scale``, ``moe.tokens_rerouted``, ``rlhf.nonfinite.rollout_logprobs``). Such a metric needs nothing
+    but this entry (``nanwatch.monitor.data.report_figures``): a gauge is the latest training step's figure,
+    combined over the run's live views by ``reduce``; a counter adds each run-level report's figure. Per run
+    (labels ``("run_id",)``): a figure by layer or by rank is folded and rendered by hand."""
+    reduce: Literal["sum", "max", "min", "last"] | None = None
+    """How a gauge's figure combines over the views of the latest step: ``max``/``min`` over every live view
+    and the job's (a NaN wins); ``sum`` and ``last`` count each rank once: the job's figure when the job
+    report carries it, else the ranks' own reports' (``last``: the latest of them)."""
+    over: str | None = None
+    """A gauge that is a fraction: the path of its denominator, summed over the same views as the figure;
+    exported only while it is above 0."""
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            if self.reduce is not None or self.over is not None:
+                raise ValueError(f"{self.name}: reduce= and over= are a report figure's (give path=)")
+            return
+        if self.labels != ("run_id",):
+            raise ValueError(f"{self.name}: a report figure is one series per run (labels ('run_id',)), got "
+                             f"{self.labels}: fold and render a figure by layer or rank by hand")
+        if self.reduce is None or (self.type == "counter" and (self.reduce != "sum" or self.key is None)):
+            raise ValueError(f"{self.name}: a report figure needs reduce=; a counter's is 'sum', with a stored key")
+        if self.over is not None and self.reduce != "sum":
+            raise ValueError(f"{self.name}: a fraction (over=) sums its figure and denominator: reduce='sum'")
 
     @property
     def per_rank(self) -> bool:
@@ -165,7 +193,8 @@ LOSS_SCALE_OVERFLOWS = MetricSpec(
 LOSS_SCALE = MetricSpec(
     "nanwatch_loss_scale", "gauge", ("run_id",),
     "The loss scale after the latest step, min over live ranks (absent without dynamic loss "
-    "scaling): a collapsing scale is the incident, not an overflow.")
+    "scaling): a collapsing scale is the incident, not an overflow.",
+    path="loss_scale", reduce="min")
 RUN_ENDED = MetricSpec(
     "nanwatch_run_ended", "gauge", ("run_id",),
     "1 once every rank of the run sent its final report (the run ended normally); kept until the "
@@ -200,7 +229,7 @@ ROLLOUT_NONFINITE_VALUES = MetricSpec(
     "mode, from rank reports otherwise, never from detail reports. The sampler produced them; nothing "
     "replaced them. Padding outside the mask is not counted here (RlhfStat.nonfinite "
     "rollout_logprobs_pad).",
-    key="rollout_nonfinite")
+    key="rollout_nonfinite", path="rlhf.nonfinite.rollout_logprobs", reduce="sum")
 ROLLOUT_MISMATCH_EVENTS = MetricSpec(
     "nanwatch_rollout_mismatch_events_total", "counter", ("run_id", "cause"),
     "Rollout mismatches the trainer classified (RolloutEvent), by cause: stale_weights (the weight sync's "
@@ -250,7 +279,15 @@ MOE_ROUTING_DISAGREEMENT = MetricSpec(
 MOE_TOKENS_REROUTED = MetricSpec(
     "nanwatch_moe_tokens_rerouted", "gauge", ("run_id",),
     "The fraction of unmasked tokens with at least one MoE router differing from the rollout's routes, in the "
-    "latest step that compared.")
+    "latest step that compared.",
+    path="moe.tokens_rerouted", reduce="sum", over="moe.tokens_compared")
+MOE_OWN_TOKENS_REROUTED = MetricSpec(
+    "nanwatch_moe_tokens_rerouted_before_replay", "gauge", ("run_id",),
+    "Under routing_replay=apply, the fraction of unmasked tokens whose trainer's own routers, before nanwatch gave "
+    "them the rollout's experts, chose another expert set than the rollout's in at least one router, in the latest "
+    "step that compared: what the replay corrected (nanwatch_moe_tokens_rerouted then verifies the replay itself). "
+    "About what routing without replay would show; near 1, the rollout's routes are another model's.",
+    path="moe.tokens_own_rerouted", reduce="sum", over="moe.tokens_compared")
 MOE_EXPERT_LOAD_MAX = MetricSpec(
     "nanwatch_moe_expert_load_max", "gauge", ("run_id", "layer"),
     "Per MoE router, the largest expert's share of the routed token slots times the number of experts, in the "
@@ -300,11 +337,14 @@ _SPECS = (
     LOSS_SCALE_OVERFLOWS, LOSS_SCALE, RUN_ENDED, NOT_REPRODUCIBLE_INCIDENTS, LATEST_INCIDENT_INFO,
     ROLLOUT_MISMATCH, ROLLOUT_NONFINITE_VALUES, ROLLOUT_MISMATCH_EVENTS, WEIGHT_SYNCS_VERIFIED, WEIGHT_SYNC_MISMATCHES,
     SPIKES, WEIGHT_SYNCS_UNVERIFIABLE, WEIGHT_SYNC_LAG,
-    MOE_ROUTING_DISAGREEMENT, MOE_TOKENS_REROUTED, MOE_EXPERT_LOAD_MAX, MOE_ROUTER_LOGIT_MAX, MOE_REPLAY_NOT_APPLIED,
+    MOE_ROUTING_DISAGREEMENT, MOE_TOKENS_REROUTED, MOE_OWN_TOKENS_REROUTED, MOE_EXPERT_LOAD_MAX, MOE_ROUTER_LOGIT_MAX, MOE_REPLAY_NOT_APPLIED,
     REPORTS_ACCEPTED, REPORTS_DUPLICATE, REQUESTS_REJECTED, SERIES_DROPPED, CAPS_HIT, RENDER_ERRORS,
 )
 
 METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
+
+#: the report figures (``MetricSpec.path``), in table order: folded and rendered by their entries alone
+REPORT_FIGURES: tuple[MetricSpec, ...] = tuple(s for s in _SPECS if s.path is not None)
 
 #: every counter family a report's fold keeps, by its stored key
 FAMILIES: dict[str, MetricSpec] = {s.key: s for s in (*_SPECS, JOB_SKIPPED) if s.key is not None}

@@ -34,13 +34,17 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY, value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS weight_syncs (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, key TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, kind, key)
+);
 """
 #: ``PRAGMA user_version`` of this database schema (not the wire's ``SCHEMA_VERSION``). 0 is a file from
 #: before the version was kept: accepted when its tables are a subset of these, with exactly these columns
 #: (then upgraded); 2 is upgraded in place (its counter totals were REAL, rewritten as exact decimal text);
 #: anything else is refused. 3: counter totals are exact integers of any size, stored as decimal TEXT
-#: (SQLite's INTEGER stops at 2^63 and REAL at 2^53, past which +1 adds nothing).
-DB_SCHEMA_VERSION = 3
+#: (SQLite's INTEGER stops at 2^63 and REAL at 2^53, past which +1 adds nothing). 4: the runs' weight syncs
+#: (``weight_syncs``, ``nanwatch.monitor.data.weight_rows``), a table added to a version 3 file in place.
+DB_SCHEMA_VERSION = 4
 COLUMNS = {
     "events": ["id", "run_id", "time", "kind", "dedupe", "rank", "step", "site", "actor", "detail"],
     "directives": ["run_id", "version", "body"],
@@ -48,6 +52,7 @@ COLUMNS = {
     "counters": ["run_id", "family", "labels", "value"],
     "runs": ["run_id", "touched"],
     "meta": ["key", "value"],
+    "weight_syncs": ["run_id", "kind", "key", "body"],
 }
 TABLES = tuple(t for t in COLUMNS if t != "meta")
 
@@ -64,7 +69,7 @@ def check(db: sqlite3.Connection, path: str) -> None:
               if not r[0].startswith("sqlite_")}
     if version == DB_SCHEMA_VERSION:
         return
-    if version not in (0, 2):
+    if version not in (0, 2, 3):
         raise ForeignDatabase(f"{path}: schema version {version}; this collector speaks "
                               f"{DB_SCHEMA_VERSION} (use a new --db file, or the collector that wrote it)")
     foreign = sorted(t for t in tables if t not in COLUMNS or table_columns(db, t) != COLUMNS[t])
@@ -77,13 +82,16 @@ def check(db: sqlite3.Connection, path: str) -> None:
         if not tables:  # a read-only fresh file: let probe() report it, and load() read nothing
             return
         raise
-    _exact_counters(db)
+    if version == 3:  # its tables and counters are as they were: the weight syncs' table was added above
+        db.execute(f"PRAGMA user_version={DB_SCHEMA_VERSION}")
+    else:
+        _exact_counters(db)
 
 def table_columns(db: sqlite3.Connection, table: str) -> list[str]:
     return [c[1] for c in db.execute(f"PRAGMA table_info({table})")]
 
 def _exact_counters(db: sqlite3.Connection) -> None:
-    """Schema 2 (or 0) to 3 in one transaction: the counter totals, REAL before, become exact decimal
+    """Schema 2 (or 0) to 3 (and so to 4, whose table the caller created) in one transaction: the counter totals, REAL before, become exact decimal
     TEXT (a REAL total is a whole number, so ``int`` of it is exact). The table is bounded by the
     series caps, so this is quick; a crash midway leaves the file as it was."""
     db.execute("BEGIN IMMEDIATE")

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from nanwatch.monitor.data.auth import ANY_NAMESPACE
 from nanwatch.monitor.data.store import EventRow
+from nanwatch.monitor.data.tenures import Tenures
 from nanwatch.wire import MoeStat, RlhfStat
 
 __all__ = ["CRASH_KEY", "LATEST_SPIKES", "MAX_AGREE_EVERY", "MAX_HEARTBEAT_S", "MAX_WORLD_SIZE", "RANK_SERIES",
@@ -44,31 +45,16 @@ RANK_SERIES = 8
 RUN_LEVEL_SCOPES = frozenset({"rank", "job"})
 
 
+@dataclass(slots=True)
 class RequestCounters:
-    """Totals since the process started (they feed ``nanwatch_collector_*_total``)."""
+    """Totals since the process started (they feed ``nanwatch_collector_*_total``; ``write.requests`` counts)."""
 
-    __slots__ = ("accepted", "duplicates", "rejected")
-
-    def __init__(self) -> None:
-        self.accepted = 0
-        """Step reports applied to the state."""
-        self.duplicates = 0
-        """Step reports already applied (resent by the trainer), acknowledged and ignored."""
-        self.rejected: Counter[str] = Counter()
-        """Requests refused with a 4xx or 503, by reason."""
-
-    def applied(self, accepted: int, duplicates: int) -> None:
-        """A batch was committed: ``accepted`` new reports, ``duplicates`` resent ones."""
-        self.accepted += accepted
-        self.duplicates += duplicates
-
-    def reject(self, reason: str) -> None:
-        """A request was refused for ``reason``."""
-        self.rejected[reason] += 1
-
-    def version(self) -> tuple[int, int, int]:
-        """Changes whenever a count does (the exporter reuses a render only while nothing changed)."""
-        return self.accepted, self.duplicates, sum(self.rejected.values())
+    accepted: int = 0
+    """Step reports applied to the state."""
+    duplicates: int = 0
+    """Step reports already applied (resent by the trainer), acknowledged and ignored."""
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Requests refused with a 4xx or 503, by reason."""
 
 
 @dataclass(slots=True)
@@ -107,12 +93,17 @@ class RankState:
     crashed: str | None = None
     """The exception type the rank's step raised (wire 1.5 ``raised``): the rank crashed, and it is no longer
     counted live. None while it runs."""
-    loss_scale: float | None = None
-    """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling; a
-    heartbeat never changes it (liveness only)."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """The latest training step's report figures, by wire path (``nanwatch.monitor.data.report_figures``: the
+    table's gauges read off the report and their denominators); a heartbeat never changes them (liveness only)."""
     heartbeat_s: float = 0.0
     """The heartbeat interval this rank announced (wire 1.4 ``heartbeat_s``, at most ``MAX_HEARTBEAT_S``); 0:
     none."""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The rank's GradScaler scale after its latest step (wire 1.6), None without dynamic loss scaling."""
+        return self.figures.get("loss_scale")
 
     @property
     def logit_max(self) -> float | None:
@@ -275,9 +266,9 @@ class CollectorState:
     data: ``nanwatch.monitor.write`` alone changes it, and the views of it are functions
     (``nanwatch.monitor.data.liveness``, ``nanwatch.monitor.read.views``)."""
 
-    __slots__ = ("caps_hit", "exported_runs", "exposed", "hosts", "hwm", "max_events", "max_incarnations",
+    __slots__ = ("caps_hit", "exported_runs", "exposed", "foreign_views", "hosts", "hwm", "max_events", "max_incarnations",
                  "max_incarnations_per_namespace", "max_runs", "namespace_events", "render_errors", "requests",
-                 "runs", "series_cap", "silent_keep_s", "ttl_s", "writes")
+                 "runs", "series_cap", "silent_keep_s", "tenures", "ttl_s", "writes")
 
     def __init__(self, *, ttl_s: float, series_cap: int, max_runs: int = 10_000, max_incarnations: int = 65_536,
                  max_events: int = 10_000, silent_keep_s: float = 86_400.0, hosts: HostCaps | None = None,
@@ -311,3 +302,8 @@ class CollectorState:
         #: these (replicas on a shared PostgreSQL database: the runs whose lease this one holds,
         #: ``nanwatch.monitor.pg.leases``); any other run shows as if not live
         self.exported_runs: set[str] | None = None
+        #: replicas: where this one's counter series of a run start (``data.tenures``); None, one collector
+        self.tenures: Tenures | None = None
+        #: replicas: the latest views of the exported runs' ranks that reached other replicas, by run and
+        #: rank (-1: the job view), shown beside this one's own (``nanwatch.monitor.pg.shared_metrics``)
+        self.foreign_views: dict[str, dict[int, RankState]] = {}

@@ -93,6 +93,11 @@ class Loaded:
     touched: dict[str, float]
     #: the highest directive version of any forgotten run: a run's next version is above it
     directive_floor: int = 0
+    #: each run's weight-sync rows, (kind, key, body) (``nanwatch.monitor.data.weight_rows.decode``)
+    weights: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    #: runs whose weight rows were left unread: they are what this process last read or wrote (PostgreSQL's
+    #: weight revision), so memory keeps its own
+    weights_kept: set[str] = field(default_factory=set)
 
 
 class Store:
@@ -213,6 +218,15 @@ class Store:
         """Forget these (run_id, rank, incarnation) high-water marks (inside a transaction)."""
         self._db.executemany("DELETE FROM hwm WHERE run_id=? AND rank=? AND incarnation=?", keys)
 
+    def put_weights(self, rows: list[tuple[str, str, str, str]]) -> None:
+        """Upsert (run_id, kind, key) -> body weight-sync rows (``nanwatch.monitor.data.weight_rows``)."""
+        self._db.executemany("INSERT INTO weight_syncs VALUES (?,?,?,?) ON CONFLICT (run_id, kind, key) "
+                             "DO UPDATE SET body=excluded.body", rows)
+
+    def delete_weights(self, keys: list[tuple[str, str, str]]) -> None:
+        """Delete these (run_id, kind, key) weight-sync rows (inside a transaction)."""
+        self._db.executemany("DELETE FROM weight_syncs WHERE run_id=? AND kind=? AND key=?", keys)
+
     def directive_floor(self) -> int:
         """The highest directive version any forgotten run had (0: none)."""
         row = self._db.execute("SELECT value FROM meta WHERE key=?", (_FLOOR_KEY,)).fetchone()
@@ -287,3 +301,5 @@ def _read(db: sqlite3.Connection, into: Loaded, where: str, args: tuple) -> None
     now_wall, now_mono = time.time(), time.monotonic()
     into.touched.update((run, now_mono - max(0.0, now_wall - wall))
                         for run, wall in db.execute("SELECT * FROM runs" + where, args))
+    for run, kind, key, body in db.execute("SELECT run_id, kind, key, body FROM weight_syncs" + where, args):
+        into.weights.setdefault(one(run, run), []).append((kind, key, body))

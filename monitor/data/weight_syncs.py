@@ -1,7 +1,8 @@
 """Weight syncs, compared: each run's weight versions, the trainer's set of each, each rollout worker's
-verdicts, and how far each worker lags (docs/weight_sync.md). Memory only: a collector restart forgets the
-versions waiting for their other side (the counters it added are stored); the ledger counts and logs what a
-comparison finds (``nanwatch.monitor.write.weight_compare``).
+verdicts, and how far each worker lags (docs/weight_sync.md). Held in memory and kept in the store, row by row
+(``nanwatch.monitor.data.weight_rows``), in the write's transaction: a restarted collector, or another replica
+on a shared PostgreSQL database, reads them back (``replace``); the ledger counts and logs what a comparison
+finds (``nanwatch.monitor.write.weight_compare``).
 
 * **Bound to the run's ranks.** A trainer set carries the incarnation of the rank that posts the run's
   reports (``Monitor.publish_weights`` sends it). It is compared only once that incarnation is the run's
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from nanwatch.monitor.data.refusal import CapReached, Refused
 from nanwatch.monitor.data.weight_verdicts import SideSet, Verdict, compare
 
-__all__ = ["MAX_CANDIDATES", "Expired", "WeightSyncs", "WorkerSync", "held_bytes"]
+__all__ = ["MAX_CANDIDATES", "Expired", "RunSyncs", "VersionSyncs", "WeightSyncs", "WorkerSync", "held_bytes"]
 
 #: unbound trainer sets a version holds (a restarted trainer's and a stray sender's, say); beyond it 429
 MAX_CANDIDATES = 4
@@ -70,7 +71,10 @@ class WorkerSync:
 
 
 @dataclass(slots=True)
-class _Version:
+class VersionSyncs:
+    """One weight version of a run: the trainer's set (bound), its candidates, the waiting rollout sets and
+    each worker's verdict."""
+
     trainer: SideSet | None = None
     #: unbound trainer sets, by incarnation
     candidates: dict[str, SideSet] = field(default_factory=dict)
@@ -83,8 +87,10 @@ class _Version:
 
 
 @dataclass(slots=True)
-class _Run:
-    versions: OrderedDict[int, _Version] = field(default_factory=OrderedDict)
+class RunSyncs:
+    """One run's weight syncs: what the store keeps of them, row by row (``nanwatch.monitor.data.weight_rows``)."""
+
+    versions: OrderedDict[int, VersionSyncs] = field(default_factory=OrderedDict)
     workers: dict[str, WorkerSync] = field(default_factory=dict)
     #: bound (published) versions and when they were bound, the newest last
     published: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -110,7 +116,7 @@ class WeightSyncs:
                  max_versions_per_namespace: int = 1024) -> None:
         self.max_versions, self.max_waiting, self.wait_s, self.expire_s = max_versions, max_waiting, wait_s, expire_s
         self.max_bytes_per_namespace, self.max_versions_per_namespace = max_bytes_per_namespace, max_versions_per_namespace
-        self.runs: dict[str, _Run] = {}
+        self.runs: dict[str, RunSyncs] = {}
         #: (versions, bytes) each run holds, counted when asked and forgotten when the run changes
         self._held: dict[str, tuple[int, int]] = {}
 
@@ -221,7 +227,7 @@ class WeightSyncs:
             v.verdicts.pop(next(iter(v.verdicts)))  # only a resend's answer is lost
         return self._verdict(run, version, v, worker, s), True
 
-    def _verdict(self, run: _Run, version: int, v: _Version, worker: str, s: SideSet) -> Verdict:
+    def _verdict(self, run: RunSyncs, version: int, v: VersionSyncs, worker: str, s: SideSet) -> Verdict:
         verdict = compare(worker, v.trainer, s)
         v.verdicts[worker] = (s.digest, verdict)
         w = run.workers.get(worker)
@@ -231,11 +237,11 @@ class WeightSyncs:
                 w.latest_verified = version
         return verdict
 
-    def _slot(self, run_id: str, version: int, now: float) -> _Version:
-        versions = self.runs.setdefault(run_id, _Run()).versions
+    def _slot(self, run_id: str, version: int, now: float) -> VersionSyncs:
+        versions = self.runs.setdefault(run_id, RunSyncs()).versions
         v = versions.get(version)
         if v is None:
-            v = versions[version] = _Version(received=now)
+            v = versions[version] = VersionSyncs(received=now)
             self._held.pop(run_id, None)
         return v
 
@@ -263,12 +269,12 @@ class WeightSyncs:
         return run is not None and (len(run.versions) > self.max_versions or any(
             now - v.received > self.expire_s for v in run.versions.values()))
 
-    def _pending_workers(self, run: _Run, version: int, v: _Version) -> list[str]:
+    def _pending_workers(self, run: RunSyncs, version: int, v: VersionSyncs) -> list[str]:
         """Workers the run knows that neither compared with ``version`` nor moved past it."""
         return sorted(k for k, w in run.workers.items()
                       if k not in v.verdicts and w.latest_posted <= version and w.first_posted <= version)
 
-    def _drop(self, run: _Run, version: int) -> list[Expired]:
+    def _drop(self, run: RunSyncs, version: int) -> list[Expired]:
         v = run.versions.pop(version)
         workers = [k for k in self._pending_workers(run, version, v) if not run.workers[k].expired_told]
         workers += [k for k in v.waiting if k not in workers]
@@ -303,27 +309,31 @@ class WeightSyncs:
         run = self.runs.get(run_id)
         return run.workers if run is not None else {}
 
-    # ---- the transaction's undo, and forgetting ---------------------------------------------------------
+    # ---- what a write changed, what the store holds, and forgetting ---------------------------------------------------------
 
-    def save(self, run_id: str) -> _Run | None:
-        """A copy of the run's state, to ``restore`` if the write it belongs to fails."""
+    def save(self, run_id: str) -> RunSyncs | None:
+        """A copy of the run's state at a write's start: what it changed is written from it
+        (``weight_rows.changes``); a failed write takes the store's again (``replace``)."""
         run = self.runs.get(run_id)
         if run is None:
             return None
-        return _Run(OrderedDict((k, _Version(v.trainer, dict(v.candidates), dict(v.waiting), dict(v.verdicts),
+        return RunSyncs(OrderedDict((k, VersionSyncs(v.trainer, dict(v.candidates), dict(v.waiting), dict(v.verdicts),
                                              v.received, v.published)) for k, v in run.versions.items()),
                     {k: WorkerSync(w.first_posted, w.latest_posted, w.latest_verified, w.outcome, w.lagging,
                                    w.expired_told) for k, w in run.workers.items()},
                     OrderedDict(run.published), run.trainer)
 
-    def restore(self, run_id: str, saved: _Run | None) -> None:
-        self._held.pop(run_id, None)
-        if saved is None:
-            self.runs.pop(run_id, None)
-        else:
-            self.runs[run_id] = saved
-
     def forget(self, run_ids: list[str]) -> None:
         for run_id in run_ids:
             self.runs.pop(run_id, None)
             self._held.pop(run_id, None)
+
+    def replace(self, runs: dict[str, RunSyncs], run_ids: set[str] | None = None) -> None:
+        """Take the store's view (``weight_rows.decode``) of ``run_ids`` (None: of every run, at start-up): a
+        run the store holds no set of is dropped."""
+        for run_id in (set(self.runs) if run_ids is None else run_ids) - set(runs):
+            self.forget([run_id])
+        for run_id, run in runs.items():
+            if run_ids is None or run_id in run_ids:
+                self.runs[run_id] = run
+                self._held.pop(run_id, None)

@@ -142,11 +142,18 @@ class PgStore:
         self._revs: dict[str, int] = {}
         #: revisions the open transaction set, kept once it commits
         self._pending_revs: dict[str, int] = {}
+        #: each run's weight-sync revision (``runs.wrev``, bumped by a write that changed its weight rows) as
+        #: this process last read or wrote the rows: a re-read skips the rows of a run whose revision is this
+        #: one (they are what memory holds: a run's re-read after another replica's report costs no weights)
+        self._wrevs: dict[str, int] = {}
+        self._pending_wrevs: dict[str, int] = {}
+        #: runs whose weight rows the open transaction wrote
+        self._weights_written: set[str] = set()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """One transaction on one connection; what ``after_commit`` queued runs once COMMIT succeeded."""
-        self._after, self._pending_revs = [], {}
+        self._after, self._pending_revs, self._pending_wrevs, self._weights_written = [], {}, {}, set()
         try:
             with _errors(), self._pool.connection() as conn, conn.transaction():
                 self._db.conn = conn
@@ -156,8 +163,12 @@ class PgStore:
                     self._db.conn = None
         except BaseException:
             self._after, self._pending_revs = None, {}
+            # memory may now hold weight syncs no row holds (the ledger re-reads what the write touched): the
+            # next re-read of any run reads its weight rows whole, once
+            self._wrevs.clear()
             raise
         self._revs.update(self._pending_revs)
+        self._wrevs.update(self._pending_wrevs)
         after, self._after, self._pending_revs = self._after, None, {}
         for fn in after:
             fn()
@@ -211,14 +222,18 @@ class PgStore:
         one under its row lock. A revision other than the next of the one this replica knows means
         another replica wrote the run meanwhile: ``StaleRun`` (the transaction rolls back)."""
         for run_id in sorted(run_ids):  # one order for every replica: two never wait on each other's rows
-            rev = self._db.execute("INSERT INTO runs (run_id, touched, rev) VALUES (%s,%s,1) ON CONFLICT (run_id) "
-                             "DO UPDATE SET touched = excluded.touched, rev = runs.rev + 1 RETURNING rev",
-                             (run_id, wall)).fetchone()[0]
+            bump = int(run_id in self._weights_written)
+            rev, wrev = self._db.execute(
+                "INSERT INTO runs (run_id, touched, rev, wrev) VALUES (%s,%s,1,%s) ON CONFLICT (run_id) DO UPDATE "
+                "SET touched = excluded.touched, rev = runs.rev + 1, wrev = runs.wrev + excluded.wrev "
+                "RETURNING rev, wrev", (run_id, wall, bump)).fetchone()
             known = self._pending_revs.get(run_id, self._revs.get(run_id, 0))
             if rev != known + 1:
                 raise StaleRun(f"run {run_id!r} was written by another replica (revision {rev - 1}, this one "
                                f"knew {known}): re-read, retry")
             self._pending_revs[run_id] = rev
+            if bump or run_id in self._wrevs:  # (unknown rows stay unknown until read)
+                self._pending_wrevs[run_id] = wrev
         if run_ids:
             payload = ",".join(sorted(run_ids))
             self._db.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, payload if len(payload) <= _PAYLOAD_MAX else ""))
@@ -232,13 +247,26 @@ class PgStore:
         # GREATEST: a floor another replica raised meanwhile never goes down
         self._db.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = "
                    "GREATEST(meta.value::bigint, excluded.value::bigint)::text", (_FLOOR_KEY, str(top)))
-        for table in ("events", "directives", "hwm", "counters", "runs"):
+        for table in ("events", "directives", "hwm", "counters", "weight_syncs", "runs"):
             self._db.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (run_ids,))
         for run_id in run_ids:
             self._revs.pop(run_id, None)
+            self._wrevs.pop(run_id, None)
 
     def delete_hwm(self, keys: list[tuple[str, int, str]]) -> None:
         self._db.executemany("DELETE FROM hwm WHERE run_id = %s AND rank = %s AND incarnation = %s", keys)
+
+    def put_weights(self, rows: list[tuple[str, str, str, str]]) -> None:
+        """Weight-sync rows, upserted: written, like the counters, only by a replica whose memory of the run
+        holds every committed write of it (the revision check of ``touch``, which the ledger calls in the same
+        transaction, and which bumps the run's weight revision)."""
+        self._weights_written.update(r[0] for r in rows)
+        self._db.executemany("INSERT INTO weight_syncs VALUES (%s,%s,%s,%s) ON CONFLICT (run_id, kind, key) "
+                             "DO UPDATE SET body = excluded.body", rows)
+
+    def delete_weights(self, keys: list[tuple[str, str, str]]) -> None:
+        self._weights_written.update(k[0] for k in keys)
+        self._db.executemany("DELETE FROM weight_syncs WHERE run_id = %s AND kind = %s AND key = %s", keys)
 
     def put_directive(self, d: Directive) -> None:
         """A new version; a version another replica already issued conflicts on the primary key: this
@@ -276,7 +304,8 @@ class PgStore:
 
     def load(self, run_ids: set[str] | None = None) -> Loaded:
         """What the database holds, of every run or of ``run_ids``; records each run's revision as read,
-        in one snapshot (REPEATABLE READ), so the revision matches the rows."""
+        in one snapshot (REPEATABLE READ), so the revision matches the rows. A run's weight rows are left
+        unread (``Loaded.weights_kept``) when its weight revision is the one this process last read or wrote."""
         loaded = Loaded({}, {}, [], {}, {}, {}, {}, {}, 0)
         with _errors(), self._pool.connection() as conn:
             conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
@@ -285,17 +314,19 @@ class PgStore:
                     row = conn.execute("SELECT value FROM meta WHERE key = %s", (_FLOOR_KEY,)).fetchone()
                     loaded.directive_floor = int(row[0]) if row else 0
                     where, args = ("", ()) if run_ids is None else (" WHERE run_id = ANY(%s)", (sorted(run_ids),))
-                    revs = _read(conn, loaded, where, args)
+                    revs, wrevs = _read(conn, loaded, where, args)
+                    _read_weights(conn, loaded, run_ids, wrevs, {} if run_ids is None else self._wrevs)
             finally:
                 conn.isolation_level = None
         if run_ids is None:
-            self._revs = revs
+            self._revs, self._wrevs = revs, wrevs
         else:
             for run_id in run_ids:
                 if run_id in revs:
-                    self._revs[run_id] = revs[run_id]
+                    self._revs[run_id], self._wrevs[run_id] = revs[run_id], wrevs[run_id]
                 else:
                     self._revs.pop(run_id, None)
+                    self._wrevs.pop(run_id, None)
         return loaded
 
     def close(self) -> None:
@@ -306,8 +337,9 @@ def _event(r: tuple) -> EventRow:
     return EventRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]))
 
 
-def _read(conn: psycopg.Connection, into: Loaded, where: str, args: tuple) -> dict[str, int]:
-    """Add to ``into`` what the database holds of the runs ``where`` selects; returns their revisions."""
+def _read(conn: psycopg.Connection, into: Loaded, where: str, args: tuple) -> tuple[dict[str, int], dict[str, int]]:
+    """Add to ``into`` what the database holds of the runs ``where`` selects, but their weight rows (``_read_weights``);
+    returns their revisions and weight revisions."""
     names: dict[str, str] = {}
     one = names.setdefault
     for run, rank, inc, seq, step in conn.execute("SELECT run_id, rank, incarnation, seq, step FROM hwm" + where, args):
@@ -333,8 +365,23 @@ def _read(conn: psycopg.Connection, into: Loaded, where: str, args: tuple) -> di
         "SELECT run_id, time, kind, dedupe, rank, step, site, actor, detail FROM events" + where + kind,
         (*args, "first_nonfinite")))
     now_wall, now_mono = time.time(), time.monotonic()
-    revs = {}
-    for run, wall, rev in conn.execute("SELECT run_id, touched, rev FROM runs" + where, args):
+    revs, wrevs = {}, {}
+    for run, wall, rev, wrev in conn.execute("SELECT run_id, touched, rev, wrev FROM runs" + where, args):
         into.touched[run] = now_mono - max(0.0, now_wall - wall)
-        revs[run] = rev
-    return revs
+        revs[run], wrevs[run] = rev, wrev
+    return revs, wrevs
+
+
+def _read_weights(conn: psycopg.Connection, into: Loaded, run_ids: set[str] | None, wrevs: dict[str, int],
+                  known: dict[str, int]) -> None:
+    """The weight rows of ``run_ids`` (None: of every run) but those whose weight revision is ``known``'s:
+    memory holds them (a run's sets can be megabytes, re-read otherwise on every write another replica
+    makes to the run)."""
+    into.weights_kept = {run for run, wrev in wrevs.items() if known.get(run) == wrev}
+    if run_ids is None:
+        rows = conn.execute("SELECT run_id, kind, key, body FROM weight_syncs")
+    else:
+        rows = conn.execute("SELECT run_id, kind, key, body FROM weight_syncs WHERE run_id = ANY(%s)",
+                            (sorted(run_ids - into.weights_kept),))
+    for run, kind, key, body in rows:
+        into.weights.setdefault(run, []).append((kind, key, body))

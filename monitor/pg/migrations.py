@@ -10,7 +10,12 @@ The tables mirror the SQLite store's (``nanwatch.monitor.data.schema``), in Post
 counter totals are ``NUMERIC`` (exact at any size), event detail stays JSON text (non-finite floats are
 the data, and ``jsonb`` refuses ``NaN``). Migration 2 adds what replicas share: a revision per run, bumped
 under the run's row lock by every write, so a replica whose memory of a run is older than the database's
-finds out inside its transaction (``nanwatch.monitor.pg.database``).
+finds out inside its transaction (``nanwatch.monitor.pg.database``). The weight-sync migration adds the runs' weight syncs
+(``weight_syncs``, rows of ``nanwatch.monitor.data.weight_rows``), so that a version published through one
+replica is compared with a rollout set posted through another, and a weight revision per run (``runs.wrev``),
+bumped by a write that changed the run's weight rows, so a replica re-reads them only when they changed. The
+shared-metrics migration adds what the replicas' metrics share (``nanwatch.monitor.pg.shared_metrics``): ranks'
+latest views and the totals of a run's last export.
 """
 
 from __future__ import annotations
@@ -45,6 +50,25 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN rev BIGINT NOT NULL DEFAULT 0;
     """,
+    """
+    CREATE TABLE weight_syncs (
+        run_id TEXT NOT NULL, kind TEXT NOT NULL, key TEXT NOT NULL, body TEXT NOT NULL,
+        PRIMARY KEY (run_id, kind, key)
+    );
+    ALTER TABLE runs ADD COLUMN wrev BIGINT NOT NULL DEFAULT 0;
+    """,
+    # what the replicas' metrics share (nanwatch.monitor.pg.shared_metrics): each rank's latest view, whichever
+    # replica received it, for the run's exporter; and the totals a run's last export showed, where its next
+    # exporter's series starts
+    """
+    CREATE SEQUENCE rank_views_version;
+    CREATE TABLE rank_views (
+        run_id TEXT NOT NULL, rank INTEGER NOT NULL, replica TEXT NOT NULL, received DOUBLE PRECISION NOT NULL,
+        version BIGINT NOT NULL, view TEXT NOT NULL, PRIMARY KEY (run_id, rank)
+    );
+    CREATE INDEX rank_views_by_version ON rank_views (version);
+    CREATE TABLE exported (run_id TEXT PRIMARY KEY, totals TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
+    """,
 )
 PG_SCHEMA_VERSION = len(MIGRATIONS)
 COLUMNS = {
@@ -52,8 +76,11 @@ COLUMNS = {
     "directives": ["run_id", "version", "body"],
     "hwm": ["run_id", "rank", "incarnation", "seq", "step"],
     "counters": ["run_id", "family", "labels", "value"],
-    "runs": ["run_id", "touched", "rev"],
+    "runs": ["run_id", "touched", "rev", "wrev"],
     "meta": ["key", "value"],
+    "weight_syncs": ["run_id", "kind", "key", "body"],
+    "rank_views": ["run_id", "rank", "replica", "received", "version", "view"],
+    "exported": ["run_id", "totals", "at"],
 }
 _VERSION_TABLE = "nanwatch_schema"
 #: the advisory lock key the migrations run under (any constant; 'nanw' in ASCII)

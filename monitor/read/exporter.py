@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,9 +37,10 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 from prometheus_client.registry import Collector
 
 from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data import report_figures
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.event_log import first_nonfinite
-from nanwatch.monitor.data.liveness import is_live, late_after, live_job, world_size
+from nanwatch.monitor.data.liveness import held_ranks, is_live, late_after, live_job, ttl, world_size
 from nanwatch.monitor.data.metric_table import METRICS, MetricSpec
 from nanwatch.monitor.data.rollout_figures import STATS as ROLLOUT_STATS
 from nanwatch.monitor.data.rollout_figures import combined as combine_rollout
@@ -50,10 +51,27 @@ from nanwatch.monitor.read import views
 from nanwatch.readable import printable
 from nanwatch.wire import Directive, MoeStat
 
-__all__ = ["FORMATS", "RENDER_ERRORS", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
+__all__ = ["FORMATS", "RENDER_ERRORS", "Exposure", "SNAPSHOT_CHUNK", "MetricsRenderer", "Snapshot", "negotiate", "render",
            "snapshot", "snapshot_runs"]
 
 log = logging.getLogger("nanwatch.monitor")
+
+class Exposure(Protocol):
+    """The writes a render makes, handed in (``nanwatch.monitor.write.exposure``, wired by the app): this
+    module reads the state and never writes it. What a render shows for the first time is marked shown
+    (born at zero), a replica's counter series start where its tenure does, render errors are counted."""
+
+    def take_run(self, state: CollectorState, run_id: str, run: RunState, shown: list[RankState], *,
+                 live: bool) -> tuple[frozenset[tuple[str, tuple]], frozenset[int]]: ...
+
+    def take_counters(self, state: CollectorState, run_id: str, run: RunState, *, live: bool) -> tuple[
+        dict[tuple[str, tuple], int], dict[str, int], dict[tuple[str, tuple], int] | None, bool]: ...
+
+    def take_collector(self, state: CollectorState, rejected: dict[str, int], caps: dict[str, int], *,
+                       runs_consumed: bool) -> None: ...
+
+    def rendered(self, state: CollectorState, notes: Counter[str]) -> None: ...
+
 
 _PASSES = (("forward", "nan"), ("forward", "inf"), ("backward", "nan"), ("backward", "inf"))
 
@@ -112,11 +130,13 @@ class RunSnapshot:
     latest_offenders: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     math_fallback: tuple[str, str, str] | None = None
     latest_incidents: tuple[tuple[str, tuple[str, str, str]], ...] = ()
-    loss_scale: float | None = None
     namespace: str = "*"
     """The run-id namespace the run belongs to (``HostCaps.namespace_of``): the host series' label."""
     weight_lag: tuple[tuple[str, int], ...] = ()
     """Each rollout worker's weight-sync lag in versions (``RunState.weight_lag``)."""
+    totals: dict[tuple[str, tuple], int] | None = None
+    """Replicas: the totals this render's counters of the run stand for (``data.tenures``), recorded after
+    the render (``MetricsRenderer``'s ``on_rendered``); None: not exported here, or one collector."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,46 +162,63 @@ class _Runs(NamedTuple):
     consumed: bool
 
 
-def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, run_id: str, run: RunState, now: float,
-                  late_s: float) -> tuple[RunSnapshot, float, bool]:
-    """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new)."""
+def _run_snapshot(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, run_id: str,
+                  run: RunState, now: float, late_s: float) -> tuple[RunSnapshot, float, bool]:
+    """One run as a scrape shows it (its own figures copied at once: a run is never half old, half new); what
+    it shows for the first time is marked shown by ``exposure`` (the writes a render makes)."""
     # replicas on one database: one shows a run (``CollectorState.exported_runs``)
     live = is_live(state, run, now) and (state.exported_runs is None or run_id in state.exported_runs)
     count, shown = views.ranks_view(state, run, now, late_s) if live else (0, [])
     job = live_job(state, run, now) if live else None
-    until = math.inf
-    # an event kind's count is shown whether or not the run is live (a directive set on an idle run)
-    born = frozenset(k for k in run.newborn if k[0] == "events")
-    run.newborn.difference_update(born)
-    fresh = frozenset()
-    if live:
-        until = views.next_late(run, now, late_s)
-        # born at zero: what this render shows for the first time is shown at 0, and the next at its value
-        born, run.newborn = born | run.newborn, set()
-        fresh = frozenset(st.rank for st in shown if st.rank not in run.exposed_ranks)
-        run.exposed_ranks.update(fresh)
-        run.exposed = True
-        if run.series_dropped and ("series_dropped", run_id) not in state.exposed:
-            state.exposed.add(("series_dropped", run_id))
-            born |= {("series_dropped", ())}
-    scales = [st.loss_scale for st in (*shown, *([job] if job is not None else []))
-              if st.loss_scale is not None]
+    world = world_size(state, run, now)
+    if live and run_id in state.foreign_views:  # ranks that report to other replicas (shared_metrics)
+        count, shown, job = _with_foreign(state, run, now, count, shown, job)
+        world = job.world_size if job is not None else world  # the live job report's, as liveness.world_size
+    until = views.next_late(run, now, late_s) if live else math.inf
+    born, fresh = exposure.take_run(state, run_id, run, shown, live=live)  # born at zero: shown at 0 now
+    counters, events, totals, news = exposure.take_counters(state, run_id, run, live=live)
     snap = RunSnapshot(
-        run_id, run.series_dropped, dict(run.event_counts), shown if live else None, count,
-        world_size(state, run, now), job, dict(run.counters) if live else {},
+        run_id, run.series_dropped, events, shown if live else None, count,
+        world, job, counters,
         run.first_offender_event if live else None, directive_log.current(run_id) if live else None,
         now - late_after(run, late_s), tuple(sorted(run.crashed)), born, fresh,
         tuple(views.hung(state, run, now)), run.ended,
         tuple(run.latest_offenders.items()), run.math_fallback, tuple(run.latest_incidents.items()),
-        min(scales, default=None), state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())))
-    return snap, until, bool(born) or bool(fresh)
+        state.hosts.namespace_of(run_id), tuple(sorted(run.weight_lag.items())), totals)
+    return snap, until, bool(born) or bool(fresh) or news
+
+
+def _with_foreign(state: CollectorState, run: RunState, now: float, count: int, shown: list[RankState],
+                  job: RankState | None) -> tuple[int, list[RankState], RankState | None]:
+    """This replica's views of a run it exports, with the newer views of its ranks that other replicas
+    received (``CollectorState.foreign_views``): each rank once, by its latest report; the live ranks count
+    those this replica does not hold itself. A foreign heartbeat-only view gets the per-rank series such a
+    rank gets here (``_per_rank``: its report time once late, its mode when it differs, its drops)."""
+    horizon = now - ttl(state, run)
+    by_rank = {st.rank: st for st in shown}
+    held = {st.rank for st in held_ranks(state, run, now)}
+    for rank, st in state.foreign_views[run.run_id].items():
+        if st.seen < horizon or st.crashed is not None:
+            continue
+        if rank < 0:
+            if job is None or st.received > job.received:
+                job = st
+            continue
+        own = by_rank.get(rank)
+        if own is None or st.received > own.received:
+            by_rank[rank] = st
+        if rank not in held:
+            held.add(rank)
+            count += 1
+    return count, sorted(by_rank.values(), key=lambda st: st.rank), job
 
 
 #: runs copied between two yields to the event loop (about 14 ms of copying on the 2-core benchmark machine)
 SNAPSHOT_CHUNK = 256
 
 
-async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, *, late_s: float) -> _Runs:
+async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *,
+                        late_s: float) -> _Runs:
     """Every run copied on the event loop, ``SNAPSHOT_CHUNK`` at a time with the loop given back between
     chunks: 9,000 live runs took 0.4-0.5 s in one go, a stall of every trainer's ingest once per scrape. A run
     forgotten meanwhile is left out; one written meanwhile is copied as it is then (newer than the scrape,
@@ -193,32 +230,25 @@ async def snapshot_runs(state: CollectorState, directive_log: DirectiveLog, *, l
             await asyncio.sleep(0)
         if state.runs.get(run_id) is not run:
             continue
-        snap, run_until, run_consumed = _run_snapshot(state, directive_log, run_id, run, now, late_s)
+        snap, run_until, run_consumed = _run_snapshot(state, directive_log, exposure, run_id, run, now, late_s)
         out.append(snap)
         until, consumed = min(until, run_until), consumed or run_consumed
     return _Runs(out, until, consumed)
 
 
-def snapshot(state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
+def snapshot(state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *, logit_tau: float,
              late_s: float = math.inf, runs: _Runs | None = None) -> Snapshot:
     """What a scrape shows, copied on the event loop (cheap: no metric objects are built here, and a job's
     ranks known only by heartbeats are counted, not copied). ``runs``: the runs already copied
     (``snapshot_runs``, which the renderer awaits first), else they are copied here in one go."""
     if runs is None:
         now = time.monotonic()
-        parts = [_run_snapshot(state, directive_log, run_id, run, now, late_s) for run_id, run in state.runs.items()]
+        parts = [_run_snapshot(state, directive_log, exposure, run_id, run, now, late_s)
+                 for run_id, run in state.runs.items()]
         runs = _Runs([p[0] for p in parts], min((p[1] for p in parts), default=math.inf), any(p[2] for p in parts))
-    consumed = runs.consumed
     req = state.requests
     rejected, caps = dict(req.rejected), dict(state.caps_hit)
-    for kind, counts in (("rejected", rejected), ("caps", caps)):  # born at zero too
-        for label in counts:
-            if (kind, label) not in state.exposed:
-                state.exposed.add((kind, label))
-                counts[label] = 0
-                consumed = True
-    if consumed:  # the values behind those zeros are news: a cached render of them must not be reused
-        state.writes += 1  # the renderer's own bookkeeping of births (state.exposed), not a report's
+    exposure.take_collector(state, rejected, caps, runs_consumed=runs.consumed)  # born at zero too
     return Snapshot(runs.runs, logit_tau, req.accepted, req.duplicates, rejected, caps, runs.until,
                     dict(state.render_errors))
 
@@ -240,11 +270,12 @@ class _Families(dict):
         self[spec.name].add_metric(labels, value)
 
 
-#: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec)
+#: counter families exported as they are stored, labels after run_id (by stored key: their metric's spec), the
+#: table's counter figures among them
 _AS_STORED = {spec.key: spec for spec in (
     m.SITE_NONFINITE_CALLS, m.SDPA_CALLS, m.UNMEASURED_STEPS, m.INCIDENTS, m.LOSS_SCALE_OVERFLOWS,
-    m.ROLLOUT_NONFINITE_VALUES, m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED,
-    m.WEIGHT_SYNC_MISMATCHES, m.SPIKES, m.WEIGHT_SYNCS_UNVERIFIABLE)}
+    m.ROLLOUT_MISMATCH_EVENTS, m.WEIGHT_SYNCS_VERIFIED, m.WEIGHT_SYNC_MISMATCHES, m.SPIKES,
+    m.WEIGHT_SYNCS_UNVERIFIABLE, *report_figures.COUNTER_FIGURES)}
 
 
 def _value(run: RunSnapshot, fam: MetricSpec, labels: tuple) -> int:
@@ -287,11 +318,9 @@ def _where(f: _Families, run: RunSnapshot) -> None:
 
 
 def _run_gauges(f: _Families, run: RunSnapshot) -> None:
-    """The live run's own gauges: loss scale, live ranks and world size (none once it ended: it holds no
-    ranks, so nothing is missing), its directive."""
+    """The live run's own gauges: live ranks and world size (none once it ended: it holds no ranks, so nothing
+    is missing), its directive."""
     run_id = run.run_id
-    if run.loss_scale is not None:
-        f.add(m.LOSS_SCALE, [run_id], run.loss_scale)
     if not run.ended:
         f.add(m.LIVE_RANKS, [run_id], run.live_count)
     d = run.directive
@@ -359,6 +388,15 @@ def _measured(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
          else [job.moe])
 
 
+def _figures(f: _Families, run: RunSnapshot) -> None:
+    """The table's report gauges (``MetricSpec.path``: the loss scale, the MoE rerouted fraction...), each
+    combined over the live views by its entry (``nanwatch.monitor.data.report_figures``)."""
+    for spec in report_figures.GAUGE_FIGURES:
+        value = report_figures.combined(spec, run.live, run.job)
+        if value is not None:
+            f.add(spec, [run.run_id], value)
+
+
 def _moe(f: _Families, run_id: str, stats: list[MoeStat]) -> None:
     """The MoE routers of the latest step: the job's, or the live ranks' merged exactly (``MoeStat.merged``)."""
     moe = MoeStat.merged(stats)
@@ -371,10 +409,8 @@ def _moe(f: _Families, run_id: str, stats: list[MoeStat]) -> None:
             f.add(m.MOE_ROUTER_LOGIT_MAX, [run_id, r.router], r.logit_max)
         if r.disagreement is not None:
             f.add(m.MOE_ROUTING_DISAGREEMENT, [run_id, r.router], r.disagreement)
-    if moe.rerouted_fraction is not None:
-        f.add(m.MOE_TOKENS_REROUTED, [run_id], moe.rerouted_fraction)
-        if moe.routing_replay != "off":
-            f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
+    if moe.rerouted_fraction is not None and moe.routing_replay != "off":
+        f.add(m.MOE_REPLAY_NOT_APPLIED, [run_id], 1.0 if moe.tokens_rerouted else 0.0)
 
 
 def _run_counters(f: _Families, run: RunSnapshot) -> None:
@@ -449,6 +485,7 @@ def _run_series(f: _Families, run: RunSnapshot, notes: Counter[str]) -> None:
         return
     _where(f, run)
     _run_gauges(f, run)
+    _figures(f, run)
     _per_rank(f, run)
     _measured(f, run, notes)
     _run_counters(f, run)
@@ -533,10 +570,16 @@ class MetricsRenderer:
     answered at once from a cache would let a few scrape loops spin the collector at thousands of requests
     a second)."""
 
-    def __init__(self, state: CollectorState, directive_log: DirectiveLog, *, logit_tau: float,
+    def __init__(self, state: CollectorState, directive_log: DirectiveLog, exposure: Exposure, *, logit_tau: float,
                  min_interval_s: float = 3.0, late_s: float = 90.0,
-                 on_left_out: Callable[[dict[str, str]], object] | None = None) -> None:
+                 on_left_out: Callable[[dict[str, str]], object] | None = None,
+                 on_rendered: Callable[[Snapshot], object] | None = None) -> None:
         self._state, self._directive_log, self._tau, self._late_s = state, directive_log, logit_tau, late_s
+        self._exposure = exposure
+        #: called on the event loop with each render's snapshot once its scrapers have it (replicas record
+        #: what each export showed: ``data.tenures``); after, not before: should the replica die between
+        #: the two, the next exporter counts the last scrape's increments twice rather than lose them
+        self._on_rendered = on_rendered
         #: called on the event loop with {run_id: exception type} after a render left runs out (an event each)
         self._on_left_out = on_left_out
         self._min_interval_s = min_interval_s
@@ -566,19 +609,33 @@ class MetricsRenderer:
                 self._next = None  # from now on, new scrapes wait for the next render
             try:
                 started, version = time.monotonic(), views.version(self._state)
-                runs = await snapshot_runs(self._state, self._directive_log, late_s=self._late_s)
-                snap = snapshot(self._state, self._directive_log, logit_tau=self._tau, late_s=self._late_s,
-                                runs=runs)
+                runs = await snapshot_runs(self._state, self._directive_log, self._exposure, late_s=self._late_s)
+                snap = snapshot(self._state, self._directive_log, self._exposure, logit_tau=self._tau,
+                                late_s=self._late_s, runs=runs)
                 self._last_start = started
                 out = await asyncio.to_thread(_render_all, snap, frozenset(rnd.wanted))
                 for key, (body, content_type) in out.bodies.items():
                     self._last[key] = _Rendered(version, body, content_type, snap.until)
-                self._state.render_errors.update(out.notes)
+                self._exposure.rendered(self._state, out.notes)
                 rnd.done.set_result(out.bodies)
                 if out.left_out:
                     self._left_out(out.left_out)
+                if self._on_rendered is not None:
+                    await asyncio.sleep(0)  # the waiting scrapers' responses go out first
+                    self._rendered(snap)
             except Exception as e:  # noqa: BLE001 - handed to every scraper waiting on it
                 rnd.done.set_exception(e)
+
+    def on_rendered(self, call: Callable[[Snapshot], object]) -> None:
+        """Call ``call`` with each render's snapshot, once its scrapers have the render (replicas record
+        what each export showed: ``data.tenures``)."""
+        self._on_rendered = call
+
+    def _rendered(self, snap: Snapshot) -> None:
+        try:
+            self._on_rendered(snap)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - the render was served; its record is best effort
+            log.exception("nanwatch collector: could not record what the render exported")
 
     def _left_out(self, runs: dict[str, str]) -> None:
         log.warning("nanwatch collector: %d runs left out of /metrics, their figures could not be rendered: %s",

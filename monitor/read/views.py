@@ -19,7 +19,8 @@ __all__ = ["hung", "next_late", "ranks_view", "version"]
 
 def version(state: CollectorState) -> tuple:
     """Changes whenever anything a scrape shows may have: a cached render is reused only while equal."""
-    return (state.writes, *state.requests.version(), sum(state.caps_hit.values()))
+    req = state.requests
+    return state.writes, req.accepted, req.duplicates, sum(req.rejected.values()), sum(state.caps_hit.values())
 
 
 def ranks_view(state: CollectorState, run: RunState, now: float, late_s: float) -> tuple[int, list[RankState]]:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.web.schemas import ApiJSON, Problem, ValidationProblem
+from nanwatch.monitor.write import requests
 
 __all__ = ["answer_refusal", "install_exception_handlers"]
 
@@ -22,7 +23,7 @@ def _count(app_state: State, reason: str) -> None:
     collector's resources are open. The one place a rejection is counted."""
     res = getattr(app_state, "resources", None)
     if res is not None:
-        res.state.requests.reject(reason)
+        requests.rejected(res.state, reason)
 
 
 def answer_refusal(app_state: State, e: Refused) -> ApiJSON:

@@ -20,6 +20,7 @@ import string
 from typing import NamedTuple
 
 from nanwatch.monitor.data import metric_table as m
+from nanwatch.monitor.data import report_figures
 from nanwatch.monitor.data.metric_table import MetricSpec
 from nanwatch.monitor.data.state import LATEST_SPIKES, RANK_SERIES, RUN_LEVEL_SCOPES, CollectorState, RunState
 from nanwatch.wire import MoeStat, StepReport, dtype_name, is_half
@@ -250,12 +251,13 @@ def _count_sdpa(counts: _Counts, r: StepReport) -> None:
 
 
 def _count_run_level(counts: _Counts, r: StepReport) -> None:
-    """What only a run-level report counts: unmeasured training steps, incidents, the rollout's own non-finite
-    log-probabilities and its classified mismatches (wire 1.8), spikes (wire 1.9)."""
+    """What only a run-level report counts: unmeasured training steps, incidents, the table's counter figures
+    (the rollout's own non-finite log-probabilities), its classified mismatches (wire 1.8), spikes (wire 1.9)."""
     for reason in r.coverage.unmeasured if r.coverage is not None and r.stage == "train" else ():
         if counts.admit(m.UNMEASURED_STEPS, (reason,)):
             counts.add(m.UNMEASURED_STEPS, (reason,), 1)
     _count_incident(counts, r)
+    _count_figures(counts, r)
     _count_rollout(counts, r)
     _count_spikes(counts, r)
 
@@ -289,14 +291,18 @@ def _count_spikes(counts: _Counts, r: StepReport) -> None:
         run.latest_spikes = (r.step, r.rank, tuple(r.spikes[:LATEST_SPIKES]))
 
 
+def _count_figures(counts: _Counts, r: StepReport) -> None:
+    """The table's counter figures (``MetricSpec.path``: the sampler's non-finite log-probabilities inside the
+    mask, counted, never replaced: TRL PR #6693's neutralisation would hide them). Run-level reports only (a job
+    report once for the job, a rank report for its rank), as nanwatch_run_nonfinite_calls_total: a detail
+    report's are in its job report."""
+    for spec, n in report_figures.counted(r):
+        if counts.admit(spec, ()):
+            counts.add(spec, (), n)
+
+
 def _count_rollout(counts: _Counts, r: StepReport) -> None:
-    """The sampler's non-finite log-probabilities inside the mask (``RlhfStat.nonfinite["rollout_logprobs"]``,
-    counted, never replaced: TRL PR #6693's neutralisation would hide them) and the mismatch events by cause.
-    Run-level reports only (a job report once for the job, a rank report for its rank), as
-    nanwatch_run_nonfinite_calls_total: a detail report's are in its job report."""
-    n = r.rlhf.nonfinite.get("rollout_logprobs", 0) if r.rlhf is not None else 0
-    if n and counts.admit(m.ROLLOUT_NONFINITE_VALUES, ()):
-        counts.add(m.ROLLOUT_NONFINITE_VALUES, (), n)
+    """The rollout's mismatch events by cause (run-level reports only, as the figures)."""
     for ev in r.rollout_events:
         if counts.admit(m.ROLLOUT_MISMATCH_EVENTS, (ev.cause,)):
             counts.add(m.ROLLOUT_MISMATCH_EVENTS, (ev.cause,), 1)

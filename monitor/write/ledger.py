@@ -36,10 +36,12 @@ from nanwatch.monitor.data.durable import DurableStore
 from nanwatch.monitor.data.event_log import DirectiveChange
 from nanwatch.monitor.data.liveness import apply_step
 from nanwatch.monitor.data.memory import MemoryBudget
-from nanwatch.monitor.data.refusal import CapReached, StoreUnavailable, Unstorable
-from nanwatch.monitor.data.state import Applied, CollectorState
+from nanwatch.monitor.data.refusal import CapReached, Refused, StoreUnavailable, Unstorable
+from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
+from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
+from nanwatch.monitor.write import requests
 from nanwatch.monitor.write.caps import Caps
 from nanwatch.monitor.write.directive_rules import DirectiveRuleEngine, Intents, Issue
 from nanwatch.monitor.write.events import EventLog
@@ -51,6 +53,7 @@ from nanwatch.monitor.write.lifetimes import (
     forget,
     forget_incarnations,
     reload,
+    share_views,
     sweep,
 )
 from nanwatch.policy import Rule
@@ -167,7 +170,8 @@ class Ledger:
         self._unsynced_marks: set[tuple[str, int, str]] = set()
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
-        #: each run's recent weight versions and their comparisons (memory only; ``write.weight_compare``)
+        #: each run's recent weight versions and their comparisons (``write.weight_compare``), kept in the store
+        #: and read back with the run (``_restore``; at start-up, the app's ``weight_rows.decode_all``)
         self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s,
                                         max_bytes_per_namespace=weight_bytes_per_namespace,
                                         max_versions_per_namespace=weight_versions_per_namespace)
@@ -189,7 +193,7 @@ class Ledger:
         # above the memory limit, existing series keep moving; new ones are dropped and counted
         done = self.atomically(runs, marks,
                                 (lambda: self._without_new_series(runs, apply)) if self.budget.over() else apply)
-        self.state.requests.applied(done.accepted, done.duplicates)
+        requests.applied(self.state, accepted=done.accepted, duplicates=done.duplicates)
         return done
 
     def set_directive(self, run_id: str, spec: DirectiveSpec, *, actor: str) -> Directive:
@@ -207,10 +211,14 @@ class Ledger:
         """Forget the latest view of ranks silent past the TTL (memory only: totals stay)."""
         return sweep(self.state, now)
 
-    def export_only(self, run_ids: set[str]) -> None:
+    def export_only(self, run_ids: set[str], recorded: Callable[[str], dict] | None = None,
+                    views: Callable[[set[str]], dict[str, dict[int, RankState]]] | None = None) -> None:
         """Show the series of these runs alone (replicas on a shared database: the runs whose lease this one
-        holds), memory only."""
-        export_only(self.state, run_ids)
+        holds; ``recorded``: where a newly shown run's series start; ``views``: the views other replicas
+        received of these runs' ranks, shown beside this one's), memory only."""
+        export_only(self.state, run_ids, recorded)
+        if views is not None:
+            share_views(self.state, views(set(run_ids)))
 
     async def retire(self, now: float, retention_s: float, *, limit: int = 1000) -> int:
         """Forget runs past retention (at most ``limit`` a call). Returns how many went."""
@@ -327,6 +335,8 @@ class Ledger:
         if step is None:
             step = min(apply_step(self.state, run_id, time.monotonic()) + self._margin, MAX_INT)
         cur = self.directive_log.latest(run_id)
+        # the floor as committed now: another replica may have forgotten a run since this one last read it
+        self.directive_log.raise_floor(self.store.directive_floor())
         d = self.directive_log.successor(run_id, spec, apply_at_step=step, actor=actor)
         ensure_run(self.state, run_id).touched = time.monotonic()
         kind = "directive_cleared" if spec.mode == "none" else "directive_set"
@@ -407,9 +417,11 @@ class Ledger:
                 if not getattr(e, "reread_and_retry", False):
                     raise
                 # another collector replica wrote these runs (a shared database): re-read them, once, and
-                # apply the request to what the database holds, as the client's retry would
+                # apply the request to what the database holds, as the client's retry would. This replica's
+                # rank views stay (the database holds none: a view the first try replaced is the request's
+                # own, applied again next): without them a trainer's weight set would no longer bind here
                 self.directive_log.rollback()
-                self._restore(runs, marks)
+                self._restore(runs, marks, keep_views=True)
                 if self._unsynced is not None:
                     raise
                 with self.store.transaction():
@@ -417,6 +429,8 @@ class Ledger:
         except Exception as e:
             self.directive_log.rollback()
             self._restore(runs, marks)
+            if isinstance(e, Refused):  # the write's own check refused it (the run as re-read): nothing applied
+                raise
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, self.store.failures):
                 raise Unstorable(f"the request holds a value the collector cannot store ({type(e).__name__}: "
                                  f"{str(e)[:200]}); nothing was applied") from e
@@ -441,6 +455,11 @@ class Ledger:
             self._unsynced, self._unsynced_marks = runs, marks
             return
         reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
+        self.weight_syncs.replace(decode_all(loaded.weights), runs - loaded.weights_kept)
+        # a run the store no longer holds was forgotten (by another replica): its directive goes too, and the
+        # floor it raised is taken, so no version at or below it is issued here again
+        self.directive_log.forget([r for r in runs if r not in loaded.directives and self.directive_log.current(r).version])
+        self.directive_log.raise_floor(loaded.directive_floor)
         for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
             if d.version > self.directive_log.current(run_id).version:
                 self.directive_log.put(d)

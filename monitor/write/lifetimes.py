@@ -2,7 +2,8 @@
 write (``ensure_run``: the ledger makes a batch's runs before folding it), runs read back from the
 store (``restore``, at start-up, and ``reload`` after a failed write), their silent ranks swept past their TTL (``sweep``), their high-water marks or whole history forgotten
 (``forget_incarnations``, ``forget``), the runs past retention found (``expired``), and, with replicas on
-a shared database, the runs whose series this one shows (``export_only``: the runs whose lease it holds).
+a shared database, the runs whose series this one shows (``export_only``: the runs whose lease it holds) and
+the views of their ranks that other replicas received (``share_views``).
 
 Example usage::
 
@@ -12,15 +13,26 @@ Example usage::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nanwatch.monitor.data.liveness import ttl
 from nanwatch.monitor.data.metric_table import ENDED_FAMILY, FAMILIES, RUN_NONFINITE_CALLS, SDPA_CALLS
-from nanwatch.monitor.data.state import CRASH_KEY, RANK_SERIES, CollectorState, Crash, RunState, Silent
+from nanwatch.monitor.data.state import (
+    CRASH_KEY,
+    RANK_SERIES,
+    CollectorState,
+    Crash,
+    RankState,
+    RunState,
+    Silent,
+)
 from nanwatch.monitor.data.store import Loaded
 from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.events import recount_events
 from nanwatch.monitor.write.rank_views import drop
 
-__all__ = ["ensure_run", "expired", "export_only", "forget", "forget_incarnations", "reload", "restore", "sweep"]
+__all__ = ["ensure_run", "expired", "export_only", "forget", "forget_incarnations", "reload", "restore",
+           "share_views", "sweep"]
 
 
 def ensure_run(state: CollectorState, run_id: str) -> RunState:
@@ -78,6 +90,7 @@ def restore(state: CollectorState, loaded: Loaded) -> None:
 def _run_ids(loaded: Loaded) -> set[str]:
     """Every run something was read back for."""
     return {*loaded.latest_step, *loaded.directives, *loaded.event_keys, *loaded.first_offenders, *loaded.touched,
+            *loaded.weights,
             *(k[0] for k in loaded.hwm), *(c[0] for c in loaded.counters), *(k[0] for k in loaded.event_counts)}
 
 
@@ -111,7 +124,7 @@ def reload(state: CollectorState, loaded: Loaded, *, touched: set[str], marks: s
 #: them (``reload(keep_views=True)``)
 _VIEWS = ("ranks", "shown", "worlds", "job", "job_poster", "intervals", "heartbeat_s", "last_seen", "newborn",
           "exposed_ranks", "latest_offenders", "latest_incidents", "math_fallback", "counted_once", "latest_spikes",
-          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent")
+          "overflow_steps", "ended_ranks", "ended_views", "applied", "silent", "weight_lag")
 
 
 def forget_incarnations(state: CollectorState, keys: list[tuple[str, int, str]]) -> None:
@@ -167,13 +180,41 @@ def forget(state: CollectorState, run_ids: list[str]) -> None:
     recount_events(state)
     state.hwm = {k: v for k, v in state.hwm.items() if k[0] not in gone}
     state.exposed -= {("series_dropped", run_id) for run_id in run_ids}
+    for run_id in run_ids:
+        state.foreign_views.pop(run_id, None)
+        if state.tenures is not None:
+            state.tenures.forget(run_id)
     state.writes += 1
 
 
-def export_only(state: CollectorState, run_ids: set[str]) -> None:
+def export_only(state: CollectorState, run_ids: set[str],
+                recorded: Callable[[str], dict[tuple[str, tuple], int]] | None = None) -> None:
     """Show the series of these runs alone (``CollectorState.exported_runs``: replicas on a shared PostgreSQL
     database, each showing the runs whose lease it holds, ``nanwatch.monitor.pg.leases``); a change makes a
-    cached render stale."""
-    if run_ids != state.exported_runs:
-        state.exported_runs = set(run_ids)
+    cached render stale. A run newly shown begins a tenure from the totals its last export showed
+    (``recorded(run_id)``, ``data.tenures``); one no longer shown ends its tenure and drops the views of its
+    ranks from other replicas."""
+    if run_ids == state.exported_runs:
+        return
+    before = state.exported_runs or set()
+    if state.tenures is not None:
+        for run_id in before - run_ids:
+            state.tenures.end(run_id)
+            state.foreign_views.pop(run_id, None)
+        for run_id in sorted(run_ids - before):
+            state.tenures.begin(run_id, recorded(run_id) if recorded is not None else {})
+    state.exported_runs = set(run_ids)
+    state.writes += 1
+
+
+def share_views(state: CollectorState, views: dict[str, dict[int, RankState]]) -> None:
+    """Adopt the latest views other replicas received of the exported runs' ranks (by run, then rank; -1 the
+    job view): ``CollectorState.foreign_views``, shown beside this replica's own."""
+    changed = False
+    for run_id, ranks in views.items():
+        if state.exported_runs is None or run_id not in state.exported_runs or run_id not in state.runs:
+            continue
+        state.foreign_views.setdefault(run_id, {}).update(ranks)
+        changed = True
+    if changed:
         state.writes += 1

@@ -13,6 +13,7 @@ Example usage::
 
 from __future__ import annotations
 
+from nanwatch.monitor.data import report_figures
 from nanwatch.monitor.data.metric_table import ENDED_FAMILY
 from nanwatch.monitor.data.state import MAX_HEARTBEAT_S, MAX_WORLD_SIZE, RankState, RunState
 from nanwatch.monitor.write.counting import OWN_SCOPES, Changed, Counted
@@ -65,8 +66,7 @@ def _training_view(run: RunState, r: StepReport, counted: Counted, *, received: 
                 world_size=min(r.world_size, MAX_WORLD_SIZE), agree_every=r.agree_every, attention_mode=r.attention_mode, directive_version=r.directive_version,
                 dropped_reports=r.dropped_reports, nonfinite=sites.nonfinite, first_offender=r.first_offender,
                 first_offender_phase=r.first_offender_phase, headroom=sites.headroom, logits=counted.logits, rlhf=r.rlhf,
-                moe=counted.moe,
-                crashed=r.raised, loss_scale=r.loss_scale)
+                moe=counted.moe, crashed=r.raised, figures=report_figures.read(r))
     if r.scope == "job":
         view["crashed"] = None
         run.job = RankState(rank=r.rank, incarnation=r.incarnation, scope="job", **view)
@@ -102,8 +102,10 @@ def _keep_live(run: RunState, r: StepReport, *, received: float, seen: float,
                    rlhf=held.rlhf, moe=held.moe, heartbeat_seq=r.seq if heartbeat else held.heartbeat_seq,
                    crashed=r.raised if r.scope != "job" else held.crashed,
                    heartbeat_s=interval_s,
-                   # a heartbeat carries liveness only: the loss scale is its step reports' (finding 9 of #27)
-                   loss_scale=r.loss_scale if r.loss_scale is not None and not heartbeat else held.loss_scale)
+                   # a heartbeat carries liveness only: the loss scale is its step reports' (finding 9 of #27); a
+                   # job report's figures are its poster's too, an evaluation's or a final report's are none
+                   figures={**held.figures, **report_figures.read(r)} if r.stage == "train" and not heartbeat
+                   else held.figures)
     # per-rank series only for what must be seen by rank: its own view, the job's poster, another mode
     job = run.job
     shown = (held.scope != "heartbeat" or not heartbeat or r.dropped_reports > 0

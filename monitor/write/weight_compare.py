@@ -6,8 +6,9 @@ the version, the worker and the first differing tensors (``weight_sync_unverifia
 cast explains); then each worker's lag (``RunState.weight_lag``, a ``weight_sync_lag`` event at its onset)
 and the versions dropped before a worker compared with them (``weight_sync_expired``). The sweeper runs the
 same lag and expiry pass (``sweep_weights``): a worker that stops posting lags after ``wait_s`` with no
-request. All or nothing, like every write: a failed write leaves the counters, the events and the versions as
-they were (the client's resend is applied once).
+request. All or nothing, like every write: the versions' changed rows are written in the same transaction
+(``nanwatch.monitor.data.weight_rows``), and a failed write leaves the counters, the events and the versions as
+the store holds them (the ledger re-reads the run; the client's resend is applied once).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from nanwatch.monitor.data.metric_table import (
 from nanwatch.monitor.data.refusal import CapReached
 from nanwatch.monitor.data.state import RunState
 from nanwatch.monitor.data.store import EventRow
-from nanwatch.monitor.data.weight_verdicts import Verdict, side_set
+from nanwatch.monitor.data.weight_rows import changes
+from nanwatch.monitor.data.weight_syncs import RunSyncs
+from nanwatch.monitor.data.weight_verdicts import SideSet, Verdict, side_set
 from nanwatch.monitor.write.counting import admit
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.monitor.write.lifetimes import ensure_run
@@ -88,20 +91,57 @@ def _after(ledger: Ledger, run: RunState, now: float) -> None:
     run.weight_lag = lag
 
 
+def _persist(ledger: Ledger, run_id: str, before: RunSyncs | None) -> bool:
+    """Write what the transaction changed of the run's weight syncs (``weight_rows.changes`` against
+    ``before``, its copy from the transaction's start); True if anything was."""
+    puts, gone = changes(run_id, before, ledger.weight_syncs.runs.get(run_id))
+    ledger.store.put_weights(puts)
+    ledger.store.delete_weights(gone)
+    return bool(puts or gone)
+
+
 def sweep_weights(ledger: Ledger, now: float) -> None:
     """The sweeper's pass over every run with weight versions: expiry and lag with no request (one
-    transaction per run that changed)."""
+    transaction per run that changed; one that changed what the store holds bumps the run's revision, so
+    that two replicas' sweeps never both log a worker's lag: the second re-reads and finds it logged)."""
     for run_id in list(ledger.weight_syncs.runs):
         run = ledger.state.runs.get(run_id)
         if run is None:
             continue
         if ledger.weight_syncs.lag(run_id, now) == run.weight_lag and not ledger.weight_syncs.due(run_id, now):
             continue  # nothing to say
-        saved = ledger.weight_syncs.save(run_id)
+
+        def write(run_id: str = run_id) -> None:
+            run = ledger.state.runs.get(run_id)  # (a second try finds the run re-read: another object)
+            if run is None:
+                return
+            before = ledger.weight_syncs.save(run_id)
+            _after(ledger, run, now)
+            if _persist(ledger, run_id, before):
+                ledger.store.touch({run_id}, now)
+
         try:
-            ledger.atomically({run_id}, set(), lambda run=run: _after(ledger, run, now))
-        except Exception:  # the store refused: the next sweep tries again
-            ledger.weight_syncs.restore(run_id, saved)
+            ledger.atomically({run_id}, set(), write)
+        except Exception:  # the store refused (memory was re-read from it): the next sweep tries again
+            pass
+
+
+def _check(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints, kept: SideSet) -> None:
+    """Whether the run may take the set: ``Refused`` (409: a second, different trainer set of a version) or
+    ``CapReached`` (429: a version's waiting sets, the namespace's sets), each refusal counted (#37)."""
+    syncs = ledger.weight_syncs
+    try:
+        syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
+    except CapReached:
+        ledger.state.caps_hit["weight_sync"] += 1  # every refusal is counted (#37)
+        raise
+    full = syncs.check_namespace(run_id, version, kept, ledger.namespace_of)
+    if full is not None:  # one team's sets never fill the memory every team shares (#37 finding 3)
+        ledger.state.caps_hit[full] += 1
+        raise CapReached(f"the namespace {ledger.namespace_of(run_id)!r} holds as many weight-sync sets as it may "
+                         f"({syncs.max_bytes_per_namespace >> 20} MiB, {syncs.max_versions_per_namespace} versions: "
+                         "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE, NANWATCH_MAX_WEIGHT_VERSIONS_PER_NAMESPACE): "
+                         "versions leave once compared or after NANWATCH_WEIGHT_SYNC_EXPIRE_S", reason="weight_sync")
 
 
 def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerprints) -> dict[str, Any]:
@@ -116,21 +156,16 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
         raise CapReached("the collector is above its memory limit (NANWATCH_MEMORY_LIMIT_MIB): no weight "
                          "fingerprints are kept until it is below", reason="memory")
     syncs, kept = ledger.weight_syncs, side_set(body)
-    try:
-        syncs.check(run_id, version, body.side, body.worker, body.incarnation, kept)
-    except CapReached:
-        ledger.state.caps_hit["weight_sync"] += 1  # every refusal is counted (#37)
-        raise
-    full = syncs.check_namespace(run_id, version, kept, ledger.namespace_of)
-    if full is not None:  # one team's sets never fill the memory every team shares (#37 finding 3)
-        ledger.state.caps_hit[full] += 1
-        raise CapReached(f"the namespace {ledger.namespace_of(run_id)!r} holds as many weight-sync sets as it may "
-                         f"({syncs.max_bytes_per_namespace >> 20} MiB, {syncs.max_versions_per_namespace} versions: "
-                         "NANWATCH_MAX_WEIGHT_MIB_PER_NAMESPACE, NANWATCH_MAX_WEIGHT_VERSIONS_PER_NAMESPACE): "
-                         "versions leave once compared or after NANWATCH_WEIGHT_SYNC_EXPIRE_S", reason="weight_sync")
+    _check(ledger, run_id, version, body, kept)  # before the transaction: a refusal costs no store read
+    tries = 0
 
     def write() -> list[Any]:
+        nonlocal tries
+        if tries:  # a replica's retry, on the run as re-read from the database: checked again
+            _check(ledger, run_id, version, body, kept)
+        tries += 1
         now = time.time()
+        before = syncs.save(run_id)  # at each try: a second one starts from the run as re-read
         run = ensure_run(ledger.state, run_id)
         run.touched = time.monotonic()
         for fam in _COUNTED.values():  # the series exist from the first set on
@@ -147,15 +182,11 @@ def apply_weights(ledger: Ledger, run_id: str, version: int, body: WeightFingerp
             counted = bound + ([(version, verdict)] if new else [])
         _verdicts(ledger, run, now, counted)
         _after(ledger, run, now)
+        _persist(ledger, run_id, before)
         ledger.store.touch({run_id}, now)
         return answer
 
-    saved = syncs.save(run_id)
-    try:
-        verdicts = ledger.atomically({run_id}, set(), write)
-    except BaseException:
-        syncs.restore(run_id, saved)
-        raise
+    verdicts = ledger.atomically({run_id}, set(), write)  # a failed write re-reads the run's syncs from the store
     bound = syncs.runs[run_id].versions.get(version)
     return {"version": version, "side": body.side, "worker": body.worker,
             "bound": body.side != "trainer" or bound is None or bound.trainer is not None,

@@ -302,11 +302,20 @@ def test_replicas_profile_shares_one_postgres(compose):
     for name in ("replica", "replica-1"):
         svc = services[name]
         assert svc["image"] == services["collector"]["image"] and svc["build"] == services["collector"]["build"]
+        # the collector image's command without its --db (nanwatch serve refuses a file beside a URL)
+        image_cmd = json.loads(re.findall(r"^CMD (\[.*\])$", DOCKERFILE.read_text(), re.M)[-1])
+        assert "--db" not in svc["command"] and svc["command"] == image_cmd[:image_cmd.index("--db")]
         env = svc["environment"]
         assert {k: v for k, v in env.items() if k != "NANWATCH_DATABASE_URL_FILE"} == services["collector"]["environment"]
         assert env["NANWATCH_DATABASE_URL_FILE"].removeprefix("/run/secrets/") in svc["secrets"]
         assert svc["volumes"] == [] and svc["depends_on"] == {"postgres": {"condition": "service_healthy"}}
         assert svc["networks"]["default"]["aliases"] == ["collector-replicas"]
+    # Prometheus scrapes each replica, found by that name (under the default profile it resolves to no
+    # target: none shows down), as the job the alerts select
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == JOB]
+    assert job["dns_sd_configs"] == [{"names": ["collector-replicas"], "type": "A", "port": 8000,
+                                      "refresh_interval": "30s"}]
     readme = (SECRETS / "README.md").read_text()
     assert "postgresql://nanwatch:" in readme and "@postgres:5432/nanwatch" in readme
 

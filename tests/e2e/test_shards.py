@@ -36,6 +36,7 @@ def _prometheus_config(ports: list[int], token_file) -> dict:
     shipped = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     job = shipped["scrape_configs"][0]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{p}" for p in ports]}]
+    job.pop("dns_sd_configs", None)  # compose's replicas, by their compose DNS name
     job["authorization"]["credentials_file"] = str(token_file)
     return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ROOT / "deploy/prometheus/rules/nanwatch.yml")], "scrape_configs": [job]}

@@ -250,5 +250,6 @@ def test_moe_routes_measured_compared_and_applied_sync_no_more_than_the_bare_mod
             mon.end_step()
             r = mon.last_report()
             assert r.moe is not None and r.moe.tokens_compared == 2 * 63 and r.moe.tokens_rerouted == 0
+            assert r.moe.tokens_own_rerouted == 0  # #38: the routers' own routes, before the replay, are R too
             if n:
                 assert syncs <= baseline, (syncs, baseline)

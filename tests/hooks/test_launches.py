@@ -27,7 +27,7 @@ from support import tiny_qwen3, token_ids
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanwatch
-from nanwatch.hooks.instrument import patching, sdpa_probe
+from nanwatch.hooks.instrument import sdpa_probe
 from nanwatch.hooks.measure.recorder import Recorder
 
 pytest.importorskip("transformers")
@@ -81,7 +81,7 @@ def _counted_step(monkeypatch, impl: str, layers: int, *, attached: bool = True)
     """The third step of a tiny Qwen3 (the first two warm every cache up), counted."""
     counter = Launches()
     monkeypatch.setattr(sdpa_probe, "_after_sdpa", counter.wrap("sdpa", sdpa_probe._after_sdpa))
-    monkeypatch.setattr(patching, "scores_probe", counter.wrap("scores", patching.scores_probe))
+    monkeypatch.setattr(sdpa_probe, "scores_probe", counter.wrap("scores", sdpa_probe.scores_probe))
     monkeypatch.setattr(Recorder, "tensor", counter.wrap("site", Recorder.tensor))
     for boundary in ("nonfinite_flag", "flat", "swap"):
         monkeypatch.setattr(Recorder, boundary, counter.wrap("boundary", getattr(Recorder, boundary)))

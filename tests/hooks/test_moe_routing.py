@@ -17,7 +17,7 @@ from support import MOE_EXPERTS as E
 from support import MOE_LAYERS as L
 from support import MOE_TOP_K as K
 from support import MOE_VOCAB as VOCAB
-from support import step_reports, tiny_moe
+from support import sample, scrape, step_reports, tiny_moe, wait_until
 
 import nanwatch
 from nanwatch.hooks import record_routes
@@ -179,6 +179,46 @@ def test_apply_makes_the_experts_inputs_follow_the_rollouts_routes():
         h.remove()
     assert [torch.equal(s.view(2, 12, K), R[:, :, i]) for i, s in enumerate(seen)] == [True] * L
     assert report.moe.tokens_rerouted == 0 and report.moe.events == [] and report.first_offender is None
+
+
+def test_apply_reports_what_the_replay_corrected_through_to_the_collector(collector):
+    """Under apply the experts' input is the rollout's, so tokens_rerouted reads 0 whatever the trainer's routers
+    chose; what they chose is counted before the replay (#38: a report figure), exactly as the test counts it from
+    the routers' own output, and a real collector exports it as a fraction."""
+    model = tiny_moe(0)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    first = Taken(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    first.remove()
+    R = torch.stack([r.view(2, 12, K) for r in first.routes], dim=2)  # the trainer's own routes...
+    R[:, ::2] = _random_routes(2, 12, seed=6)[:, ::2]  # ...but at every other position the rollout's are random
+    own = Taken(model)  # registered before nanwatch's hooks: the routers' output before the replay
+    reports: list = []
+    run = "moe-own"
+    with nanwatch.attach(model, run_id=run, routing_replay="apply", collector=collector.url, token=collector.token,
+                         on_report=step_reports(reports)) as mon:
+        with mon.step(0):
+            mon.routes(R)
+            lp = logprobs_of(model(input_ids=ids), ids)
+            mon.rlhf(logprobs=lp)
+            lp.sum().backward()
+        wait_until(lambda: reports, "the step's report")
+        got = {}
+        wait_until(lambda: got.update(scrape(collector.url)) or sample(
+            got, "nanwatch_moe_tokens_rerouted_before_replay", run_id=run) is not None, "the figure at the collector")
+    own.remove()
+    differs = torch.zeros(2, 12, dtype=torch.bool)
+    for i in range(L):
+        differs |= (own.routes[i].view(2, 12, K).sort(-1).values != R[:, :, i].sort(-1).values).any(-1)
+    truth = int(differs.sum())
+    assert 0 < truth < 24  # the case is not trivial
+    moe = reports[0].moe
+    assert (moe.tokens_compared, moe.tokens_rerouted, moe.tokens_own_rerouted) == (24, 0, truth)
+    assert sample(got, "nanwatch_moe_tokens_rerouted_before_replay", run_id=run) == pytest.approx(truth / 24)
+    assert sample(got, "nanwatch_moe_tokens_rerouted", run_id=run) == 0.0
+    # without apply there is nothing before a replay to count: the figure is absent, not 0
+    assert one_step(tiny_moe(0), ids, routes=R, routing_replay="verify").moe.tokens_own_rerouted is None
 
 
 def test_apply_by_rlhf_after_the_old_logprob_pass_covers_the_logprob_positions():

@@ -71,3 +71,40 @@ def test_import_boundaries(module, banned):
     code = f"import sys, {module}; bad = [m for m in {banned!r} if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+_URL = "postgresql://nanwatch:hunter2@127.0.0.1:9/nanwatch"
+
+
+@pytest.mark.parametrize(("flags", "env", "named"), [
+    (["--db", "x.db", "--database-url", _URL], {}, ("--db 'x.db'", "--database-url")),
+    (["--db", "x.db"], {"NANWATCH_DATABASE_URL": _URL}, ("--db 'x.db'", "NANWATCH_DATABASE_URL")),
+    (["--db", "x.db"], {"NANWATCH_DATABASE_URL_FILE": "url"}, ("--db 'x.db'", "NANWATCH_DATABASE_URL_FILE")),
+    (["--database-url", _URL], {"NANWATCH_DB_PATH": "x.db"}, ("NANWATCH_DB_PATH 'x.db'", "--database-url")),
+    ([], {"NANWATCH_DB_PATH": "x.db", "NANWATCH_DATABASE_URL": _URL}, ("NANWATCH_DB_PATH", "NANWATCH_DATABASE_URL")),
+    ([], {"NANWATCH_DATABASE_URL": _URL, "NANWATCH_DATABASE_URL_FILE": "url"},
+     ("NANWATCH_DATABASE_URL and NANWATCH_DATABASE_URL_FILE", "once")),
+])
+def test_serve_refuses_a_sqlite_file_beside_a_database_url(flags, env, named, monkeypatch, capsys, tmp_path):
+    """#40: ``--db`` with ``--database-url`` was served from the URL, silently. A SQLite file and a PostgreSQL
+    URL named at once, from flags or the environment in any mix, and the URL named twice, are exit 2 before
+    anything opens, naming where each came from, never the password (docs/operating.md)."""
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanwatch serve: both ") and all(n in err for n in named), err
+    assert "hunter2" not in err and not (tmp_path / "x.db").exists()
+
+
+def test_a_database_url_flag_beats_the_environments_url_and_the_app_refuses_two_stores(monkeypatch, capsys):
+    """One setting from a flag and from the environment is one value replacing another (the flag's), not two
+    stores: the URL flag is taken over ``NANWATCH_DATABASE_URL_FILE`` (here unreachable: its own exit 2). The
+    app itself (``uvicorn --factory``, an embedding) refuses two stores too."""
+    pytest.importorskip("psycopg")
+    monkeypatch.setenv("NANWATCH_DATABASE_URL_FILE", "/nonexistent/url")
+    assert main(["serve", "--port", "0", "--database-url", _URL]) == 2
+    assert "cannot reach the database postgresql://nanwatch:***@127.0.0.1:9" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"both a SQLite file \(--db / NANWATCH_DB_PATH 'n.db'\)"):
+        create_app(Settings(db_path="n.db", database_url=_URL))

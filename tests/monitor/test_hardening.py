@@ -19,6 +19,7 @@ from support import ADMIN, JSON, TOKEN, CollectorProcess, background_collector, 
 from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.settings import Settings
+from nanwatch.monitor.write import exposure
 from nanwatch.wire import MAX_INT, Incident, ReportBatch
 
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}", **JSON}
@@ -173,7 +174,7 @@ def test_a_scrape_flood_costs_at_most_one_render_per_interval(monkeypatch):
     monkeypatch.setattr(exporter, "snapshot", counted)
     state = CollectorState(ttl_s=300, series_cap=100)
     # no run: the snapshot never asks the directive log
-    renderer = exporter.MetricsRenderer(state, directive_log=None, logit_tau=100.0, min_interval_s=0.2)
+    renderer = exporter.MetricsRenderer(state, None, exposure, logit_tau=100.0, min_interval_s=0.2)
     answered = []
 
     async def flood() -> None:

@@ -18,6 +18,7 @@ from support import AUTH, TOKEN, CollectorProcess, background_collector, scrape,
 from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.read import exporter
 from nanwatch.monitor.web.body import MAX_ERRORS
+from nanwatch.monitor.write import exposure
 
 
 def _vm_hwm_mib(pid: int) -> float:
@@ -104,7 +105,7 @@ def test_scrapers_in_three_formats_share_one_snapshot(monkeypatch):
     renders = _count_calls(monkeypatch, "render")
     state = CollectorState(ttl_s=300, series_cap=100)
     # no run: the snapshot never asks the directive log
-    renderer = exporter.MetricsRenderer(state, directive_log=None, logit_tau=100.0, min_interval_s=0.5)
+    renderer = exporter.MetricsRenderer(state, None, exposure, logit_tau=100.0, min_interval_s=0.5)
 
     async def scrape_three() -> list:
         await renderer.render("", False)  # the interval starts here
@@ -232,14 +233,14 @@ def test_a_scrape_copies_many_runs_in_chunks_and_gives_the_loop_back_between_the
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0)
         try:
-            return await snapshot_runs(state, log, late_s=90.0)
+            return await snapshot_runs(state, log, exposure, late_s=90.0)
         finally:
             tick.cancel()
 
     runs = asyncio.run(main())
     assert len(ticks) >= 3, "the loop never ran while the runs were copied"
     assert [r.run_id for r in runs.runs] == [f"run-{i:05d}" for i in range(n - 1)]
-    snap = snapshot(state, log, logit_tau=100.0, late_s=90.0, runs=runs)
+    snap = snapshot(state, log, exposure, logit_tau=100.0, late_s=90.0, runs=runs)
     assert len(snap.runs) == n - 1
 
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from support import JSON, CollectorProcess, background_collector, failing, scrape, step_report, wait_until
 
+from nanwatch.monitor.data import schema
+from nanwatch.monitor.data.schema import DB_SCHEMA_VERSION
 from nanwatch.wire import MAX_INT, ReportBatch
 
 SITE = "model.layers.1.self_attn"
@@ -84,8 +86,27 @@ def test_a_schema_2_file_is_upgraded_in_place_and_keeps_its_totals(tmp_path):
         assert resend.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
         assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (DB_SCHEMA_VERSION,)
     assert {t for (t,) in conn.execute("SELECT DISTINCT typeof(value) FROM counters")} == {"text"}
+    conn.close()
+    assert _stored_total(db, "old") == 7
+
+
+def test_a_schema_3_file_gains_the_weight_syncs_table_and_keeps_its_rows(tmp_path):
+    """Schema 3 (before the weight syncs were stored) to 4 in place: the table is added, nothing else moves."""
+    db = tmp_path / "v3.db"
+    with CollectorProcess(db_path=db) as c:
+        assert _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5)).status_code == 200
+    conn = sqlite3.connect(db)
+    conn.executescript("DROP TABLE weight_syncs; PRAGMA user_version=3;")
+    conn.close()
+    with CollectorProcess(db_path=db) as c:
+        resend = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
+        assert resend.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
+        assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone() == (DB_SCHEMA_VERSION,) == (4,)
+    assert schema.table_columns(conn, "weight_syncs") == schema.COLUMNS["weight_syncs"]
     conn.close()
     assert _stored_total(db, "old") == 7
 

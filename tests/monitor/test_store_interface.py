@@ -83,3 +83,20 @@ def test_an_event_is_added_once_and_a_rolled_back_transaction_queues_nothing(sto
         raise RuntimeError("refused")
     assert ran == []
     assert [e.dedupe for e in store.events("run-1", limit=10)] == ["first_nonfinite"]
+
+
+def test_weight_rows_are_upserted_by_their_key_and_go_with_their_run(store):
+    """The weight-sync rows (#40) on each store: one row per (run, kind, key), a second put replaces it, a
+    delete of what is gone is a no-op, and forgetting the run deletes them with its other rows."""
+    with store.transaction():
+        store.put_weights([("r", "worker", "w", "{}"), ("r", "set", "1:trainer:", "{}"), ("s", "trainer", "", '"i"')])
+        store.put_weights([("r", "worker", "w", '{"x": 1}')])
+        store.touch({"r", "s"}, 1.0)
+    assert sorted(store.load().weights["r"]) == [("set", "1:trainer:", "{}"), ("worker", "w", '{"x": 1}')]
+    with store.transaction():
+        store.delete_weights([("r", "set", "1:trainer:"), ("r", "set", "9:trainer:")])
+        store.touch({"r"}, 2.0)
+    assert store.load().weights["r"] == [("worker", "w", '{"x": 1}')]  # (of every run: rows whole)
+    with store.transaction():
+        store.delete_runs(["r"])
+    assert store.load().weights == {"s": [("trainer", "", '"i"')]}

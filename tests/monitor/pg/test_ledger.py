@@ -2,16 +2,19 @@
 follower that keeps them fresh: a write from a memory the other replica has overtaken is re-read and applied
 once more inside the request, so it is neither refused nor counted from the stale memory."""
 
+import pytest
 from support import step_report
 
 from nanwatch.monitor.data.directive_log import DirectiveLog
 from nanwatch.monitor.data.liveness import is_live
 from nanwatch.monitor.data.long_poll import LongPoll
+from nanwatch.monitor.data.refusal import Refused
 from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.pg import PgStore
 from nanwatch.monitor.write.ledger import Ledger
 from nanwatch.monitor.write.lifetimes import restore
-from nanwatch.wire import DirectiveSpec, ReportBatch
+from nanwatch.monitor.write.weight_compare import apply_weights
+from nanwatch.wire import DirectiveSpec, ReportBatch, WeightFingerprints
 
 SITE = "model.layers.0.self_attn"
 
@@ -62,3 +65,22 @@ def test_rereading_a_run_another_replica_wrote_keeps_this_replicas_rank_views(pg
     run = b.state.runs["v"]
     assert set(run.ranks) == {1} and is_live(b.state, run, run.last_seen)  # still live here: rank 1's view
     assert sum(v for (fam, _), v in run.counters.items() if fam == "site") == 2  # and a's report counted
+
+
+def test_a_stale_replicas_retry_checks_the_weight_set_against_the_run_as_reread(pg_url):
+    """b never saw a's trainer set of version 1: its check before the transaction passes, its write finds the
+    run moved, re-reads it, and must refuse a different trainer set of that version (409) on the retry, as a
+    fresh replica would, rather than take it (a 200 and a second trainer set)."""
+
+    def trainer(digest: str) -> WeightFingerprints:
+        return WeightFingerprints(side="trainer", incarnation="inc0", fingerprints={"w": digest * 32})
+
+    a, b = replica(pg_url), replica(pg_url)
+    first = ReportBatch(reports=[step_report(run_id="w", rank=0, seq=0, step=0)])
+    assert a.ingest(first).accepted == 1 and b.ingest(first).duplicates == 1  # both know rank 0's incarnation
+    assert apply_weights(a, "w", 1, trainer("a"))["bound"]
+    assert b.weight_syncs.runs.get("w") is None or 1 not in b.weight_syncs.runs["w"].versions  # b is stale
+    with pytest.raises(Refused) as refused:
+        apply_weights(b, "w", 1, trainer("b"))
+    assert refused.value.status == 409
+    assert apply_weights(b, "w", 1, trainer("a"))["bound"]  # the same set again: a resend, answered

@@ -101,6 +101,61 @@ def test_the_schema_is_upgraded_from_an_older_version_keeping_its_rows(pg_url):
     assert PgStore(pg_url).schema_found == PG_SCHEMA_VERSION  # and then left alone
 
 
+def test_schema_2_gains_the_weight_syncs_and_keeps_its_rows(pg_url):
+    """The weight-sync migration (the runs' weight syncs and their revision) on a database a collector of
+    schema 2 left (before any later migration)."""
+    old = PgStore(pg_url, schema_upto=2)
+    with old._pool.connection() as conn:
+        conn.execute("INSERT INTO runs VALUES ('r', 1.0, 7)")
+        conn.execute("INSERT INTO hwm VALUES ('r', 0, 'inc', 4, 2)")
+        conn.execute("INSERT INTO directives VALUES ('r', 3, %s)", (directive("r", 3).model_dump_json(),))
+    old.close()
+    new = PgStore(pg_url)
+    assert new.schema_found == 2 and new.schema_problem() is None
+    loaded = new.load()
+    assert loaded.hwm == {("r", 0, "inc"): 4} and loaded.directives["r"].version == 3 and loaded.weights == {}
+    with new.transaction():
+        new.put_weights([("r", "trainer", "", '"inc"')])
+        new.touch({"r"}, 2.0)
+    assert PgStore(pg_url).load().weights == {"r": [("trainer", "", '"inc"')]}
+
+
+def test_a_replica_rereads_a_runs_weight_rows_only_when_they_changed(pg_url):
+    """A write of another replica that leaves a run's weight rows alone (its reports) costs a re-read without
+    them (they can be megabytes): memory keeps its own; one that changed them, or a failed write of this
+    replica (memory may hold what no row does), reads them whole."""
+    one, two = PgStore(pg_url), PgStore(pg_url)
+    with one.transaction():
+        one.put_weights([("r", "worker", "w", "{}")])
+        one.touch({"r"}, 1.0)
+    assert two.load({"r"}).weights == {"r": [("worker", "w", "{}")]}
+    with one.transaction():  # a report: no weight row
+        one.put_counters([("r", "c", (), 1)])
+        one.touch({"r"}, 2.0)
+    assert two.changed_runs() == {"r"}
+    loaded = two.load({"r"})
+    assert loaded.weights == {} and loaded.weights_kept == {"r"} and loaded.counters == [("r", "c", (), 1)]
+    with one.transaction():
+        one.put_weights([("r", "worker", "w", '{"x": 1}')])
+        one.touch({"r"}, 3.0)
+    loaded = two.load({"r"})
+    assert loaded.weights == {"r": [("worker", "w", '{"x": 1}')]} and loaded.weights_kept == set()
+    assert two.load({"r"}).weights_kept == {"r"}  # nothing moved since
+    with one.transaction():
+        one.touch({"r"}, 4.0)
+    with pytest.raises(StaleRun), two.transaction():  # a failed write of two's own: read whole next time
+        two.put_weights([("r", "worker", "w", "{}")])
+        two.touch({"r"}, 5.0)
+    assert two.load({"r"}).weights == {"r": [("worker", "w", '{"x": 1}')]}
+    with two.transaction():  # its own write of the rows: known, as written
+        two.put_weights([("r", "worker", "v", "{}")])
+        two.touch({"r"}, 6.0)
+    one.load({"r"})
+    with one.transaction():
+        one.touch({"r"}, 7.0)
+    assert two.load({"r"}).weights_kept == {"r"}
+
+
 def test_a_foreign_or_newer_database_is_refused(pg_cluster, pg_url):
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE events (id int)")

@@ -124,7 +124,7 @@ def _replicas(settings: Settings, res: Resources) -> tuple[list[asyncio.Task], C
     res.ledger.export_only(set())  # none until leased
     res.metrics.on_rendered(lambda snap: shared.record_later({run.run_id: run.totals for run in snap.runs
                                                              if run.totals is not None}))
-    task = asyncio.create_task(follow(res.store, res.ledger.resync,  # type: ignore[arg-type]
+    task = asyncio.create_task(follow(res.store, res.ledger.sync.resync,  # type: ignore[arg-type]
                                       every_s=settings.database_refresh_s,
                                       tick=lambda: _lease_runs(res.ledger, leases, shared)))
 

@@ -34,6 +34,10 @@ class DirectiveLog:
         #: every version a forgotten run had is at most this (the store's ``directive_floor``)
         self._floor = floor
 
+
+    def polled(self, run_id: str) -> bool:
+        """Whether a trainer's long-poll waits on the run's directive now."""
+        return self._polls.waiting_on(run_id)
     def forget(self, run_ids: list[str]) -> None:
         """The runs' history was deleted (retention, or an admin): their next versions start above the
         highest they had."""

@@ -50,6 +50,10 @@ class LongPoll:
         """How many long-polls are waiting now (all runs)."""
         return sum(self._waiting.values())
 
+    def waiting_on(self, run_id: str) -> bool:
+        """Whether a long-poll waits on ``run_id`` now."""
+        return self._waiting.get(run_id, 0) > 0
+
     def notify(self, run_id: str) -> None:
         """Something of ``run_id`` changed: wake its waiters (they re-check their condition)."""
         waker = self._wakers.pop(run_id, None)

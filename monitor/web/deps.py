@@ -56,9 +56,12 @@ async def _resources(request: Request) -> Resources:
     if res is None:
         raise HTTPException(503, "the collector is starting or stopping; retry shortly",
                             headers={"Retry-After": "1"})
-    if not res.ledger.resync():  # never answer from memory the store disowns
+    if not res.ledger.sync.resync():  # never answer from memory the store disowns
         raise HTTPException(503, "a write failed and the store could not be re-read since; retry shortly",
                             headers={"Retry-After": "1"})
+    run_id = request.path_params.get("run_id")  # replicas: a run another one wrote is re-read when named
+    if run_id is not None or request.url.path == "/v1/runs":
+        res.ledger.sync.catch_up({run_id} if run_id is not None else None)
     return res
 
 

@@ -2,5 +2,5 @@
 applies both in one transaction (the one door for writes). Imports ``data`` only.
 """
 
-__all__ = ["caps", "counting", "directive_rules", "events", "exposure", "fold", "ledger", "lifetimes", "rank_views", "requests",
-           "weight_compare"]
+__all__ = ["caps", "counting", "directive_rules", "events", "exposure", "fold", "ledger", "lifetimes", "memory_sync", "rank_views",
+           "requests", "weight_compare"]

@@ -13,7 +13,7 @@ file) or the batch itself (a value the store cannot hold) -- the transaction is 
 reloaded from the store -- the touched runs' rows alone, so a repair costs what those runs hold (bounded by
 the caps), not what the whole file does -- and no poller was woken (``DurableStore.after_commit``). The client gets a
 503 to retry, or a 422 for a batch that can never be stored, and its retry is applied exactly once. Should the
-reload fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``resync``);
+reload fail too, nothing is answered from memory (503, ``/readyz`` not ready) until one succeeds (``MemorySync.resync``);
 directives are safe even then, since readers see only committed versions (``DirectiveLog``).
 
 Forgetting runs (retention, an admin's deletion: ``forget``) deletes their events a batch at a time, yielding
@@ -39,7 +39,6 @@ from nanwatch.monitor.data.memory import MemoryBudget
 from nanwatch.monitor.data.refusal import CapReached, Refused, StoreUnavailable, Unstorable
 from nanwatch.monitor.data.state import Applied, CollectorState, RankState
 from nanwatch.monitor.data.store import DELETE_BATCH, EventRow
-from nanwatch.monitor.data.weight_rows import decode_all
 from nanwatch.monitor.data.weight_syncs import WeightSyncs
 from nanwatch.monitor.write import requests
 from nanwatch.monitor.write.caps import Caps
@@ -52,10 +51,10 @@ from nanwatch.monitor.write.lifetimes import (
     export_only,
     forget,
     forget_incarnations,
-    reload,
     share_views,
     sweep,
 )
+from nanwatch.monitor.write.memory_sync import MemorySync
 from nanwatch.policy import Rule
 from nanwatch.wire import MAX_INT, Directive, DirectiveSpec, ReportBatch, StepReport
 
@@ -133,7 +132,7 @@ class _Reads:
 class Ledger:
     """Owns the store, the state, the directive and event logs and the directive-rule engine; routes write through
     its public methods and nothing else writes around it. Reads (polls, scrapes, ``/v1/runs``) go to the
-    state and the directive log directly, after ``resync``.
+    state and the directive log directly, after ``sync.resync``.
 
     Example usage::
 
@@ -163,18 +162,16 @@ class Ledger:
                                    count_events=lambda: sum(len(run.event_keys) for run in state.runs.values()))
         self.events = EventLog(state, store=store, budget=self.budget)
         self._reads = _Reads(state, store, self.events, directive_log)
-        #: runs a failed write touched while the store could not be re-read: memory may hold what was never
-        #: committed; None when memory agrees with the store
-        self._unsynced: set[str] | None = None
-        #: the (run, rank, incarnation) marks those unsynced writes may have added to memory
-        self._unsynced_marks: set[tuple[str, int, str]] = set()
         #: runs whose deletion is under way (``forget``): writes to them wait for it to end (503)
         self._forgetting: set[str] = set()
         #: each run's recent weight versions and their comparisons (``write.weight_compare``), kept in the store
-        #: and read back with the run (``_restore``; at start-up, the app's ``weight_rows.decode_all``)
+        #: and read back with the run (``MemorySync.restore``; at start-up, the app's ``weight_rows.decode_all``)
         self.weight_syncs = WeightSyncs(wait_s=weight_sync_wait_s, expire_s=weight_sync_expire_s,
                                         max_bytes_per_namespace=weight_bytes_per_namespace,
                                         max_versions_per_namespace=weight_versions_per_namespace)
+        #: memory kept in step with the store: repaired after a failed write, other replicas' writes re-read
+        self.sync = MemorySync(store=store, state=state, directive_log=directive_log, weight_syncs=self.weight_syncs,
+                               forgetting=self._forgetting)
 
     # ---- the requests' writes ----------------------------------------------------------------------------
 
@@ -267,7 +264,7 @@ class Ledger:
         """An admin deletes a run's whole history (``DELETE /v1/runs/{run_id}``) through ``forget``, the path
         retention takes, logged with the actor. False if there is no such run; raises ``StoreUnavailable`` if
         the store refused (what was not deleted is still there: retry)."""
-        if not self.resync():
+        if not self.sync.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was deleted, retry")
         if run_id not in self.state.runs:
@@ -277,21 +274,6 @@ class Ledger:
                                    "retry")
         log.warning("nanwatch collector: run %r deleted by %r", run_id, actor)
         return True
-
-    def resync(self, written_elsewhere: set[str] = frozenset()) -> bool:
-        """Whether memory agrees with the store: after a failed write whose reload failed too, memory may
-        hold what was never committed, until a reload succeeds (tried here: before every write, and before
-        every read through the app's dependencies and /readyz, which say "not ready" meanwhile).
-        ``written_elsewhere``: runs other collector replicas wrote (a shared PostgreSQL database,
-        ``nanwatch.monitor.pg``), re-read too; between requests, never inside a transaction."""
-        if self._unsynced is not None:
-            self._restore(self._unsynced, set())
-        runs = set(written_elsewhere) - self._forgetting
-        if runs and self._unsynced is None:
-            self._restore(runs, set(), keep_views=True)
-        return self._unsynced is None
-
-    # ---- inside a transaction: folding, and carrying out what the fold and the directive rules return ------------
 
     def _fold(self, batch: ReportBatch) -> Ingested:
         """Fold the batch report by report, carrying out what each calls for before the next is folded, then
@@ -403,7 +385,7 @@ class Ledger:
         """``write()`` in one transaction (the ledger's writes, and ``write.weight_compare``'s); ``runs``: the
         runs it may change, ``marks``: the high-water marks it may add (a report's own: what a repair takes
         out of memory without walking every mark)."""
-        if not self.resync():
+        if not self.sync.resync():
             raise StoreUnavailable("the collector could not re-read its store after a failed write; nothing "
                                    "was applied, retry")
         if runs & self._forgetting:
@@ -421,14 +403,14 @@ class Ledger:
                 # rank views stay (the database holds none: a view the first try replaced is the request's
                 # own, applied again next): without them a trainer's weight set would no longer bind here
                 self.directive_log.rollback()
-                self._restore(runs, marks, keep_views=True)
-                if self._unsynced is not None:
+                self.sync.restore(runs, marks, keep_views=True)
+                if not self.sync.in_step:
                     raise
                 with self.store.transaction():
                     result = write()
         except Exception as e:
             self.directive_log.rollback()
-            self._restore(runs, marks)
+            self.sync.restore(runs, marks)
             if isinstance(e, Refused):  # the write's own check refused it (the run as re-read): nothing applied
                 raise
             if isinstance(e, (OverflowError, ValueError)) and not isinstance(e, self.store.failures):
@@ -440,29 +422,3 @@ class Ledger:
                                    "nothing was applied, retry") from e
         self.state.writes += 1
         return result
-
-    def _restore(self, runs: set[str], marks: set[tuple[str, int, str]], *, keep_views: bool = False) -> None:
-        """The touched runs' memory back to what the store holds, read for those runs alone (their per-rank
-        latest views come back with their next reports; other runs are not touched). If the store cannot be
-        read, the runs are remembered as unsynced, and ``resync`` tries again. Directives need no repair:
-        the failed transaction's were pending, and are dropped (``DirectiveLog.rollback``); a newer version
-        another replica committed (a shared database) is taken, and wakes this replica's pollers."""
-        runs, marks = runs | (self._unsynced or set()), marks | self._unsynced_marks
-        try:
-            loaded = self.store.load(runs)
-        except self.store.failures:
-            log.exception("nanwatch collector: could not reload the store after a failed write")
-            self._unsynced, self._unsynced_marks = runs, marks
-            return
-        reload(self.state, loaded, touched=runs, marks=marks, keep_views=keep_views)
-        self.weight_syncs.replace(decode_all(loaded.weights), runs - loaded.weights_kept)
-        # a run the store no longer holds was forgotten (by another replica): its directive goes too, and the
-        # floor it raised is taken, so no version at or below it is issued here again
-        self.directive_log.forget([r for r in runs if r not in loaded.directives and self.directive_log.current(r).version])
-        self.directive_log.raise_floor(loaded.directive_floor)
-        for run_id, d in loaded.directives.items():  # a version another replica issued (a shared database)
-            if d.version > self.directive_log.current(run_id).version:
-                self.directive_log.put(d)
-                self.directive_log.commit(run_id)  # wakes the run's pollers here too
-        self._unsynced, self._unsynced_marks = None, set()
-        self.state.writes += 1

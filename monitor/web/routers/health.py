@@ -24,7 +24,7 @@ async def readyz(request: Request) -> ApiJSON:
     res = getattr(request.app.state, "resources", None)
     if res is None:
         return ApiJSON(Problem(detail="the store is not open"), status_code=503)
-    if not res.ledger.resync():
+    if not res.ledger.sync.resync():
         return ApiJSON(Problem(detail="a write failed and the store could not be re-read since: memory may "
                                        "hold what was never committed"), status_code=503)
     why = res.store.schema_problem()

@@ -51,7 +51,7 @@ def test_a_stale_replica_rereads_and_applies_once_inside_the_request(pg_url):
     assert b.set_directive("r", DirectiveSpec(mode="fused"), actor="x").version == 2
     assert a.set_directive("r", DirectiveSpec(mode="none"), actor="x").version == 3
     assert b.directive_log.current("r").version == 2  # b learns of 3 through its follower (or its next write)
-    b.resync({"r"})
+    b.sync.resync({"r"})
     assert b.directive_log.current("r").version == 3
 
 
@@ -61,7 +61,7 @@ def test_rereading_a_run_another_replica_wrote_keeps_this_replicas_rank_views(pg
     zero = ReportBatch(reports=[step_report(run_id="v", rank=0, seq=0, step=0, nan_at=SITE, nan=1, dtype="float32")])
     assert b.ingest(one).accepted == 1 and a.ingest(zero).accepted == 1
     assert set(b.state.runs["v"].ranks) == {1}
-    b.resync({"v"})  # as its follower does after a's commit
+    b.sync.resync({"v"})  # as its follower does after a's commit
     run = b.state.runs["v"]
     assert set(run.ranks) == {1} and is_live(b.state, run, run.last_seen)  # still live here: rank 1's view
     assert sum(v for (fam, _), v in run.counters.items() if fam == "site") == 2  # and a's report counted
@@ -84,3 +84,19 @@ def test_a_stale_replicas_retry_checks_the_weight_set_against_the_run_as_reread(
         apply_weights(b, "w", 1, trainer("b"))
     assert refused.value.status == 409
     assert apply_weights(b, "w", 1, trainer("a"))["bound"]  # the same set again: a resend, answered
+
+
+def test_a_replica_follows_the_runs_it_serves_and_rereads_the_others_when_named(pg_url):
+    """b takes none of run r's reports: another replica's writes of r are not re-read as they come (each
+    would cost b a re-read of the run), but when a request names r (``catch_up``); once b is live on r, it
+    follows every write at once."""
+    a, b = replica(pg_url), replica(pg_url)
+    assert a.ingest(batch(0)).accepted == 1
+    b.sync.resync(b.store.changed_runs())
+    assert "r" not in b.state.runs
+    b.sync.catch_up({"r"})
+    assert total(b) == 1
+    assert b.ingest(batch(1)).accepted == 1  # b is live on r now
+    assert a.ingest(batch(2)).accepted == 1  # (a re-read r inside the request: b wrote it)
+    b.sync.resync(b.store.changed_runs())
+    assert total(b) == 3 == total(a)

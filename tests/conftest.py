@@ -27,12 +27,18 @@ def collector(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pg_cluster():
-    """A private PostgreSQL cluster (tests/pg_cluster.py), one per test process, started by the first test
-    that asks for it; skipped without the server binaries unless NANWATCH_REQUIRE_TOOLS=1."""
+    """A private PostgreSQL server (the bench's, ``nanwatch.bench.pg_server``, without fsync: the tests kill
+    collectors, never it), one per test process, started by the first test that asks for it; skipped
+    without the server binaries unless NANWATCH_REQUIRE_TOOLS=1 (as CI runs)."""
     pytest.importorskip("psycopg")
-    from pg_cluster import PgCluster
+    from nanwatch.bench.pg_server import PrivateServer, server_binary
 
-    with PgCluster.start() as pg:
+    if server_binary("initdb") is None or server_binary("pg_ctl") is None:
+        msg = "PostgreSQL's server binaries are not installed (apt-get install postgresql)"
+        if os.environ.get("NANWATCH_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{msg} and NANWATCH_REQUIRE_TOOLS=1")
+        pytest.skip(msg)
+    with PrivateServer.start(durable=False) as pg:
         yield pg
 
 

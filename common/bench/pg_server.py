@@ -1,9 +1,9 @@
 """A private PostgreSQL server for ``nanwatch bench collector --replicas`` when no ``--database-url`` is
-given: ``initdb`` in a temporary folder, a free loopback port, trust authentication, stopped and deleted at
-the end. The same approach as the tests' cluster (``tests/pg_cluster.py``), without pytest, and durable
-by default (``fsync`` and ``synchronous_commit`` on, as a deployment runs it: a COMMIT the bench counts
-acknowledged waits for its WAL flush, so the database's share is not flattered; the tests turn both off
-because they kill collectors, never the server).
+given, and for the tests (their ``pg_cluster`` fixture): ``initdb`` in a temporary folder, a free loopback
+port, trust authentication, stopped and deleted at the end. Durable by default (``fsync`` and
+``synchronous_commit`` on, as a deployment runs it: a COMMIT the bench counts acknowledged waits for its WAL
+flush, so the database's share is not flattered); the tests turn both off (``durable=False``) because they
+kill collectors, never the server.
 
 Debian installs the server binaries in ``/usr/lib/postgresql/<major>/bin``, off ``PATH``; they are
 looked for there too. ``initdb`` and ``postgres`` refuse to run as root: as root, the folder is given to
@@ -12,7 +12,8 @@ looked for there too. ``initdb`` and ``postgres`` refuse to run as root: as root
 Example usage::
 
     with PrivateServer.start() as pg:
-        url = pg.url()   # postgresql://postgres@127.0.0.1:PORT/postgres
+        url = pg.url()                 # postgresql://postgres@127.0.0.1:PORT/postgres
+        fresh = pg.create_database()   # postgresql://postgres@127.0.0.1:PORT/nanwatch_1f0c...
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 from nanwatch.bench.serve import free_port
@@ -57,7 +59,7 @@ class PrivateServer:
         if initdb is None or pg_ctl is None:
             raise RuntimeError("PostgreSQL's server binaries (initdb, pg_ctl) are not installed (apt-get install "
                                "postgresql); give --database-url instead")
-        root = Path(tempfile.mkdtemp(prefix="nanwatch-bench-pg-"))  # under /tmp: every user can reach it
+        root = Path(tempfile.mkdtemp(prefix="nanwatch-pg-"))  # under /tmp: every user can reach it
         as_user: list[str] = []
         if os.geteuid() == 0:  # initdb: "cannot be run as root"
             nobody = pwd.getpwnam("nobody")
@@ -87,6 +89,15 @@ class PrivateServer:
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
+    def create_database(self, prefix: str = "nanwatch") -> str:
+        """A fresh, empty database; returns its URL (each bench configuration or test its own)."""
+        import psycopg
+
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
     def stop(self) -> None:
         try:
             if (pg_ctl := server_binary("pg_ctl")) is not None:
@@ -107,14 +118,5 @@ def databases(stack: ExitStack, url: str | None) -> tuple[Callable[[], str], str
     URL, and a line saying which. Raises ``RuntimeError`` when no private server can be started."""
     if url:
         return (lambda: url), "the database at --database-url (one for every configuration)"
-    import psycopg
-
     server = stack.enter_context(PrivateServer.start())
-
-    def fresh() -> str:
-        name = f"bench_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(server.url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return server.url(name)
-
-    return fresh, "a private PostgreSQL on loopback (fsync on), a fresh database each configuration"
+    return partial(server.create_database, "bench"), "a private PostgreSQL on loopback (fsync on), a fresh database each configuration"

@@ -44,9 +44,8 @@ from nanwatch.monitor.data.state import CollectorState
 from nanwatch.monitor.data.store import Store
 from nanwatch.monitor.server import BackgroundServer
 from nanwatch.monitor.settings import Settings
-from nanwatch.monitor.write import ledger as ledger_module
 from nanwatch.monitor.write import lifetimes as run_writes
-from nanwatch.monitor.write.ledger import Ledger
+from nanwatch.monitor.write import memory_sync
 from nanwatch.wire import MAX_INT, ReportBatch
 
 RUNS = ("a", "b")
@@ -524,10 +523,10 @@ def test_the_machine_catches_a_collector_that_keeps_a_failed_write(monkeypatch, 
     high-water mark (its retry is then a duplicate: lost). Deterministic (derandomized, no shrinking), a
     few seconds each."""
     if sabotage == "no reload":
-        monkeypatch.setattr(Ledger, "_restore", lambda self, runs: None)
+        monkeypatch.setattr(memory_sync.MemorySync, "restore", lambda self, runs, marks, **kw: None)
         match = None
     else:
-        monkeypatch.setattr(ledger_module, "reload", _keep_hwm(run_writes.reload))
+        monkeypatch.setattr(memory_sync, "reload", _keep_hwm(run_writes.reload))
         match = r"never acknowledged\) was not applied"
     quick = settings(max_examples=50, stateful_step_count=12, deadline=None, database=None, derandomize=True,
                      phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=[HealthCheck.too_slow])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -71,6 +72,18 @@ _V2_COUNTERS = """CREATE TABLE counters (
     PRIMARY KEY (run_id, family, labels))"""
 
 
+def _upgraded(db: Path) -> sqlite3.Connection:
+    """An old file of run "old" (seq 0 held, 5 NaN calls) opened by a collector: seq 0 resent is a duplicate
+    (its marks came through), seq 1 is accepted; returns the file, at today's schema version."""
+    with CollectorProcess(db_path=db) as c:
+        resend = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
+        assert resend.json() == {"accepted": 0, "duplicates": 1}
+        assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone() == (DB_SCHEMA_VERSION,)
+    return conn
+
+
 def test_a_schema_2_file_is_upgraded_in_place_and_keeps_its_totals(tmp_path):
     db = tmp_path / "v2.db"
     with CollectorProcess(db_path=db) as c:  # a file of today's tables, then its counters made as v2 had them
@@ -81,12 +94,7 @@ def test_a_schema_2_file_is_upgraded_in_place_and_keeps_its_totals(tmp_path):
     conn.executemany("INSERT INTO counters VALUES (?,?,?,?)", rows)
     conn.commit()
     conn.close()
-    with CollectorProcess(db_path=db) as c:
-        resend = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
-        assert resend.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
-        assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (DB_SCHEMA_VERSION,)
+    conn = _upgraded(db)
     assert {t for (t,) in conn.execute("SELECT DISTINCT typeof(value) FROM counters")} == {"text"}
     conn.close()
     assert _stored_total(db, "old") == 7
@@ -100,12 +108,8 @@ def test_a_schema_3_file_gains_the_weight_syncs_table_and_keeps_its_rows(tmp_pat
     conn = sqlite3.connect(db)
     conn.executescript("DROP TABLE weight_syncs; PRAGMA user_version=3;")
     conn.close()
-    with CollectorProcess(db_path=db) as c:
-        resend = _post(c.url, step_report(run_id="old", seq=0, nan_at=SITE, nan=5))
-        assert resend.json() == {"accepted": 0, "duplicates": 1}  # the marks came through
-        assert _post(c.url, step_report(run_id="old", seq=1, nan_at=SITE, nan=2)).status_code == 200
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (DB_SCHEMA_VERSION,) == (4,)
+    conn = _upgraded(db)
+    assert DB_SCHEMA_VERSION == 4
     assert schema.table_columns(conn, "weight_syncs") == schema.COLUMNS["weight_syncs"]
     conn.close()
     assert _stored_total(db, "old") == 7

@@ -6,8 +6,10 @@ the file must look like is read in one place.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
+from functools import partial
 
-__all__ = ["COLUMNS", "DB_SCHEMA_VERSION", "TABLES", "ForeignDatabase", "check", "problem", "table_columns"]
+__all__ = ["COLUMNS", "DB_SCHEMA_VERSION", "TABLES", "ForeignDatabase", "check", "lacking", "problem", "table_columns"]
 
 _COUNTERS_TABLE = """CREATE TABLE IF NOT EXISTS counters (
     run_id TEXT NOT NULL, family TEXT NOT NULL, labels TEXT NOT NULL, value TEXT NOT NULL,
@@ -107,13 +109,19 @@ def _exact_counters(db: sqlite3.Connection) -> None:
         raise
 
 
-def problem(db: sqlite3.Connection) -> str | None:
-    """None when every table holds its columns, else what is missing (``/readyz`` names it: every
-    ingest would fail on it)."""
+def lacking(expected: dict[str, list[str]], columns_of: Callable[[str], list[str]]) -> str | None:
+    """None when every table of ``expected`` holds its columns (``columns_of(table)``: the ones it has, none
+    for a missing table), else what is missing: ``/readyz`` names it, every ingest would fail on it. Either
+    store's check (SQLite's ``problem`` here, PostgreSQL's in ``nanwatch.monitor.pg.migrations``)."""
     missing = []
-    for table, columns in COLUMNS.items():
-        have = table_columns(db, table)
+    for table, columns in expected.items():
+        have = columns_of(table)
         if not have:
             missing.append(f"table {table}")
         missing += [f"column {table}.{c}" for c in columns if have and c not in have]
     return f"the database lacks {', '.join(missing)}" if missing else None
+
+
+def problem(db: sqlite3.Connection) -> str | None:
+    """None when every table holds its columns, else what is missing (``lacking``)."""
+    return lacking(COLUMNS, partial(table_columns, db))

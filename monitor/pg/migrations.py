@@ -20,7 +20,11 @@ latest views and the totals of a run's last export.
 
 from __future__ import annotations
 
+from functools import partial
+
 import psycopg
+
+from nanwatch.monitor.data.schema import lacking
 
 __all__ = ["COLUMNS", "MIGRATIONS", "PG_SCHEMA_VERSION", "SchemaRefused", "check", "problem"]
 
@@ -130,10 +134,4 @@ def check(conn: psycopg.Connection, where: str, *, upto: int = PG_SCHEMA_VERSION
 
 def problem(conn: psycopg.Connection) -> str | None:
     """None when every table holds its columns, else what is missing (``/readyz`` names it)."""
-    missing = []
-    for table, columns in COLUMNS.items():
-        have = _columns(conn, table)
-        if not have:
-            missing.append(f"table {table}")
-        missing += [f"column {table}.{c}" for c in columns if have and c not in have]
-    return f"the database lacks {', '.join(missing)}" if missing else None
+    return lacking(COLUMNS, partial(_columns, conn))
